@@ -1,0 +1,200 @@
+"""The trainer-side client: an iterator of batches from the rank's constructor.
+
+    client = Client()                      # rank and address from the environment
+    for batch in client:
+        for mb in batch["microbatches"]:
+            loss = model(mb["input_ids"], ...)
+        ...
+        checkpoint["data"] = client.state_dict()
+
+Each batch is a dict: "step", "dp_rank", "microbatches" (a list of dicts of tensors plus
+"num_tokens", "loss_tokens", "filler"), "global_loss_tokens" (loss-carrying tokens of the step
+over all ranks, to normalize a summed loss), "sources" (names indexed by "sample_source") and
+"data_wait_s" (how long the iterator blocked for this batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from typing import Any
+
+import torch
+
+from batchplane.client.errors import InvalidRequestError
+from batchplane.client.tensors import unpack
+from batchplane.client.transport import ConstructorConnection
+
+STATE_VERSION = 1
+ENV_ADDRESS = "BATCHPLANE_CONSTRUCTOR"
+ENV_ENDPOINTS = "BATCHPLANE_ENDPOINTS"
+
+
+class Client:
+    """Iterates over the batches of one data-parallel rank.
+
+    Args:
+        address: The constructor's address ("host:port" or "unix:///path"). Default: the
+            environment variable BATCHPLANE_CONSTRUCTOR, else the rank's entry in the endpoints
+            file named by BATCHPLANE_ENDPOINTS (written by `batchplane up`).
+        rank: The data-parallel rank. Default: the environment variable RANK (set by torchrun),
+            else 0.
+        device: Move tensors there (non_blocking) before yielding, e.g. "cuda"; None keeps them
+            on the CPU.
+        pin_memory: Receive into pinned memory; default: when CUDA is available.
+        timeout_s: How long one request keeps retrying an unavailable data plane before raising
+            DataPlaneUnavailable.
+    Raises:
+        InvalidRequestError: no address can be found, the rank is outside the job's mesh, or
+            WORLD_SIZE disagrees with it.
+        DataPlaneUnavailable: the constructor does not answer within `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        rank: int | None = None,
+        device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.rank = _resolve_rank(rank)
+        self.address = _resolve_address(address, self.rank)
+        self.device = torch.device(device) if device is not None else None
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._connection = ConstructorConnection(self.address, timeout_s=timeout_s)
+        info = self._connection.info()
+        self.job = info.job
+        self.sources = tuple(info.job.sources)
+        dp = info.job.mesh.dp
+        if not 0 <= self.rank < dp:
+            raise InvalidRequestError(f"rank {self.rank} is outside the job's mesh (dp={dp})")
+        if self.rank not in info.dp_ranks:
+            raise InvalidRequestError(
+                f"the constructor at {self.address} serves ranks {list(info.dp_ranks)}, not rank {self.rank}"
+            )
+        world = os.environ.get("WORLD_SIZE")
+        if rank is None and world is not None and world.isdigit() and int(world) != dp:
+            raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has dp={dp}")
+        self._next_step = 0
+        self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch")
+
+    # ---- iteration -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yields batches from the next step on until the job's data ends.
+
+        While the trainer works on step s, step s + 1 is received in the background; step s + 2
+        is not asked for before step s + 1 is yielded, so a checkpoint taken after any step
+        resumes against the same running data plane.
+        """
+        pending = self._executor.submit(self._fetch, self._next_step)
+        try:
+            while True:
+                begin = time.perf_counter()
+                batch = pending.result()
+                if batch is None:
+                    return
+                batch["data_wait_s"] = time.perf_counter() - begin
+                self._next_step = batch["step"] + 1
+                pending = self._executor.submit(self._fetch, self._next_step)
+                yield batch
+        finally:
+            pending.cancel()
+
+    def _fetch(self, step: int) -> dict[str, Any] | None:
+        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory)
+        if header.end_of_data:
+            return None
+        microbatches = []
+        for spec in header.microbatches:
+            tensors = unpack(storage, spec.tensors)
+            if self.device is not None:
+                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+            microbatches.append({**tensors, "num_tokens": spec.num_tokens, "loss_tokens": spec.loss_tokens, "filler": spec.filler})
+        return {
+            "step": header.step,
+            "dp_rank": header.dp_rank,
+            "microbatches": microbatches,
+            "global_loss_tokens": header.global_loss_tokens,
+            "sources": self.sources,
+        }
+
+    # ---- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: the step after the last one yielded, and which job it belongs to."""
+        return {
+            "version": STATE_VERSION,
+            "job": self.job.job_id,
+            "fingerprint": self.job.fingerprint,
+            "dp_rank": self.rank,
+            "next_step": self._next_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes at `state["next_step"]`.
+
+        Raises:
+            InvalidRequestError: a malformed state, or one from another job (fingerprint) or rank.
+        """
+        missing = {"version", "fingerprint", "dp_rank", "next_step"} - set(state)
+        if missing:
+            raise InvalidRequestError(f"state_dict lacks {sorted(missing)}")
+        if state["version"] != STATE_VERSION:
+            raise InvalidRequestError(f"state_dict version {state['version']} is not {STATE_VERSION}")
+        if state["fingerprint"] != self.job.fingerprint:
+            raise InvalidRequestError(
+                f"state_dict is from job {state.get('job')!r} with fingerprint {state['fingerprint']}; this data "
+                f"plane serves job {self.job.job_id!r} with fingerprint {self.job.fingerprint}"
+            )
+        if state["dp_rank"] != self.rank:
+            raise InvalidRequestError(f"state_dict is of rank {state['dp_rank']}, this client is rank {self.rank}")
+        step = state["next_step"]
+        if not isinstance(step, int) or step < 0:
+            raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
+        self._next_step = step
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve_rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    text = os.environ.get("RANK", "0")
+    if not text.lstrip("-").isdigit():
+        raise InvalidRequestError(f"RANK={text!r} is not an integer")
+    return int(text)
+
+
+def _resolve_address(address: str | None, rank: int) -> str:
+    if address:
+        return address
+    if os.environ.get(ENV_ADDRESS):
+        return os.environ[ENV_ADDRESS]
+    endpoints = os.environ.get(ENV_ENDPOINTS)
+    if endpoints:
+        try:
+            table = json.loads(pathlib.Path(endpoints).read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"{ENV_ENDPOINTS}={endpoints!r} is not a readable endpoints file: {exc}") from exc
+        found = table.get("constructors", {}).get(str(rank))
+        if not found:
+            raise InvalidRequestError(f"the endpoints file {endpoints!r} has no constructor for rank {rank}")
+        return found
+    raise InvalidRequestError(f"no constructor address: pass address=, or set {ENV_ADDRESS} or {ENV_ENDPOINTS}")

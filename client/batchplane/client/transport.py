@@ -1,0 +1,95 @@
+"""Talking to the constructor: retries with backoff inside a deadline, and the one table that
+turns gRPC status codes into the client's exceptions."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import torch
+
+from batchplane.client import errors
+from batchplane.client.tensors import allocate
+from batchplane.v1 import constructor_pb2, constructor_pb2_grpc
+from batchplane.wire import PayloadReceiver, WireFormatError
+
+T = TypeVar("T")
+
+#: gRPC status -> the client's exception. Anything not listed is a DataPlaneError.
+ERROR_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: errors.InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.StepUnavailableError,
+    grpc.StatusCode.OUT_OF_RANGE: errors.StepUnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLargeError,
+    grpc.StatusCode.UNAVAILABLE: errors.DataPlaneUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DataPlaneUnavailable,
+}
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ConstructorConnection:
+    """A channel to one constructor.
+
+    Args:
+        address: "host:port" or "unix:///path".
+        timeout_s: How long a call may keep retrying before DataPlaneUnavailable.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        self._stub = constructor_pb2_grpc.ConstructorStub(self._channel)
+
+    def info(self) -> constructor_pb2.GetInfoResponse:
+        return self._call(lambda remaining: self._stub.GetInfo(constructor_pb2.GetInfoRequest(), timeout=remaining), "GetInfo")
+
+    def batch(self, rank: int, step: int, *, pin: bool) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
+        """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream)."""
+
+        def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
+            wait_ms = int(min(remaining, 30.0) * 1000)
+            request = constructor_pb2.GetBatchRequest(dp_rank=rank, step=step, wait_ms=wait_ms)
+            stream = self._stub.GetBatch(request, timeout=wait_ms / 1000 + 30)
+            first = next(stream, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
+            header = first.header
+            storage, view = allocate(header.payload_bytes, pin=pin)
+            receiver = PayloadReceiver(view)
+            try:
+                for message in stream:
+                    receiver.add(message.chunk.data)
+                receiver.check_complete()
+            except WireFormatError as exc:
+                raise errors.ProtocolError(f"constructor at {self.address}: {exc}") from exc
+            return header, storage
+
+        return self._call(attempt, f"GetBatch(rank {rank}, step {step})")
+
+    def _call(self, attempt: Callable[[float], T], what: str) -> T:
+        give_up = time.monotonic() + self.timeout_s
+        backoff = 0.05
+        while True:
+            remaining = give_up - time.monotonic()
+            try:
+                return attempt(max(remaining, 0.1))
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in RETRYABLE or time.monotonic() + backoff >= give_up:
+                    raise ERROR_OF.get(code, errors.DataPlaneError)(
+                        f"{what} at constructor {self.address}: {code.name}: {exc.details()}"
+                    ) from None
+            time.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, 2.0)
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Array(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class SampleSet(_message.Message):
+    __slots__ = ("source", "seq", "row", "length", "epoch")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    source: Array
+    seq: Array
+    row: Array
+    length: Array
+    epoch: Array
+    def __init__(self, source: _Optional[_Union[Array, _Mapping]] = ..., seq: _Optional[_Union[Array, _Mapping]] = ..., row: _Optional[_Union[Array, _Mapping]] = ..., length: _Optional[_Union[Array, _Mapping]] = ..., epoch: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class SourceInfo(_message.Message):
+    __slots__ = ("name", "num_rows", "num_files", "num_row_groups")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROW_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    num_files: int
+    num_row_groups: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ...) -> None: ...
+
+class Mesh(_message.Message):
+    __slots__ = ("dp",)
+    DP_FIELD_NUMBER: _ClassVar[int]
+    dp: int
+    def __init__(self, dp: _Optional[int] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fingerprint: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    mesh: Mesh
+    global_batch_size: int
+    microbatches: int
+    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,78 @@
+from batchplane.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("job", "dp_ranks")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    job: _common_pb2.JobInfo
+    dp_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetBatchRequest(_message.Message):
+    __slots__ = ("dp_rank", "step", "wait_ms")
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    dp_rank: int
+    step: int
+    wait_ms: int
+    def __init__(self, dp_rank: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class MicrobatchSpec(_message.Message):
+    __slots__ = ("tensors", "num_tokens", "loss_tokens", "filler")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FILLER_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    num_tokens: int
+    loss_tokens: int
+    filler: bool
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., filler: _Optional[bool] = ...) -> None: ...
+
+class BatchHeader(_message.Message):
+    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    end_of_data: bool
+    dp_rank: int
+    microbatches: _containers.RepeatedCompositeFieldContainer[MicrobatchSpec]
+    payload_bytes: int
+    global_loss_tokens: int
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ...) -> None: ...
+
+class GetBatchResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: BatchHeader
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,61 @@
+from batchplane.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetSummaryRequest(_message.Message):
+    __slots__ = ("source", "from_seq", "planned_seq", "max_samples", "wait_ms")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    from_seq: int
+    planned_seq: int
+    max_samples: int
+    wait_ms: int
+    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetSummaryResponse(_message.Message):
+    __slots__ = ("start_seq", "row", "length", "end_of_stream")
+    START_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    start_seq: int
+    row: _common_pb2.Array
+    length: _common_pb2.Array
+    end_of_stream: bool
+    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+
+class FetchSamplesRequest(_message.Message):
+    __slots__ = ("constructor_index", "step", "samples", "release_below_step")
+    CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_BELOW_STEP_FIELD_NUMBER: _ClassVar[int]
+    constructor_index: int
+    step: int
+    samples: _common_pb2.SampleSet
+    release_below_step: int
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., release_below_step: _Optional[int] = ...) -> None: ...
+
+class FetchHeader(_message.Message):
+    __slots__ = ("num_samples", "payload_bytes")
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_samples: int
+    payload_bytes: int
+    def __init__(self, num_samples: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchSamplesResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: FetchHeader
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...

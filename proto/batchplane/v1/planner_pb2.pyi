@@ -1,0 +1,130 @@
+from batchplane.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterLoaderRequest(_message.Message):
+    __slots__ = ("loader_index", "address", "sources")
+    LOADER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    loader_index: int
+    address: str
+    sources: _containers.RepeatedCompositeFieldContainer[_common_pb2.SourceInfo]
+    def __init__(self, loader_index: _Optional[int] = ..., address: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.SourceInfo, _Mapping]]] = ...) -> None: ...
+
+class RegisterLoaderResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _common_pb2.JobInfo
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterConstructorRequest(_message.Message):
+    __slots__ = ("constructor_index", "address", "dp_ranks")
+    CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    constructor_index: int
+    address: str
+    dp_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterConstructorResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _common_pb2.JobInfo
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetJobResponse(_message.Message):
+    __slots__ = ("job", "ready")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    job: _common_pb2.JobInfo
+    ready: bool
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class GetPlanRequest(_message.Message):
+    __slots__ = ("constructor_index", "step", "wait_ms")
+    CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    constructor_index: int
+    step: int
+    wait_ms: int
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class RankPlan(_message.Message):
+    __slots__ = ("dp_rank", "samples", "microbatch_offsets")
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    dp_rank: int
+    samples: _common_pb2.SampleSet
+    microbatch_offsets: _common_pb2.Array
+    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+
+class GetPlanResponse(_message.Message):
+    __slots__ = ("step", "end_of_data", "ranks", "source_loaders", "global_loss_tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LOADERS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    end_of_data: bool
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
+    source_loaders: _containers.RepeatedScalarFieldContainer[str]
+    global_loss_tokens: int
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., source_loaders: _Optional[_Iterable[str]] = ..., global_loss_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SourceStatus(_message.Message):
+    __slots__ = ("name", "target_weight", "samples", "tokens", "bad_samples")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    target_weight: float
+    samples: int
+    tokens: int
+    bad_samples: int
+    def __init__(self, name: _Optional[str] = ..., target_weight: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., bad_samples: _Optional[int] = ...) -> None: ...
+
+class BalanceFigure(_message.Message):
+    __slots__ = ("method", "mean_max_over_min", "mean_max_over_mean")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MAX_OVER_MIN_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MAX_OVER_MEAN_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    mean_max_over_min: float
+    mean_max_over_mean: float
+    def __init__(self, method: _Optional[str] = ..., mean_max_over_min: _Optional[float] = ..., mean_max_over_mean: _Optional[float] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("job", "steps_planned", "end_step", "finished", "sources", "balance")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    END_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    BALANCE_FIELD_NUMBER: _ClassVar[int]
+    job: _common_pb2.JobInfo
+    steps_planned: int
+    end_step: int
+    finished: bool
+    sources: _containers.RepeatedCompositeFieldContainer[SourceStatus]
+    balance: _containers.RepeatedCompositeFieldContainer[BalanceFigure]
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., steps_planned: _Optional[int] = ..., end_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., balance: _Optional[_Iterable[_Union[BalanceFigure, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,51 @@
+"""Prometheus metrics of a constructor, named batchplane_constructor_<noun>_<unit>."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ConstructorMetrics:
+    """The constructor's metrics, registered on its own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches_built = Counter(
+            "batchplane_constructor_batches_built_total", "Rank batches built (one per rank per step).", registry=registry
+        )
+        self.batches_sent = Counter(
+            "batchplane_constructor_batches_sent_total", "Rank batches streamed to clients.", registry=registry
+        )
+        self.samples_received = Counter(
+            "batchplane_constructor_samples_received_total", "Samples received from loaders.", registry=registry
+        )
+        self.received_bytes = Counter(
+            "batchplane_constructor_received_bytes_total", "Sample payload bytes received from loaders.", registry=registry
+        )
+        self.sent_bytes = Counter(
+            "batchplane_constructor_sent_bytes_total", "Batch payload bytes streamed to clients.", registry=registry
+        )
+        self.prefetched_steps = Gauge(
+            "batchplane_constructor_prefetched_steps",
+            "Steps built ahead of the slowest rank served here, when that rank last asked.",
+            registry=registry,
+        )
+        self.fetch_latency = Histogram(
+            "batchplane_constructor_fetch_duration_seconds",
+            "Time to fetch one step's samples from all loaders.",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.build_latency = Histogram(
+            "batchplane_constructor_build_duration_seconds",
+            "Time to build one step's microbatches for all ranks served here.",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.batch_wait = Histogram(
+            "batchplane_constructor_batch_wait_seconds",
+            "Time a client's request waited for its batch to be ready (0 when prefetch kept up).",
+            registry=registry,
+            buckets=(0.0001, *_LATENCY_BUCKETS),
+        )

@@ -1,0 +1,289 @@
+"""The constructor's prefetch pipeline: for each step, in order, it asks the planner for the plan
+of the ranks it serves, fetches their samples from the loaders (in parallel), builds every
+rank's microbatches and keeps them until the rank has moved on.
+
+It builds up to `prefetch_steps` steps past the slowest of its ranks. The first step a rank
+asks for is where it starts (a resumed trainer asks for the step after its checkpoint). Asking
+for step s tells the pipeline the rank is done with earlier steps; their batches are dropped,
+and asking for them again is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pyarrow as pa
+
+from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble
+from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import BatchplaneError, FailedPrecondition, InvalidArgument, Unavailable
+from batchplane.core.rpc import call_with_retry, create_channel, reraise
+from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.wire import PayloadReceiver, decode_array, encode_array
+
+log = logging.getLogger(__name__)
+
+
+class StepPipeline:
+    """Builds the batches of one constructor's ranks ahead of their trainers.
+
+    Args:
+        job: The job's settings.
+        index: This constructor's index.
+        ranks: The data-parallel ranks it serves.
+        planner: The planner's address.
+        metrics: The constructor's metrics.
+    """
+
+    def __init__(
+        self, job: JobSettings, *, index: int, ranks: Sequence[int], planner: str, metrics: ConstructorMetrics
+    ) -> None:
+        self._job = job
+        self._index = index
+        self.ranks = tuple(ranks)
+        self._metrics = metrics
+        self._max_message_bytes = job.network.max_message_bytes
+        self._planner_channel = create_channel(planner, max_message_bytes=self._max_message_bytes)
+        self._planner = planner_pb2_grpc.PlannerStub(self._planner_channel)
+        self._planner_address = planner
+        self._loader_channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
+        self._cond = threading.Condition()
+        self._ready: dict[tuple[int, int], BuiltBatch] = {}
+        self._progress: dict[int, int] = {}
+        self._start: int | None = None
+        self._next = 0
+        self._end: int | None = None
+        self._failure: BatchplaneError | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._build_loop, name="build", daemon=True)
+        self._thread.start()
+
+    # ---- trainer side ----------------------------------------------------------------------
+
+    def batch(self, rank: int, step: int, *, timeout_s: float) -> BuiltBatch | None:
+        """Rank `rank`'s batch of `step`, waiting up to `timeout_s`; None past the end of data.
+
+        Raises:
+            InvalidArgument: a rank this constructor does not serve.
+            FailedPrecondition: a step before the start or one the rank has moved past.
+            Unavailable: not ready in time; retry.
+        """
+        if rank not in self.ranks:
+            raise InvalidArgument(
+                f"dp_rank {rank} is not served here: this constructor serves ranks {list(self.ranks)} "
+                f"of a mesh with dp={self._job.mesh.dp}"
+            )
+        begin = time.perf_counter()
+        with self._cond:
+            if self._start is None:
+                self._start = self._next = step
+                log.info("starting at step %d", step)
+            if step < self._start:
+                raise FailedPrecondition(f"step {step} is before step {self._start}, where this job started")
+            latest = self._progress.get(rank, step)
+            if step < latest:
+                raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
+            self._progress[rank] = step
+            for key in [k for k in self._ready if k[0] == rank and k[1] < step]:
+                del self._ready[key]
+            self._cond.notify_all()
+            done = self._cond.wait_for(
+                lambda: (rank, step) in self._ready or self._past_end(step) or self._failure is not None,
+                timeout=timeout_s,
+            )
+            if self._failure is not None:
+                raise self._failure
+            if not done:
+                raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s")
+            self._metrics.batch_wait.observe(time.perf_counter() - begin)
+            self._metrics.prefetched_steps.set(max(self._next - 1 - min(self._progress.values()), 0))
+            return self._ready.get((rank, step))
+
+    def _past_end(self, step: int) -> bool:
+        return self._end is not None and step >= self._end
+
+    # ---- building --------------------------------------------------------------------------
+
+    def _horizon(self) -> int:
+        """The last step to build now (lock held)."""
+        slowest = min(self._progress.get(r, self._start) for r in self.ranks)
+        return slowest + self._job.constructors.prefetch_steps
+
+    def _build_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._stopped or (self._start is not None and self._end is None and self._next <= self._horizon())
+                )
+                if self._stopped:
+                    return
+                step = self._next
+            try:
+                built = self._build(step)
+            except FailedPrecondition as exc:  # the planner refuses: a fatal state error
+                log.error("step %d: %s", step, exc)
+                with self._cond:
+                    self._failure = exc
+                    self._cond.notify_all()
+                return
+            except BatchplaneError as exc:
+                if self._stopped:
+                    return
+                log.warning("step %d: %s; retrying", step, exc)
+                continue
+            with self._cond:
+                if built is None:
+                    self._end = step
+                    log.info("end of data at step %d", step)
+                else:
+                    for batch in built:
+                        self._ready[(batch.rank, step)] = batch
+                    self._metrics.batches_built.inc(len(built))
+                self._next = step + 1
+                self._cond.notify_all()
+
+    def _build(self, step: int) -> list[BuiltBatch] | None:
+        plan = self._get_plan(step)
+        if plan.end_of_data:
+            return None
+        ranks = []
+        for rank_plan in plan.ranks:
+            ranks.append(
+                (
+                    rank_plan.dp_rank,
+                    decode_array(rank_plan.samples.source, field="samples.source", dtype="int32", ndim=1),
+                    decode_array(rank_plan.samples.seq, field="samples.seq", dtype="int64", ndim=1),
+                    decode_array(rank_plan.samples.row, field="samples.row", dtype="int64", ndim=1),
+                    decode_array(rank_plan.samples.epoch, field="samples.epoch", dtype="int32", ndim=1),
+                    decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1),
+                )
+            )
+        sources = np.concatenate([r[1] for r in ranks])
+        seqs = np.concatenate([r[2] for r in ranks])
+        begin = time.perf_counter()
+        tokens = self._fetch(step, sources, seqs, list(plan.source_loaders))
+        self._metrics.fetch_latency.observe(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        built = []
+        for rank, source, seq, row, epoch, offsets in ranks:
+            samples = RankSamples(
+                tokens=[tokens[(int(k), int(s))] for k, s in zip(source, seq)],
+                source=source,
+                row=row,
+                epoch=epoch,
+                offsets=offsets,
+            )
+            built.append(
+                assemble(
+                    samples,
+                    step=step,
+                    rank=rank,
+                    pad_id=self._job.batch.pad_id,
+                    ignore_id=self._job.batch.ignore_id,
+                    token_dtype=self._job.batch.token_dtype,
+                    global_loss_tokens=plan.global_loss_tokens,
+                )
+            )
+        self._metrics.build_latency.observe(time.perf_counter() - begin)
+        return built
+
+    def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
+        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000)
+        try:
+            return call_with_retry(
+                lambda: self._planner.GetPlan(request, timeout=10),
+                what=f"GetPlan(step {step}) from planner at {self._planner_address}",
+                deadline_s=self._job.network.rpc_timeout_s,
+                should_stop=lambda: self._stopped,
+            )
+        except grpc.RpcError as exc:
+            raise reraise(exc, f"planner at {self._planner_address}") from exc
+
+    def _fetch(self, step: int, sources: np.ndarray, seqs: np.ndarray, loaders: list[str]) -> dict[tuple[int, int], np.ndarray]:
+        """Token ids of every (source, seq) of the step, fetched from the loaders in parallel."""
+        by_loader: dict[str, np.ndarray] = {}
+        for k in np.unique(sources):
+            address = loaders[int(k)] if int(k) < len(loaders) else ""
+            if not address:
+                raise Unavailable(f"no loader address for source {self._job.sources[int(k)].name!r}")
+            mask = sources == k
+            by_loader[address] = mask if address not in by_loader else by_loader[address] | mask
+        jobs = {
+            address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask])
+            for address, mask in by_loader.items()
+        }
+        tokens: dict[tuple[int, int], np.ndarray] = {}
+        for address, job in jobs.items():
+            table = job.result()
+            values = table.column("input_ids").combine_chunks()
+            flat = values.values.to_numpy()
+            offsets = values.offsets.to_numpy()
+            for i, (k, s) in enumerate(zip(table.column("source").to_numpy(), table.column("seq").to_numpy())):
+                tokens[(int(k), int(s))] = flat[offsets[i] : offsets[i + 1]]
+        return tokens
+
+    def _loader(self, address: str) -> loader_pb2_grpc.LoaderStub:
+        with self._channels_lock:
+            channel = self._loader_channels.get(address)
+            if channel is None:
+                channel = self._loader_channels[address] = create_channel(address, max_message_bytes=self._max_message_bytes)
+        return loader_pb2_grpc.LoaderStub(channel)
+
+    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray) -> pa.Table:
+        request = loader_pb2.FetchSamplesRequest(
+            constructor_index=self._index,
+            step=step,
+            samples=common_pb2.SampleSet(source=encode_array(sources), seq=encode_array(seqs)),
+            release_below_step=step,
+        )
+        stub = self._loader(address)
+
+        def attempt() -> pa.Table:
+            stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
+            first = next(stream)
+            if first.WhichOneof("part") != "header":
+                raise Unavailable(f"loader at {address} sent no header")
+            buffer = bytearray(first.header.payload_bytes)
+            receiver = PayloadReceiver(buffer)
+            for message in stream:
+                receiver.add(message.chunk.data)
+            receiver.check_complete()
+            table = pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
+            if table.num_rows != len(seqs):
+                raise Unavailable(f"loader at {address} sent {table.num_rows} samples for {len(seqs)} requested")
+            self._metrics.received_bytes.inc(len(buffer))
+            self._metrics.samples_received.inc(table.num_rows)
+            return table
+
+        try:
+            return call_with_retry(
+                attempt,
+                what=f"FetchSamples(step {step}) from loader at {address}",
+                deadline_s=self._job.network.rpc_timeout_s,
+                should_stop=lambda: self._stopped,
+            )
+        except grpc.RpcError as exc:
+            error = reraise(exc, f"loader at {address}")
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                # The loader does not hold what the plan says it does: retrying cannot help.
+                raise FailedPrecondition(str(error)) from exc
+            raise error from exc
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
+        self._planner_channel.close()
+        for channel in self._loader_channels.values():
+            channel.close()

@@ -1,0 +1,89 @@
+"""Wires a constructor together: registers with the planner, starts the prefetch pipeline and
+the gRPC server."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.constructor.pipeline import StepPipeline
+from batchplane.constructor.service import ConstructorServicer
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import ConfigError
+from batchplane.core.process import ProcessSettings
+from batchplane.core.rpc import (
+    ServerMetrics,
+    call_with_retry,
+    create_channel,
+    create_grpc_server,
+    reraise,
+    set_serving,
+)
+from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunningConstructor:
+    address: str
+    server: grpc.Server
+    pipeline: StepPipeline
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s).wait()
+        self.pipeline.stop()
+
+
+def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningConstructor:
+    """Starts constructor `process.index` of `job` and registers it with the planner.
+
+    Raises:
+        ConfigError: a bad index or no planner address.
+        InvalidArgument: the planner refused the registration.
+    """
+    if not 0 <= process.index < job.constructor_count:
+        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh.dp / ranks_per_constructor)", process.index)
+    if not process.planner:
+        raise ConfigError("--planner", "is required for a constructor", None)
+    ranks = job.constructor_ranks(process.index)
+    metrics = ConstructorMetrics(registry)
+    server, port, health = create_grpc_server(
+        host=process.listen or job.network.host,
+        port=process.port,
+        metrics=ServerMetrics("constructor", registry),
+        max_message_bytes=job.network.max_message_bytes,
+    )
+    address = process.listen or f"{job.network.host}:{port}"
+    info = _register(job, process, address, ranks)
+    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics)
+    constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
+    server.start()
+    set_serving(health, "batchplane.v1.Constructor")
+    log.info("serving dp ranks %s", list(ranks))
+    return RunningConstructor(address, server, pipeline)
+
+
+def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...]) -> common_pb2.JobInfo:
+    request = planner_pb2.RegisterConstructorRequest(constructor_index=process.index, address=address, dp_ranks=ranks)
+    with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+        stub = planner_pb2_grpc.PlannerStub(channel)
+        try:
+            response = call_with_retry(
+                lambda: stub.RegisterConstructor(request, timeout=job.network.rpc_timeout_s),
+                what=f"RegisterConstructor with planner at {process.planner}",
+                deadline_s=job.network.rpc_timeout_s * 2,
+            )
+        except grpc.RpcError as exc:
+            raise reraise(exc, f"planner at {process.planner} refused constructor {process.index}") from exc
+    if response.job.fingerprint != job.fingerprint:
+        raise ConfigError(
+            "--config",
+            f"describes job fingerprint {job.fingerprint}, but the planner runs {response.job.fingerprint}",
+            str(process.config),
+        )
+    return response.job

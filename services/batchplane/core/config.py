@@ -1,0 +1,423 @@
+"""Job configuration: typed, frozen settings loaded once from YAML and validated at the edge.
+
+Every field has a default and a documented unit. Loading fails with a `ConfigError` that names
+the field path and the bad value, e.g. ``mixture.weights.web: must be >= 0, got -1``. Nothing
+here does I/O beyond reading the one configuration file; source files are opened by loaders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import pathlib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from batchplane.core.errors import ConfigError
+
+BALANCE_METHODS = ("karmarkar_karp", "greedy", "round_robin")
+COST_KINDS = ("quadratic", "linear")
+TOKEN_DTYPES = ("int32", "int64")
+MiB = 1 << 20
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSettings:
+    """One data source: a Parquet file, a directory of them, or a glob."""
+
+    #: Unique name; metrics, ledgers and batch metadata use it.
+    name: str
+    #: A .parquet file, a directory (all *.parquet below it) or a glob; relative paths are
+    #: resolved against the configuration file's directory.
+    path: str
+    #: Column holding each sample's token ids (a list of integers), read by the default transform.
+    token_column: str = "input_ids"
+    #: Import path "package.module:callable" of a batch transform (pyarrow.RecordBatch ->
+    #: pyarrow.RecordBatch with an `input_ids` list column); None uses `token_column` as it is.
+    transform: str | None = None
+    #: Keyword arguments passed to the transform on every call.
+    transform_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Columns to read; None reads all. The default transform reads only `token_column`.
+    columns: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSettings:
+    """Per-source sampling weights (static in this version)."""
+
+    #: Weight per source name; missing sources get weight 1. Weights are normalized over the
+    #: sources that still have data, so only ratios matter; 0 leaves a source unread.
+    weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """Shape of every step's batch."""
+
+    #: Samples per step over all data-parallel ranks.
+    global_batch_size: int = 32
+    #: Microbatches per rank per step (gradient accumulation steps).
+    microbatches: int = 1
+    #: Token id written into padding positions of input_ids.
+    pad_id: int = 0
+    #: Label of positions that carry no loss (padding, each sample's last token).
+    ignore_id: int = -100
+    #: dtype of input_ids, labels and position_ids.
+    token_dtype: str = "int64"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """The trainer's device mesh."""
+
+    #: Data-parallel ranks.
+    dp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSettings:
+    """Per-sample compute cost as a function of its length l in tokens."""
+
+    #: "quadratic" (linear * l + quadratic * l**2), "linear" (l), or an import path
+    #: "package.module:callable" taking an int64 numpy array of lengths and returning costs.
+    kind: str = "quadratic"
+    #: Coefficient of l for kind "quadratic".
+    linear: float = 0.0
+    #: Coefficient of l**2 for kind "quadratic".
+    quadratic: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceSettings:
+    """How a step's samples are spread over ranks and microbatches."""
+
+    #: "karmarkar_karp", "greedy" (longest processing time first) or "round_robin" (none).
+    method: str = "karmarkar_karp"
+    #: The cost model balanced.
+    cost: CostSettings = dataclasses.field(default_factory=CostSettings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSettings:
+    """Order of each source's samples within an epoch."""
+
+    #: Shuffle rows (seeded); False keeps file order, for debugging.
+    enabled: bool = True
+    #: Row groups shuffled together; larger mixes better and buffers more.
+    window_row_groups: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSettings:
+    """Source loader processes."""
+
+    #: Loader processes; source i is served by loader i % count. None: one per source.
+    count: int | None = None
+    #: Samples a loader reads ahead of the planner's cursor, per source.
+    read_ahead_samples: int = 4096
+    #: Soft cap on a loader's buffered payload bytes; read-ahead pauses above it (samples the
+    #: planner is waiting for are always read).
+    buffer_bytes: int = 512 * MiB
+    #: Sample order.
+    shuffle: ShuffleSettings = dataclasses.field(default_factory=ShuffleSettings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstructorSettings:
+    """Constructor processes (sidecars of the trainer pods)."""
+
+    #: Data-parallel ranks per constructor; constructor i serves ranks [i*n, (i+1)*n).
+    ranks_per_constructor: int = 1
+    #: Steps built ahead of the slowest rank it serves.
+    prefetch_steps: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkSettings:
+    """Where services listen and how they talk."""
+
+    #: Interface every service binds (gRPC and metrics).
+    host: str = "127.0.0.1"
+    #: Largest gRPC message accepted or sent; bulk data is chunked well below it.
+    max_message_bytes: int = 4 * MiB
+    #: Deadline of one service-to-service call, and of a wait for data.
+    rpc_timeout_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    """The whole job: the root settings object."""
+
+    #: The job's name.
+    job: str
+    #: Sources, in a fixed order; a sample's source index refers to it.
+    sources: tuple[SourceSettings, ...]
+    #: Seed of every random choice (shuffle order); the plan sequence is a function of the
+    #: configuration and this seed.
+    seed: int = 0
+    #: Passes over every source: a positive integer (finite: every sample that many times, then
+    #: end of data) or "infinite" (reshuffled repeats, never ends).
+    epochs: int | None = 1
+    mixture: MixtureSettings = dataclasses.field(default_factory=MixtureSettings)
+    batch: BatchSettings = dataclasses.field(default_factory=BatchSettings)
+    mesh: MeshSettings = dataclasses.field(default_factory=MeshSettings)
+    balance: BalanceSettings = dataclasses.field(default_factory=BalanceSettings)
+    loaders: LoaderSettings = dataclasses.field(default_factory=LoaderSettings)
+    constructors: ConstructorSettings = dataclasses.field(default_factory=ConstructorSettings)
+    network: NetworkSettings = dataclasses.field(default_factory=NetworkSettings)
+    #: Folder for logs, endpoints and the ledger; relative to the configuration file.
+    run_dir: str = ".batchplane/run"
+    #: Folder of the configuration file; relative paths are resolved against it. Set by the
+    #: loader, not read from YAML.
+    base_dir: str = dataclasses.field(default=".", metadata={"internal": True})
+
+    # ---- derived values -------------------------------------------------------------------
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sources)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Configured weight of each source, in source order (not normalized)."""
+        return tuple(float(self.mixture.weights.get(s.name, 1.0)) for s in self.sources)
+
+    @property
+    def loader_count(self) -> int:
+        return self.loaders.count if self.loaders.count is not None else len(self.sources)
+
+    def loader_of(self, source: int) -> int:
+        """Index of the loader serving source `source`."""
+        return source % self.loader_count
+
+    def loader_sources(self, loader_index: int) -> tuple[int, ...]:
+        """Indices of the sources loader `loader_index` serves."""
+        return tuple(i for i in range(len(self.sources)) if self.loader_of(i) == loader_index)
+
+    @property
+    def constructor_count(self) -> int:
+        return math.ceil(self.mesh.dp / self.constructors.ranks_per_constructor)
+
+    def constructor_ranks(self, constructor_index: int) -> tuple[int, ...]:
+        """Data-parallel ranks constructor `constructor_index` serves."""
+        n = self.constructors.ranks_per_constructor
+        return tuple(range(constructor_index * n, min((constructor_index + 1) * n, self.mesh.dp)))
+
+    def resolve(self, path: str) -> pathlib.Path:
+        """`path` made absolute against the configuration file's folder."""
+        p = pathlib.Path(path).expanduser()
+        return p if p.is_absolute() else pathlib.Path(self.base_dir) / p
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of every field that determines the plan sequence. Source paths are left out on
+        purpose: moving a dataset keeps the job (a changed row count is caught at registration)."""
+        planned = {
+            "sources": [
+                [s.name, s.token_column, s.transform, dict(s.transform_args), s.columns]
+                for s in self.sources
+            ],
+            "weights": self.weights,
+            "seed": self.seed,
+            "epochs": self.epochs,
+            "batch": dataclasses.asdict(self.batch),
+            "mesh": dataclasses.asdict(self.mesh),
+            "balance": dataclasses.asdict(self.balance),
+            "shuffle": dataclasses.asdict(self.loaders.shuffle),
+        }
+        blob = json.dumps(planned, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_job(path: str | pathlib.Path) -> JobSettings:
+    """Reads and validates a job configuration file.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, or a field is unknown or invalid; the
+            message names the field and the value.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "cannot read configuration file", exc.strerror) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "not valid YAML", str(exc).replace("\n", " ")) from exc
+    return job_from_mapping(data, base_dir=path.resolve().parent)
+
+
+def job_from_mapping(data: Any, *, base_dir: str | pathlib.Path = ".") -> JobSettings:
+    """Builds validated settings from a parsed YAML document (a mapping).
+
+    Raises:
+        ConfigError: as `load_job`.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError("(top level)", "must be a mapping of settings", data)
+    data = dict(data)
+    if "epochs" in data:
+        if data["epochs"] is None:
+            raise ConfigError("epochs", "must be a positive integer or 'infinite'", None)
+        if data["epochs"] == "infinite":
+            data["epochs"] = None
+    job = dataclasses.replace(_build(JobSettings, data, ""), base_dir=str(base_dir))
+    _validate(job)
+    return job
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Builds dataclass `cls` from mapping `data`, checking names and types field by field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "(top level)", "must be a mapping", data)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    public = [n for n, f in fields.items() if not f.metadata.get("internal")]
+    for key in data:
+        if key not in fields or fields[key].metadata.get("internal"):
+            near = difflib.get_close_matches(str(key), public, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; known fields: {', '.join(public)}"
+            raise ConfigError(_join(path, str(key)), "unknown field" + hint, data[key])
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], _join(path, name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, name), "is required", None)
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, path)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, "must be a list", value)
+        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict) or hint is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, "must be a mapping", value)
+        value_hint = args[1] if args else Any
+        return {str(k): _convert(value_hint, v, _join(path, str(k))) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, "must be true or false", value)
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, "must be an integer", value)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, "must be a number", value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(path, "must be a finite number", value) from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, "must be a string", value)
+        return value
+    raise TypeError(f"unsupported settings type {hint!r} at {path}")  # a bug, not bad input
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _validate(job: JobSettings) -> None:
+    """Semantic checks across fields; raises ConfigError naming the first bad field."""
+    if not job.job.strip():
+        raise ConfigError("job", "must not be empty", job.job)
+    if not job.sources:
+        raise ConfigError("sources", "must list at least one source", [])
+    seen: dict[str, int] = {}
+    for i, s in enumerate(job.sources):
+        if not _SOURCE_NAME.fullmatch(s.name):
+            raise ConfigError(f"sources[{i}].name", "must be letters, digits, _ - . (not starting with - or .)", s.name)
+        if s.name in seen:
+            raise ConfigError(f"sources[{i}].name", f"duplicates sources[{seen[s.name]}].name", s.name)
+        seen[s.name] = i
+        if not s.path:
+            raise ConfigError(f"sources[{i}].path", "must not be empty", s.path)
+        if s.transform is not None and ":" not in s.transform:
+            raise ConfigError(f"sources[{i}].transform", "must be an import path 'module:callable'", s.transform)
+    for name, w in job.mixture.weights.items():
+        if name not in seen:
+            raise ConfigError(f"mixture.weights.{name}", f"names no source; sources are {', '.join(seen)}", w)
+        if not math.isfinite(w) or w < 0:
+            raise ConfigError(f"mixture.weights.{name}", "must be a finite number >= 0", w)
+    if sum(job.weights) <= 0:
+        raise ConfigError("mixture.weights", "must give at least one source a weight > 0", dict(job.mixture.weights))
+    if job.epochs is not None and job.epochs < 1:
+        raise ConfigError("epochs", "must be a positive integer or 'infinite'", job.epochs)
+    if not 0 <= job.seed < 2**63:
+        raise ConfigError("seed", "must be in [0, 2**63)", job.seed)
+    _positive("mesh.dp", job.mesh.dp)
+    _positive("batch.microbatches", job.batch.microbatches)
+    _positive("batch.global_batch_size", job.batch.global_batch_size)
+    per_step = job.mesh.dp * job.batch.microbatches
+    if job.batch.global_batch_size < per_step:
+        raise ConfigError(
+            "batch.global_batch_size",
+            f"must be >= mesh.dp * batch.microbatches = {per_step}, so no microbatch is empty",
+            job.batch.global_batch_size,
+        )
+    if job.batch.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError("batch.token_dtype", f"must be one of {TOKEN_DTYPES}", job.batch.token_dtype)
+    bits = 31 if job.batch.token_dtype == "int32" else 63
+    for name in ("pad_id", "ignore_id"):
+        value = getattr(job.batch, name)
+        if not -(2**bits) <= value < 2**bits:
+            raise ConfigError(f"batch.{name}", f"must fit batch.token_dtype ({job.batch.token_dtype})", value)
+    if job.balance.method not in BALANCE_METHODS:
+        raise ConfigError("balance.method", f"must be one of {BALANCE_METHODS}", job.balance.method)
+    cost = job.balance.cost
+    if cost.kind not in COST_KINDS and ":" not in cost.kind:
+        raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS} or 'module:callable'", cost.kind)
+    for name in ("linear", "quadratic"):
+        v = getattr(cost, name)
+        if not math.isfinite(v) or v < 0:
+            raise ConfigError(f"balance.cost.{name}", "must be a finite number >= 0", v)
+    if cost.kind == "quadratic" and cost.linear == 0 and cost.quadratic == 0:
+        raise ConfigError("balance.cost", "linear and quadratic must not both be 0", dataclasses.asdict(cost))
+    if job.loaders.count is not None:
+        _positive("loaders.count", job.loaders.count)
+        if job.loaders.count > len(job.sources):
+            raise ConfigError("loaders.count", f"must be <= the number of sources ({len(job.sources)})", job.loaders.count)
+    _positive("loaders.read_ahead_samples", job.loaders.read_ahead_samples)
+    _positive("loaders.buffer_bytes", job.loaders.buffer_bytes)
+    _positive("loaders.shuffle.window_row_groups", job.loaders.shuffle.window_row_groups)
+    _positive("constructors.ranks_per_constructor", job.constructors.ranks_per_constructor)
+    _positive("constructors.prefetch_steps", job.constructors.prefetch_steps)
+    if job.network.max_message_bytes < 2 * MiB:
+        raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", job.network.max_message_bytes)
+    if not (math.isfinite(job.network.rpc_timeout_s) and job.network.rpc_timeout_s > 0):
+        raise ConfigError("network.rpc_timeout_s", "must be a finite number > 0", job.network.rpc_timeout_s)
+
+
+def _positive(path: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(path, "must be >= 1", value)

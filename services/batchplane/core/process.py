@@ -1,0 +1,153 @@
+"""What every service process does around its server: command-line flags, logging, the
+metrics HTTP endpoint, the ready file that tells a launcher where it listens, graceful stop on
+SIGTERM/SIGINT, and exiting when its launcher dies.
+
+Only `run_service` reads flags and the environment; it passes settings down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from batchplane.core.config import JobSettings, load_job
+from batchplane.core.errors import BatchplaneError
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a process that could not start because of bad configuration or data.
+EXIT_BAD_INPUT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """Per-process settings from the command line (the job's settings come from its file)."""
+
+    #: Path of the job configuration file.
+    config: pathlib.Path
+    #: This process's index among its kind (loaders, constructors); 0 for the planner.
+    index: int = 0
+    #: The planner's address, for loaders and constructors.
+    planner: str | None = None
+    #: gRPC port; 0 picks a free one.
+    port: int = 0
+    #: gRPC address override, e.g. "unix:///run/batchplane/constructor.sock".
+    listen: str | None = None
+    #: Metrics HTTP port; 0 picks a free one.
+    metrics_port: int = 0
+    #: Where to write {"address", "metrics_port", "pid"} once serving.
+    ready_file: pathlib.Path | None = None
+    #: Exit when the parent process (the launcher) goes away.
+    exit_with_parent: bool = False
+    #: Log level name.
+    log_level: str = "INFO"
+
+
+class Running(Protocol):
+    """A started service."""
+
+    address: str
+
+    def stop(self, grace_s: float) -> None: ...
+
+
+def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings:
+    parser = argparse.ArgumentParser(prog=f"python -m batchplane.{part}", description=f"batchplane {part} service")
+    parser.add_argument("--config", "-c", type=pathlib.Path, required=True, help="job configuration (YAML)")
+    parser.add_argument("--index", type=int, default=0, help=f"this {part}'s index in the job (default 0)")
+    parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
+    parser.add_argument("--listen", help="gRPC address instead of host:port, e.g. unix:///run/x.sock")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (default: any free port)")
+    parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
+    parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
+    parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
+    ns = parser.parse_args(argv)
+    return ProcessSettings(**vars(ns))
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def write_ready_file(path: pathlib.Path, info: dict) -> None:
+    """Writes `info` as JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def run_service(
+    part: str,
+    argv: Sequence[str] | None,
+    start: Callable[[JobSettings, ProcessSettings, CollectorRegistry], Running],
+) -> int:
+    """Runs one service process until SIGTERM/SIGINT (or its parent's exit).
+
+    Args:
+        part: "planner", "loader" or "constructor".
+        argv: Command-line arguments (None: sys.argv).
+        start: Builds and starts the service; raises BatchplaneError for bad configuration or
+            data, which ends the process with exit status 2 and the error in the log.
+    Returns:
+        The process exit status.
+    """
+    settings = parse_process_args(part, argv)
+    name = part if part == "planner" else f"{part}-{settings.index}"
+    configure_logging(settings.log_level, name)
+    registry = CollectorRegistry()
+    try:
+        job = load_job(settings.config)
+        running = start(job, settings, registry)
+    except BatchplaneError as exc:
+        log.error("cannot start %s: %s", name, exc)
+        return EXIT_BAD_INPUT
+    metrics_server, _ = start_http_server(settings.metrics_port, addr=job.network.host, registry=registry)
+    metrics_port = metrics_server.server_port
+    stop_event = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if settings.exit_with_parent:
+        _watch_parent(stop_event)
+    if settings.ready_file:
+        write_ready_file(
+            settings.ready_file, {"address": running.address, "metrics_port": metrics_port, "pid": os.getpid()}
+        )
+    log.info("%s serving on %s, metrics on http://%s:%d/metrics", name, running.address, job.network.host, metrics_port)
+    stop_event.wait()
+    running.stop(grace_s=5.0)
+    metrics_server.shutdown()
+    log.info("%s stopped", name)
+    return 0
+
+
+def _watch_parent(stop_event: threading.Event) -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop_event.wait(1.0):
+            if os.getppid() != parent:
+                log.warning("launcher (pid %d) is gone, stopping", parent)
+                stop_event.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,258 @@
+"""gRPC plumbing shared by the services: the one table from domain errors to status codes, a
+server interceptor that applies it and counts every request, server and channel factories with
+the job's message limits, health checking, and retries for service-to-service calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from batchplane.core import errors
+from batchplane.v1 import common_pb2
+from batchplane.wire import WireFormatError, iter_chunks
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Domain error -> gRPC status. Retryable -> UNAVAILABLE, bad request -> INVALID_ARGUMENT,
+#: wrong state -> FAILED_PRECONDITION, too big -> RESOURCE_EXHAUSTED.
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.SourceError: grpc.StatusCode.FAILED_PRECONDITION,
+    WireFormatError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+#: Status codes a caller retries with backoff.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code of an exception: its class's entry in STATUS_OF, INTERNAL otherwise."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+class ServerMetrics:
+    """Request counters and latencies of one service, named batchplane_<part>_...
+
+    Args:
+        part: "planner", "loader" or "constructor".
+        registry: The service's metric registry.
+    """
+
+    def __init__(self, part: str, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            f"batchplane_{part}_requests_total",
+            "RPCs served, by method (the RPC name) and code (the gRPC status name, OK on success).",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            f"batchplane_{part}_request_duration_seconds",
+            "Time to serve an RPC, by method (the RPC name); streams count until their last message.",
+            ["method"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+
+
+class _ErrorsAndMetrics(grpc.ServerInterceptor):
+    """Maps exceptions raised by servicer methods to status codes and records every call."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._stream(handler.unary_stream, method))
+        return handler
+
+    def _fail(self, context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
+        code = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+        else:
+            log.debug("%s: %s: %s", method, code.name, exc)
+        self._metrics.requests.labels(method, code.name).inc()
+        context.abort(code, str(exc) or type(exc).__name__)
+
+    def _unary(self, behavior: Callable, method: str) -> Callable:
+        def wrapper(request, context):
+            start = time.perf_counter()
+            try:
+                response = behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure gets a status code
+                if _is_abort(exc):
+                    raise
+                self._fail(context, method, exc)
+            finally:
+                self._metrics.latency.labels(method).observe(time.perf_counter() - start)
+            self._metrics.requests.labels(method, "OK").inc()
+            return response
+
+        return wrapper
+
+    def _stream(self, behavior: Callable, method: str) -> Callable:
+        def wrapper(request, context):
+            start = time.perf_counter()
+            try:
+                yield from behavior(request, context)
+            except Exception as exc:  # noqa: BLE001
+                if _is_abort(exc):
+                    raise
+                self._fail(context, method, exc)
+            finally:
+                self._metrics.latency.labels(method).observe(time.perf_counter() - start)
+            self._metrics.requests.labels(method, "OK").inc()
+
+        return wrapper
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises a bare Exception subclass private to grpc; let it through.
+    return type(exc).__module__.startswith("grpc")
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Channel/server options bounding messages in both directions."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def create_grpc_server(
+    *,
+    host: str,
+    port: int,
+    metrics: ServerMetrics,
+    max_message_bytes: int,
+    max_workers: int = 16,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A gRPC server with the error/metrics interceptor and grpc.health.v1, bound but not started.
+
+    Args:
+        host: Interface to bind (e.g. "127.0.0.1"), or a Unix socket address "unix:///path".
+        port: TCP port; 0 picks a free one; ignored for a Unix socket.
+        metrics: The service's request metrics.
+        max_message_bytes: Largest message accepted or sent.
+        max_workers: Threads serving RPCs.
+    Returns:
+        (server, bound port (0 for a Unix socket), health servicer to set statuses on).
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        interceptors=[_ErrorsAndMetrics(metrics)],
+        options=message_options(max_message_bytes),
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = host if host.startswith("unix:") else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if not host.startswith("unix:") and bound == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return server, bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, *services: str) -> None:
+    """Marks the server and each named service SERVING."""
+    for name in ("", *services):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def create_channel(address: str, *, max_message_bytes: int) -> grpc.Channel:
+    """An insecure channel to a peer service with the job's message limits."""
+    return grpc.insecure_channel(address, options=message_options(max_message_bytes))
+
+
+def is_serving(address: str, *, timeout_s: float = 1.0) -> bool:
+    """True when the server at `address` answers its health check with SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def call_with_retry(
+    call: Callable[[], T],
+    *,
+    what: str,
+    deadline_s: float,
+    should_stop: Callable[[], bool] = lambda: False,
+    initial_backoff_s: float = 0.05,
+    max_backoff_s: float = 1.0,
+) -> T:
+    """Runs `call` until it succeeds, retrying retryable gRPC errors with jittered backoff.
+
+    Args:
+        call: The RPC, with its own per-attempt timeout.
+        what: Description for logs and errors, e.g. "GetPlan(step 7) from planner at ...".
+        deadline_s: Give up after this many seconds.
+        should_stop: Checked between attempts; True gives up at once.
+    Raises:
+        errors.Unavailable: the deadline passed or `should_stop` became true.
+        grpc.RpcError: a non-retryable error (the caller maps it).
+    """
+    give_up = time.monotonic() + deadline_s
+    backoff = initial_backoff_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE:
+                raise
+            if time.monotonic() >= give_up or should_stop():
+                raise errors.Unavailable(f"{what}: gave up after {attempt} attempts: {exc.details()}") from exc
+            if attempt in (1, 10) or attempt % 100 == 0:
+                log.info("%s: %s (%s), retrying", what, exc.code().name, exc.details())
+        sleep = min(backoff, max(give_up - time.monotonic(), 0))
+        time.sleep(sleep * (0.5 + random.random() / 2))
+        backoff = min(backoff * 2, max_backoff_s)
+
+
+#: A peer's status code -> the domain error a service re-raises it as.
+_ERROR_OF: dict[grpc.StatusCode, type[errors.BatchplaneError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+}
+
+
+def reraise(exc: grpc.RpcError, what: str) -> errors.BatchplaneError:
+    """The domain error matching a peer's gRPC error (Unavailable for anything else)."""
+    cls = _ERROR_OF.get(exc.code(), errors.Unavailable)
+    return cls(f"{what}: {exc.code().name}: {exc.details()}")
+
+
+def stream_payload(response_cls: Callable[..., Any], header: Any, payload: memoryview | bytes) -> Iterator[Any]:
+    """A chunked response stream: the header first, then the payload in ~1 MiB chunks."""
+    yield response_cls(header=header)
+    for data in iter_chunks(payload):
+        yield response_cls(chunk=common_pb2.Chunk(data=data))

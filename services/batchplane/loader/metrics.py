@@ -1,0 +1,53 @@
+"""Prometheus metrics of a source loader, named batchplane_loader_<noun>_<unit>."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class LoaderMetrics:
+    """The loader's metrics, registered on its own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.samples_read = Counter(
+            "batchplane_loader_samples_read_total",
+            "Samples read and transformed, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.samples_sent = Counter(
+            "batchplane_loader_samples_sent_total",
+            "Samples sent to constructors, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.bytes_sent = Counter(
+            "batchplane_loader_sent_bytes_total",
+            "Payload bytes sent to constructors.",
+            registry=registry,
+        )
+        self.buffer_samples = Gauge(
+            "batchplane_loader_buffer_samples",
+            "Samples held in the read-ahead buffer, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.buffer_bytes = Gauge(
+            "batchplane_loader_buffer_bytes",
+            "Payload bytes held in the read-ahead buffer over all sources.",
+            registry=registry,
+        )
+        self.bad_samples = Counter(
+            "batchplane_loader_bad_samples_total",
+            "Samples skipped as bad, by source (the source's name) and reason: unreadable (row "
+            "group cannot be read or decoded), transform (the transform failed on its row group), "
+            "rejected (the transform returned a null token list), empty (no tokens).",
+            ["source", "reason"],
+            registry=registry,
+        )
+        self.corrupt_row_groups = Counter(
+            "batchplane_loader_corrupt_row_groups_total",
+            "Row groups skipped because they cannot be read or decoded, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )

@@ -1,0 +1,143 @@
+"""Wires a source loader together: opens its sources, starts its streams and gRPC server, and
+registers it with the planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import ConfigError
+from batchplane.core.process import ProcessSettings
+from batchplane.core.rpc import (
+    ServerMetrics,
+    call_with_retry,
+    create_channel,
+    create_grpc_server,
+    reraise,
+    set_serving,
+)
+from batchplane.loader.fetch import FetchBook
+from batchplane.loader.metrics import LoaderMetrics
+from batchplane.loader.order import SampleOrder
+from batchplane.loader.service import LoaderServicer
+from batchplane.loader.source import ParquetSource
+from batchplane.loader.stream import ByteBudget, SourceStream
+from batchplane.loader.transforms import bind_transform
+from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics) -> dict[int, SourceStream]:
+    """Opens the sources of loader `loader_index` and starts their streams.
+
+    Raises:
+        ConfigError: a bad transform import path.
+        SourceError: a source that cannot be opened (see `batchplane.loader.source`).
+    """
+    budget = ByteBudget(job.loaders.buffer_bytes)
+    streams = {}
+    for k in job.loader_sources(loader_index):
+        settings = job.sources[k]
+        transform = bind_transform(k, settings)
+        source = ParquetSource(
+            settings.name,
+            job.resolve(settings.path),
+            required_columns=transform.columns or (),
+            token_column=settings.token_column if settings.transform is None else None,
+        )
+        order = SampleOrder(
+            [rg.num_rows for rg in source.row_groups],
+            seed=job.seed,
+            source_name=settings.name,
+            window_row_groups=job.loaders.shuffle.window_row_groups,
+            shuffle=job.loaders.shuffle.enabled,
+        )
+        streams[k] = SourceStream(
+            k, source, order, transform,
+            epochs=job.epochs, read_ahead_samples=job.loaders.read_ahead_samples, budget=budget, metrics=metrics,
+        )
+        log.info("source %r: %d rows in %d file(s), %d row groups", settings.name, source.num_rows, len(source.files), len(source.row_groups))
+    return streams
+
+
+@dataclasses.dataclass
+class RunningLoader:
+    address: str
+    server: grpc.Server
+    streams: dict[int, SourceStream]
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s).wait()
+        for stream in self.streams.values():
+            stream.close()
+
+
+def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningLoader:
+    """Starts loader `process.index` of `job` and registers it with the planner.
+
+    Raises:
+        ConfigError, SourceError: bad configuration or sources; nothing is left running.
+    """
+    if not 0 <= process.index < job.loader_count:
+        raise ConfigError("--index", f"must be in [0, {job.loader_count}) (loaders.count)", process.index)
+    if not process.planner:
+        raise ConfigError("--planner", "is required for a loader", None)
+    metrics = LoaderMetrics(registry)
+    streams = open_streams(job, process.index, metrics)
+    try:
+        servicer = LoaderServicer(streams, FetchBook(streams), metrics)
+        server, port, health = create_grpc_server(
+            host=process.listen or job.network.host,
+            port=process.port,
+            metrics=ServerMetrics("loader", registry),
+            max_message_bytes=job.network.max_message_bytes,
+        )
+        loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
+        server.start()
+        address = process.listen or f"{job.network.host}:{port}"
+        running = RunningLoader(address, server, streams)
+        _register(job, process, address, streams)
+    except BaseException:
+        for stream in streams.values():
+            stream.close()
+        raise
+    set_serving(health, "batchplane.v1.Loader")
+    return running
+
+
+def _register(job: JobSettings, process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> None:
+    request = planner_pb2.RegisterLoaderRequest(
+        loader_index=process.index,
+        address=address,
+        sources=[
+            common_pb2.SourceInfo(
+                name=s.name,
+                num_rows=s.num_rows,
+                num_files=len(s.source.files),
+                num_row_groups=len(s.source.row_groups),
+            )
+            for s in streams.values()
+        ],
+    )
+    with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+        stub = planner_pb2_grpc.PlannerStub(channel)
+        try:
+            response = call_with_retry(
+                lambda: stub.RegisterLoader(request, timeout=job.network.rpc_timeout_s),
+                what=f"RegisterLoader with planner at {process.planner}",
+                deadline_s=job.network.rpc_timeout_s * 2,
+            )
+        except grpc.RpcError as exc:
+            raise reraise(exc, f"planner at {process.planner} refused loader {process.index}") from exc
+    if response.job.fingerprint != job.fingerprint:
+        raise ConfigError(
+            "--config",
+            f"describes job fingerprint {job.fingerprint}, but the planner runs {response.job.fingerprint}",
+            str(process.config),
+        )
+    log.info("registered with planner at %s as loader %d", process.planner, process.index)

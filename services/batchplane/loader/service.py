@@ -1,0 +1,55 @@
+"""The Loader gRPC servicer: parses requests, calls the streams and the fetch book, builds
+responses. No logic of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import grpc
+
+from batchplane.core.errors import InvalidArgument
+from batchplane.core.rpc import stream_payload
+from batchplane.loader.fetch import FetchBook, encode_payload
+from batchplane.loader.metrics import LoaderMetrics
+from batchplane.loader.stream import SourceStream
+from batchplane.v1 import loader_pb2, loader_pb2_grpc
+from batchplane.wire import decode_array, encode_array
+
+MAX_SUMMARY_SAMPLES = 65536
+
+
+class LoaderServicer(loader_pb2_grpc.LoaderServicer):
+    """Serves summaries and samples of the loader's streams."""
+
+    def __init__(self, streams: Mapping[int, SourceStream], book: FetchBook, metrics: LoaderMetrics) -> None:
+        self._streams = streams
+        self._book = book
+        self._metrics = metrics
+
+    def GetSummary(self, request: loader_pb2.GetSummaryRequest, context: grpc.ServicerContext) -> loader_pb2.GetSummaryResponse:
+        stream = self._streams.get(request.source)
+        if stream is None:
+            raise InvalidArgument(f"source: this loader serves sources {sorted(self._streams)}, not {request.source}")
+        if request.from_seq < 0 or request.planned_seq < 0 or request.max_samples < 0:
+            raise InvalidArgument("from_seq, planned_seq and max_samples must be >= 0")
+        rows, lengths, end = stream.summary(
+            from_seq=request.from_seq,
+            planned_seq=request.planned_seq,
+            max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
+            wait_s=max(request.wait_ms, 0) / 1000,
+        )
+        return loader_pb2.GetSummaryResponse(
+            start_seq=request.from_seq, row=encode_array(rows), length=encode_array(lengths), end_of_stream=end
+        )
+
+    def FetchSamples(self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext) -> Iterator[loader_pb2.FetchSamplesResponse]:
+        sources = decode_array(request.samples.source, field="samples.source", dtype="int32", ndim=1)
+        seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
+        self._book.release(constructor=request.constructor_index, below_step=request.release_below_step)
+        batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs)
+        payload = encode_payload(batch)
+        for source in set(sources.tolist()):
+            self._metrics.samples_sent.labels(self._streams[source].name).inc(int((sources == source).sum()))
+        self._metrics.bytes_sent.inc(payload.size)
+        header = loader_pb2.FetchHeader(num_samples=batch.num_rows, payload_bytes=payload.size)
+        yield from stream_payload(loader_pb2.FetchSamplesResponse, header, memoryview(payload))

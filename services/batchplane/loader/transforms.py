@@ -1,0 +1,115 @@
+"""Sample transforms: what a loader does to the rows it reads before anyone sees them.
+
+A transform is a callable `transform(batch: pyarrow.Table, **transform_args) -> pyarrow.Table`
+named in the job configuration by its import path ("package.module:callable"). It returns one
+row per input row, in order, with an `input_ids` column of token-id lists; a null or empty list
+marks a sample the transform rejects (it is counted and skipped, never delivered). Row-wise
+Python functions become transforms with `per_sample`.
+
+The default, `token_ids`, uses the source's `token_column` as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchplane.core.config import SourceSettings
+from batchplane.core.errors import ConfigError
+
+Transform = Callable[..., pa.Table]
+
+
+class TransformError(ValueError):
+    """A transform's output breaks the contract above."""
+
+
+def token_ids(batch: pa.Table, *, column: str = "input_ids") -> pa.Table:
+    """The default transform: `column` as the `input_ids` column, unchanged."""
+    return pa.table({"input_ids": batch.column(column)})
+
+
+def per_sample(fn: Callable[[dict[str, Any]], Any]) -> Transform:
+    """Turns a row-wise function into a transform.
+
+    `fn(row)` receives one row as a dict of Python values and returns the sample's token ids
+    (a sequence of ints), or None to reject the sample.
+    """
+
+    def transform(batch: pa.Table, **kwargs: Any) -> pa.Table:
+        ids = [fn(row, **kwargs) for row in batch.to_pylist()]
+        return pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int64()))})
+
+    transform.__name__ = getattr(fn, "__name__", "per_sample")
+    transform.__doc__ = fn.__doc__
+    return transform
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundTransform:
+    """A source's transform with its arguments and the columns it reads."""
+
+    fn: Transform
+    kwargs: Mapping[str, Any]
+    #: Columns to read from the files (None: all).
+    columns: tuple[str, ...] | None
+
+    def __call__(self, batch: pa.Table) -> pa.ListArray:
+        """Applies the transform and returns its validated `input_ids` (one list per row)."""
+        out = self.fn(batch, **self.kwargs)
+        return check_output(out, batch.num_rows)
+
+
+def bind_transform(index: int, source: SourceSettings) -> BoundTransform:
+    """The transform configured for `source` (sources[index]).
+
+    Raises:
+        ConfigError: the import path cannot be imported or does not name a callable.
+    """
+    if source.transform is None:
+        return BoundTransform(token_ids, {"column": source.token_column}, (source.token_column,))
+    field = f"sources[{index}].transform"
+    module_name, _, attr = source.transform.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a configuration error
+        raise ConfigError(field, f"cannot import module {module_name!r}: {exc}", source.transform) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(field, f"module {module_name!r} has no callable {attr!r}", source.transform)
+    return BoundTransform(fn, dict(source.transform_args), source.columns)
+
+
+def check_output(out: Any, num_rows: int) -> pa.ListArray:
+    """The `input_ids` of a transform's output as one list array of integers.
+
+    Raises:
+        TransformError: not a table, wrong row count, no `input_ids`, or not lists of integers.
+    """
+    if isinstance(out, pa.RecordBatch):
+        out = pa.Table.from_batches([out])
+    if not isinstance(out, pa.Table):
+        raise TransformError(f"must return a pyarrow.Table, got {type(out).__name__}")
+    if out.num_rows != num_rows:
+        raise TransformError(f"must return one row per input row: got {out.num_rows} for {num_rows}")
+    if out.schema.get_field_index("input_ids") < 0:
+        raise TransformError(f"output has no 'input_ids' column (columns: {', '.join(out.schema.names)})")
+    ids = out.column("input_ids").combine_chunks()
+    if pa.types.is_large_list(ids.type) or pa.types.is_fixed_size_list(ids.type):
+        ids = ids.cast(pa.list_(ids.type.value_type))
+    if not (pa.types.is_list(ids.type) and pa.types.is_integer(ids.type.value_type)):
+        raise TransformError(f"'input_ids' must be lists of integers, got {ids.type}")
+    if ids.type.value_type not in (pa.int32(), pa.int64()):
+        ids = ids.cast(pa.list_(pa.int64()))
+    return ids
+
+
+def lengths_of(ids: pa.ListArray) -> np.ndarray:
+    """int32 token count of each list; 0 for a null list."""
+    return pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False).astype(np.int32)

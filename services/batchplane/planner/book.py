@@ -1,0 +1,245 @@
+"""The plan book: builds plans in step order as constructors ask for them, keeps each plan until
+every rank has moved past it, and knows where the job started and where its data ends.
+
+The first step any constructor asks for is where the job starts: a fresh job asks for step 0,
+a resumed one for the step after its checkpoint. The mixture is fast-forwarded there without
+touching data (see `mixture`), so a resumed job plans exactly what the uninterrupted job would
+have (I4). A rank that asks for step s is done with every earlier step; asking for an earlier
+step afterwards is refused as consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import FailedPrecondition, Unavailable
+from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.ledger import Ledger
+from batchplane.planner.membership import Membership
+from batchplane.planner.metrics import PlannerMetrics
+from batchplane.planner.mixture import Allocation, Mixture, MixtureState
+from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
+from batchplane.planner.summaries import SummaryStore, wait_for_summary
+
+log = logging.getLogger(__name__)
+
+#: Sentinel plan: the job's data ended before this step.
+END_OF_DATA = None
+
+
+class PlanBook:
+    """Plans of one job, built on demand by a planning thread.
+
+    Args:
+        job: The job's settings.
+        membership: Registered loaders and constructors.
+        store: Sample metadata pulled from the loaders.
+        metrics: The planner's metrics.
+        ledger_sink: Receives the ledger line of every planned step, in order.
+    """
+
+    def __init__(
+        self,
+        job: JobSettings,
+        *,
+        membership: Membership,
+        store: SummaryStore,
+        metrics: PlannerMetrics,
+        ledger_sink: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self._job = job
+        self._membership = membership
+        self._store = store
+        self._metrics = metrics
+        self._ledger_sink = ledger_sink
+        self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
+        self.ledger = Ledger(job.source_names, method=job.balance.method)
+        self._cond = threading.Condition()
+        self._plans: dict[int, StepPlan] = {}
+        self._progress: dict[int, int] = {}  # rank -> latest step it asked for
+        self._mixture: Mixture | None = None
+        self._state: MixtureState | None = None
+        self.start_step: int | None = None
+        self.end_step: int | None = None
+        self._wanted = -1
+        self._waiting_on = ""
+        self._failure: str | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._plan_loop, name="planning", daemon=True)
+        self._thread.start()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def plan_for(self, ranks: Sequence[int], step: int, *, timeout_s: float) -> StepPlan | None:
+        """The plan of `step` for a constructor serving `ranks`; None (END_OF_DATA) past the end.
+
+        Raises:
+            FailedPrecondition: the step is before the job's start or was consumed by one of
+                the ranks (it already asked for a later step).
+            Unavailable: the plan is not ready within `timeout_s` (loaders not registered or
+                slow); retry.
+        """
+        with self._cond:
+            if self.start_step is None:
+                self._start(step, timeout_s=timeout_s)
+            if step < self.start_step:
+                raise FailedPrecondition(f"step {step} is before step {self.start_step}, where this job started")
+            moved_on = {r: self._progress[r] for r in ranks if self._progress.get(r, step) > step}
+            if moved_on:
+                raise FailedPrecondition(
+                    f"step {step} was already consumed: rank(s) {sorted(moved_on)} asked for step "
+                    f"{max(moved_on.values())} since"
+                )
+            for r in ranks:
+                self._progress[r] = step
+            self._forget_consumed()
+            if self.end_step is not None and step >= self.end_step:
+                return END_OF_DATA
+            self._wanted = max(self._wanted, step + 1)  # plan one step ahead of the fastest rank
+            self._cond.notify_all()
+            ready = self._cond.wait_for(
+                lambda: step in self._plans or (self.end_step is not None and step >= self.end_step) or self._failure,
+                timeout=timeout_s,
+            )
+            if self._failure:
+                raise Unavailable(f"planning failed: {self._failure}")
+            if not ready:
+                raise Unavailable(f"plan of step {step} not ready after {timeout_s:.1f} s: {self._waiting_on}")
+            return self._plans.get(step, END_OF_DATA)
+
+    def _start(self, step: int, *, timeout_s: float) -> None:
+        """Starts the job at `step`: waits for every loader, then fast-forwards (lock held)."""
+        ready = self._cond.wait_for(lambda: self._membership.ready, timeout=timeout_s)
+        if not ready:
+            raise Unavailable(f"waiting for loaders {self._membership.missing_loaders()} to register")
+        if self.start_step is not None:  # another request started the job while we waited
+            return
+        ends = [
+            None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
+            for k in range(len(self._job.sources))
+        ]
+        self._mixture = Mixture(self._job.weights, global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
+        begin = time.perf_counter()
+        self._state = self._mixture.fast_forward(MixtureState.initial(len(ends)), step)
+        self.start_step = step
+        self._wanted = step
+        if step:
+            log.info("job resumes at step %d (fast-forward took %.3f s)", step, time.perf_counter() - begin)
+        self._store.start(self._state.cursors)
+        self._cond.notify_all()
+
+    def _forget_consumed(self) -> None:
+        low = min(self._progress.get(r, self.start_step) for r in range(self._job.mesh.dp))
+        for s in [s for s in self._plans if s < low]:
+            del self._plans[s]
+
+    def notify_membership(self) -> None:
+        """Wakes requests waiting for loaders to register."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- planning thread -----------------------------------------------------------------
+
+    def _plan_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._stopped or (self._state is not None and self.end_step is None and self._state.step <= self._wanted)
+                )
+                if self._stopped:
+                    return
+                state = self._state
+            try:
+                self._plan_next(state)
+            except Exception as exc:  # noqa: BLE001 - reported to every waiting request
+                log.exception("planning step %d failed", state.step)
+                with self._cond:
+                    self._failure = f"step {state.step}: {exc}"
+                    self._cond.notify_all()
+                return
+
+    def _plan_next(self, state: MixtureState) -> None:
+        allocation, after = self._mixture.allocate(state)
+        if allocation.end_of_data:
+            with self._cond:
+                self.end_step = state.step
+                self._cond.notify_all()
+            log.info("end of data: the last step is %d", state.step - 1)
+            return
+        begin = time.perf_counter()
+        table = self._allocated_samples(allocation)
+        if table is None:
+            return  # stopped while waiting
+        waited = time.perf_counter() - begin
+        plan = build_step_plan(
+            state.step,
+            table,
+            dp=self._job.mesh.dp,
+            microbatches=self._job.batch.microbatches,
+            method=self._job.balance.method,
+            cost_fn=self._cost_fn,
+        )
+        line = self.ledger.record(allocation, plan)
+        self._ledger_sink(line)
+        self._store.advance(after.cursors)
+        with self._cond:
+            self._plans[state.step] = plan
+            self._state = after
+            self._cond.notify_all()
+        self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
+
+    def _allocated_samples(self, allocation: Allocation) -> SampleTable | None:
+        tables = []
+        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
+            if not count:
+                continue
+            while True:
+                got = wait_for_summary(self._store, k, start, count, timeout_s=1.0)
+                if got is not None:
+                    break
+                if self._stopped:
+                    return None
+                address = self._membership.loader_of(k)
+                self._waiting_on = (
+                    f"waiting for summaries of source {self._job.sources[k].name!r} "
+                    f"(positions {start}..{start + count - 1}) from loader {self._job.loader_of(k)} at {address}"
+                )
+            rows, lengths = got
+            seq = np.arange(start, start + count, dtype=np.int64)
+            tables.append(
+                SampleTable(
+                    source=np.full(count, k, np.int32),
+                    seq=seq,
+                    row=rows,
+                    length=lengths,
+                    epoch=(seq // self._membership.num_rows(k)).astype(np.int32),
+                )
+            )
+        self._waiting_on = ""
+        return SampleTable.concat(tables)
+
+    # ---- status --------------------------------------------------------------------------
+
+    @property
+    def steps_planned(self) -> int:
+        return self.ledger.steps
+
+    @property
+    def finished(self) -> bool:
+        """True once every rank has asked for the end-of-data step."""
+        with self._cond:
+            if self.end_step is None:
+                return False
+            return all(self._progress.get(r, -1) >= self.end_step for r in range(self._job.mesh.dp))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)

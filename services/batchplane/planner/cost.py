@@ -1,0 +1,171 @@
+"""Per-sample compute cost models: the cost the planner balances, as a function of a sample's
+length in tokens.
+
+`make_cost_fn` turns the job's `balance.cost` settings into a function from an int64 array of
+lengths to a float64 array of costs: the built-in "quadratic" (attention-dominated) and
+"linear" models, or a user callable named by an import path "package.module:callable". Pure:
+no I/O beyond importing that module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import numpy as np
+
+from batchplane.core.errors import ConfigError
+
+#: int64 lengths [n] -> float64 costs [n].
+CostFn = Callable[[np.ndarray], np.ndarray]
+
+BUILTIN_KINDS = ("quadratic", "linear")
+_FIELD = "balance.cost.kind"
+
+
+def make_cost_fn(kind: str, *, linear: float = 0.0, quadratic: float = 1.0) -> CostFn:
+    """Builds the per-sample cost function of a cost model.
+
+    Args:
+        kind: "quadratic" (cost = linear * l + quadratic * l**2), "linear" (cost = l), or an
+            import path "package.module:callable" (the part after ':' may be dotted, e.g.
+            "pkg.mod:Model.cost") of a callable taking the int64 lengths array.
+        linear: Coefficient of l for "quadratic", finite and >= 0.
+        quadratic: Coefficient of l**2 for "quadratic", finite and >= 0.
+    Returns:
+        A function from int64 lengths [n] to float64 costs [n]. The built-in models compute in
+        float64, so lengths up to 2**31 do not overflow. A user callable is wrapped so that its
+        result is checked on every call: it must convert to a float64 array of the lengths'
+        shape, finite and >= 0, or the wrapper raises ValueError naming the import path.
+    Raises:
+        ConfigError: field "balance.cost.linear" / "balance.cost.quadratic" for a coefficient
+            that is not a finite number >= 0; field "balance.cost.kind" for a kind that is neither
+            built-in nor an importable callable (no ':', module not importable, attribute
+            missing, not callable).
+    """
+    if kind == "quadratic":
+        return _quadratic(_coefficient("linear", linear), _coefficient("quadratic", quadratic))
+    if kind == "linear":
+        return _linear
+    return _wrap_user(kind, _import_callable(kind))
+
+
+def _coefficient(name: str, value: float) -> float:
+    """Checks one coefficient of the quadratic model.
+
+    Args:
+        name: "linear" or "quadratic".
+        value: The coefficient.
+    Returns:
+        It as a float.
+    Raises:
+        ConfigError: field "balance.cost.<name>" when it is not a finite number >= 0.
+    """
+    v = float("nan")
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        try:
+            v = float(value)
+        except OverflowError:
+            v = float("inf")
+    if not np.isfinite(v) or v < 0:
+        raise ConfigError(f"balance.cost.{name}", "must be a finite number >= 0", value)
+    return v
+
+
+def _quadratic(linear: float, quadratic: float) -> CostFn:
+    """The quadratic model with fixed coefficients.
+
+    Args:
+        linear: Coefficient of l.
+        quadratic: Coefficient of l**2.
+    Returns:
+        The cost function.
+    """
+
+    def quadratic_cost(lengths: np.ndarray) -> np.ndarray:
+        """cost = linear * l + quadratic * l**2, in float64."""
+        x = np.asarray(lengths, dtype=np.float64)
+        return linear * x + quadratic * (x * x)
+
+    return quadratic_cost
+
+
+def _linear(lengths: np.ndarray) -> np.ndarray:
+    """cost = l, in float64.
+
+    Args:
+        lengths: int64 lengths.
+    Returns:
+        The lengths as float64.
+    """
+    return np.asarray(lengths, dtype=np.float64).copy()
+
+
+def _import_callable(path: str) -> Callable[[np.ndarray], object]:
+    """Imports the callable named by "package.module:attribute[.attribute...]".
+
+    Args:
+        path: The import path.
+    Returns:
+        The callable.
+    Raises:
+        ConfigError: field "balance.cost.kind", naming what failed.
+    """
+    module_name, sep, attr_path = path.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(_FIELD, f"must be one of {BUILTIN_KINDS} or an import path 'package.module:callable'", path)
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as exc:  # any failure while importing user code is a configuration error
+        raise ConfigError(_FIELD, f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}", path) from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ConfigError(_FIELD, f"{module_name!r} has no attribute {attr_path!r}", path) from exc
+    if not callable(obj):
+        raise ConfigError(_FIELD, f"{attr_path!r} in {module_name!r} is not callable ({type(obj).__name__})", path)
+    return obj
+
+
+def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:
+    """Wraps a user cost callable with checks of its result.
+
+    Args:
+        path: The callable's import path, for error messages.
+        fn: The callable.
+    Returns:
+        The checked cost function.
+    """
+
+    def user_cost(lengths: np.ndarray) -> np.ndarray:
+        """Calls the user's cost function and checks its result.
+
+        Args:
+            lengths: int64 lengths [n].
+        Returns:
+            float64 costs [n].
+        Raises:
+            ValueError: The result is not a float64-convertible array of the lengths' shape,
+                or holds non-finite or negative values.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        result = fn(lengths)
+        try:
+            costs = np.asarray(result, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost function {path!r} returned {type(result).__name__}, not convertible to float64: {exc}") from exc
+        if costs.shape != lengths.shape:
+            raise ValueError(f"cost function {path!r} returned shape {costs.shape}, expected {lengths.shape}")
+        bad = ~np.isfinite(costs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"cost function {path!r} returned a non-finite cost {float(costs[i])!r} at index {i} (length {int(lengths[i])})")
+        neg = costs < 0
+        if neg.any():
+            i = int(np.flatnonzero(neg)[0])
+            raise ValueError(f"cost function {path!r} returned a negative cost {float(costs[i])!r} at index {i} (length {int(lengths[i])})")
+        return costs
+
+    user_cost.__qualname__ = user_cost.__name__ = f"user_cost[{path}]"
+    return user_cost

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the planner, named batchplane_planner_<noun>_<unit>."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from batchplane.planner.balance import spread
+from batchplane.planner.ledger import Ledger
+from batchplane.planner.mixture import Allocation
+from batchplane.planner.plan import StepPlan
+
+
+class PlannerMetrics:
+    """The planner's metrics, registered on its own registry.
+
+    Args:
+        registry: The planner's registry.
+        source_names: Sources in job order.
+        target_weights: Normalized configured weight per source.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, source_names: Sequence[str], target_weights: Sequence[float]) -> None:
+        self._names = tuple(source_names)
+        self.steps = Counter("batchplane_planner_steps_planned_total", "Steps planned.", registry=registry)
+        self.plan_latency = Histogram(
+            "batchplane_planner_plan_duration_seconds",
+            "Time to plan one step once its sample metadata is known (mixing, costing, balancing, ledger).",
+            registry=registry,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+        )
+        self.summary_wait = Counter(
+            "batchplane_planner_summary_wait_seconds_total",
+            "Time the planning thread waited for loaders' buffer summaries (data starvation).",
+            registry=registry,
+        )
+        self.samples = Counter(
+            "batchplane_planner_samples_total",
+            "Samples planned, bad ones included, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "batchplane_planner_tokens_total", "Tokens planned, by source (the source's name).", ["source"], registry=registry
+        )
+        self.bad_samples = Counter(
+            "batchplane_planner_bad_samples_total",
+            "Planned samples left out as bad (reported by loaders with length 0), by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.target = Gauge(
+            "batchplane_planner_mixture_target_ratio",
+            "Configured share of samples, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.realized = Gauge(
+            "batchplane_planner_mixture_realized_ratio",
+            "Realized share of planned samples since the job started, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.imbalance = Gauge(
+            "batchplane_planner_rank_cost_imbalance_ratio",
+            "Max over min per-rank cost of the last planned step under the configured balancing.",
+            registry=registry,
+        )
+        for name, weight in zip(self._names, target_weights):
+            self.target.labels(name).set(weight)
+
+    def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
+        """Records one planned step."""
+        self.steps.inc()
+        self.plan_latency.observe(planned_s)
+        self.summary_wait.inc(waited_s)
+        good = np.bincount(plan.samples.source, minlength=len(self._names))
+        tokens = np.bincount(plan.samples.source, weights=plan.samples.length, minlength=len(self._names))
+        total = sum(t.samples for t in ledger.sources) or 1
+        for k, name in enumerate(self._names):
+            if allocation.counts[k]:
+                self.samples.labels(name).inc(allocation.counts[k])
+                self.tokens.labels(name).inc(int(tokens[k]))
+                self.bad_samples.labels(name).inc(allocation.counts[k] - int(good[k]))
+            self.realized.labels(name).set(ledger.sources[k].samples / total)
+        max_over_min, _ = spread(plan.rank_costs())
+        if np.isfinite(max_over_min):
+            self.imbalance.set(max_over_min)

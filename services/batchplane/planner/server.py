@@ -1,0 +1,84 @@
+"""Wires the planner together: membership, summary pulling, the plan book, its ledger file and
+the gRPC server."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TextIO
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from batchplane.core.config import JobSettings
+from batchplane.core.process import ProcessSettings
+from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.planner.book import PlanBook
+from batchplane.planner.membership import Membership
+from batchplane.planner.metrics import PlannerMetrics
+from batchplane.planner.service import PlannerServicer
+from batchplane.planner.summaries import SummaryPuller, SummaryStore
+from batchplane.v1 import planner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "ledger.jsonl"
+
+
+@dataclasses.dataclass
+class RunningPlanner:
+    address: str
+    server: grpc.Server
+    book: PlanBook
+    puller: SummaryPuller
+    ledger_file: TextIO
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s).wait()
+        self.puller.stop()
+        self.book.stop()
+        self.ledger_file.close()
+
+
+def summary_lookahead(job: JobSettings) -> int:
+    """Samples per source the planner wants to know ahead of its cursor: two full steps."""
+    return min(max(2 * job.batch.global_batch_size, 256), 65536)
+
+
+def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningPlanner:
+    """Starts the planner of `job`.
+
+    Raises:
+        ConfigError: a bad cost function import path.
+    """
+    run_dir = job.resolve(job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    weights = [w / sum(job.weights) for w in job.weights]
+    metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=weights)
+    membership = Membership(job)
+    store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
+    ledger_file = open(run_dir / LEDGER_FILE, "a", buffering=1)  # noqa: SIM115 - closed by stop()
+
+    def write_line(line: str) -> None:
+        ledger_file.write(line + "\n")
+
+    try:
+        book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger_sink=write_line)
+    except BaseException:
+        ledger_file.close()
+        raise
+    puller = SummaryPuller(
+        store, num_sources=len(job.sources), loader_of=membership.loader_of, max_message_bytes=job.network.max_message_bytes
+    )
+    server, port, health = create_grpc_server(
+        host=process.listen or job.network.host,
+        port=process.port,
+        metrics=ServerMetrics("planner", registry),
+        max_message_bytes=job.network.max_message_bytes,
+    )
+    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book), server)
+    server.start()
+    set_serving(health, "batchplane.v1.Planner")
+    address = process.listen or f"{job.network.host}:{port}"
+    log.info("job %r (fingerprint %s): %d sources, mesh dp=%d, ledger in %s", job.job, job.fingerprint, len(job.sources), job.mesh.dp, run_dir / LEDGER_FILE)
+    return RunningPlanner(address, server, book, puller, ledger_file)

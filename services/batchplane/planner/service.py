@@ -1,0 +1,106 @@
+"""The Planner gRPC servicer: parses requests, calls membership and the plan book, builds
+responses. No logic of its own."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import FailedPrecondition, InvalidArgument
+from batchplane.planner.book import PlanBook
+from batchplane.planner.membership import Membership, SourceFacts
+from batchplane.planner.plan import SampleTable
+from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
+from batchplane.wire import encode_array
+
+DEFAULT_WAIT_MS = 30_000
+
+
+def job_info(job: JobSettings) -> common_pb2.JobInfo:
+    """The job's description as every part sees it."""
+    return common_pb2.JobInfo(
+        job_id=job.job,
+        fingerprint=job.fingerprint,
+        sources=job.source_names,
+        mesh=common_pb2.Mesh(dp=job.mesh.dp),
+        global_batch_size=job.batch.global_batch_size,
+        microbatches=job.batch.microbatches,
+    )
+
+
+def sample_set(table: SampleTable) -> common_pb2.SampleSet:
+    return common_pb2.SampleSet(
+        source=encode_array(table.source),
+        seq=encode_array(table.seq),
+        row=encode_array(table.row),
+        length=encode_array(table.length),
+        epoch=encode_array(table.epoch),
+    )
+
+
+class PlannerServicer(planner_pb2_grpc.PlannerServicer):
+    def __init__(self, job: JobSettings, membership: Membership, book: PlanBook) -> None:
+        self._job = job
+        self._info = job_info(job)
+        self._membership = membership
+        self._book = book
+
+    def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
+        facts = [SourceFacts(name=s.name, num_rows=s.num_rows) for s in request.sources]
+        self._membership.register_loader(request.loader_index, request.address, facts)
+        self._book.notify_membership()
+        return planner_pb2.RegisterLoaderResponse(job=self._info)
+
+    def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
+        self._membership.register_constructor(request.constructor_index, request.address, list(request.dp_ranks))
+        return planner_pb2.RegisterConstructorResponse(job=self._info)
+
+    def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
+        return planner_pb2.GetJobResponse(job=self._info, ready=self._membership.ready)
+
+    def GetPlan(self, request: planner_pb2.GetPlanRequest, context: grpc.ServicerContext) -> planner_pb2.GetPlanResponse:
+        ranks = self._membership.constructor_ranks(request.constructor_index)
+        if ranks is None:
+            raise FailedPrecondition(f"constructor {request.constructor_index} has not registered")
+        if request.step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {request.step}")
+        wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
+        plan = self._book.plan_for(ranks, request.step, timeout_s=wait_ms / 1000)
+        if plan is None:
+            return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
+        rank_plans = []
+        for rank in ranks:
+            samples, offsets = plan.rank_samples(rank)
+            rank_plans.append(
+                planner_pb2.RankPlan(dp_rank=rank, samples=sample_set(samples), microbatch_offsets=encode_array(offsets))
+            )
+        return planner_pb2.GetPlanResponse(
+            step=request.step,
+            ranks=rank_plans,
+            source_loaders=[self._membership.loader_of(k) or "" for k in range(len(self._job.sources))],
+            global_loss_tokens=plan.loss_tokens,
+        )
+
+    def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:
+        ledger = self._book.ledger
+        weights = np.asarray(self._job.weights)
+        weights = weights / weights.sum()
+        return planner_pb2.GetStatusResponse(
+            job=self._info,
+            steps_planned=self._book.steps_planned,
+            end_step=-1 if self._book.end_step is None else self._book.end_step,
+            finished=self._book.finished,
+            sources=[
+                planner_pb2.SourceStatus(
+                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples
+                )
+                for name, w, t in zip(self._job.source_names, weights, ledger.sources)
+            ],
+            balance=[
+                planner_pb2.BalanceFigure(
+                    method=method, mean_max_over_min=t.mean_max_over_min, mean_max_over_mean=t.mean_max_over_mean
+                )
+                for method, t in ledger.balance.items()
+            ],
+        )

@@ -1,0 +1,203 @@
+"""The planner's view of the loaders' buffers: per source, the rows and lengths of the samples
+from the planner's cursor on, pulled from the loader that serves the source.
+
+`SummaryStore` holds what is known (no I/O). `SummaryPuller` keeps it filled a look-ahead past
+the cursor, one thread per source calling the loader's GetSummary; each call also tells the
+loader the cursor, which is what lets the loader read further ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from batchplane.core.rpc import create_channel
+from batchplane.v1 import loader_pb2, loader_pb2_grpc
+from batchplane.wire import decode_array
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Known:
+    base: int = 0  # seq of rows[0]
+    rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    end: int | None = None  # the stream ends here, once known
+    cursor: int = 0  # the planner's next seq
+
+    @property
+    def known_through(self) -> int:
+        return self.base + len(self.rows)
+
+
+class SummaryStore:
+    """Known sample metadata per source, from the planner's cursor on.
+
+    Args:
+        num_sources: Sources in the job.
+        lookahead: Samples past the cursor worth knowing in advance.
+    """
+
+    def __init__(self, num_sources: int, *, lookahead: int) -> None:
+        self.lookahead = lookahead
+        self._known = [_Known() for _ in range(num_sources)]
+        self._started = False
+        self.cond = threading.Condition()
+
+    def start(self, cursors: tuple[int, ...]) -> None:
+        """Sets the cursors the job starts (or resumes) at; pulling begins."""
+        with self.cond:
+            for known, cursor in zip(self._known, cursors):
+                known.base = known.cursor = cursor
+            self._started = True
+            self.cond.notify_all()
+
+    def advance(self, cursors: tuple[int, ...]) -> None:
+        """Moves the cursors after a step is planned and forgets what lies before them."""
+        with self.cond:
+            for known, cursor in zip(self._known, cursors):
+                drop = min(cursor - known.base, len(known.rows))
+                if drop > 0:
+                    known.rows, known.lengths = known.rows[drop:], known.lengths[drop:]
+                    known.base += drop
+                known.cursor = cursor
+            self.cond.notify_all()
+
+    def add(self, source: int, start_seq: int, rows: np.ndarray, lengths: np.ndarray, end_of_stream: bool) -> None:
+        """Appends what a loader reported; entries that are already known or stale are ignored."""
+        with self.cond:
+            known = self._known[source]
+            skip = known.known_through - start_seq
+            if skip < 0:
+                log.warning("source %d: summary from %d leaves a gap after %d; ignored", source, start_seq, known.known_through)
+                return
+            if skip < len(rows):
+                known.rows = np.concatenate([known.rows, rows[skip:]])
+                known.lengths = np.concatenate([known.lengths, lengths[skip:]])
+            if end_of_stream:
+                known.end = start_seq + len(rows)
+            self.cond.notify_all()
+
+    def wanted(self, source: int) -> tuple[int, int] | None:
+        """(from_seq, planned_seq) of the next pull for `source`, or None when nothing is wanted
+        (not started, look-ahead satisfied, or the stream ended). Call with `cond` held."""
+        known = self._known[source]
+        if not self._started or known.end is not None:
+            return None
+        if known.known_through >= known.cursor + self.lookahead:
+            return None
+        return known.known_through, known.cursor
+
+    def get(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows and lengths of seqs [start, start + count), or None while not all known."""
+        with self.cond:
+            known = self._known[source]
+            lo = start - known.base
+            if lo < 0:
+                raise ValueError(f"source {source}: seq {start} is before the store's base {known.base}")
+            if known.known_through < start + count:
+                return None
+            return known.rows[lo : lo + count], known.lengths[lo : lo + count]
+
+
+class SummaryPuller:
+    """One thread per source pulling summaries from its loader into the store.
+
+    Args:
+        store: The store to fill.
+        loader_of: Address of the loader serving a source, or None before it registered.
+        max_message_bytes: Channel message limit.
+        wait_ms: How long a loader may wait for data before answering empty.
+    """
+
+    def __init__(
+        self,
+        store: SummaryStore,
+        *,
+        num_sources: int,
+        loader_of: Callable[[int], str | None],
+        max_message_bytes: int,
+        wait_ms: int = 1000,
+    ) -> None:
+        self._store = store
+        self._loader_of = loader_of
+        self._max_message_bytes = max_message_bytes
+        self._wait_ms = wait_ms
+        self._stopped = threading.Event()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._pull_loop, args=(k,), name=f"summary-{k}", daemon=True)
+            for k in range(num_sources)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _stub(self, address: str) -> loader_pb2_grpc.LoaderStub:
+        with self._channels_lock:
+            if address not in self._channels:
+                self._channels[address] = create_channel(address, max_message_bytes=self._max_message_bytes)
+            return loader_pb2_grpc.LoaderStub(self._channels[address])
+
+    def _pull_loop(self, source: int) -> None:
+        backoff = 0.05
+        while not self._stopped.is_set():
+            with self._store.cond:
+                self._store.cond.wait_for(
+                    lambda: self._stopped.is_set() or (self._store.wanted(source) is not None and self._loader_of(source)),
+                    timeout=1.0,
+                )
+                want = self._store.wanted(source)
+            address = self._loader_of(source)
+            if self._stopped.is_set() or want is None or address is None:
+                continue
+            from_seq, planned_seq = want
+            request = loader_pb2.GetSummaryRequest(
+                source=source,
+                from_seq=from_seq,
+                planned_seq=planned_seq,
+                max_samples=self._store.lookahead,
+                wait_ms=self._wait_ms,
+            )
+            try:
+                response = self._stub(address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
+            except grpc.RpcError as exc:
+                log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, address, exc.code().name, exc.details())
+                self._stopped.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.05
+            rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
+            lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
+            self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._store.cond:
+            self._store.cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._channels_lock:
+            for channel in self._channels.values():
+                channel.close()
+
+
+def wait_for_summary(
+    store: SummaryStore, source: int, start: int, count: int, *, timeout_s: float
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`store.get`, waiting up to `timeout_s` for the metadata to arrive."""
+    give_up = time.monotonic() + timeout_s
+    with store.cond:
+        while True:
+            got = store.get(source, start, count)
+            remaining = give_up - time.monotonic()
+            if got is not None or remaining <= 0:
+                return got
+            store.cond.wait(timeout=remaining)

@@ -1,0 +1,168 @@
+"""Shared pieces of the integration tests: Parquet sources with known contents, job files, a
+running data plane (real processes on 127.0.0.1) and clients that collect every rank's batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from batchplane.client import Client
+from batchplane.launcher.local import LocalCluster
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceData:
+    """A written source: its folder and the token ids of every row, in source row order."""
+
+    name: str
+    path: pathlib.Path
+    rows: list[np.ndarray]
+
+
+def write_source(
+    root: pathlib.Path,
+    name: str,
+    lengths: Sequence[int],
+    *,
+    files: int = 2,
+    row_group_size: int = 40,
+    seed: int = 0,
+) -> SourceData:
+    """Writes a source of len(lengths) rows (int32 token lists) over `files` files."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 50_000, n).astype(np.int32) for n in lengths]
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    bounds = np.linspace(0, len(rows), files + 1).astype(int)
+    for f in range(files):
+        part = rows[bounds[f] : bounds[f + 1]]
+        table = pa.table(
+            {
+                "input_ids": pa.array(part, type=pa.list_(pa.int32())),
+                "doc_id": pa.array(np.arange(bounds[f], bounds[f + 1]), pa.int64()),
+            }
+        )
+        pq.write_table(table, folder / f"part-{f:05d}.parquet", row_group_size=row_group_size, compression="zstd", write_page_checksum=True)
+    return SourceData(name, folder, rows)
+
+
+def skewed_lengths(n: int, *, seed: int, long_share: float = 0.1, short: int = 48, long: int = 600) -> list[int]:
+    """Mostly short samples with a long tail."""
+    rng = np.random.default_rng(seed)
+    return np.where(rng.random(n) < long_share, rng.integers(short, long, n), rng.integers(2, short, n)).tolist()
+
+
+def write_job(path: pathlib.Path, sources: Sequence[SourceData], **settings: Any) -> pathlib.Path:
+    """Writes a job file; `settings` are merged over defaults (nested dicts replace sections)."""
+    job = {
+        "job": "test",
+        "seed": 11,
+        "epochs": 1,
+        "sources": [{"name": s.name, "path": str(s.path)} for s in sources],
+        "batch": {"global_batch_size": 12, "microbatches": 2, "token_dtype": "int32"},
+        "mesh": {"dp": 2},
+        "run_dir": str(path.parent / "run"),
+    }
+    job.update(settings)
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+Batch = dict[str, Any]
+
+
+def to_numpy(batch: dict[str, Any]) -> Batch:
+    """A client batch with its tensors as numpy arrays (copied, so they outlive the client)."""
+    return {
+        "step": batch["step"],
+        "global_loss_tokens": batch["global_loss_tokens"],
+        "microbatches": [
+            {k: (v.numpy().copy() if hasattr(v, "numpy") else v) for k, v in mb.items()} for mb in batch["microbatches"]
+        ],
+    }
+
+
+def collect(
+    endpoints: pathlib.Path,
+    ranks: Sequence[int],
+    *,
+    states: dict[int, dict] | None = None,
+    stop_after: int | None = None,
+) -> tuple[dict[int, list[Batch]], dict[int, dict]]:
+    """Runs one client per rank concurrently (as trainers do) until the end of data or until
+    `stop_after` batches each.
+
+    Returns:
+        (batches per rank, each client's state_dict at the end).
+    """
+    import os
+
+    os.environ["BATCHPLANE_ENDPOINTS"] = str(endpoints)
+    results: dict[int, list[Batch]] = {}
+    final_states: dict[int, dict] = {}
+    failures: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with Client(rank=rank, timeout_s=60) as client:
+                if states and rank in states:
+                    client.load_state_dict(states[rank])
+                out = []
+                for batch in client:
+                    out.append(to_numpy(batch))
+                    if stop_after is not None and len(out) >= stop_after:
+                        break
+                results[rank] = out
+                final_states[rank] = client.state_dict()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if failures:
+        raise failures[0]
+    return results, final_states
+
+
+def sample_ids(batches: list[Batch]) -> list[list[list[tuple[int, int]]]]:
+    """Per step, per microbatch: (source, row) of each sample."""
+    return [
+        [list(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())) for mb in b["microbatches"]] for b in batches
+    ]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {'name{labels}': value}."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+    """Polls `condition` until true; fails the test after `timeout_s`."""
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def start_cluster(config: pathlib.Path) -> LocalCluster:
+    return LocalCluster(config, log_level="INFO").start()

@@ -1,0 +1,178 @@
+"""Bad input gets a clear error and loses nothing: bad configuration and bad sources fail at
+start-up naming the field or the file; a corrupt row group at run time is skipped, counted and
+logged while every other row still arrives exactly once; bad requests get the right status."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from harness import collect, scrape, skewed_lengths, start_cluster, write_job, write_source
+
+from batchplane.client import Client, InvalidRequestError, StepUnavailableError
+from batchplane.core.errors import ConfigError
+from batchplane.launcher.local import LaunchError, LocalCluster
+from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
+from batchplane.wire import encode_array
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def good(tmp_path: pathlib.Path):
+    root = tmp_path / "data"
+    return [
+        write_source(root, "a", skewed_lengths(120, seed=4), seed=4),
+        write_source(root, "b", skewed_lengths(80, seed=5), seed=5),
+    ]
+
+
+# ---- start-up: configuration -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"mixture": {"weights": {"nope": 1.0}}}, "mixture.weights.nope"),
+        ({"mixture": {"weights": {"a": -1.0}}}, "mixture.weights.a"),
+        ({"mixture": {"weights": {"a": 0.0, "b": 0.0}}}, "mixture.weights"),
+        ({"mesh": {"dp": 0}}, "mesh.dp"),
+        ({"batch": {"global_batch_size": 3, "microbatches": 2}}, "batch.global_batch_size"),
+    ],
+)
+def test_bad_configuration_fails_before_anything_starts(tmp_path, good, settings, field) -> None:
+    config = write_job(tmp_path / "job.yaml", good, **settings)
+    with pytest.raises(ConfigError) as info:
+        LocalCluster(config)
+    assert info.value.field == field
+    result = subprocess.run([sys.executable, "-m", "batchplane.cli", "up", "-c", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert field in result.stderr
+
+
+# ---- start-up: sources -------------------------------------------------------------------
+
+
+def _write_table(folder: pathlib.Path, table: pa.Table) -> pathlib.Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder / "x.parquet")
+    return folder / "x.parquet"
+
+
+def _write_bytes(folder: pathlib.Path, data: bytes) -> pathlib.Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "x.parquet").write_bytes(data)
+    return folder / "x.parquet"
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda d: d / "missing", "no Parquet file found"),
+        (lambda d: _write_bytes(d, b"not parquet at all"), "cannot read Parquet file"),
+        (lambda d: _write_table(d, pa.table({"other": [[1, 2]]})), "has no column 'input_ids'"),
+        (lambda d: _write_table(d, pa.table({"input_ids": ["a b c"]})), "must be a list of integers"),
+        (lambda d: _write_table(d, pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))})), "no rows"),
+    ],
+    ids=["missing", "unreadable", "missing-column", "wrong-type", "empty"],
+)
+def test_a_bad_source_stops_the_start_naming_the_source_and_file(tmp_path, good, make, expected) -> None:
+    path = make(tmp_path / "bad")
+    config = write_job(tmp_path / "job.yaml", [*good, type(good[0])("bad", path, [])], loaders={"count": 3})
+    with pytest.raises(LaunchError) as info:
+        LocalCluster(config).start(timeout_s=30)
+    message = str(info.value)
+    assert "loader-2" in message and "source 'bad'" in message and expected in message
+    assert str(path) in message
+
+
+# ---- run time: a corrupt row group ---------------------------------------------------------
+
+
+def corrupt_row_group(path: pathlib.Path, index: int) -> int:
+    """Flips bytes inside the data pages of one row group; returns its row count."""
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(index).column(0)
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    data = bytearray(path.read_bytes())
+    for i in range(start + 20, start + column.total_compressed_size - 4, 7):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return meta.row_group(index).num_rows
+
+
+def test_a_corrupt_row_group_is_skipped_counted_and_logged_and_nothing_else_is_lost(tmp_path, good) -> None:
+    victim = good[0].path / "part-00001.parquet"
+    first_row = pq.ParquetFile(good[0].path / "part-00000.parquet").metadata.num_rows
+    group_rows = corrupt_row_group(victim, 1)
+    lost = set(range(first_row + 40, first_row + 40 + group_rows))  # row group 1 of file 1 (40 rows per group)
+    cluster = start_cluster(write_job(tmp_path / "job.yaml", good, loaders={"count": 1}))
+    try:
+        batches, _ = collect(cluster.endpoints_path, range(2))
+        metrics = scrape(json.loads(cluster.endpoints_path.read_text())["metrics"]["loader-0"])
+        status = cluster.status()
+        log = (cluster.run_dir / "logs" / "loader-0.log").read_text()
+    finally:
+        cluster.stop()
+    seen = collections.Counter(
+        (s, r) for rank in batches.values() for b in rank for mb in b["microbatches"]
+        for s, r in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
+    )
+    assert max(seen.values()) == 1
+    expected = {(0, r) for r in range(len(good[0].rows)) if r not in lost} | {(1, r) for r in range(len(good[1].rows))}
+    assert set(seen) == expected
+    assert metrics['batchplane_loader_corrupt_row_groups_total{source="a"}'] == 1
+    assert metrics['batchplane_loader_bad_samples_total{reason="unreadable",source="a"}'] == group_rows
+    assert status.sources[0].bad_samples == group_rows
+    assert f"file '{victim}' row group 1 is unreadable" in log
+
+
+# ---- run time: bad requests ----------------------------------------------------------------
+
+
+def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None:
+    cluster = start_cluster(write_job(tmp_path / "job.yaml", good, epochs="infinite"))
+    try:
+        endpoints = json.loads(cluster.endpoints_path.read_text())
+        rank0 = endpoints["constructors"]["0"]
+        with pytest.raises(InvalidRequestError, match="outside the job's mesh"):
+            Client(rank0, rank=5)
+        with pytest.raises(InvalidRequestError, match="serves ranks \\[0\\], not rank 1"):
+            Client(rank0, rank=1)
+        with Client(rank0, rank=0) as client:
+            for batch in client:
+                if batch["step"] == 3:
+                    state = client.state_dict()
+                    break
+        with Client(rank0, rank=0) as late:
+            late.load_state_dict({**state, "next_step": 1})
+            with pytest.raises(StepUnavailableError, match="already consumed"):
+                next(iter(late))
+            with pytest.raises(InvalidRequestError, match="fingerprint"):
+                late.load_state_dict({**state, "fingerprint": "0" * 16})
+        with grpc.insecure_channel(endpoints["loaders"]["0"]) as channel:
+            loader = loader_pb2_grpc.LoaderStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                loader.GetSummary(loader_pb2.GetSummaryRequest(source=9, from_seq=0), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not 9" in info.value.details()
+            far = common_pb2.SampleSet(source=encode_array(np.zeros(1, np.int32)), seq=encode_array(np.array([10**9], np.int64)))
+            with pytest.raises(grpc.RpcError) as info:
+                list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=7, step=0, samples=far), timeout=10))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            huge = common_pb2.SampleSet(
+                source=encode_array(np.zeros(700_000, np.int32)), seq=encode_array(np.zeros(700_000, np.int64))
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(samples=huge), timeout=10))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        cluster.stop()

@@ -1,0 +1,126 @@
+"""The dependency rules of DESIGN.md, checked on the source: the client never imports service
+code; services never import torch and do not import each other; pure logic imports no grpc and
+does no I/O; the wire layer needs only numpy and protobuf."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOTS = {"services": ROOT / "services", "client": ROOT / "client", "proto": ROOT / "proto"}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")) or path.parent == root:
+            continue
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(p for p in parts if p != "__init__")] = path
+    return out
+
+
+ALL = {name: path for root in ROOTS.values() for name, path in modules(root).items()}
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def owned_by(prefix: str) -> list[str]:
+    return sorted(m for m in ALL if m == prefix or m.startswith(prefix + "."))
+
+
+def violations(module_names: list[str], forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for name in module_names:
+        for imported in imports_of(ALL[name]):
+            if any(imported == f or imported.startswith(f + ".") for f in forbidden):
+                bad.append(f"{name} imports {imported}")
+    return bad
+
+
+SERVICES = ("batchplane.planner", "batchplane.loader", "batchplane.constructor")
+SERVICE_SIDE = (*SERVICES, "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli")
+PURE = (
+    "batchplane.planner.mixture",
+    "batchplane.planner.plan",
+    "batchplane.planner.balance",
+    "batchplane.planner.cost",
+    "batchplane.planner.ledger",
+    "batchplane.planner.membership",
+    "batchplane.loader.order",
+    "batchplane.constructor.assemble",
+    "batchplane.core.config",
+    "batchplane.core.errors",
+)
+
+
+def test_the_module_table_found_the_packages() -> None:
+    for prefix in (*SERVICE_SIDE, "batchplane.client", "batchplane.wire", *PURE):
+        assert owned_by(prefix), prefix
+
+
+@pytest.mark.parametrize("side", SERVICE_SIDE)
+def test_service_side_never_imports_torch_or_the_client(side: str) -> None:
+    assert violations(owned_by(side), ("torch", "batchplane.client", "batchplane.examples")) == []
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_services_do_not_import_each_other(service: str) -> None:
+    others = tuple(s for s in SERVICES if s != service)
+    assert violations(owned_by(service), others) == []
+
+
+def test_core_imports_no_service() -> None:
+    assert violations(owned_by("batchplane.core"), (*SERVICES, "batchplane.launcher", "batchplane.demo")) == []
+
+
+def test_client_imports_only_torch_grpc_protobuf_numpy_and_the_contract() -> None:
+    allowed_prefixes = ("torch", "grpc", "google.protobuf", "numpy", "batchplane.v1", "batchplane.wire", "batchplane.client")
+    bad = []
+    for name in owned_by("batchplane.client") + owned_by("batchplane.examples"):
+        for imported in imports_of(ALL[name]):
+            top = imported.split(".")[0]
+            if top in STDLIB or top == "__future__":
+                continue
+            if not any(imported == p or imported.startswith(p + ".") for p in allowed_prefixes):
+                bad.append(f"{name} imports {imported}")
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_logic_imports_no_grpc_and_no_io_libraries(module: str) -> None:
+    assert violations([module], ("grpc", "pyarrow", "prometheus_client", "socket", "subprocess", "batchplane.v1")) == []
+
+
+def test_wire_needs_only_numpy_and_protobuf() -> None:
+    bad = [
+        i for i in imports_of(ALL["batchplane.wire"])
+        if i.split(".")[0] not in STDLIB | {"__future__", "numpy"} and not i.startswith(("batchplane.v1", "google.protobuf"))
+    ]
+    assert bad == []
+
+
+def test_service_processes_do_not_load_torch() -> None:
+    """Loading every service module leaves torch out of the interpreter (it costs ~220 MB)."""
+    code = (
+        "import sys, batchplane.planner.server, batchplane.loader.server, batchplane.constructor.server, "
+        "batchplane.launcher.local, batchplane.demo.run, batchplane.cli; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,300 @@
+"""Tests of batchplane.planner.ledger (running totals, ledger lines, balance figures) and
+batchplane.planner.membership (which loaders and constructors joined, and whether they fit)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from batchplane.core.config import job_from_mapping
+from batchplane.core.errors import InvalidArgument
+from batchplane.planner.balance import METHODS
+from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.ledger import BalanceTotals, Ledger
+from batchplane.planner.membership import Membership, SourceFacts
+from batchplane.planner.mixture import Allocation
+from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
+
+QUADRATIC = make_cost_fn("quadratic")
+NAMES = ("a", "b", "c")
+
+
+def _table(rows: list[tuple[int, int, int, int, int]]) -> SampleTable:
+    """Rows of (source, seq, row, length, epoch)."""
+    source, seq, row, length, epoch = (np.array(c) for c in zip(*rows)) if rows else ([],) * 5
+    return SampleTable(
+        source=np.asarray(source, np.int32),
+        seq=np.asarray(seq, np.int64),
+        row=np.asarray(row, np.int64),
+        length=np.asarray(length, np.int32),
+        epoch=np.asarray(epoch, np.int32),
+    )
+
+
+# Source a: seqs 10..12 (seq 11 is bad, length 0); source b: seqs 0..1; source c: nothing.
+# Good samples in (source, seq) order have lengths 5, 3, 8, 2 -> quadratic costs 25, 9, 64, 4.
+STEP3 = _table(
+    [
+        (1, 1, 2, 2, 1),
+        (0, 10, 7, 5, 0),
+        (0, 11, 3, 0, 0),
+        (1, 0, 4, 8, 1),
+        (0, 12, 9, 3, 0),
+    ]
+)
+ALLOC3 = Allocation(step=3, starts=(10, 0, 0), counts=(3, 2, 0))
+
+# Per-rank costs over dp=2 by hand: round robin takes items 0,2 | 1,3 -> [89, 13];
+# greedy and Karmarkar-Karp both give {64} | {25, 9, 4} -> [64, 38].
+EXPECTED_SPREAD = {
+    "round_robin": (89 / 13, 89 / 51),
+    "greedy": (64 / 38, 64 / 51),
+    "karmarkar_karp": (64 / 38, 64 / 51),
+}
+
+
+def _plan(step: int, table: SampleTable, *, dp: int = 2, microbatches: int = 1, method: str = "karmarkar_karp", cost_fn=QUADRATIC) -> StepPlan:
+    return build_step_plan(step, table, dp=dp, microbatches=microbatches, method=method, cost_fn=cost_fn)
+
+
+# ---- ledger ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ledger_totals_count_bad_samples(method: str) -> None:
+    ledger = Ledger(NAMES, method=method)
+    ledger.record(ALLOC3, _plan(3, STEP3, method=method))
+    assert ledger.steps == 1
+    got = [(t.samples, t.tokens, t.bad_samples) for t in ledger.sources]
+    assert got == [(3, 8, 1), (2, 10, 0), (0, 0, 0)]
+    for t in ledger.sources:
+        assert isinstance(t.tokens, int)
+
+
+def test_ledger_totals_accumulate_over_steps() -> None:
+    ledger = Ledger(NAMES, method="greedy")
+    ledger.record(ALLOC3, _plan(3, STEP3, method="greedy"))
+    step4 = _table([(2, 0, 5, 6, 0), (2, 1, 6, 0, 0), (0, 13, 1, 4, 0)])
+    ledger.record(Allocation(step=4, starts=(13, 2, 0), counts=(1, 0, 2)), _plan(4, step4, method="greedy"))
+    assert ledger.steps == 2
+    got = [(t.samples, t.tokens, t.bad_samples) for t in ledger.sources]
+    assert got == [(4, 12, 1), (2, 10, 0), (2, 6, 1)]
+
+
+def test_ledger_line_content() -> None:
+    plan = _plan(3, STEP3, dp=2, microbatches=2, method="greedy")
+    line = Ledger(NAMES, method="greedy").record(ALLOC3, plan)
+    assert "\n" not in line and " " not in line
+    record = json.loads(line)
+    assert set(record) == {"step", "take", "bad", "ranks"}
+    assert record["step"] == 3
+    assert record["take"] == {"a": [10, 3], "b": [0, 2]}  # c took nothing and is left out
+    assert record["bad"] == 1
+    ranks = record["ranks"]
+    assert len(ranks) == 2
+    assert all(len(rank) == 2 for rank in ranks)
+    # Each microbatch lists [source, row, epoch] of its samples, in plan order.
+    identity = {(0, 10): (0, 7, 0), (0, 12): (0, 9, 0), (1, 0): (1, 4, 1), (1, 1): (1, 2, 1)}
+    for rank, rank_mbs in zip(plan.microbatches, ranks):
+        for mb, listed in zip(rank, rank_mbs):
+            expected = [list(identity[(int(plan.samples.source[i]), int(plan.samples.seq[i]))]) for i in mb]
+            assert listed == expected
+    everything = sorted(tuple(s) for rank in ranks for mb in rank for s in mb)
+    assert everything == sorted(identity.values())  # the bad sample (row 3) is not delivered
+
+
+def test_ledger_line_of_an_all_bad_step() -> None:
+    table = _table([(0, 0, 0, 0, 0), (0, 1, 1, 0, 0)])
+    ledger = Ledger(NAMES, method="round_robin")
+    record = json.loads(ledger.record(Allocation(0, (0, 0, 0), (2, 0, 0)), _plan(0, table, method="round_robin")))
+    assert record["take"] == {"a": [0, 2]}
+    assert record["bad"] == 2
+    assert record["ranks"] == [[[]], [[]]]
+    assert (ledger.sources[0].samples, ledger.sources[0].tokens, ledger.sources[0].bad_samples) == (2, 0, 2)
+    assert all(b.steps == 0 for b in ledger.balance.values())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_balance_figures_for_all_methods_configured_first(method: str) -> None:
+    ledger = Ledger(NAMES, method=method)
+    assert list(ledger.balance)[0] == method
+    assert sorted(ledger.balance) == sorted(METHODS)
+    plan = _plan(3, STEP3, method=method)
+    ledger.record(ALLOC3, plan)
+    ledger.record(Allocation(4, ALLOC3.starts, ALLOC3.counts), _plan(4, STEP3, method=method))
+    for m, totals in ledger.balance.items():
+        assert totals.steps == 2, m
+        max_over_min, max_over_mean = EXPECTED_SPREAD[m]
+        assert totals.mean_max_over_min == pytest.approx(max_over_min), m
+        assert totals.mean_max_over_mean == pytest.approx(max_over_mean), m
+
+
+def test_balance_is_not_recorded_when_a_step_has_fewer_samples_than_ranks() -> None:
+    ledger = Ledger(NAMES, method="karmarkar_karp")
+    ledger.record(ALLOC3, _plan(3, STEP3, dp=5))  # 4 good samples over 5 ranks
+    assert ledger.steps == 1
+    for totals in ledger.balance.values():
+        assert totals.steps == 0
+        assert math.isnan(totals.mean_max_over_min) and math.isnan(totals.mean_max_over_mean)
+    assert ledger.sources[0].samples == 3
+
+
+def test_balance_totals_skip_steps_with_an_idle_rank() -> None:
+    totals = BalanceTotals()
+    totals.add(np.array([0.0, 5.0]))
+    assert totals.steps == 0
+    totals.add(np.array([2.0, 4.0]))
+    totals.add(np.array([3.0, 3.0]))
+    assert totals.steps == 2
+    assert totals.mean_max_over_min == pytest.approx((2.0 + 1.0) / 2)
+    assert totals.mean_max_over_mean == pytest.approx((4 / 3 + 1.0) / 2)
+
+
+def test_mismatched_allocation_and_plan_step_is_rejected() -> None:
+    ledger = Ledger(NAMES, method="greedy")
+    with pytest.raises(ValueError, match=r"allocation of step 4 with plan of step 3"):
+        ledger.record(Allocation(4, ALLOC3.starts, ALLOC3.counts), _plan(3, STEP3, method="greedy"))
+    assert ledger.steps == 0
+    assert all((t.samples, t.tokens, t.bad_samples) == (0, 0, 0) for t in ledger.sources)
+    assert all(b.steps == 0 for b in ledger.balance.values())
+
+
+# ---- membership ------------------------------------------------------------------------------
+
+
+def _membership(*, dp: int = 4) -> Membership:
+    job = job_from_mapping(
+        {
+            "job": "j",
+            "sources": [{"name": n, "path": n} for n in NAMES],
+            "loaders": {"count": 2},  # loader 0: a, c; loader 1: b
+            "mesh": {"dp": dp},
+            "batch": {"global_batch_size": dp},
+            "constructors": {"ranks_per_constructor": 2},
+        }
+    )
+    return Membership(job)
+
+
+def test_loaders_registering_make_the_job_ready() -> None:
+    m = _membership()
+    assert not m.ready
+    assert m.missing_loaders() == [0, 1]
+    assert [m.loader_of(k) for k in range(3)] == [None, None, None]
+    m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 5)])
+    assert not m.ready
+    assert m.missing_loaders() == [1]
+    assert [m.loader_of(k) for k in range(3)] == ["host:1", None, "host:1"]
+    assert [m.num_rows(k) for k in range(3)] == [10, None, 5]
+    m.register_loader(1, "host:2", [SourceFacts("b", 7)])
+    assert m.ready
+    assert m.missing_loaders() == []
+    assert [m.loader_of(k) for k in range(3)] == ["host:1", "host:2", "host:1"]
+    assert [m.num_rows(k) for k in range(3)] == [10, 7, 5]
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        ["a"],
+        ["c", "a"],
+        ["a", "c", "b"],
+        ["a", "b"],
+        [],
+    ],
+)
+def test_loader_with_the_wrong_sources_is_rejected(reported: list[str]) -> None:
+    m = _membership()
+    with pytest.raises(InvalidArgument) as info:
+        m.register_loader(0, "host:1", [SourceFacts(n, 3) for n in reported])
+    message = str(info.value)
+    assert "loader 0" in message
+    assert "['a', 'c']" in message
+    assert repr(reported) in message
+    assert m.loader_of(0) is None and m.num_rows(0) is None
+
+
+def test_empty_source_is_rejected_and_nothing_is_recorded() -> None:
+    m = _membership()
+    with pytest.raises(InvalidArgument, match=r"source 'c' has no rows"):
+        m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 0)])
+    assert m.num_rows(0) is None
+    assert m.loader_of(0) is None
+    assert m.missing_loaders() == [0, 1]
+
+
+def test_reregistration_replaces_the_address_and_rejects_a_changed_row_count() -> None:
+    m = _membership()
+    m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 5)])
+    m.register_loader(0, "host:9", [SourceFacts("a", 10), SourceFacts("c", 5)])
+    assert m.loader_of(0) == "host:9"
+    with pytest.raises(InvalidArgument, match=r"source 'c' had 5 rows and now has 6"):
+        m.register_loader(0, "host:3", [SourceFacts("a", 10), SourceFacts("c", 6)])
+    assert m.loader_of(0) == "host:9"
+    assert m.num_rows(2) == 5
+
+
+@pytest.mark.parametrize("index", [-1, 2, 10])
+def test_loader_index_outside_the_job_is_rejected(index: int) -> None:
+    m = _membership()
+    with pytest.raises(InvalidArgument, match=rf"loader_index {index} is outside \[0, 2\)"):
+        m.register_loader(index, "host:1", [SourceFacts("b", 3)])
+    assert m.missing_loaders() == [0, 1]
+
+
+def test_constructors_register_their_ranks() -> None:
+    m = _membership()
+    assert m.constructor_ranks(0) is None
+    m.register_constructor(0, "c:0", [0, 1])
+    m.register_constructor(1, "c:1", (3, 2))
+    assert m.constructor_ranks(0) == (0, 1)
+    assert m.constructor_ranks(1) == (3, 2)
+    assert m.constructor_ranks(2) is None
+
+
+def _re_list(values: list[int]) -> str:
+    return "\\[" + ", ".join(str(v) for v in values) + "\\]"
+
+
+@pytest.mark.parametrize(("ranks", "outside"), [([3, 4], [4]), ([-1, 0], [-1]), ([9, 8], [9, 8])])
+def test_ranks_outside_the_mesh_are_rejected(ranks: list[int], outside: list[int]) -> None:
+    m = _membership(dp=4)
+    with pytest.raises(InvalidArgument, match=rf"dp_ranks {_re_list(outside)} are outside the mesh \(mesh.dp = 4\)"):
+        m.register_constructor(0, "c:0", ranks)
+    assert m.constructor_ranks(0) is None
+
+
+def test_duplicate_and_missing_ranks_are_rejected() -> None:
+    m = _membership()
+    with pytest.raises(InvalidArgument, match=r"dp_ranks \[1, 1\] repeat a rank"):
+        m.register_constructor(0, "c:0", [1, 1])
+    with pytest.raises(InvalidArgument, match=r"constructor 0 must serve at least one rank"):
+        m.register_constructor(0, "c:0", [])
+    assert m.constructor_ranks(0) is None
+
+
+def test_ranks_taken_by_another_constructor_are_rejected() -> None:
+    m = _membership()
+    m.register_constructor(0, "c:0", [0, 1])
+    with pytest.raises(InvalidArgument, match=r"already served by other constructors: \{1: 0\}"):
+        m.register_constructor(1, "c:1", [1, 2])
+    assert m.constructor_ranks(1) is None
+    # Rank 2 was not taken by the failed call.
+    m.register_constructor(2, "c:2", [2])
+    assert m.constructor_ranks(2) == (2,)
+
+
+def test_reregistration_moves_a_constructors_ranks() -> None:
+    m = _membership()
+    m.register_constructor(0, "c:0", [0, 1])
+    m.register_constructor(0, "c:0", [0, 1])  # the same again is fine
+    m.register_constructor(0, "c:0", [2, 3])
+    assert m.constructor_ranks(0) == (2, 3)
+    m.register_constructor(1, "c:1", [0, 1])  # freed by the move
+    assert m.constructor_ranks(1) == (0, 1)
+    with pytest.raises(InvalidArgument, match=r"\{3: 0\}"):
+        m.register_constructor(1, "c:1", [3])
+    assert m.constructor_ranks(1) == (0, 1)

@@ -1,0 +1,257 @@
+"""Tests of batchplane.planner.summaries.SummaryStore and wait_for_summary (the pure part; the
+gRPC SummaryPuller is covered by integration tests)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.planner.summaries import SummaryStore, wait_for_summary
+
+
+def _rows(start: int, count: int) -> np.ndarray:
+    """Distinct, recognisable rows for seqs [start, start + count)."""
+    return np.arange(start, start + count, dtype=np.int64) * 100 + 7
+
+
+def _lengths(start: int, count: int) -> np.ndarray:
+    return (np.arange(start, start + count, dtype=np.int32) % 13) + 1
+
+
+def _add(store: SummaryStore, source: int, start: int, count: int, *, end: bool = False) -> None:
+    store.add(source, start, _rows(start, count), _lengths(start, count), end)
+
+
+def _wanted(store: SummaryStore, source: int):
+    with store.cond:
+        return store.wanted(source)
+
+
+def _get(store: SummaryStore, source: int, start: int, count: int):
+    got = store.get(source, start, count)
+    if got is None:
+        return None
+    rows, lengths = got
+    return rows.tolist(), lengths.tolist()
+
+
+def _expected(start: int, count: int):
+    return _rows(start, count).tolist(), _lengths(start, count).tolist()
+
+
+def test_nothing_is_wanted_before_start() -> None:
+    store = SummaryStore(2, lookahead=10)
+    assert _wanted(store, 0) is None
+    assert _wanted(store, 1) is None
+
+
+def test_start_sets_the_cursors() -> None:
+    store = SummaryStore(2, lookahead=10)
+    store.start((5, 0))
+    assert _wanted(store, 0) == (5, 5)
+    assert _wanted(store, 1) == (0, 0)
+    assert store.get(0, 5, 0) is not None
+    with pytest.raises(ValueError, match=r"source 0: seq 4 is before the store's base 5"):
+        store.get(0, 4, 1)
+
+
+def test_wanted_until_the_lookahead_is_satisfied() -> None:
+    store = SummaryStore(1, lookahead=10)
+    store.start((5,))
+    _add(store, 0, 5, 4)
+    assert _wanted(store, 0) == (9, 5)
+    _add(store, 0, 9, 5)
+    assert _wanted(store, 0) == (14, 5)
+    _add(store, 0, 14, 1)  # known through 15 = cursor 5 + lookahead 10
+    assert _wanted(store, 0) is None
+    store.advance((6,))
+    assert _wanted(store, 0) == (15, 6)
+
+
+def test_get_returns_none_until_all_requested_entries_are_known() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    assert store.get(0, 0, 1) is None
+    _add(store, 0, 0, 5)
+    assert _get(store, 0, 0, 5) == _expected(0, 5)
+    assert _get(store, 0, 2, 3) == _expected(2, 3)
+    assert store.get(0, 0, 6) is None
+    assert store.get(0, 4, 2) is None
+    assert store.get(0, 7, 1) is None
+    _add(store, 0, 5, 3)
+    assert _get(store, 0, 0, 8) == _expected(0, 8)
+    assert _get(store, 0, 4, 2) == _expected(4, 2)
+
+
+def test_overlapping_adds_ignore_known_entries() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    _add(store, 0, 0, 6)
+    # A second report from seq 3 with different values: 3..5 are known and must not change.
+    store.add(0, 3, np.array([-1, -2, -3, 900, 1000], np.int64), np.array([50, 51, 52, 53, 54], np.int32), False)
+    rows, lengths = store.get(0, 0, 8)
+    assert rows.tolist() == _rows(0, 6).tolist() + [900, 1000]
+    assert lengths.tolist() == _lengths(0, 6).tolist() + [53, 54]
+    # A report entirely inside what is known changes nothing.
+    store.add(0, 1, np.array([-5, -6], np.int64), np.array([9, 9], np.int32), False)
+    assert store.get(0, 0, 8)[0].tolist() == rows.tolist()
+    assert store.get(0, 0, 9) is None
+
+
+def test_gaps_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    _add(store, 0, 0, 4)
+    with caplog.at_level(logging.WARNING, logger="batchplane.planner.summaries"):
+        _add(store, 0, 6, 4)
+    assert "gap" in caplog.text
+    assert store.get(0, 6, 1) is None
+    assert store.get(0, 4, 1) is None
+    assert _wanted(store, 0) == (4, 0)
+    # The gap filled in order is accepted.
+    _add(store, 0, 4, 6)
+    assert _get(store, 0, 0, 10) == _expected(0, 10)
+
+
+def test_gap_with_end_of_stream_does_not_end_the_stream() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    _add(store, 0, 5, 2, end=True)
+    assert _wanted(store, 0) == (0, 0)
+
+
+def test_advance_drops_entries_below_the_cursor() -> None:
+    store = SummaryStore(2, lookahead=100)
+    store.start((0, 0))
+    _add(store, 0, 0, 10)
+    _add(store, 1, 0, 3)
+    store.advance((4, 3))
+    with pytest.raises(ValueError, match=r"before the store's base 4"):
+        store.get(0, 3, 1)
+    assert _get(store, 0, 4, 6) == _expected(4, 6)
+    with pytest.raises(ValueError, match=r"source 1: seq 2 is before the store's base 3"):
+        store.get(1, 2, 1)
+    assert store.get(1, 3, 1) is None
+    assert _wanted(store, 0) == (10, 4)
+    assert _wanted(store, 1) == (3, 3)
+
+
+def test_advance_past_what_is_known() -> None:
+    store = SummaryStore(1, lookahead=5)
+    store.start((0,))
+    _add(store, 0, 0, 3)
+    store.advance((8,))
+    assert _wanted(store, 0) == (3, 8)
+    _add(store, 0, 3, 10)
+    assert _get(store, 0, 8, 5) == _expected(8, 5)
+    assert _wanted(store, 0) is None
+
+
+def test_nothing_is_wanted_after_the_stream_ended() -> None:
+    store = SummaryStore(2, lookahead=100)
+    store.start((0, 0))
+    _add(store, 1, 0, 3, end=True)
+    assert _wanted(store, 1) is None
+    assert _get(store, 1, 0, 3) == _expected(0, 3)
+    assert store.get(1, 0, 4) is None
+    assert _wanted(store, 0) == (0, 0)
+    # An empty final report ends the stream where it stands.
+    _add(store, 0, 0, 2)
+    store.add(0, 2, np.zeros(0, np.int64), np.zeros(0, np.int32), True)
+    assert _wanted(store, 0) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    reports=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 15)), max_size=20),
+    cursor=st.integers(0, 30),
+)
+def test_store_holds_exactly_the_contiguous_prefix_it_was_given(reports, cursor) -> None:
+    store = SummaryStore(1, lookahead=1000)
+    store.start((cursor,))
+    known = cursor
+    for start, count in reports:
+        _add(store, 0, start, count)
+        if start <= known:
+            known = max(known, start + count)
+    with store.cond:
+        assert store.wanted(0) == (known, cursor)
+    assert _get(store, 0, cursor, known - cursor) == _expected(cursor, known - cursor)
+    assert store.get(0, cursor, known - cursor + 1) is None
+
+
+# ---- wait_for_summary ------------------------------------------------------------------------
+
+
+class _WatchedCondition(threading.Condition):
+    """A condition that records that someone waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_wait_for_summary_returns_data_added_by_another_thread() -> None:
+    store = SummaryStore(1, lookahead=10)
+    store.cond = _WatchedCondition()
+    store.start((0,))
+    _add(store, 0, 0, 2)
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(wait_for_summary(store, 0, 0, 5, timeout_s=30)))
+    waiter.start()
+    try:
+        assert store.cond.waiting.wait(timeout=10), "wait_for_summary never waited"
+        assert not result
+        _add(store, 0, 2, 3)
+    finally:
+        waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert len(result) == 1 and result[0] is not None
+    rows, lengths = result[0]
+    assert (rows.tolist(), lengths.tolist()) == _expected(0, 5)
+
+
+def test_wait_for_summary_keeps_waiting_through_partial_data() -> None:
+    store = SummaryStore(1, lookahead=10)
+    store.start((0,))
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(wait_for_summary(store, 0, 0, 4, timeout_s=30)))
+    waiter.start()
+    try:
+        for seq in range(4):
+            _add(store, 0, seq, 1)
+    finally:
+        waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert result[0] is not None and result[0][0].tolist() == _rows(0, 4).tolist()
+
+
+def test_wait_for_summary_gives_up_after_its_timeout() -> None:
+    store = SummaryStore(1, lookahead=10)
+    store.start((0,))
+    _add(store, 0, 0, 2)
+    began = time.monotonic()
+    assert wait_for_summary(store, 0, 0, 3, timeout_s=0.05) is None
+    assert time.monotonic() - began >= 0.05
+
+
+def test_wait_for_summary_with_the_data_at_hand_or_no_time() -> None:
+    store = SummaryStore(1, lookahead=10)
+    store.start((0,))
+    _add(store, 0, 0, 3)
+    got = wait_for_summary(store, 0, 1, 2, timeout_s=0)
+    assert got is not None and got[0].tolist() == _rows(1, 2).tolist()
+    assert wait_for_summary(store, 0, 0, 4, timeout_s=0) is None
+    store.advance((2,))
+    with pytest.raises(ValueError, match=r"seq 1 is before the store's base 2"):
+        wait_for_summary(store, 0, 1, 1, timeout_s=1)
