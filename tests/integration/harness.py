@@ -62,8 +62,8 @@ def skewed_lengths(n: int, *, seed: int, long_share: float = 0.1, short: int = 4
     return np.where(rng.random(n) < long_share, rng.integers(short, long, n), rng.integers(2, short, n)).tolist()
 
 
-def write_job(path: pathlib.Path, sources: Sequence[SourceData], **settings: Any) -> pathlib.Path:
-    """Writes a job file; `settings` are merged over defaults (nested dicts replace sections)."""
+def write_job(path: pathlib.Path, sources: Sequence[SourceData], /, **settings: Any) -> pathlib.Path:
+    """Writes a job file; `settings` replace top-level sections of the defaults (`sources=` too)."""
     job = {
         "job": "test",
         "seed": 11,

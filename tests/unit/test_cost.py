@@ -68,6 +68,10 @@ class Model:
     @staticmethod
     def cost(lengths):
         return lengths.astype(np.float64) + 1.0
+
+
+def with_images(lengths, features):
+    return lengths.astype(np.float64) + 1000.0 * features.get("num_images", 0.0)
 '''
 
 
@@ -203,3 +207,15 @@ def test_bad_user_results_raise_value_error_naming_the_path(user_module: str, at
     fn = make_cost_fn(path)  # importing works; the result is checked on each call
     with pytest.raises(ValueError, match=re.escape(repr(path)) + ".*" + what):
         fn(LENGTHS)
+
+
+def test_a_user_callable_taking_features_receives_the_loaders_features(user_module: str) -> None:
+    cost = make_cost_fn(f"{user_module}:with_images")
+    lengths = np.array([3, 4, 5], np.int64)
+    assert cost(lengths, {"num_images": np.array([0.0, 2.0, 1.0])}).tolist() == [3.0, 2004.0, 1005.0]
+    assert cost(lengths).tolist() == [3.0, 4.0, 5.0]  # no features reported: an empty dict
+
+
+def test_builtin_models_ignore_features() -> None:
+    lengths = np.array([2, 3], np.int64)
+    assert make_cost_fn("quadratic")(lengths, {"num_images": np.array([5.0, 5.0])}).tolist() == [4.0, 9.0]

@@ -37,7 +37,7 @@ def _get(store: SummaryStore, source: int, start: int, count: int):
     got = store.get(source, start, count)
     if got is None:
         return None
-    rows, lengths = got
+    rows, lengths, _ = got
     return rows.tolist(), lengths.tolist()
 
 
@@ -95,7 +95,7 @@ def test_overlapping_adds_ignore_known_entries() -> None:
     _add(store, 0, 0, 6)
     # A second report from seq 3 with different values: 3..5 are known and must not change.
     store.add(0, 3, np.array([-1, -2, -3, 900, 1000], np.int64), np.array([50, 51, 52, 53, 54], np.int32), False)
-    rows, lengths = store.get(0, 0, 8)
+    rows, lengths, _ = store.get(0, 0, 8)
     assert rows.tolist() == _rows(0, 6).tolist() + [900, 1000]
     assert lengths.tolist() == _lengths(0, 6).tolist() + [53, 54]
     # A report entirely inside what is known changes nothing.
@@ -217,7 +217,7 @@ def test_wait_for_summary_returns_data_added_by_another_thread() -> None:
         waiter.join(timeout=10)
     assert not waiter.is_alive()
     assert len(result) == 1 and result[0] is not None
-    rows, lengths = result[0]
+    rows, lengths, _ = result[0]
     assert (rows.tolist(), lengths.tolist()) == _expected(0, 5)
 
 
@@ -255,3 +255,18 @@ def test_wait_for_summary_with_the_data_at_hand_or_no_time() -> None:
     store.advance((2,))
     with pytest.raises(ValueError, match=r"seq 1 is before the store's base 2"):
         wait_for_summary(store, 0, 1, 1, timeout_s=1)
+
+
+def test_features_stay_aligned_with_rows_through_adds_and_advances() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    store.add(0, 0, np.arange(4, dtype=np.int64), np.ones(4, np.int32), False, {"images": np.array([1.0, 2, 3, 4])})
+    # An overlapping report: known positions keep their values; a new feature is 0 before it.
+    store.add(0, 2, np.arange(2, 6, dtype=np.int64), np.ones(4, np.int32), False, {"images": np.array([9.0, 9, 5, 6]), "crops": np.array([0.0, 0, 7, 8])})
+    _, _, features = store.get(0, 0, 6)
+    assert features["images"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert features["crops"].tolist() == [0, 0, 0, 0, 7, 8]
+    store.advance((3,))
+    _, _, features = store.get(0, 3, 3)
+    assert features["images"].tolist() == [4, 5, 6]
+    assert features["crops"].tolist() == [0, 7, 8]

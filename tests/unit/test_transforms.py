@@ -108,7 +108,7 @@ def test_per_sample_applies_the_function_row_by_row() -> None:
 def test_per_sample_rejects_a_row_with_none() -> None:
     transform = per_sample(lambda row: None if row["x"] < 0 else [row["x"]] * row["x"])
     out = transform(pa.table({"x": [2, -1, 1, 0]}))
-    ids = check_output(out, 4)
+    ids, _ = check_output(out, 4)
     assert ids.to_pylist() == [[2, 2], None, [1], []]
     assert lengths_of(ids).tolist() == [2, 0, 1, 0]
 
@@ -116,7 +116,7 @@ def test_per_sample_rejects_a_row_with_none() -> None:
 def test_per_sample_on_an_empty_batch() -> None:
     out = per_sample(lambda row: [1])(pa.table({"x": pa.array([], pa.int64())}))
     assert out.num_rows == 0
-    assert check_output(out, 0).type == pa.list_(pa.int64())
+    assert check_output(out, 0)[0].type == pa.list_(pa.int64())
 
 
 # ---- check_output ----------------------------------------------------------------------------
@@ -162,7 +162,8 @@ def test_transform_error_is_a_value_error() -> None:
     ids=["int16", "int8", "uint16", "large-int16", "large-int64", "large-int32", "int32", "int64"],
 )
 def test_check_output_normalizes_to_list_of_int32_or_int64(ids: pa.Array, expected_type: pa.DataType) -> None:
-    out = check_output(pa.table({"input_ids": ids, "extra": ["x", "y", "z"]}), 3)
+    out, features = check_output(pa.table({"input_ids": ids, "num_images": [1, 0, 2]}), 3)
+    assert features["num_images"].tolist() == [1.0, 0.0, 2.0]
     assert isinstance(out, pa.ListArray)
     assert out.type == expected_type
     assert out.to_pylist() == [[1, 2], None, [3]]
@@ -170,9 +171,10 @@ def test_check_output_normalizes_to_list_of_int32_or_int64(ids: pa.Array, expect
 
 def test_check_output_accepts_a_record_batch_and_combines_chunks() -> None:
     batch = pa.RecordBatch.from_pydict({"input_ids": _ids([[5], [6, 7]])})
-    assert check_output(batch, 2).to_pylist() == [[5], [6, 7]]
+    assert check_output(batch, 2)[0].to_pylist() == [[5], [6, 7]]
     chunked = pa.table({"input_ids": pa.chunked_array([_ids([[1]]), _ids([[2, 3], []])])})
-    out = check_output(chunked, 3)
+    out, features = check_output(chunked, 3)
+    assert features == {}
     assert isinstance(out, pa.ListArray)
     assert out.to_pylist() == [[1], [2, 3], []]
 
@@ -190,7 +192,7 @@ def test_bind_without_a_transform_reads_only_the_token_column() -> None:
     assert bound.fn is token_ids
     assert dict(bound.kwargs) == {"column": "toks"}
     assert bound.columns == ("toks",)
-    ids = bound(pa.table({"toks": _ids([[1, 2], [3]], pa.int16())}))
+    ids = bound(pa.table({"toks": _ids([[1, 2], [3]], pa.int16())}))[0]
     assert ids.type == pa.list_(pa.int64())
     assert ids.to_pylist() == [[1, 2], [3]]
 
@@ -200,13 +202,13 @@ def test_bind_an_import_path(user_module: str) -> None:
     bound = bind_transform(0, source)
     assert bound.columns == ("text",)
     assert dict(bound.kwargs) == {"times": 2}
-    assert bound(pa.table({"text": ["ab", ""]})).to_pylist() == [[97, 98, 97, 98], []]
+    assert bound(pa.table({"text": ["ab", ""]}))[0].to_pylist() == [[97, 98, 97, 98], []]
 
 
 def test_bind_a_per_sample_transform(user_module: str) -> None:
     bound = bind_transform(1, _source(transform=f"{user_module}:word_lengths", transform_args={"minimum": 1}))
     assert bound.columns is None
-    ids = bound(pa.table({"text": ["a bb ccc", "single", "dd e"]}))
+    ids = bound(pa.table({"text": ["a bb ccc", "single", "dd e"]}))[0]
     assert ids.to_pylist() == [[1, 2, 3], None, [2, 1]]
     assert lengths_of(ids).tolist() == [3, 0, 2]
 
@@ -253,3 +255,22 @@ def test_lengths_of_empty_and_sliced_arrays() -> None:
     assert lengths_of(_ids([])).tolist() == []
     ids = _ids([[1], [1, 2], None, [1, 2, 3, 4]])
     assert lengths_of(ids.slice(1, 3)).tolist() == [2, 0, 4]
+
+
+def test_extra_numeric_columns_become_float_features_with_nulls_as_zero() -> None:
+    out = pa.table({"input_ids": _ids([[1], [2], [3]]), "num_images": pa.array([2, None, 1]), "crop": [True, False, True]})
+    _, features = check_output(out, 3)
+    assert features["num_images"].dtype == np.float64
+    assert features["num_images"].tolist() == [2.0, 0.0, 1.0]
+    assert features["crop"].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_an_extra_column_that_is_not_a_number_is_refused_by_name() -> None:
+    with pytest.raises(TransformError, match=r"column 'caption' must hold one number per row"):
+        check_output(pa.table({"input_ids": _ids([[1]]), "caption": ["a cat"]}), 1)
+
+
+def test_fixed_size_lists_are_accepted_as_token_lists() -> None:
+    ids = pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, 4], pa.int32()), 2)
+    out, _ = check_output(pa.table({"input_ids": ids}), 2)
+    assert out.to_pylist() == [[1, 2], [3, 4]]

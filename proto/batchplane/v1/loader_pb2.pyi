@@ -1,4 +1,5 @@
 from batchplane.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -21,16 +22,25 @@ class GetSummaryRequest(_message.Message):
     def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("start_seq", "row", "length", "end_of_stream")
+    __slots__ = ("start_seq", "row", "length", "end_of_stream", "features")
+    class FeaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.Array
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
     START_SEQ_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     start_seq: int
     row: _common_pb2.Array
     length: _common_pb2.Array
     end_of_stream: bool
-    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+    features: _containers.MessageMap[str, _common_pb2.Array]
+    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ...) -> None: ...
 
 class FetchSamplesRequest(_message.Message):
     __slots__ = ("constructor_index", "step", "samples", "release_below_step")

@@ -32,14 +32,18 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             raise InvalidArgument(f"source: this loader serves sources {sorted(self._streams)}, not {request.source}")
         if request.from_seq < 0 or request.planned_seq < 0 or request.max_samples < 0:
             raise InvalidArgument("from_seq, planned_seq and max_samples must be >= 0")
-        rows, lengths, end = stream.summary(
+        rows, lengths, features, end = stream.summary(
             from_seq=request.from_seq,
             planned_seq=request.planned_seq,
             max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
             wait_s=max(request.wait_ms, 0) / 1000,
         )
         return loader_pb2.GetSummaryResponse(
-            start_seq=request.from_seq, row=encode_array(rows), length=encode_array(lengths), end_of_stream=end
+            start_seq=request.from_seq,
+            row=encode_array(rows),
+            length=encode_array(lengths),
+            end_of_stream=end,
+            features={name: encode_array(values) for name, values in features.items()},
         )
 
     def FetchSamples(self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext) -> Iterator[loader_pb2.FetchSamplesResponse]:

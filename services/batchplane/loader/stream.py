@@ -28,7 +28,7 @@ from batchplane.core.errors import FailedPrecondition, NotFound
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.order import SampleOrder, Window
 from batchplane.loader.source import ParquetSource
-from batchplane.loader.transforms import BoundTransform, lengths_of
+from batchplane.loader.transforms import BoundTransform, TransformError, lengths_of
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class BufferedWindow:
     ids: pa.ListArray
     rows: np.ndarray
     lengths: np.ndarray
+    features: dict[str, np.ndarray]
     nbytes: int
     #: Good samples at or after the stream's start that are not yet released.
     unreleased: int
@@ -114,6 +115,7 @@ class SourceStream:
         self._read_seq = 0  # next position to read (a window start)
         self._planned_seq = 0
         self._wanted_seq = -1  # a waiting summary request needs position wanted_seq
+        self._feature_names: tuple[str, ...] | None = None  # set by the first good row group
         self._closed = False
         self._thread = threading.Thread(target=self._read_loop, name=f"read-{source.name}", daemon=True)
         self._thread.start()
@@ -126,12 +128,12 @@ class SourceStream:
 
     def summary(
         self, *, from_seq: int, planned_seq: int, max_samples: int, wait_s: float
-    ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Rows and lengths of positions from `from_seq` on, as far as read.
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
+        """Rows, lengths and features of positions from `from_seq` on, as far as read.
 
         Returns:
-            (rows int64 [n], lengths int32 [n], end_of_stream after them); n may be 0 after
-            waiting `wait_s` for the reader.
+            (rows int64 [n], lengths int32 [n], features {name: float64 [n]}, end_of_stream
+            after them); n may be 0 after waiting `wait_s` for the reader.
         Raises:
             FailedPrecondition: `from_seq` was already dropped, or precedes the stream's start.
         """
@@ -150,6 +152,8 @@ class SourceStream:
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._read_seq > from_seq or self._closed, timeout=wait_s)
             rows, lengths = [], []
+            names = self._feature_names or ()
+            features: dict[str, list[np.ndarray]] = {name: [] for name in names}
             count = 0
             i = self._window_index(from_seq) if self._read_seq > from_seq else len(self._windows)
             seq = from_seq
@@ -159,13 +163,16 @@ class SourceStream:
                 hi = min(len(w.rows), lo + max_samples - count)
                 rows.append(w.rows[lo:hi])
                 lengths.append(w.lengths[lo:hi])
+                for name in names:
+                    features[name].append(w.features[name][lo:hi] if name in w.features else np.zeros(hi - lo))
                 count += hi - lo
                 seq = w.seq_start + hi
                 i += 1
             self._cond.notify_all()  # the planner's cursor moved: read ahead
         rows_out = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         lengths_out = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-        return rows_out, lengths_out, self._is_end(seq)
+        features_out = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in features.items()}
+        return rows_out, lengths_out, features_out, self._is_end(seq)
 
     def _is_end(self, seq: int) -> bool:
         return self.end_seq is not None and seq >= self.end_seq
@@ -268,14 +275,21 @@ class SourceStream:
     def _read_window(self, seq: int) -> BufferedWindow:
         epoch, position = divmod(seq, self.num_rows)
         window = self.order.window_at(epoch, position)
-        parts, failed = [], set()
+        parts, feature_parts, failed = [], [], set()
         for g in window.row_groups:
-            ids = self._read_row_group(g)
-            if ids is None:
+            got = self._read_row_group(g)
+            if got is None:
                 failed.add(g)
-                ids = pa.nulls(self.source.row_groups[g].num_rows, TOKEN_TYPE)
-            parts.append(ids)
-        ids = pa.concat_arrays(parts).take(pa.array(self.order.permutation(epoch, window)))
+                n = self.source.row_groups[g].num_rows
+                got = pa.nulls(n, TOKEN_TYPE), {}
+            parts.append(got[0])
+            feature_parts.append(got[1])
+        perm = self.order.permutation(epoch, window)
+        ids = pa.concat_arrays(parts).take(pa.array(perm))
+        features = {
+            name: np.concatenate([f.get(name, np.zeros(len(p))) for f, p in zip(feature_parts, parts)])[perm]
+            for name in self._feature_names or ()
+        }
         rows = self.order.window_rows(epoch, window)
         lengths = lengths_of(ids)
         self._report_bad_samples(window, failed, ids, rows)
@@ -287,13 +301,14 @@ class SourceStream:
             ids=ids,
             rows=rows,
             lengths=lengths,
-            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes,
+            features=features,
+            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + sum(f.nbytes for f in features.values()),
             unreleased=int(np.count_nonzero(lengths[first_counted:] > 0)),
         )
 
-    def _read_row_group(self, g: int) -> pa.ListArray | None:
-        """The transformed token lists of row group g; None when it cannot be read or transformed
-        (logged and counted here)."""
+    def _read_row_group(self, g: int) -> tuple[pa.ListArray, dict[str, np.ndarray]] | None:
+        """The transformed token lists and features of row group g; None when it cannot be read
+        or transformed (logged and counted here)."""
         row_group = self.source.row_groups[g]
         where = self.source.describe(row_group)
         try:
@@ -304,11 +319,17 @@ class SourceStream:
             self._metrics.bad_samples.labels(self.name, "unreadable").inc(row_group.num_rows)
             return None
         try:
-            return self.transform(table).cast(TOKEN_TYPE)
+            ids, features = self.transform(table)
+            ids = ids.cast(TOKEN_TYPE)
+            if self._feature_names is None:
+                self._feature_names = tuple(sorted(features))
+            elif set(features) != set(self._feature_names):
+                raise TransformError(f"returned features {sorted(features)}, earlier row groups {list(self._feature_names)}")
         except Exception as exc:  # noqa: BLE001 - user code: any failure skips the row group
             log.error("source %r: transform failed on %s, skipping its %d rows: %s", self.name, where, row_group.num_rows, exc)
             self._metrics.bad_samples.labels(self.name, "transform").inc(row_group.num_rows)
             return None
+        return ids, features
 
     def _report_bad_samples(self, window: Window, failed: set[int], ids: pa.ListArray, rows: np.ndarray) -> None:
         """Counts and logs null (rejected) and empty token lists of the row groups that read fine."""

@@ -3,8 +3,10 @@
 A transform is a callable `transform(batch: pyarrow.Table, **transform_args) -> pyarrow.Table`
 named in the job configuration by its import path ("package.module:callable"). It returns one
 row per input row, in order, with an `input_ids` column of token-id lists; a null or empty list
-marks a sample the transform rejects (it is counted and skipped, never delivered). Row-wise
-Python functions become transforms with `per_sample`.
+marks a sample the transform rejects (it is counted and skipped, never delivered). Every other
+column must hold one number per row: it becomes a per-sample feature (e.g. `num_images`) that
+the loader reports to the planner and cost functions may use. Row-wise Python functions become
+transforms with `per_sample`.
 
 The default, `token_ids`, uses the source's `token_column` as it is.
 """
@@ -60,8 +62,9 @@ class BoundTransform:
     #: Columns to read from the files (None: all).
     columns: tuple[str, ...] | None
 
-    def __call__(self, batch: pa.Table) -> pa.ListArray:
-        """Applies the transform and returns its validated `input_ids` (one list per row)."""
+    def __call__(self, batch: pa.Table) -> tuple[pa.ListArray, dict[str, np.ndarray]]:
+        """Applies the transform; returns its validated `input_ids` (one list per row) and
+        features (one float64 array per extra column)."""
         out = self.fn(batch, **self.kwargs)
         return check_output(out, batch.num_rows)
 
@@ -86,11 +89,12 @@ def bind_transform(index: int, source: SourceSettings) -> BoundTransform:
     return BoundTransform(fn, dict(source.transform_args), source.columns)
 
 
-def check_output(out: Any, num_rows: int) -> pa.ListArray:
-    """The `input_ids` of a transform's output as one list array of integers.
+def check_output(out: Any, num_rows: int) -> tuple[pa.ListArray, dict[str, np.ndarray]]:
+    """The `input_ids` of a transform's output as one list array of integers, and its features.
 
     Raises:
-        TransformError: not a table, wrong row count, no `input_ids`, or not lists of integers.
+        TransformError: not a table, wrong row count, no `input_ids`, not lists of integers, or
+            an extra column that is not numeric.
     """
     if isinstance(out, pa.RecordBatch):
         out = pa.Table.from_batches([out])
@@ -107,7 +111,15 @@ def check_output(out: Any, num_rows: int) -> pa.ListArray:
         raise TransformError(f"'input_ids' must be lists of integers, got {ids.type}")
     if ids.type.value_type not in (pa.int32(), pa.int64()):
         ids = ids.cast(pa.list_(pa.int64()))
-    return ids
+    features = {}
+    for name in out.schema.names:
+        if name == "input_ids":
+            continue
+        column = out.column(name)
+        if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)):
+            raise TransformError(f"column {name!r} must hold one number per row to be a feature, got {column.type}")
+        features[name] = pc.fill_null(column.cast(pa.float64()), 0.0).to_numpy()
+    return ids, features
 
 
 def lengths_of(ids: pa.ListArray) -> np.ndarray:

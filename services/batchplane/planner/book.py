@@ -210,7 +210,7 @@ class PlanBook:
                     f"waiting for summaries of source {self._job.sources[k].name!r} "
                     f"(positions {start}..{start + count - 1}) from loader {self._job.loader_of(k)} at {address}"
                 )
-            rows, lengths = got
+            rows, lengths, features = got
             seq = np.arange(start, start + count, dtype=np.int64)
             tables.append(
                 SampleTable(
@@ -219,6 +219,7 @@ class PlanBook:
                     row=rows,
                     length=lengths,
                     epoch=(seq // self._membership.num_rows(k)).astype(np.int32),
+                    features=features,
                 )
             )
         self._waiting_on = ""

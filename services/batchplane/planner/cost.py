@@ -10,14 +10,15 @@ no I/O beyond importing that module.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from batchplane.core.errors import ConfigError
 
-#: int64 lengths [n] -> float64 costs [n].
-CostFn = Callable[[np.ndarray], np.ndarray]
+#: (int64 lengths [n], optional per-sample features {name: float64 [n]}) -> float64 costs [n].
+CostFn = Callable[..., np.ndarray]
 
 BUILTIN_KINDS = ("quadratic", "linear")
 _FIELD = "balance.cost.kind"
@@ -29,11 +30,14 @@ def make_cost_fn(kind: str, *, linear: float = 0.0, quadratic: float = 1.0) -> C
     Args:
         kind: "quadratic" (cost = linear * l + quadratic * l**2), "linear" (cost = l), or an
             import path "package.module:callable" (the part after ':' may be dotted, e.g.
-            "pkg.mod:Model.cost") of a callable taking the int64 lengths array.
+            "pkg.mod:Model.cost") of a callable taking the int64 lengths array and, if it has a
+            parameter named `features`, the per-sample features the loaders report (a dict of
+            float64 arrays, e.g. {"num_images": ...}).
         linear: Coefficient of l for "quadratic", finite and >= 0.
         quadratic: Coefficient of l**2 for "quadratic", finite and >= 0.
     Returns:
-        A function from int64 lengths [n] to float64 costs [n]. The built-in models compute in
+        A function `cost(lengths, features=None)` from int64 lengths [n] (and features) to
+        float64 costs [n]. The built-in models ignore features and compute in
         float64, so lengths up to 2**31 do not overflow. A user callable is wrapped so that its
         result is checked on every call: it must convert to a float64 array of the lengths'
         shape, finite and >= 0, or the wrapper raises ValueError naming the import path.
@@ -82,7 +86,7 @@ def _quadratic(linear: float, quadratic: float) -> CostFn:
         The cost function.
     """
 
-    def quadratic_cost(lengths: np.ndarray) -> np.ndarray:
+    def quadratic_cost(lengths: np.ndarray, features: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """cost = linear * l + quadratic * l**2, in float64."""
         x = np.asarray(lengths, dtype=np.float64)
         return linear * x + quadratic * (x * x)
@@ -90,11 +94,12 @@ def _quadratic(linear: float, quadratic: float) -> CostFn:
     return quadratic_cost
 
 
-def _linear(lengths: np.ndarray) -> np.ndarray:
+def _linear(lengths: np.ndarray, features: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
     """cost = l, in float64.
 
     Args:
         lengths: int64 lengths.
+        features: Ignored.
     Returns:
         The lengths as float64.
     """
@@ -138,11 +143,18 @@ def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:
         The checked cost function.
     """
 
-    def user_cost(lengths: np.ndarray) -> np.ndarray:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins have no signature: lengths only
+        parameters = {}
+    wants_features = "features" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+    def user_cost(lengths: np.ndarray, features: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """Calls the user's cost function and checks its result.
 
         Args:
             lengths: int64 lengths [n].
+            features: Per-sample features, passed on when the callable takes `features`.
         Returns:
             float64 costs [n].
         Raises:
@@ -150,7 +162,7 @@ def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:
                 or holds non-finite or negative values.
         """
         lengths = np.asarray(lengths, dtype=np.int64)
-        result = fn(lengths)
+        result = fn(lengths, features=dict(features or {})) if wants_features else fn(lengths)
         try:
             costs = np.asarray(result, dtype=np.float64)
         except (TypeError, ValueError) as exc:

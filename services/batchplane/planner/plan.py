@@ -12,42 +12,51 @@ filler the constructor pads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from batchplane.planner.balance import partition
+from batchplane.planner.cost import CostFn
+
+
+_COLUMNS = (("source", np.int32), ("seq", np.int64), ("row", np.int64), ("length", np.int32), ("epoch", np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
 class SampleTable:
     """Samples as parallel arrays: source index (int32), seq (int64), row (int64), length
-    (int32, 0 for a bad sample), epoch (int32)."""
+    (int32, 0 for a bad sample), epoch (int32), and per-sample features by name (float64)."""
 
     source: np.ndarray
     seq: np.ndarray
     row: np.ndarray
     length: np.ndarray
     epoch: np.ndarray
+    features: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SampleTable:
-        return cls(
-            source=np.zeros(0, np.int32),
-            seq=np.zeros(0, np.int64),
-            row=np.zeros(0, np.int64),
-            length=np.zeros(0, np.int32),
-            epoch=np.zeros(0, np.int32),
-        )
+        return cls(**{name: np.zeros(0, dtype) for name, dtype in _COLUMNS})
 
     @classmethod
     def concat(cls, tables: Sequence[SampleTable]) -> SampleTable:
+        """The tables one after another; a feature missing from a table is 0 for its samples."""
         if not tables:
             return cls.empty()
-        return cls(**{f.name: np.concatenate([getattr(t, f.name) for t in tables]) for f in dataclasses.fields(cls)})
+        names = sorted({name for t in tables for name in t.features})
+        return cls(
+            **{name: np.concatenate([getattr(t, name) for t in tables]) for name, _ in _COLUMNS},
+            features={
+                name: np.concatenate([t.features.get(name, np.zeros(len(t))) for t in tables]) for name in names
+            },
+        )
 
     def take(self, index: np.ndarray) -> SampleTable:
-        return SampleTable(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+        return SampleTable(
+            **{name: getattr(self, name)[index] for name, _ in _COLUMNS},
+            features={name: values[index] for name, values in self.features.items()},
+        )
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -129,7 +138,7 @@ def build_step_plan(
     dp: int,
     microbatches: int,
     method: str,
-    cost_fn: Callable[[np.ndarray], np.ndarray],
+    cost_fn: CostFn,
 ) -> StepPlan:
     """Balances one step's allocated samples over `dp` ranks x `microbatches` microbatches.
 
@@ -139,14 +148,14 @@ def build_step_plan(
         dp: Data-parallel ranks.
         microbatches: Microbatches per rank.
         method: Balancing method (see `batchplane.planner.balance.METHODS`).
-        cost_fn: Per-sample cost from int64 lengths.
+        cost_fn: Per-sample cost from int64 lengths and the samples' features.
     Returns:
         The plan; a function of its arguments only (I4).
     """
     good = allocated.length > 0
     order = np.lexsort((allocated.seq[good], allocated.source[good]))
     samples = allocated.take(np.flatnonzero(good)[order])
-    costs = np.asarray(cost_fn(samples.length.astype(np.int64)), dtype=np.float64)
+    costs = np.asarray(cost_fn(samples.length.astype(np.int64), samples.features), dtype=np.float64)
     ranks = []
     for rank_index in fill_short_groups(partition(costs, dp, method), costs, minimum=microbatches):
         parts = partition(costs[rank_index], microbatches, method)

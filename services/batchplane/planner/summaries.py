@@ -29,6 +29,7 @@ class _Known:
     base: int = 0  # seq of rows[0]
     rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     end: int | None = None  # the stream ends here, once known
     cursor: int = 0  # the planner's next seq
 
@@ -66,12 +67,22 @@ class SummaryStore:
                 drop = min(cursor - known.base, len(known.rows))
                 if drop > 0:
                     known.rows, known.lengths = known.rows[drop:], known.lengths[drop:]
+                    known.features = {name: values[drop:] for name, values in known.features.items()}
                     known.base += drop
                 known.cursor = cursor
             self.cond.notify_all()
 
-    def add(self, source: int, start_seq: int, rows: np.ndarray, lengths: np.ndarray, end_of_stream: bool) -> None:
-        """Appends what a loader reported; entries that are already known or stale are ignored."""
+    def add(
+        self,
+        source: int,
+        start_seq: int,
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        end_of_stream: bool,
+        features: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        """Appends what a loader reported; entries that are already known or stale are ignored.
+        A feature missing from one report is 0 for its samples."""
         with self.cond:
             known = self._known[source]
             skip = known.known_through - start_seq
@@ -79,6 +90,12 @@ class SummaryStore:
                 log.warning("source %d: summary from %d leaves a gap after %d; ignored", source, start_seq, known.known_through)
                 return
             if skip < len(rows):
+                features = features or {}
+                for name in set(features) - set(known.features):
+                    known.features[name] = np.zeros(len(known.rows))
+                for name, values in known.features.items():
+                    new = features[name][skip:] if name in features else np.zeros(len(rows) - skip)
+                    known.features[name] = np.concatenate([values, new])
                 known.rows = np.concatenate([known.rows, rows[skip:]])
                 known.lengths = np.concatenate([known.lengths, lengths[skip:]])
             if end_of_stream:
@@ -95,8 +112,10 @@ class SummaryStore:
             return None
         return known.known_through, known.cursor
 
-    def get(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Rows and lengths of seqs [start, start + count), or None while not all known."""
+    def get(
+        self, source: int, start: int, count: int
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
+        """Rows, lengths and features of seqs [start, start + count), or None while not all known."""
         with self.cond:
             known = self._known[source]
             lo = start - known.base
@@ -104,7 +123,8 @@ class SummaryStore:
                 raise ValueError(f"source {source}: seq {start} is before the store's base {known.base}")
             if known.known_through < start + count:
                 return None
-            return known.rows[lo : lo + count], known.lengths[lo : lo + count]
+            features = {name: values[lo : lo + count] for name, values in known.features.items()}
+            return known.rows[lo : lo + count], known.lengths[lo : lo + count], features
 
 
 class SummaryPuller:
@@ -176,7 +196,11 @@ class SummaryPuller:
             backoff = 0.05
             rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
             lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
-            self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream)
+            features = {
+                name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1)
+                for name, array in response.features.items()
+            }
+            self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -191,7 +215,7 @@ class SummaryPuller:
 
 def wait_for_summary(
     store: SummaryStore, source: int, start: int, count: int, *, timeout_s: float
-) -> tuple[np.ndarray, np.ndarray] | None:
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
     """`store.get`, waiting up to `timeout_s` for the metadata to arrive."""
     give_up = time.monotonic() + timeout_s
     with store.cond:
