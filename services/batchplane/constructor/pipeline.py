@@ -97,11 +97,13 @@ class StepPipeline:
                 del self._ready[key]
             self._cond.notify_all()
             done = self._cond.wait_for(
-                lambda: (rank, step) in self._ready or self._past_end(step) or self._failure is not None,
+                lambda: (rank, step) in self._ready or self._past_end(step) or self._failure is not None or self._stopped,
                 timeout=timeout_s,
             )
             if self._failure is not None:
                 raise self._failure
+            if self._stopped:
+                raise Unavailable("the constructor is stopping")
             if not done:
                 raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s")
             self._metrics.batch_wait.observe(time.perf_counter() - begin)
@@ -129,17 +131,17 @@ class StepPipeline:
                 step = self._next
             try:
                 built = self._build(step)
-            except FailedPrecondition as exc:  # the planner refuses: a fatal state error
-                log.error("step %d: %s", step, exc)
-                with self._cond:
-                    self._failure = exc
-                    self._cond.notify_all()
-                return
-            except BatchplaneError as exc:
+            except Unavailable as exc:  # a peer is slow or restarting: keep trying
                 if self._stopped:
                     return
                 log.warning("step %d: %s; retrying", step, exc)
                 continue
+            except BatchplaneError as exc:  # refused or inconsistent: retrying cannot help
+                log.error("step %d: %s", step, exc)
+                with self._cond:
+                    self._failure = exc if isinstance(exc, FailedPrecondition) else FailedPrecondition(f"step {step}: {exc}")
+                    self._cond.notify_all()
+                return
             with self._cond:
                 if built is None:
                     self._end = step

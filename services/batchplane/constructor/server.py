@@ -15,15 +15,9 @@ from batchplane.constructor.service import ConstructorServicer
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
-from batchplane.core.rpc import (
-    ServerMetrics,
-    call_with_retry,
-    create_channel,
-    create_grpc_server,
-    reraise,
-    set_serving,
-)
-from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.core.registration import register_with_planner
+from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +29,8 @@ class RunningConstructor:
     pipeline: StepPipeline
 
     def stop(self, grace_s: float) -> None:
+        self.pipeline.stop()  # first: wakes requests waiting for batches
         self.server.stop(grace_s).wait()
-        self.pipeline.stop()
 
 
 def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningConstructor:
@@ -70,20 +64,4 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
 
 def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...]) -> common_pb2.JobInfo:
     request = planner_pb2.RegisterConstructorRequest(constructor_index=process.index, address=address, dp_ranks=ranks)
-    with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
-        stub = planner_pb2_grpc.PlannerStub(channel)
-        try:
-            response = call_with_retry(
-                lambda: stub.RegisterConstructor(request, timeout=job.network.rpc_timeout_s),
-                what=f"RegisterConstructor with planner at {process.planner}",
-                deadline_s=job.network.rpc_timeout_s * 2,
-            )
-        except grpc.RpcError as exc:
-            raise reraise(exc, f"planner at {process.planner} refused constructor {process.index}") from exc
-    if response.job.fingerprint != job.fingerprint:
-        raise ConfigError(
-            "--config",
-            f"describes job fingerprint {job.fingerprint}, but the planner runs {response.job.fingerprint}",
-            str(process.config),
-        )
-    return response.job
+    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")

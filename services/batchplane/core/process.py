@@ -134,7 +134,10 @@ def run_service(
             settings.ready_file, {"address": running.address, "metrics_port": metrics_port, "pid": os.getpid()}
         )
     log.info("%s serving on %s, metrics on http://%s:%d/metrics", name, running.address, job.network.host, metrics_port)
-    stop_event.wait()
+    # Wait in slices: the kernel may deliver SIGTERM to one of grpc's threads, and CPython runs
+    # signal handlers only when the main thread wakes; an untimed wait can then miss it forever.
+    while not stop_event.wait(0.2):
+        pass
     running.stop(grace_s=5.0)
     metrics_server.shutdown()
     log.info("%s stopped", name)

@@ -12,14 +12,8 @@ from prometheus_client import CollectorRegistry
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
-from batchplane.core.rpc import (
-    ServerMetrics,
-    call_with_retry,
-    create_channel,
-    create_grpc_server,
-    reraise,
-    set_serving,
-)
+from batchplane.core.registration import register_with_planner
+from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.order import SampleOrder
@@ -27,7 +21,7 @@ from batchplane.loader.service import LoaderServicer
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import bind_transform
-from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +66,9 @@ class RunningLoader:
     streams: dict[int, SourceStream]
 
     def stop(self, grace_s: float) -> None:
-        self.server.stop(grace_s).wait()
         for stream in self.streams.values():
-            stream.close()
+            stream.close()  # first: wakes requests waiting for data
+        self.server.stop(grace_s).wait()
 
 
 def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningLoader:
@@ -124,20 +118,4 @@ def _register(job: JobSettings, process: ProcessSettings, address: str, streams:
             for s in streams.values()
         ],
     )
-    with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
-        stub = planner_pb2_grpc.PlannerStub(channel)
-        try:
-            response = call_with_retry(
-                lambda: stub.RegisterLoader(request, timeout=job.network.rpc_timeout_s),
-                what=f"RegisterLoader with planner at {process.planner}",
-                deadline_s=job.network.rpc_timeout_s * 2,
-            )
-        except grpc.RpcError as exc:
-            raise reraise(exc, f"planner at {process.planner} refused loader {process.index}") from exc
-    if response.job.fingerprint != job.fingerprint:
-        raise ConfigError(
-            "--config",
-            f"describes job fingerprint {job.fingerprint}, but the planner runs {response.job.fingerprint}",
-            str(process.config),
-        )
-    log.info("registered with planner at %s as loader %d", process.planner, process.index)
+    register_with_planner(job, process, rpc="RegisterLoader", request=request, who=f"loader {process.index}")

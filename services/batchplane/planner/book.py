@@ -104,9 +104,11 @@ class PlanBook:
             self._wanted = max(self._wanted, step + 1)  # plan one step ahead of the fastest rank
             self._cond.notify_all()
             ready = self._cond.wait_for(
-                lambda: step in self._plans or (self.end_step is not None and step >= self.end_step) or self._failure,
+                lambda: step in self._plans or (self.end_step is not None and step >= self.end_step) or self._failure or self._stopped,
                 timeout=timeout_s,
             )
+            if self._stopped:
+                raise Unavailable("the planner is stopping")
             if self._failure:
                 raise Unavailable(f"planning failed: {self._failure}")
             if not ready:
@@ -115,7 +117,9 @@ class PlanBook:
 
     def _start(self, step: int, *, timeout_s: float) -> None:
         """Starts the job at `step`: waits for every loader, then fast-forwards (lock held)."""
-        ready = self._cond.wait_for(lambda: self._membership.ready, timeout=timeout_s)
+        ready = self._cond.wait_for(lambda: self._membership.ready or self._stopped, timeout=timeout_s)
+        if self._stopped:
+            raise Unavailable("the planner is stopping")
         if not ready:
             raise Unavailable(f"waiting for loaders {self._membership.missing_loaders()} to register")
         if self.start_step is not None:  # another request started the job while we waited

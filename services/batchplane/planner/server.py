@@ -34,9 +34,9 @@ class RunningPlanner:
     ledger_file: TextIO
 
     def stop(self, grace_s: float) -> None:
-        self.server.stop(grace_s).wait()
         self.puller.stop()
-        self.book.stop()
+        self.book.stop()  # first: wakes requests waiting for plans
+        self.server.stop(grace_s).wait()
         self.ledger_file.close()
 
 
