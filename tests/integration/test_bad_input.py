@@ -176,3 +176,16 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         cluster.stop()
+
+
+def test_a_failing_cost_function_reaches_the_trainer_as_a_clear_error(tmp_path, good, monkeypatch) -> None:
+    (tmp_path / "bad_cost.py").write_text("def cost(lengths):\n    return -1.0 * lengths\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the planner process imports it
+    cluster = start_cluster(write_job(tmp_path / "job.yaml", good, balance={"cost": {"kind": "bad_cost:cost"}}))
+    try:
+        endpoints = json.loads(cluster.endpoints_path.read_text())
+        with Client(endpoints["constructors"]["0"], rank=0, timeout_s=30) as client:
+            with pytest.raises(StepUnavailableError, match="planning failed.*negative cost"):
+                next(iter(client))
+    finally:
+        cluster.stop()

@@ -23,7 +23,7 @@ import pyarrow as pa
 from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.core.config import JobSettings
-from batchplane.core.errors import BatchplaneError, FailedPrecondition, InvalidArgument, Unavailable
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.rpc import call_with_retry, create_channel, reraise
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
 from batchplane.wire import PayloadReceiver, decode_array, encode_array
@@ -62,7 +62,7 @@ class StepPipeline:
         self._start: int | None = None
         self._next = 0
         self._end: int | None = None
-        self._failure: BatchplaneError | None = None
+        self._failure: FailedPrecondition | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._build_loop, name="build", daemon=True)
         self._thread.start()
@@ -136,10 +136,10 @@ class StepPipeline:
                     return
                 log.warning("step %d: %s; retrying", step, exc)
                 continue
-            except BatchplaneError as exc:  # refused or inconsistent: retrying cannot help
-                log.error("step %d: %s", step, exc)
+            except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
+                log.exception("step %d cannot be built", step)
                 with self._cond:
-                    self._failure = exc if isinstance(exc, FailedPrecondition) else FailedPrecondition(f"step {step}: {exc}")
+                    self._failure = exc if isinstance(exc, FailedPrecondition) else FailedPrecondition(f"step {step} cannot be built: {exc}")
                     self._cond.notify_all()
                 return
             with self._cond:

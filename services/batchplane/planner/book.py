@@ -80,8 +80,9 @@ class PlanBook:
         """The plan of `step` for a constructor serving `ranks`; None (END_OF_DATA) past the end.
 
         Raises:
-            FailedPrecondition: the step is before the job's start or was consumed by one of
-                the ranks (it already asked for a later step).
+            FailedPrecondition: the step is before the job's start, was consumed by one of the
+                ranks (it already asked for a later step), or planning failed for good (the
+                message says why, e.g. a cost function that returns negative costs).
             Unavailable: the plan is not ready within `timeout_s` (loaders not registered or
                 slow); retry.
         """
@@ -109,8 +110,8 @@ class PlanBook:
             )
             if self._stopped:
                 raise Unavailable("the planner is stopping")
-            if self._failure:
-                raise Unavailable(f"planning failed: {self._failure}")
+            if self._failure:  # permanent (e.g. a cost function that returns negative costs)
+                raise FailedPrecondition(f"planning failed: {self._failure}")
             if not ready:
                 raise Unavailable(f"plan of step {step} not ready after {timeout_s:.1f} s: {self._waiting_on}")
             return self._plans.get(step, END_OF_DATA)
