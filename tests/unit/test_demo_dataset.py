@@ -14,7 +14,6 @@ import pytest
 
 from batchplane.demo.dataset import (
     DEMO_SOURCES,
-    SCHEMA,
     DemoSource,
     LogNormal,
     sample_lengths,
