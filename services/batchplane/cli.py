@@ -2,11 +2,13 @@
 
     batchplane up -c job.yaml     start a job's data plane as local processes
     batchplane demo               write a demo dataset and train a tiny model against it
+    batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import pathlib
 import signal
@@ -30,10 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     demo.add_argument("--log-every", type=int, default=25, help="print progress every N steps")
 
+    from batchplane.bench import BENCHMARKS
+
+    bench = commands.add_parser("bench", help="run a benchmark and print its results (NAME --help for its flags)")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), help="the benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="its flags, e.g. --json")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "up":
         return _up(args)
+    if args.command == "bench":
+        return _bench(args)
     from batchplane.demo.run import run_demo
 
     return run_demo(workdir=args.dir, steps=args.steps, log_every=args.log_every)
@@ -83,7 +93,7 @@ def describe(cluster) -> str:
     for p in cluster.processes:
         extra = ""
         if p.name.startswith("constructor-"):
-            extra = f"  dp ranks {list(job.constructor_ranks(int(p.name.split('-')[1])))}"
+            extra = f"  ranks {list(job.constructor_ranks(int(p.name.split('-')[1])))}"
         lines.append(
             f"  {p.name:<15} {p.address:<22} metrics http://{job.network.host}:{p.metrics_port}/metrics"
             f"  log {p.log_path}{extra}"
@@ -95,3 +105,35 @@ def describe(cluster) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from batchplane.bench import load
+
+    module = load(args.benchmark)
+    parser = argparse.ArgumentParser(prog=f"batchplane bench {args.benchmark}", description=module.HELP)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table per record)")
+    module.add_arguments(parser)
+    args = argparse.Namespace(**{**vars(parser.parse_args(args.options)), "benchmark": args.benchmark})
+
+    def progress(message: str) -> None:
+        print(f"[{args.benchmark}] {message}", file=sys.stderr, flush=True)
+
+    result = load(args.benchmark).run(args, progress)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    records = result.get("records", [])
+    if records:
+        columns = list(records[0])
+        print("  ".join(columns))
+        for record in records:
+            print("  ".join(_cell(record.get(c)) for c in columns))
+    for key, value in result.items():
+        if key != "records":
+            print(f"{key}: {json.dumps(value)}")
+    return 0
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (list, dict)) else str(value)

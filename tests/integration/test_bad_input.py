@@ -46,6 +46,9 @@ def good(tmp_path: pathlib.Path):
         ({"mixture": {"weights": {"a": 0.0, "b": 0.0}}}, "mixture.weights"),
         ({"mesh": {"dp": 0}}, "mesh.dp"),
         ({"batch": {"global_batch_size": 3, "microbatches": 2}}, "batch.global_batch_size"),
+        ({"balance": {"cost": {"kind": "cubic"}}}, "balance.cost.kind"),
+        ({"strategy": "no/such/strategy.py"}, "strategy"),
+        ({"mesh": {"dp": 2, "order": "tp-dp-pp"}}, "mesh.order"),
     ],
 )
 def test_bad_configuration_fails_before_anything_starts(tmp_path, good, settings, field) -> None:

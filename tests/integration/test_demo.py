@@ -21,7 +21,7 @@ def test_demo_trains_and_summarizes(tmp_path: pathlib.Path) -> None:
     out = result.stdout
     assert "=== batchplane demo summary ===" in out
     assert "steps 12 on 2 ranks" in out
-    for source, share in (("captions", "0.400"), ("docs", "0.200"), ("code", "0.200"), ("chat", "0.200")):
+    for source, share in (("captions", "0.300"), ("docs", "0.200"), ("code", "0.200"), ("chat", "0.200"), ("images", "0.100")):
         line = next(line for line in out.splitlines() if line.strip().startswith(source))
         assert line.split()[1] == share  # configured
         assert abs(float(line.split()[2]) - float(share)) < 0.02  # planned

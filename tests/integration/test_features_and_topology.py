@@ -111,7 +111,7 @@ def test_the_client_takes_its_rank_from_the_torchrun_environment(tmp_path: pathl
             assert client.rank == 1
             assert client.address == json.loads(cluster.endpoints_path.read_text())["constructors"]["1"]
         monkeypatch.setenv("WORLD_SIZE", "8")
-        with pytest.raises(InvalidRequestError, match="WORLD_SIZE=8 but the job's mesh has dp=2"):
+        with pytest.raises(InvalidRequestError, match=r"WORLD_SIZE=8 but the job's mesh has 2 ranks \(pp=1 dp=2 cp=1 tp=1\)"):
             Client()
     finally:
         cluster.stop()

@@ -62,10 +62,16 @@ PURE = (
     "batchplane.planner.cost",
     "batchplane.planner.ledger",
     "batchplane.planner.membership",
+    "batchplane.planner.models",
+    "batchplane.planner.token_budget",
+    "batchplane.planner.dgraph",
     "batchplane.loader.order",
     "batchplane.constructor.assemble",
+    "batchplane.constructor.parallel",
     "batchplane.core.config",
     "batchplane.core.errors",
+    "batchplane.core.mesh",
+    "batchplane.core.delivery",
 )
 
 

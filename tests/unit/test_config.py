@@ -127,7 +127,7 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("token-dtype-float32", _with(**{"batch.token_dtype": "float32"}), "batch.token_dtype", "float32"),
     # balance and cost
     ("unknown-balance-method", _with(**{"balance.method": "lpt"}), "balance.method", "lpt"),
-    ("bad-cost-kind", _with(**{"balance.cost.kind": "cubic"}), "balance.cost.kind", "cubic"),
+    ("empty-cost-kind", _with(**{"balance.cost.kind": " "}), "balance.cost.kind", " "),
     ("negative-linear", _with(**{"balance.cost.linear": -0.5}), "balance.cost.linear", -0.5),
     ("negative-quadratic", _with(**{"balance.cost.quadratic": -1}), "balance.cost.quadratic", -1.0),
     ("nan-quadratic", _with(**{"balance.cost.quadratic": NAN}), "balance.cost.quadratic", NAN),

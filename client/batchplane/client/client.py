@@ -7,10 +7,19 @@
         ...
         checkpoint["data"] = client.state_dict()
 
-Each batch is a dict: "step", "dp_rank", "microbatches" (a list of dicts of tensors plus
-"num_tokens", "loss_tokens", "filler"), "global_loss_tokens" (loss-carrying tokens of the step
-over all ranks, to normalize a summed loss), "sources" (names indexed by "sample_source") and
-"data_wait_s" (how long the iterator blocked for this batch).
+Each batch is a dict: "step", "rank" (global), "dp_rank", "cp_rank", "tp_rank", "pp_rank",
+"microbatches" (a list of dicts of tensors plus "num_tokens", "loss_tokens", "filler" and
+"loss_weight", the microbatch's share t / T of the step's loss tokens), "loss_weight" (the
+rank's share, summed over its microbatches), "global_loss_tokens" (loss-carrying tokens of the
+step over all ranks, to normalize a summed loss), "sources" (names indexed by "sample_source"),
+"subbatches" (secondary graphs' per-sample data for this rank by graph name, e.g. the images it
+encodes) and "data_wait_s" (how long the iterator blocked for this batch).
+
+The microbatches of a rank depend on where it sits in the mesh: a CP rank gets its slice of
+every sequence (position ids of the full sequence), pipeline stages only what they use (the
+first the inputs, the last labels and loss_mask), a TP peer the trainer broadcasts to only the
+metadata. Under a token budget, the number of microbatches varies by step, the same on every
+rank.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 ENV_ADDRESS = "BATCHPLANE_CONSTRUCTOR"
 ENV_ENDPOINTS = "BATCHPLANE_ENDPOINTS"
 
@@ -41,8 +50,8 @@ class Client:
         address: The constructor's address ("host:port" or "unix:///path"). Default: the
             environment variable BATCHPLANE_CONSTRUCTOR, else the rank's entry in the endpoints
             file named by BATCHPLANE_ENDPOINTS (written by `batchplane up`).
-        rank: The data-parallel rank. Default: the environment variable RANK (set by torchrun),
-            else 0.
+        rank: The global rank in the job's mesh. Default: the environment variable RANK (set by
+            torchrun), else 0.
         device: Move tensors there (non_blocking) before yielding, e.g. "cuda"; None keeps them
             on the CPU.
         pin_memory: Receive into pinned memory; default: when CUDA is available.
@@ -71,16 +80,18 @@ class Client:
         info = self._connection.info()
         self.job = info.job
         self.sources = tuple(info.job.sources)
-        dp = info.job.mesh.dp
-        if not 0 <= self.rank < dp:
-            raise InvalidRequestError(f"rank {self.rank} is outside the job's mesh (dp={dp})")
-        if self.rank not in info.dp_ranks:
+        m = info.job.mesh
+        size = max(m.dp, 1) * max(m.cp, 1) * max(m.tp, 1) * max(m.pp, 1)
+        shape = f"pp={max(m.pp, 1)} dp={m.dp} cp={max(m.cp, 1)} tp={max(m.tp, 1)}"
+        if not 0 <= self.rank < size:
+            raise InvalidRequestError(f"rank {self.rank} is outside the job's mesh of {size} ranks ({shape})")
+        if self.rank not in info.ranks:
             raise InvalidRequestError(
-                f"the constructor at {self.address} serves ranks {list(info.dp_ranks)}, not rank {self.rank}"
+                f"the constructor at {self.address} serves ranks {list(info.ranks)}, not rank {self.rank}"
             )
         world = os.environ.get("WORLD_SIZE")
-        if rank is None and world is not None and world.isdigit() and int(world) != dp:
-            raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has dp={dp}")
+        if rank is None and world is not None and world.isdigit() and int(world) != size:
+            raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has {size} ranks ({shape})")
         self._next_step = 0
         self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch")
 
@@ -116,11 +127,25 @@ class Client:
             tensors = unpack(storage, spec.tensors)
             if self.device is not None:
                 tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            microbatches.append({**tensors, "num_tokens": spec.num_tokens, "loss_tokens": spec.loss_tokens, "filler": spec.filler})
+            microbatches.append(
+                {**tensors, "num_tokens": spec.num_tokens, "loss_tokens": spec.loss_tokens, "filler": spec.filler, "loss_weight": spec.loss_weight}
+            )
+        subbatches = {}
+        for sub in header.subbatches:
+            tensors = unpack(storage, sub.tensors)
+            if self.device is not None:
+                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+            subbatches[sub.name] = tensors
         return {
             "step": header.step,
+            "rank": header.rank,
             "dp_rank": header.dp_rank,
+            "cp_rank": header.cp_rank,
+            "tp_rank": header.tp_rank,
+            "pp_rank": header.pp_rank,
             "microbatches": microbatches,
+            "loss_weight": sum(spec.loss_weight for spec in header.microbatches),
+            "subbatches": subbatches,
             "global_loss_tokens": header.global_loss_tokens,
             "sources": self.sources,
         }
@@ -133,7 +158,7 @@ class Client:
             "version": STATE_VERSION,
             "job": self.job.job_id,
             "fingerprint": self.job.fingerprint,
-            "dp_rank": self.rank,
+            "rank": self.rank,
             "next_step": self._next_step,
         }
 
@@ -143,7 +168,7 @@ class Client:
         Raises:
             InvalidRequestError: a malformed state, or one from another job (fingerprint) or rank.
         """
-        missing = {"version", "fingerprint", "dp_rank", "next_step"} - set(state)
+        missing = {"version", "fingerprint", "rank", "next_step"} - set(state)
         if missing:
             raise InvalidRequestError(f"state_dict lacks {sorted(missing)}")
         if state["version"] != STATE_VERSION:
@@ -153,8 +178,8 @@ class Client:
                 f"state_dict is from job {state.get('job')!r} with fingerprint {state['fingerprint']}; this data "
                 f"plane serves job {self.job.job_id!r} with fingerprint {self.job.fingerprint}"
             )
-        if state["dp_rank"] != self.rank:
-            raise InvalidRequestError(f"state_dict is of rank {state['dp_rank']}, this client is rank {self.rank}")
+        if state["rank"] != self.rank:
+            raise InvalidRequestError(f"state_dict is of rank {state['rank']}, this client is rank {self.rank}")
         step = state["next_step"]
         if not isinstance(step, int) or step < 0:
             raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")

@@ -57,7 +57,7 @@ class ConstructorConnection:
 
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             wait_ms = int(min(remaining, 30.0) * 1000)
-            request = constructor_pb2.GetBatchRequest(dp_rank=rank, step=step, wait_ms=wait_ms)
+            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms)
             stream = self._stub.GetBatch(request, timeout=wait_ms / 1000 + 30)
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":

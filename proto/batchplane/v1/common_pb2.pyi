@@ -49,10 +49,22 @@ class SourceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ...) -> None: ...
 
 class Mesh(_message.Message):
-    __slots__ = ("dp",)
+    __slots__ = ("dp", "cp", "tp", "pp", "order", "cp_slicing", "broadcast_at")
     DP_FIELD_NUMBER: _ClassVar[int]
+    CP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    CP_SLICING_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_AT_FIELD_NUMBER: _ClassVar[int]
     dp: int
-    def __init__(self, dp: _Optional[int] = ...) -> None: ...
+    cp: int
+    tp: int
+    pp: int
+    order: str
+    cp_slicing: str
+    broadcast_at: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dp: _Optional[int] = ..., cp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., order: _Optional[str] = ..., cp_slicing: _Optional[str] = ..., broadcast_at: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches")

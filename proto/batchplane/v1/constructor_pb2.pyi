@@ -12,22 +12,22 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("job", "dp_ranks")
+    __slots__ = ("job", "ranks")
     JOB_FIELD_NUMBER: _ClassVar[int]
-    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     job: _common_pb2.JobInfo
-    dp_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("dp_rank", "step", "wait_ms")
-    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("step", "wait_ms", "rank")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    dp_rank: int
+    RANK_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
-    def __init__(self, dp_rank: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")
@@ -42,32 +42,54 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class MicrobatchSpec(_message.Message):
-    __slots__ = ("tensors", "num_tokens", "loss_tokens", "filler")
+    __slots__ = ("tensors", "num_tokens", "loss_tokens", "filler", "loss_weight")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FILLER_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     num_tokens: int
     loss_tokens: int
     filler: bool
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., filler: _Optional[bool] = ...) -> None: ...
+    loss_weight: float
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., filler: _Optional[bool] = ..., loss_weight: _Optional[float] = ...) -> None: ...
+
+class SubBatchSpec(_message.Message):
+    __slots__ = ("name", "metadata", "tensors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    metadata: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens")
+    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SUBBATCHES_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     dp_rank: int
     microbatches: _containers.RepeatedCompositeFieldContainer[MicrobatchSpec]
     payload_bytes: int
     global_loss_tokens: int
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ...) -> None: ...
+    rank: int
+    pp_rank: int
+    cp_rank: int
+    tp_rank: int
+    subbatches: _containers.RepeatedCompositeFieldContainer[SubBatchSpec]
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ("header", "chunk")

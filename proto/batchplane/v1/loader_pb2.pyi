@@ -43,16 +43,18 @@ class GetSummaryResponse(_message.Message):
     def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ...) -> None: ...
 
 class FetchSamplesRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "samples", "release_below_step")
+    __slots__ = ("constructor_index", "step", "samples", "release_below_step", "copies")
     CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_BELOW_STEP_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     samples: _common_pb2.SampleSet
     release_below_step: int
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., release_below_step: _Optional[int] = ...) -> None: ...
+    copies: _common_pb2.Array
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., release_below_step: _Optional[int] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
     __slots__ = ("num_samples", "payload_bytes")

@@ -24,14 +24,14 @@ class RegisterLoaderResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterConstructorRequest(_message.Message):
-    __slots__ = ("constructor_index", "address", "dp_ranks")
+    __slots__ = ("constructor_index", "address", "ranks")
     CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     address: str
-    dp_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterConstructorResponse(_message.Message):
     __slots__ = ("job",)
@@ -62,28 +62,50 @@ class GetPlanRequest(_message.Message):
     def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
-    __slots__ = ("dp_rank", "samples", "microbatch_offsets")
+    __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    FETCHERS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     samples: _common_pb2.SampleSet
     microbatch_offsets: _common_pb2.Array
-    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    fetchers: int
+    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., fetchers: _Optional[int] = ...) -> None: ...
+
+class SubPlanPart(_message.Message):
+    __slots__ = ("name", "axis", "metadata", "bucket", "samples", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    axis: str
+    metadata: str
+    bucket: int
+    samples: _common_pb2.SampleSet
+    values: _common_pb2.Array
+    def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("step", "end_of_data", "ranks", "source_loaders", "global_loss_tokens")
+    __slots__ = ("step", "end_of_data", "ranks", "source_loaders", "global_loss_tokens", "axis", "subplans")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LOADERS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    SUBPLANS_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
     source_loaders: _containers.RepeatedScalarFieldContainer[str]
     global_loss_tokens: int
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., source_loaders: _Optional[_Iterable[str]] = ..., global_loss_tokens: _Optional[int] = ...) -> None: ...
+    axis: str
+    subplans: _containers.RepeatedCompositeFieldContainer[SubPlanPart]
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., source_loaders: _Optional[_Iterable[str]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

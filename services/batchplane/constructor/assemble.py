@@ -13,7 +13,13 @@ Per microbatch of B samples padded on the right to the longest, L tokens:
 - position_ids [B, L]: 0 .. length - 1 per sample, 0 on padding;
 - sample_source, sample_row, sample_epoch, sample_length [B]: which sample each row is.
 A microbatch with no samples (a filler, only in a finite job's last step) is one row of one
-padding token with no label.
+padding token with no label. With packing (`pack_length`), a microbatch's samples are
+concatenated into rows instead (see `parallel.pack`: segment_ids, cu_seqlens, max_seqlen).
+
+Each microbatch carries its loss weight t / T: its loss tokens over the step's.
+
+`derive` makes a rank's variant of a built batch (its CP slice, its pipeline stage's part) as a
+new payload; ranks whose variant is the whole batch share the built one (TP peers, I3).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batchplane.constructor.parallel import cp_slice, pack, stage_filter
 from batchplane.wire import align
 
 SAMPLE_FIELDS = (("sample_source", "int32"), ("sample_row", "int64"), ("sample_epoch", "int32"), ("sample_length", "int32"))
@@ -48,6 +55,8 @@ class MicrobatchLayout:
     num_tokens: int
     loss_tokens: int
     filler: bool
+    #: loss_tokens / the step's loss tokens over all ranks.
+    loss_weight: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +96,18 @@ def assemble(
     ignore_id: int,
     token_dtype: str,
     global_loss_tokens: int,
+    pack_length: int | None = None,
 ) -> BuiltBatch:
-    """Builds one rank's microbatches of one step (see the module docstring).
+    """Builds one rank's (bucket's) microbatches of one step (see the module docstring).
 
+    Args:
+        pack_length: Pack samples into rows of at most this many tokens; None pads each
+            sample to the microbatch's longest.
     Returns:
         The batch with its payload.
     """
+    if pack_length is not None:
+        return _assemble_packed(samples, step=step, rank=rank, pad_id=pad_id, ignore_id=ignore_id, token_dtype=token_dtype, global_loss_tokens=global_loss_tokens, pack_length=pack_length)
     lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
     layouts: list[MicrobatchLayout] = []
     offset = 0
@@ -117,6 +132,7 @@ def assemble(
                 num_tokens=int(lengths[lo:hi].sum()),
                 loss_tokens=int(np.maximum(lengths[lo:hi] - 1, 0).sum()),
                 filler=hi == lo,
+                loss_weight=_weight(int(np.maximum(lengths[lo:hi] - 1, 0).sum()), global_loss_tokens),
             )
         )
     payload = bytearray(offset)
@@ -145,3 +161,99 @@ def _fill(views: dict[str, np.ndarray], samples: RankSamples, lo: int, lengths: 
     views["sample_row"][:] = samples.row[lo : lo + n]
     views["sample_epoch"][:] = samples.epoch[lo : lo + n]
     views["sample_length"][:] = length
+
+
+def _weight(loss_tokens: int, global_loss_tokens: int) -> float:
+    return loss_tokens / global_loss_tokens if global_loss_tokens > 0 else 0.0
+
+
+def _sample_fields(samples: RankSamples, lo: int, hi: int, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    return {
+        "sample_source": samples.source[lo:hi].astype(np.int32),
+        "sample_row": samples.row[lo:hi].astype(np.int64),
+        "sample_epoch": samples.epoch[lo:hi].astype(np.int32),
+        "sample_length": lengths[lo:hi].astype(np.int32),
+    }
+
+
+def _assemble_packed(samples: RankSamples, *, step: int, rank: int, pad_id: int, ignore_id: int, token_dtype: str, global_loss_tokens: int, pack_length: int) -> BuiltBatch:
+    lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
+    microbatches = []
+    for m in range(len(samples.offsets) - 1):
+        lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
+        tensors = pack(samples.tokens[lo:hi], max_length=pack_length, pad_id=pad_id, ignore_id=ignore_id, dtype=token_dtype)
+        tensors.pop("sample_rows")
+        tensors.update(_sample_fields(samples, lo, hi, lengths))
+        loss_tokens = int(np.maximum(lengths[lo:hi] - 1, 0).sum())
+        meta = MicrobatchLayout((), int(lengths[lo:hi].sum()), loss_tokens, hi == lo, _weight(loss_tokens, global_loss_tokens))
+        microbatches.append((tensors, meta))
+    return lay_out(microbatches, step=step, rank=rank, global_loss_tokens=global_loss_tokens)
+
+
+def lay_out(microbatches: Sequence[tuple[dict[str, np.ndarray], MicrobatchLayout]], *, step: int, rank: int, global_loss_tokens: int) -> BuiltBatch:
+    """Copies microbatches (tensors by name, and their metadata) into one aligned payload."""
+    layouts = []
+    offset = 0
+    for tensors, meta in microbatches:
+        specs = []
+        for name, array in tensors.items():
+            specs.append(TensorLayout(name, array.dtype.name, tuple(array.shape), offset))
+            offset += align(array.nbytes)
+        layouts.append(dataclasses.replace(meta, tensors=tuple(specs)))
+    payload = bytearray(offset)
+    for (tensors, _), layout in zip(microbatches, layouts):
+        for spec, array in zip(layout.tensors, tensors.values()):
+            np.frombuffer(payload, spec.dtype, array.size, spec.offset).reshape(spec.shape)[...] = array
+    return BuiltBatch(step, rank, tuple(layouts), payload, global_loss_tokens)
+
+
+def tensors_of(batch: BuiltBatch) -> list[dict[str, np.ndarray]]:
+    """Read-only views of every microbatch's tensors in a built batch."""
+    view = memoryview(batch.payload)
+    return [
+        {
+            t.name: np.frombuffer(view, t.dtype, int(np.prod(t.shape, dtype=np.int64)), t.offset).reshape(t.shape)
+            for t in mb.tensors
+        }
+        for mb in batch.microbatches
+    ]
+
+
+def derive(
+    batch: BuiltBatch,
+    *,
+    cp: int = 1,
+    cp_rank: int | None = None,
+    cp_mode: str = "zigzag",
+    stage: int = 0,
+    stages: int = 1,
+    middle: Sequence[str] = (),
+    with_tensors: bool = True,
+    pad_id: int,
+    ignore_id: int,
+) -> BuiltBatch:
+    """A rank's variant of a bucket's batch: its CP slice of every 2-D tensor (position ids of
+    the full sequence), then what its pipeline stage needs; `with_tensors=False` keeps only the
+    microbatches' metadata (a rank the trainer broadcasts to).
+
+    Loss tokens and weights are those of the slice the rank computes a loss on (the whole
+    microbatch without CP).
+    """
+    pads = {"input_ids": pad_id, "labels": ignore_id, "attention_mask": False, "position_ids": 0, "segment_ids": 0, "loss_mask": False}
+    out = []
+    for tensors, meta in zip(tensors_of(batch), batch.microbatches):
+        if not with_tensors:
+            out.append(({}, meta))
+            continue
+        if cp_rank is not None:
+            tensors = cp_slice(tensors, cp=cp, rank=cp_rank, mode=cp_mode, pad_values={k: pads.get(k, 0) for k, v in tensors.items() if v.ndim == 2})
+            loss_tokens = int(np.count_nonzero(tensors["labels"] != ignore_id))
+            meta = dataclasses.replace(
+                meta,
+                loss_tokens=loss_tokens,
+                num_tokens=int(np.count_nonzero(tensors["attention_mask"])),
+                loss_weight=_weight(loss_tokens, batch.global_loss_tokens),
+            )
+        tensors = stage_filter(tensors, stage=stage, stages=stages, ignore_id=ignore_id, middle=middle)
+        out.append((tensors, meta))
+    return lay_out(out, step=batch.step, rank=batch.rank, global_loss_tokens=batch.global_loss_tokens)

@@ -2,6 +2,11 @@
 of the ranks it serves, fetches their samples from the loaders (in parallel), builds every
 rank's microbatches and keeps them until the rank has moved on.
 
+Ranks are global ranks of the job's mesh. Each step, the pipeline fetches the samples of every
+bucket its ranks consume once (TP peers, CP peers and pipeline stages in this pod share one
+fetch), builds the bucket's microbatches, and then each rank's variant (`delivery`): TP peers
+get the very same built batch (I3), CP ranks their slices, pipeline stages their part.
+
 It builds up to `prefetch_steps` steps past the slowest of its ranks. The first step a rank
 asks for is where it starts (a resumed trainer asks for the step after its checkpoint). Asking
 for step s tells the pipeline the rank is done with earlier steps; their batches are dropped,
@@ -10,6 +15,7 @@ and asking for them again is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,15 +26,41 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble
+from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.core.config import JobSettings
+from batchplane.core.delivery import ALL, DeliveryRules, Variant
+from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.rpc import call_with_retry, create_channel, reraise
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
-from batchplane.wire import PayloadReceiver, decode_array, encode_array
+from batchplane.wire import PayloadReceiver, align, decode_array, encode_array
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubBatch:
+    """A secondary graph's per-sample data for one rank, laid out after its batch's payload."""
+
+    name: str
+    metadata: str
+    tensors: tuple[TensorLayout, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """What one rank receives for one step: its (possibly shared) batch, then `extra`."""
+
+    batch: BuiltBatch
+    rank: int
+    variant: Variant
+    subbatches: tuple[SubBatch, ...] = ()
+    extra: bytes = b""
+
+    @property
+    def payload_bytes(self) -> int:
+        return len(self.batch.payload) + len(self.extra)
 
 
 class StepPipeline:
@@ -40,12 +72,16 @@ class StepPipeline:
         ranks: The data-parallel ranks it serves.
         planner: The planner's address.
         metrics: The constructor's metrics.
+        info: The job as the planner describes it (its mesh says what the trainer broadcasts).
     """
 
     def __init__(
-        self, job: JobSettings, *, index: int, ranks: Sequence[int], planner: str, metrics: ConstructorMetrics
+        self, job: JobSettings, *, index: int, ranks: Sequence[int], planner: str, metrics: ConstructorMetrics, info: common_pb2.JobInfo | None = None
     ) -> None:
         self._job = job
+        m = job.mesh
+        self.mesh = ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
+        self._broadcast = frozenset(info.mesh.broadcast_at) if info is not None else frozenset()
         self._index = index
         self.ranks = tuple(ranks)
         self._metrics = metrics
@@ -57,7 +93,7 @@ class StepPipeline:
         self._channels_lock = threading.Lock()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
         self._cond = threading.Condition()
-        self._ready: dict[tuple[int, int], BuiltBatch] = {}
+        self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
         self._start: int | None = None
         self._next = 0
@@ -69,7 +105,7 @@ class StepPipeline:
 
     # ---- trainer side ----------------------------------------------------------------------
 
-    def batch(self, rank: int, step: int, *, timeout_s: float) -> BuiltBatch | None:
+    def batch(self, rank: int, step: int, *, timeout_s: float) -> Delivery | None:
         """Rank `rank`'s batch of `step`, waiting up to `timeout_s`; None past the end of data.
 
         Raises:
@@ -79,8 +115,8 @@ class StepPipeline:
         """
         if rank not in self.ranks:
             raise InvalidArgument(
-                f"dp_rank {rank} is not served here: this constructor serves ranks {list(self.ranks)} "
-                f"of a mesh with dp={self._job.mesh.dp}"
+                f"rank {rank} is not served here: this constructor serves ranks {list(self.ranks)} "
+                f"of a mesh of {self.mesh.world} ranks ({self.mesh.describe()})"
             )
         begin = time.perf_counter()
         with self._cond:
@@ -147,56 +183,101 @@ class StepPipeline:
                     self._end = step
                     log.info("end of data at step %d", step)
                 else:
-                    for batch in built:
-                        self._ready[(batch.rank, step)] = batch
+                    for delivery in built:
+                        self._ready[(delivery.rank, step)] = delivery
                     self._metrics.batches_built.inc(len(built))
                 self._next = step + 1
                 self._cond.notify_all()
 
-    def _build(self, step: int) -> list[BuiltBatch] | None:
+    def _build(self, step: int) -> list[Delivery] | None:
         plan = self._get_plan(step)
         if plan.end_of_data:
             return None
-        ranks = []
+        rules = DeliveryRules(self.mesh, axis=plan.axis or "DP", broadcast=self._broadcast, middle_tensors=self._job.constructors.pp_middle_tensors)
+        variants = {rank: rules.variant(rank) for rank in self.ranks}
+        wanted = {v.bucket for v in variants.values() if v.tensors}
+        buckets = {}
         for rank_plan in plan.ranks:
-            ranks.append(
-                (
-                    rank_plan.dp_rank,
-                    decode_array(rank_plan.samples.source, field="samples.source", dtype="int32", ndim=1),
-                    decode_array(rank_plan.samples.seq, field="samples.seq", dtype="int64", ndim=1),
-                    decode_array(rank_plan.samples.row, field="samples.row", dtype="int64", ndim=1),
-                    decode_array(rank_plan.samples.epoch, field="samples.epoch", dtype="int32", ndim=1),
-                    decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1),
-                )
+            s = rank_plan.samples
+            buckets[rank_plan.dp_rank] = (
+                decode_array(s.source, field="samples.source", dtype="int32", ndim=1),
+                decode_array(s.seq, field="samples.seq", dtype="int64", ndim=1),
+                decode_array(s.row, field="samples.row", dtype="int64", ndim=1),
+                decode_array(s.epoch, field="samples.epoch", dtype="int32", ndim=1),
+                decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
+                decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1),
+                max(rank_plan.fetchers, 1),
             )
-        sources = np.concatenate([r[1] for r in ranks])
-        seqs = np.concatenate([r[2] for r in ranks])
+        missing = sorted({v.bucket for v in variants.values()} - set(buckets))
+        if missing:
+            raise FailedPrecondition(f"the plan of step {step} lacks buckets {missing} this constructor's ranks consume")
+        fetch = [b for b in sorted(wanted)]
+        tokens: dict[tuple[int, int], np.ndarray] = {}
+        if fetch:
+            sources = np.concatenate([buckets[b][0] for b in fetch])
+            seqs = np.concatenate([buckets[b][1] for b in fetch])
+            copies = np.concatenate([np.full(len(buckets[b][0]), buckets[b][6], np.int32) for b in fetch])
+            begin = time.perf_counter()
+            tokens = self._fetch(step, sources, seqs, copies, list(plan.source_loaders))
+            self._metrics.fetch_latency.observe(time.perf_counter() - begin)
         begin = time.perf_counter()
-        tokens = self._fetch(step, sources, seqs, list(plan.source_loaders))
-        self._metrics.fetch_latency.observe(time.perf_counter() - begin)
-        begin = time.perf_counter()
-        built = []
-        for rank, source, seq, row, epoch, offsets in ranks:
-            samples = RankSamples(
-                tokens=[tokens[(int(k), int(s))] for k, s in zip(source, seq)],
-                source=source,
-                row=row,
-                epoch=epoch,
-                offsets=offsets,
-            )
-            built.append(
-                assemble(
-                    samples,
-                    step=step,
-                    rank=rank,
-                    pad_id=self._job.batch.pad_id,
-                    ignore_id=self._job.batch.ignore_id,
-                    token_dtype=self._job.batch.token_dtype,
-                    global_loss_tokens=plan.global_loss_tokens,
+        batch = self._job.batch
+        pack_length = (batch.pack_length or self._job.balance.max_tokens or 2**31 - 1) if batch.packing else None
+        built: dict[int, BuiltBatch] = {}
+        for bucket, (source, seq, row, epoch, length, offsets, _) in buckets.items():
+            if bucket in wanted:
+                samples = RankSamples(tokens=[tokens[(int(k), int(s))] for k, s in zip(source, seq)], source=source, row=row, epoch=epoch, offsets=offsets)
+                built[bucket] = assemble(
+                    samples, step=step, rank=bucket, pad_id=batch.pad_id, ignore_id=batch.ignore_id,
+                    token_dtype=batch.token_dtype, global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length,
                 )
-            )
+            else:
+                built[bucket] = _metadata_only(step, bucket, length, offsets, plan.global_loss_tokens)
+        variants_built: dict[Variant, BuiltBatch] = {}
+        deliveries = []
+        for rank, v in variants.items():
+            if v not in variants_built:
+                whole = v.cp_rank is None and v.stage == ALL and v.tensors
+                variants_built[v] = built[v.bucket] if whole else derive(
+                    built[v.bucket],
+                    cp=self.mesh.sizes["cp"],
+                    cp_rank=v.cp_rank,
+                    cp_mode=self._job.constructors.cp_slicing,
+                    stage=self.mesh.coords(rank).pp,
+                    stages=self.mesh.sizes["pp"],
+                    middle=self._job.constructors.pp_middle_tensors,
+                    with_tensors=v.tensors,
+                    pad_id=batch.pad_id,
+                    ignore_id=batch.ignore_id,
+                )
+            deliveries.append(self._with_subplans(Delivery(variants_built[v], rank, v), plan))
         self._metrics.build_latency.observe(time.perf_counter() - begin)
-        return built
+        return deliveries
+
+    def _with_subplans(self, delivery: Delivery, plan: planner_pb2.GetPlanResponse) -> Delivery:
+        """Adds the secondary graphs' per-sample data of the rank (e.g. the images it encodes)."""
+        parts = [p for p in plan.subplans if p.bucket == self.mesh.bucket_of(delivery.rank, p.axis)]
+        if not parts:
+            return delivery
+        base = len(delivery.batch.payload)
+        chunks: list[bytes] = []
+        offset = 0
+        subbatches = []
+        for part in parts:
+            arrays = {
+                "sample_source": decode_array(part.samples.source, field="subplans.samples.source", dtype="int32", ndim=1),
+                "sample_row": decode_array(part.samples.row, field="subplans.samples.row", dtype="int64", ndim=1),
+                "sample_epoch": decode_array(part.samples.epoch, field="subplans.samples.epoch", dtype="int32", ndim=1),
+                part.metadata: decode_array(part.values, field="subplans.values", dtype="int64", ndim=1),
+            }
+            specs = []
+            for name, array in arrays.items():
+                specs.append(TensorLayout(name, array.dtype.name, tuple(array.shape), base + offset))
+                data = np.ascontiguousarray(array).tobytes()
+                chunks.append(data + bytes(align(len(data)) - len(data)))
+                offset += align(len(data))
+            subbatches.append(SubBatch(part.name, part.metadata, tuple(specs)))
+        return dataclasses.replace(delivery, subbatches=tuple(subbatches), extra=b"".join(chunks))
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000)
@@ -210,7 +291,7 @@ class StepPipeline:
         except grpc.RpcError as exc:
             raise reraise(exc, f"planner at {self._planner_address}") from exc
 
-    def _fetch(self, step: int, sources: np.ndarray, seqs: np.ndarray, loaders: list[str]) -> dict[tuple[int, int], np.ndarray]:
+    def _fetch(self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, loaders: list[str]) -> dict[tuple[int, int], np.ndarray]:
         """Token ids of every (source, seq) of the step, fetched from the loaders in parallel."""
         by_loader: dict[str, np.ndarray] = {}
         for k in np.unique(sources):
@@ -220,7 +301,7 @@ class StepPipeline:
             mask = sources == k
             by_loader[address] = mask if address not in by_loader else by_loader[address] | mask
         jobs = {
-            address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask])
+            address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask], copies[mask])
             for address, mask in by_loader.items()
         }
         tokens: dict[tuple[int, int], np.ndarray] = {}
@@ -240,12 +321,13 @@ class StepPipeline:
                 channel = self._loader_channels[address] = create_channel(address, max_message_bytes=self._max_message_bytes)
         return loader_pb2_grpc.LoaderStub(channel)
 
-    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray) -> pa.Table:
+    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray) -> pa.Table:
         request = loader_pb2.FetchSamplesRequest(
             constructor_index=self._index,
             step=step,
             samples=common_pb2.SampleSet(source=encode_array(sources), seq=encode_array(seqs)),
             release_below_step=step,
+            copies=encode_array(copies) if np.any(copies != 1) else None,
         )
         stub = self._loader(address)
 
@@ -289,3 +371,14 @@ class StepPipeline:
         self._planner_channel.close()
         for channel in self._loader_channels.values():
             channel.close()
+
+
+def _metadata_only(step: int, bucket: int, lengths: np.ndarray, offsets: np.ndarray, global_loss_tokens: int) -> BuiltBatch:
+    """A bucket's microbatches without tensors (none of this pod's ranks gets its data)."""
+    layouts = []
+    for m in range(len(offsets) - 1):
+        part = lengths[int(offsets[m]) : int(offsets[m + 1])].astype(np.int64)
+        loss = int(np.maximum(part - 1, 0).sum())
+        weight = loss / global_loss_tokens if global_loss_tokens > 0 else 0.0
+        layouts.append(MicrobatchLayout((), int(part.sum()), loss, len(part) == 0, weight))
+    return BuiltBatch(step, bucket, tuple(layouts), bytearray(), global_loss_tokens)

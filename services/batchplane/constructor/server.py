@@ -41,7 +41,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         InvalidArgument: the planner refused the registration.
     """
     if not 0 <= process.index < job.constructor_count:
-        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh.dp / ranks_per_constructor)", process.index)
+        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh ranks / constructors.ranks_per_constructor)", process.index)
     if not process.planner:
         raise ConfigError("--planner", "is required for a constructor", None)
     ranks = job.constructor_ranks(process.index)
@@ -54,14 +54,14 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     )
     address = process.listen or f"{job.network.host}:{port}"
     info = _register(job, process, address, ranks)
-    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics)
+    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info)
     constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
     server.start()
     set_serving(health, "batchplane.v1.Constructor")
-    log.info("serving dp ranks %s", list(ranks))
+    log.info("serving ranks %s", list(ranks))
     return RunningConstructor(address, server, pipeline)
 
 
 def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...]) -> common_pb2.JobInfo:
-    request = planner_pb2.RegisterConstructorRequest(constructor_index=process.index, address=address, dp_ranks=ranks)
+    request = planner_pb2.RegisterConstructorRequest(constructor_index=process.index, address=address, ranks=ranks)
     return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")

@@ -23,8 +23,9 @@ import yaml
 
 from batchplane.core.errors import ConfigError
 
-BALANCE_METHODS = ("karmarkar_karp", "greedy", "round_robin")
+BALANCE_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
 COST_KINDS = ("quadratic", "linear")
+CP_SLICING = ("zigzag", "contiguous")
 TOKEN_DTYPES = ("int32", "int64")
 MiB = 1 << 20
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -73,14 +74,29 @@ class BatchSettings:
     ignore_id: int = -100
     #: dtype of input_ids, labels and position_ids.
     token_dtype: str = "int64"
+    #: Pack each microbatch's samples into rows of at most `pack_length` tokens (with
+    #: cu_seqlens, segment_ids and position ids restarting per sample) instead of padding each
+    #: sample to the longest.
+    packing: bool = False
+    #: Longest packed row in tokens; None: `balance.max_tokens` when set, else the longest
+    #: microbatch (one row per microbatch).
+    pack_length: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    """The trainer's device mesh."""
+    """The trainer's device mesh (its ClientPlaceTree): pp * dp * cp * tp ranks."""
 
-    #: Data-parallel ranks.
+    #: Data-parallel replicas.
     dp: int = 1
+    #: Context-parallel ranks per replica: each gets a slice of every sequence.
+    cp: int = 1
+    #: Tensor-parallel ranks per context slice: all get identical tensors.
+    tp: int = 1
+    #: Pipeline stages: the first gets the inputs, the last the labels.
+    pp: int = 1
+    #: Rank order, fastest-varying axis first; Megatron-LM's by default.
+    order: str = "tp-cp-dp-pp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +116,15 @@ class CostSettings:
 class BalanceSettings:
     """How a step's samples are spread over ranks and microbatches."""
 
-    #: "karmarkar_karp", "greedy" (longest processing time first) or "round_robin" (none).
+    #: "karmarkar_karp", "greedy" (longest processing time first), "round_robin" (none), or
+    #: "token_budget": microbatches of variable size under `max_tokens` (or `max_cost`), the
+    #: same number on every rank of a step.
     method: str = "karmarkar_karp"
+    #: Token budget of one microbatch for "token_budget": padded tokens (samples x longest),
+    #: or real tokens when `batch.packing` is on.
+    max_tokens: int | None = None
+    #: Cost budget of one microbatch for "token_budget", instead of `max_tokens`.
+    max_cost: float | None = None
     #: The cost model balanced.
     cost: CostSettings = dataclasses.field(default_factory=CostSettings)
 
@@ -135,10 +158,16 @@ class LoaderSettings:
 class ConstructorSettings:
     """Constructor processes (sidecars of the trainer pods)."""
 
-    #: Data-parallel ranks per constructor; constructor i serves ranks [i*n, (i+1)*n).
+    #: Ranks (GPUs of one trainer pod) per constructor; constructor i serves global ranks
+    #: [i*n, (i+1)*n).
     ranks_per_constructor: int = 1
     #: Steps built ahead of the slowest rank it serves.
     prefetch_steps: int = 2
+    #: How a sequence is cut over context-parallel ranks: "zigzag" (2*cp chunks, rank i gets
+    #: chunks i and 2*cp-1-i: balanced causal attention) or "contiguous".
+    cp_slicing: str = "zigzag"
+    #: Tensors the middle pipeline stages receive (by default none; e.g. ["position_ids"]).
+    pp_middle_tensors: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +205,12 @@ class JobSettings:
     network: NetworkSettings = dataclasses.field(default_factory=NetworkSettings)
     #: Folder for logs, endpoints and the ledger; relative to the configuration file.
     run_dir: str = ".batchplane/run"
+    #: A strategy file (Python, defining `strategy(mesh)` with DGraph primitives; relative to
+    #: the configuration file). None: mix, distribute over DP, cost and balance as `balance`
+    #: says.
+    strategy: str | None = None
+    #: sha256 of the strategy file, part of the fingerprint. Set by the loader.
+    strategy_digest: str = dataclasses.field(default="", metadata={"internal": True})
     #: Folder of the configuration file; relative paths are resolved against it. Set by the
     #: loader, not read from YAML.
     base_dir: str = dataclasses.field(default=".", metadata={"internal": True})
@@ -204,13 +239,19 @@ class JobSettings:
         return tuple(i for i in range(len(self.sources)) if self.loader_of(i) == loader_index)
 
     @property
+    def world(self) -> int:
+        """Ranks in the mesh: pp * dp * cp * tp."""
+        m = self.mesh
+        return m.pp * m.dp * m.cp * m.tp
+
+    @property
     def constructor_count(self) -> int:
-        return math.ceil(self.mesh.dp / self.constructors.ranks_per_constructor)
+        return math.ceil(self.world / self.constructors.ranks_per_constructor)
 
     def constructor_ranks(self, constructor_index: int) -> tuple[int, ...]:
-        """Data-parallel ranks constructor `constructor_index` serves."""
+        """Global ranks constructor `constructor_index` serves."""
         n = self.constructors.ranks_per_constructor
-        return tuple(range(constructor_index * n, min((constructor_index + 1) * n, self.mesh.dp)))
+        return tuple(range(constructor_index * n, min((constructor_index + 1) * n, self.world)))
 
     def resolve(self, path: str) -> pathlib.Path:
         """`path` made absolute against the configuration file's folder."""
@@ -233,6 +274,8 @@ class JobSettings:
             "mesh": dataclasses.asdict(self.mesh),
             "balance": dataclasses.asdict(self.balance),
             "shuffle": dataclasses.asdict(self.loaders.shuffle),
+            "delivery": [self.constructors.cp_slicing, list(self.constructors.pp_middle_tensors)],
+            "strategy": self.strategy_digest,
         }
         blob = json.dumps(planned, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -276,7 +319,17 @@ def job_from_mapping(data: Any, *, base_dir: str | pathlib.Path = ".") -> JobSet
             data["epochs"] = None
     job = dataclasses.replace(_build(JobSettings, data, ""), base_dir=str(base_dir))
     _validate(job)
+    if job.strategy is not None:
+        job = dataclasses.replace(job, strategy_digest=_digest(job.resolve(job.strategy)))
     return job
+
+
+def _digest(path: pathlib.Path) -> str:
+    """sha256 of the strategy file; ConfigError (field "strategy") when it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ConfigError("strategy", f"cannot read strategy file {str(path)!r}: {exc.strerror}", str(path)) from exc
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -375,9 +428,19 @@ def _validate(job: JobSettings) -> None:
         raise ConfigError("epochs", "must be a positive integer or 'infinite'", job.epochs)
     if not 0 <= job.seed < 2**63:
         raise ConfigError("seed", "must be in [0, 2**63)", job.seed)
-    _positive("mesh.dp", job.mesh.dp)
+    for axis in ("dp", "cp", "tp", "pp"):
+        _positive(f"mesh.{axis}", getattr(job.mesh, axis))
+    axes = [part.strip() for part in job.mesh.order.split("-")]
+    if sorted(axes) != sorted(["tp", "cp", "dp", "pp"]):
+        raise ConfigError("mesh.order", "must name tp, cp, dp and pp once each, fastest first, e.g. 'tp-cp-dp-pp'", job.mesh.order)
+    if job.constructors.cp_slicing not in CP_SLICING:
+        raise ConfigError("constructors.cp_slicing", f"must be one of {CP_SLICING}", job.constructors.cp_slicing)
+    if job.strategy is not None and not job.strategy.endswith(".py"):
+        raise ConfigError("strategy", "must name a Python file (*.py)", job.strategy)
     _positive("batch.microbatches", job.batch.microbatches)
     _positive("batch.global_batch_size", job.batch.global_batch_size)
+    if job.batch.pack_length is not None:
+        _positive("batch.pack_length", job.batch.pack_length)
     per_step = job.mesh.dp * job.batch.microbatches
     if job.batch.global_batch_size < per_step:
         raise ConfigError(
@@ -394,9 +457,16 @@ def _validate(job: JobSettings) -> None:
             raise ConfigError(f"batch.{name}", f"must fit batch.token_dtype ({job.batch.token_dtype})", value)
     if job.balance.method not in BALANCE_METHODS:
         raise ConfigError("balance.method", f"must be one of {BALANCE_METHODS}", job.balance.method)
+    budgets = {"balance.max_tokens": job.balance.max_tokens, "balance.max_cost": job.balance.max_cost}
+    if job.balance.max_tokens is not None:
+        _positive("balance.max_tokens", job.balance.max_tokens)
+    if job.balance.max_cost is not None and not (math.isfinite(job.balance.max_cost) and job.balance.max_cost > 0):
+        raise ConfigError("balance.max_cost", "must be a finite number > 0", job.balance.max_cost)
+    if job.balance.method == "token_budget" and sum(v is not None for v in budgets.values()) != 1:
+        raise ConfigError("balance.max_tokens", "method 'token_budget' needs exactly one of balance.max_tokens and balance.max_cost", budgets)
     cost = job.balance.cost
-    if cost.kind not in COST_KINDS and ":" not in cost.kind:
-        raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS} or 'module:callable'", cost.kind)
+    if not cost.kind.strip():
+        raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS}, a model name or 'module:callable'", cost.kind)
     for name in ("linear", "quadratic"):
         v = getattr(cost, name)
         if not math.isfinite(v) or v < 0:

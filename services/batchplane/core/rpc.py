@@ -251,8 +251,10 @@ def reraise(exc: grpc.RpcError, what: str) -> errors.BatchplaneError:
     return cls(f"{what}: {exc.code().name}: {exc.details()}")
 
 
-def stream_payload(response_cls: Callable[..., Any], header: Any, payload: memoryview | bytes) -> Iterator[Any]:
-    """A chunked response stream: the header first, then the payload in ~1 MiB chunks."""
+def stream_payload(response_cls: Callable[..., Any], header: Any, *payloads: memoryview | bytes) -> Iterator[Any]:
+    """A chunked response stream: the header first, then the payloads one after another in
+    ~1 MiB chunks (the receiver sees one payload)."""
     yield response_cls(header=header)
-    for data in iter_chunks(payload):
-        yield response_cls(chunk=common_pb2.Chunk(data=data))
+    for payload in payloads:
+        for data in iter_chunks(payload):
+            yield response_cls(chunk=common_pb2.Chunk(data=data))

@@ -1,20 +1,25 @@
 """Synthetic multi-source Parquet dataset for the demo and the tests (not real training data).
 
 `write_demo_dataset` writes one directory per source, ``root/<name>/part-00000.parquet``,
-``part-00001.parquet``, ..., each file with several row groups and the schema
+``part-00001.parquet``, ..., each file with several row groups, compressed with zstd and with
+page checksums. A text source (`DemoSource`) has the schema
 
     input_ids: list<int32>   token ids in [0, vocab_size)
     doc_id:    int64         the row's global index over the source's files in sorted file order
 
-compressed with zstd and with page checksums. The four default sources (`DEMO_SOURCES`) have
-distinct, skewed length distributions (short captions with a long tail, long documents,
-heavy-tailed code, bimodal chat), declared as mixtures of `LogNormal` and `Pareto` components,
-so that packing and balancing have something to do. Token ids follow a sparse order-1 Markov
-chain per source, so a tiny language model's loss visibly falls when trained on them.
+and an image-text source (`ImageTextSource`) the schema of `batchplane.demo.images.SCHEMA`
+(caption token ids, JPEG images, doc_id), read through the `image_text` transform.
+
+The four default text sources (`DEMO_SOURCES`) have distinct, skewed length distributions
+(short captions with a long tail, long documents, heavy-tailed code, bimodal chat), declared as
+mixtures of `LogNormal` and `Pareto` components, so that packing and balancing have something
+to do. Token ids follow a sparse order-1 Markov chain per source, so a tiny language model's
+loss visibly falls when trained on them. The fifth default source, "images", carries 0-4 JPEG
+images per sample at mixed resolutions, so its transform costs far more per sample.
 
 Everything is derived from ``seed`` and the source name (through `zlib.crc32`, never the
 salted built-in `hash`), so the same arguments write byte-identical files with the same
-numpy and pyarrow versions. The whole default dataset (about 23 thousand rows) writes in a few
+numpy, Pillow and pyarrow versions. The whole default dataset (25 thousand rows) writes in a few
 seconds.
 """
 
@@ -31,10 +36,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchplane.demo.images import write_image_text_source
+
 __all__ = [
     "DEMO_SOURCES",
     "SCHEMA",
     "DemoSource",
+    "ImageTextSource",
     "LengthComponent",
     "LogNormal",
     "Pareto",
@@ -111,6 +119,35 @@ LengthComponent = Union[LogNormal, Pareto]
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageTextSource:
+    """One synthetic image-text source, written by `batchplane.demo.images`."""
+
+    #: Directory name under the dataset root; also seeds the source's random streams.
+    name: str
+    #: One line, shown by the demo.
+    description: str
+    #: Total rows over all files.
+    num_rows: int
+    #: Number of Parquet files the rows are split over (as evenly as possible).
+    files: int
+    #: Rows per Parquet row group (the last group of a file may be smaller).
+    rows_per_row_group: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            problems.append(f"name must be a plain directory name, got {self.name!r}")
+        if self.num_rows < 1:
+            problems.append(f"num_rows must be >= 1, got {self.num_rows}")
+        if not 1 <= self.files <= max(self.num_rows, 1):
+            problems.append(f"files must be in [1, num_rows], got {self.files}")
+        if self.rows_per_row_group < 1:
+            problems.append(f"rows_per_row_group must be >= 1, got {self.rows_per_row_group}")
+        if problems:
+            raise ValueError(f"ImageTextSource {self.name!r}: " + "; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
 class DemoSource:
     """One synthetic source: how many rows, how they are laid out, and how they look."""
 
@@ -158,8 +195,9 @@ class DemoSource:
             raise ValueError(f"DemoSource {self.name!r}: " + "; ".join(problems))
 
 
-#: The default four sources: about 23 thousand rows, 5.5 million tokens.
-DEMO_SOURCES: tuple[DemoSource, ...] = (
+#: The default sources: four text sources (23 thousand rows, 5.5 million tokens) and one
+#: image-text source (2 thousand rows, about 0.5 million tokens once its images are patchified).
+DEMO_SOURCES: tuple[DemoSource | ImageTextSource, ...] = (
     DemoSource(
         name="captions",
         description="short image captions: ~98% under 64 tokens, a long tail up to 1024",
@@ -209,6 +247,13 @@ DEMO_SOURCES: tuple[DemoSource, ...] = (
         min_length=4,
         max_length=1536,
         branching=4,
+    ),
+    ImageTextSource(
+        name="images",
+        description="image-text pairs: 0-4 JPEGs (mostly one, 64x64 to 512x336) and an 8-48 token caption",
+        num_rows=2_000,
+        files=2,
+        rows_per_row_group=250,
     ),
 )
 
@@ -307,7 +352,7 @@ def _file_bounds(num_rows: int, files: int) -> list[tuple[int, int]]:
 def write_demo_dataset(
     root: pathlib.Path,
     *,
-    sources: Sequence[DemoSource] = DEMO_SOURCES,
+    sources: Sequence[DemoSource | ImageTextSource] = DEMO_SOURCES,
     vocab_size: int = 1024,
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
@@ -323,7 +368,8 @@ def write_demo_dataset(
     Args:
         root: Dataset root; created if missing.
         sources: Sources to write; names must be unique.
-        vocab_size: Token ids are in ``[0, vocab_size)``; at least 2, at most 2**31.
+        vocab_size: Token ids are in ``[0, vocab_size)``; at least 2, at most 2**31 (at least 3
+            with an image-text source, whose captions leave the last id to the image token).
         seed: Seed of every random draw (together with each source's name).
         progress: Called as ``progress(source_name, rows_written, rows_total)`` after each row
             group is written.
@@ -341,9 +387,33 @@ def write_demo_dataset(
     for source in sources:
         directory = root / source.name
         directory.mkdir(parents=True, exist_ok=True)
-        _write_source(source, directory, vocab_size=vocab_size, seed=seed, progress=progress)
+        if isinstance(source, ImageTextSource):
+            _write_image_source(source, directory, vocab_size=vocab_size, seed=seed, progress=progress)
+        else:
+            _write_source(source, directory, vocab_size=vocab_size, seed=seed, progress=progress)
         directories[source.name] = directory
     return directories
+
+
+def _write_image_source(
+    source: ImageTextSource,
+    directory: pathlib.Path,
+    *,
+    vocab_size: int,
+    seed: int,
+    progress: Callable[[str, int, int], None] | None,
+) -> None:
+    """Writes one image-text source's files into `directory`."""
+    write_image_text_source(
+        directory,
+        rows=source.num_rows,
+        # One seed per (seed, name), so two image sources differ.
+        seed=int(np.random.SeedSequence([seed, zlib.crc32(source.name.encode("utf-8"))]).generate_state(1)[0]),
+        files=source.files,
+        row_group_rows=source.rows_per_row_group,
+        vocab_size=vocab_size,
+        progress=None if progress is None else lambda rows, total: progress(source.name, rows, total),
+    )
 
 
 def _write_source(

@@ -1,7 +1,8 @@
-"""`batchplane demo`: writes a four-source Parquet dataset, starts the data plane as local
-processes, trains a tiny model on two data-parallel ranks (two trainer processes) against it
-and prints a summary: throughput, the configured and realized mixture per source, the per-rank
-step cost spread of each balancing method on the same samples, and each process's memory.
+"""`batchplane demo`: writes a five-source Parquet dataset (four text sources, one image-text),
+starts the data plane as local processes, trains a tiny model on two data-parallel ranks (two
+trainer processes) against it and prints a summary: throughput, the configured and realized
+mixture per source, the per-rank step cost spread of each balancing method on the same samples,
+and each process's memory.
 """
 
 from __future__ import annotations
@@ -16,13 +17,25 @@ import sys
 import time
 
 from batchplane.demo.dataset import DEMO_SOURCES, write_demo_dataset
+from batchplane.demo.images import IMAGE_TOKEN_ID
 from batchplane.launcher.local import LaunchError, LocalCluster
 
 DP = 2
-WEIGHTS = {"captions": 0.4, "docs": 0.2, "code": 0.2, "chat": 0.2}
+WEIGHTS = {"captions": 0.3, "docs": 0.2, "code": 0.2, "chat": 0.2, "images": 0.1}
+#: Loader transform settings by source name; the other sources use the default transform.
+#: "images" decodes its JPEGs into 14x14 patches (longer side at most 448 pixels) and puts one
+#: IMAGE_TOKEN_ID (1023, the last id of the tiny model's 1024-token vocabulary) per patch in
+#: front of the caption.
+TRANSFORMS = {
+    "images": {
+        "transform": "batchplane.demo.images:image_text",
+        "transform_args": {"patch": 14, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID},
+        "columns": ["caption", "images"],
+    },
+}
 JOB_TEMPLATE = """\
-# Written by `batchplane demo`. Four sources, mixed 40/20/20/20, balanced by Karmarkar-Karp
-# over two data-parallel ranks with two microbatches each.
+# Written by `batchplane demo`. Four text sources and an image-text one, mixed 30/20/20/20/10,
+# balanced by Karmarkar-Karp over two data-parallel ranks with two microbatches each.
 job: demo
 seed: 1234
 epochs: infinite
@@ -49,7 +62,10 @@ run_dir: run
 
 def write_job(workdir: pathlib.Path) -> pathlib.Path:
     """Writes the demo's job configuration; returns its path."""
-    sources = "\n".join(f"  - {{name: {s.name}, path: data/{s.name}}}" for s in DEMO_SOURCES)
+    sources = "\n".join(
+        "  - " + json.dumps({"name": s.name, "path": f"data/{s.name}", **TRANSFORMS.get(s.name, {})})
+        for s in DEMO_SOURCES
+    )
     path = workdir / "job.yaml"
     path.write_text(JOB_TEMPLATE.format(sources=sources, weights=json.dumps(WEIGHTS), dp=DP))
     return path

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import grpc
 
 from batchplane.core.config import JobSettings, load_job
+from batchplane.planner.strategy import load_strategy
 from batchplane.core.rpc import is_serving
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
@@ -75,12 +76,14 @@ class LocalCluster:
         run_dir: Folder for logs and endpoints; default: the job's `run_dir`.
         log_level: Log level of every process.
     Raises:
-        ConfigError: from loading the configuration.
+        ConfigError: from loading the configuration or its strategy (checked here, so a bad
+            strategy or cost model fails before any process starts).
     """
 
     def __init__(self, config_path: str | pathlib.Path, *, run_dir: pathlib.Path | None = None, log_level: str = "INFO") -> None:
         self.config_path = pathlib.Path(config_path).resolve()
         self.job: JobSettings = load_job(self.config_path)
+        load_strategy(self.job)
         self.run_dir = (run_dir or self.job.resolve(self.job.run_dir)).resolve()
         self.log_level = log_level
         self.planner: ServiceProcess | None = None

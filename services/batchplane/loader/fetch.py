@@ -1,6 +1,9 @@
 """Serving planned samples to constructors: which samples each constructor fetched for each
 step (so a retried fetch is recognized and nothing is released twice), releasing them when the
 constructor says it is done, and encoding them as an Arrow IPC payload.
+
+A sample several constructors fetch (its bucket's ranks sit in several pods, e.g. one per
+pipeline stage) comes with the number of copies; it is freed once that many have released it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ PAYLOAD_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input
 
 #: (source index, window seq_start, samples fetched from it)
 Hold = tuple[int, int, int]
+#: (source index, window seq_start, seq, copies) of a sample several constructors fetch
+Shared = tuple[int, int, int, int]
 
 
 class FetchBook:
@@ -29,11 +34,15 @@ class FetchBook:
 
     def __init__(self, streams: Mapping[int, SourceStream]) -> None:
         self._streams = streams
-        self._held: dict[tuple[int, int], list[Hold]] = {}
+        self._held: dict[tuple[int, int], tuple[list[Hold], list[Shared]]] = {}
+        self._copies_left: dict[tuple[int, int], int] = {}  # (source, seq) -> releases still due
         self._lock = threading.Lock()
 
-    def fetch(self, *, constructor: int, step: int, sources: np.ndarray, seqs: np.ndarray) -> pa.RecordBatch:
+    def fetch(self, *, constructor: int, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray | None = None) -> pa.RecordBatch:
         """The requested samples as one record batch (rows grouped by source and window).
+
+        Args:
+            copies: How many constructors fetch each sample (None: 1 each).
 
         Raises:
             InvalidArgument: a source this loader does not serve, or mismatched arrays.
@@ -41,14 +50,20 @@ class FetchBook:
         """
         if len(sources) != len(seqs):
             raise InvalidArgument(f"samples.source has {len(sources)} entries but samples.seq has {len(seqs)}")
+        if copies is None or not len(copies):
+            copies = np.ones(len(seqs), np.int32)
+        if len(copies) != len(seqs) or np.any(copies < 1):
+            raise InvalidArgument(f"copies must hold one value >= 1 per sample ({len(seqs)}), got {len(copies)} values")
         unknown = sorted(set(np.unique(sources).tolist()) - set(self._streams))
         if unknown:
             raise InvalidArgument(f"this loader serves sources {sorted(self._streams)}, not {unknown}")
         columns: dict[str, list] = {"source": [], "seq": [], "input_ids": []}
         holds: list[Hold] = []
+        shared: list[Shared] = []
         for source in np.unique(sources):
             stream = self._streams[int(source)]
-            wanted = seqs[sources == source]
+            mine = sources == source
+            wanted, wanted_copies = seqs[mine], copies[mine]
             starts, index = stream.locate(wanted)
             for start in np.unique(starts):
                 in_window = starts == start
@@ -56,9 +71,15 @@ class FetchBook:
                 columns["source"].append(np.full(int(in_window.sum()), source, np.int32))
                 columns["seq"].append(wanted[in_window])
                 columns["input_ids"].append(ids)
-                holds.append((int(source), int(start), int(in_window.sum())))
+                single = in_window & (wanted_copies == 1)
+                holds.append((int(source), int(start), int(single.sum())))
+                for seq, n in zip(wanted[in_window & ~single].tolist(), wanted_copies[in_window & ~single].tolist()):
+                    shared.append((int(source), int(start), seq, n))
         with self._lock:
-            self._held.setdefault((constructor, step), holds)  # a retry keeps the first record
+            if (constructor, step) not in self._held:  # a retry keeps the first record
+                self._held[(constructor, step)] = (holds, shared)
+                for source, _, seq, n in shared:
+                    self._copies_left.setdefault((source, seq), n)
         if not holds:
             return pa.RecordBatch.from_pylist([], schema=PAYLOAD_SCHEMA)
         return pa.record_batch(
@@ -74,9 +95,19 @@ class FetchBook:
         """Frees what `constructor` fetched for steps below `below_step`; returns samples freed."""
         with self._lock:
             done = [key for key in self._held if key[0] == constructor and key[1] < below_step]
-            holds = [h for key in done for h in self._held.pop(key)]
+            records = [self._held.pop(key) for key in done]
+            holds = [h for singles, _ in records for h in singles]
+            for _, shared in records:
+                for source, start, seq, _ in shared:
+                    left = self._copies_left[(source, seq)] - 1
+                    if left:
+                        self._copies_left[(source, seq)] = left
+                    else:
+                        del self._copies_left[(source, seq)]
+                        holds.append((source, start, 1))
         for source, start, count in holds:
-            self._streams[source].release(start, count)
+            if count:
+                self._streams[source].release(start, count)
         return sum(count for _, _, count in holds)
 
 

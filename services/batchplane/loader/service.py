@@ -50,7 +50,8 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         sources = decode_array(request.samples.source, field="samples.source", dtype="int32", ndim=1)
         seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
         self._book.release(constructor=request.constructor_index, below_step=request.release_below_step)
-        batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs)
+        copies = decode_array(request.copies, field="copies", dtype="int32", ndim=1) if request.HasField("copies") else None
+        batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs, copies=copies)
         payload = encode_payload(batch)
         for source in set(sources.tolist()):
             self._metrics.samples_sent.labels(self._streams[source].name).inc(int((sources == source).sum()))

@@ -4,8 +4,9 @@ every rank has moved past it, and knows where the job started and where its data
 The first step any constructor asks for is where the job starts: a fresh job asks for step 0,
 a resumed one for the step after its checkpoint. The mixture is fast-forwarded there without
 touching data (see `mixture`), so a resumed job plans exactly what the uninterrupted job would
-have (I4). A rank that asks for step s is done with every earlier step; asking for an earlier
-step afterwards is refused as consumed.
+have (I4). A constructor that asks for step s is done with every earlier step; asking for an
+earlier step afterwards is refused as consumed. Each step is planned by the job's strategy
+(see `dgraph`) over the job's ClientPlaceTree.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, Unavailable
 from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.dgraph import Strategy
 from batchplane.planner.ledger import Ledger
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
-from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
+from batchplane.planner.plan import SampleTable, StepPlan
+from batchplane.planner.strategy import job_mesh, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class PlanBook:
         store: Sample metadata pulled from the loaders.
         metrics: The planner's metrics.
         ledger_sink: Receives the ledger line of every planned step, in order.
+        strategy: The job's strategy; default: `load_strategy(job)`.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class PlanBook:
         store: SummaryStore,
         metrics: PlannerMetrics,
         ledger_sink: Callable[[str], None] = lambda line: None,
+        strategy: Strategy | None = None,
     ) -> None:
         self._job = job
         self._membership = membership
@@ -59,10 +64,14 @@ class PlanBook:
         self._metrics = metrics
         self._ledger_sink = ledger_sink
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
-        self.ledger = Ledger(job.source_names, method=job.balance.method)
+        self.strategy = strategy if strategy is not None else load_strategy(job)
+        self.mesh = job_mesh(job)
+        self.weights = self.strategy.weights(job.source_names, job.weights)
+        method = self.strategy.primary.balancing.method
+        self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
         self._cond = threading.Condition()
         self._plans: dict[int, StepPlan] = {}
-        self._progress: dict[int, int] = {}  # rank -> latest step it asked for
+        self._progress: dict[int, int] = {}  # constructor -> latest step it asked for
         self._mixture: Mixture | None = None
         self._state: MixtureState | None = None
         self.start_step: int | None = None
@@ -76,12 +85,12 @@ class PlanBook:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def plan_for(self, ranks: Sequence[int], step: int, *, timeout_s: float) -> StepPlan | None:
-        """The plan of `step` for a constructor serving `ranks`; None (END_OF_DATA) past the end.
+    def plan_for(self, constructor: int, step: int, *, timeout_s: float) -> StepPlan | None:
+        """The plan of `step` for constructor `constructor`; None (END_OF_DATA) past the end.
 
         Raises:
-            FailedPrecondition: the step is before the job's start, was consumed by one of the
-                ranks (it already asked for a later step), or planning failed for good (the
+            FailedPrecondition: the step is before the job's start, was consumed by the
+                constructor (it already asked for a later step), or planning failed for good (the
                 message says why, e.g. a cost function that returns negative costs).
             Unavailable: the plan is not ready within `timeout_s` (loaders not registered or
                 slow); retry.
@@ -91,14 +100,10 @@ class PlanBook:
                 self._start(step, timeout_s=timeout_s)
             if step < self.start_step:
                 raise FailedPrecondition(f"step {step} is before step {self.start_step}, where this job started")
-            moved_on = {r: self._progress[r] for r in ranks if self._progress.get(r, step) > step}
-            if moved_on:
-                raise FailedPrecondition(
-                    f"step {step} was already consumed: rank(s) {sorted(moved_on)} asked for step "
-                    f"{max(moved_on.values())} since"
-                )
-            for r in ranks:
-                self._progress[r] = step
+            latest = self._progress.get(constructor, step)
+            if latest > step:
+                raise FailedPrecondition(f"step {step} was already consumed: constructor {constructor} asked for step {latest} since")
+            self._progress[constructor] = step
             self._forget_consumed()
             if self.end_step is not None and step >= self.end_step:
                 return END_OF_DATA
@@ -129,7 +134,7 @@ class PlanBook:
             None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
             for k in range(len(self._job.sources))
         ]
-        self._mixture = Mixture(self._job.weights, global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
+        self._mixture = Mixture(self.weights, global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
         begin = time.perf_counter()
         self._state = self._mixture.fast_forward(MixtureState.initial(len(ends)), step)
         self.start_step = step
@@ -140,7 +145,7 @@ class PlanBook:
         self._cond.notify_all()
 
     def _forget_consumed(self) -> None:
-        low = min(self._progress.get(r, self.start_step) for r in range(self._job.mesh.dp))
+        low = min(self._progress.get(c, self.start_step) for c in range(self._job.constructor_count))
         for s in [s for s in self._plans if s < low]:
             del self._plans[s]
 
@@ -182,14 +187,7 @@ class PlanBook:
         if table is None:
             return  # stopped while waiting
         waited = time.perf_counter() - begin
-        plan = build_step_plan(
-            state.step,
-            table,
-            dp=self._job.mesh.dp,
-            microbatches=self._job.batch.microbatches,
-            method=self._job.balance.method,
-            cost_fn=self._cost_fn,
-        )
+        plan = self.strategy.run(state.step, table, self.mesh, default_cost=self._cost_fn)
         line = self.ledger.record(allocation, plan)
         self._ledger_sink(line)
         self._store.advance(after.cursors)
@@ -238,11 +236,11 @@ class PlanBook:
 
     @property
     def finished(self) -> bool:
-        """True once every rank has asked for the end-of-data step."""
+        """True once every constructor has asked for the end-of-data step."""
         with self._cond:
             if self.end_step is None:
                 return False
-            return all(self._progress.get(r, -1) >= self.end_step for r in range(self._job.mesh.dp))
+            return all(self._progress.get(c, -1) >= self.end_step for c in range(self._job.constructor_count))
 
     def stop(self) -> None:
         with self._cond:

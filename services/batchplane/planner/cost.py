@@ -3,8 +3,10 @@ length in tokens.
 
 `make_cost_fn` turns the job's `balance.cost` settings into a function from an int64 array of
 lengths to a float64 array of costs: the built-in "quadratic" (attention-dominated) and
-"linear" models, or a user callable named by an import path "package.module:callable". Pure:
-no I/O beyond importing that module.
+"linear" models, the training FLOPs of a named transformer (`batchplane.planner.models.MODELS`,
+e.g. "llama-12b", or "encoder:vit-2b" for an image encoder costed by its image tokens), or a
+user callable named by an import path "package.module:callable". Pure: no I/O beyond
+importing that module.
 """
 
 from __future__ import annotations
@@ -16,41 +18,65 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchplane.core.errors import ConfigError
+from batchplane.planner.models import MODELS, encoder_cost
 
 #: (int64 lengths [n], optional per-sample features {name: float64 [n]}) -> float64 costs [n].
 CostFn = Callable[..., np.ndarray]
 
+#: The simple built-in kinds, which take the `linear` / `quadratic` coefficients.
 BUILTIN_KINDS = ("quadratic", "linear")
+#: Prefix of the encoder kinds, "encoder:<model name>"; reserved, never an import path.
+ENCODER_PREFIX = "encoder:"
 _FIELD = "balance.cost.kind"
+
+
+def known_kinds() -> tuple[str, ...]:
+    """Lists every built-in cost kind `make_cost_fn` accepts besides import paths.
+
+    Returns:
+        The simple kinds, then the model names of `MODELS`, then "encoder:<model name>" for each.
+    """
+    return (*BUILTIN_KINDS, *MODELS, *(ENCODER_PREFIX + name for name in MODELS))
 
 
 def make_cost_fn(kind: str, *, linear: float = 0.0, quadratic: float = 1.0) -> CostFn:
     """Builds the per-sample cost function of a cost model.
 
     Args:
-        kind: "quadratic" (cost = linear * l + quadratic * l**2), "linear" (cost = l), or an
-            import path "package.module:callable" (the part after ':' may be dotted, e.g.
+        kind: "quadratic" (cost = linear * l + quadratic * l**2), "linear" (cost = l), a model
+            name in `MODELS` ("vit-1b", "vit-2b", "llama-12b", "tmoe-25b", "mixtral-8x7b":
+            cost = that model's training FLOPs of a sequence of length l), "encoder:<model
+            name>" (the model's training FLOPs of the sample's "image_tokens" feature instead
+            of its length; see `models.encoder_cost`), or an import path
+            "package.module:callable" (the part after ':' may be dotted, e.g.
             "pkg.mod:Model.cost") of a callable taking the int64 lengths array and, if it has a
             parameter named `features`, the per-sample features the loaders report (a dict of
-            float64 arrays, e.g. {"num_images": ...}).
+            float64 arrays, e.g. {"num_images": ...}). `known_kinds()` lists the built-in ones.
         linear: Coefficient of l for "quadratic", finite and >= 0.
         quadratic: Coefficient of l**2 for "quadratic", finite and >= 0.
     Returns:
         A function `cost(lengths, features=None)` from int64 lengths [n] (and features) to
-        float64 costs [n]. The built-in models ignore features and compute in
-        float64, so lengths up to 2**31 do not overflow. A user callable is wrapped so that its
-        result is checked on every call: it must convert to a float64 array of the lengths'
-        shape, finite and >= 0, or the wrapper raises ValueError naming the import path.
+        float64 costs [n]. The built-in models compute in float64, so lengths up to 2**31 do
+        not overflow; all but the encoder kinds ignore features. A user callable is wrapped so
+        that its result is checked on every call: it must convert to a float64 array of the
+        lengths' shape, finite and >= 0, or the wrapper raises ValueError naming the import path.
     Raises:
         ConfigError: field "balance.cost.linear" / "balance.cost.quadratic" for a coefficient
             that is not a finite number >= 0; field "balance.cost.kind" for a kind that is neither
             built-in nor an importable callable (no ':', module not importable, attribute
-            missing, not callable).
+            missing, not callable), or "encoder:<name>" with a name not in `MODELS`.
     """
     if kind == "quadratic":
         return _quadratic(_coefficient("linear", linear), _coefficient("quadratic", quadratic))
     if kind == "linear":
         return _linear
+    if isinstance(kind, str) and kind in MODELS:
+        return MODELS[kind].cost
+    if isinstance(kind, str) and kind.startswith(ENCODER_PREFIX):
+        name = kind[len(ENCODER_PREFIX) :]
+        if name not in MODELS:
+            raise ConfigError(_FIELD, f"names no known model {name!r}; models: {tuple(MODELS)}", kind)
+        return encoder_cost(MODELS[name])
     return _wrap_user(kind, _import_callable(kind))
 
 
@@ -118,7 +144,7 @@ def _import_callable(path: str) -> Callable[[np.ndarray], object]:
     """
     module_name, sep, attr_path = path.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ConfigError(_FIELD, f"must be one of {BUILTIN_KINDS} or an import path 'package.module:callable'", path)
+        raise ConfigError(_FIELD, f"must be one of {known_kinds()} or an import path 'package.module:callable'", path)
     try:
         obj: object = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code is a configuration error

@@ -33,7 +33,6 @@ class Membership:
         self._loader_address: dict[int, str] = {}
         self._num_rows: dict[int, int] = {}
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
-        self._rank_owner: dict[int, int] = {}
 
     def register_loader(self, index: int, address: str, sources: Sequence[SourceFacts]) -> None:
         """Records loader `index`; a loader registering again replaces its address.
@@ -64,29 +63,24 @@ class Membership:
             self._loader_address[index] = address
 
     def register_constructor(self, index: int, address: str, ranks: Sequence[int]) -> None:
-        """Records constructor `index` serving `ranks`.
+        """Records constructor `index` serving `ranks`; registering again replaces its address.
 
         Raises:
-            InvalidArgument: no ranks, a rank outside the mesh, or a rank another constructor
-                serves.
+            InvalidArgument: an index outside the configuration, or ranks other than those the
+                configuration assigns the index (`constructors.ranks_per_constructor`
+                consecutive global ranks): loaders count fetches by that layout.
         """
-        dp = self._job.mesh.dp
-        if not ranks:
-            raise InvalidArgument(f"constructor {index} must serve at least one rank")
-        outside = [r for r in ranks if not 0 <= r < dp]
-        if outside:
-            raise InvalidArgument(f"dp_ranks {outside} are outside the mesh (mesh.dp = {dp})")
-        if len(set(ranks)) != len(ranks):
-            raise InvalidArgument(f"dp_ranks {list(ranks)} repeat a rank")
+        job = self._job
+        if not 0 <= index < job.constructor_count:
+            raise InvalidArgument(f"constructor_index {index} is outside [0, {job.constructor_count}) for a mesh of {job.world} ranks")
+        expected = job.constructor_ranks(index)
+        if tuple(ranks) != expected:
+            raise InvalidArgument(
+                f"constructor {index} must serve ranks {list(expected)} (constructors.ranks_per_constructor = "
+                f"{job.constructors.ranks_per_constructor} of {job.world} ranks), not {list(ranks)}"
+            )
         with self._lock:
-            taken = {r: self._rank_owner[r] for r in ranks if self._rank_owner.get(r, index) != index}
-            if taken:
-                raise InvalidArgument(f"dp_ranks already served by other constructors: {taken} (rank: constructor)")
-            for r in self._constructor_ranks.get(index, ()):
-                self._rank_owner.pop(r, None)
             self._constructor_ranks[index] = tuple(ranks)
-            for r in ranks:
-                self._rank_owner[r] = index
 
     def constructor_ranks(self, index: int) -> tuple[int, ...] | None:
         """The ranks of constructor `index`, or None if it has not registered."""

@@ -1,12 +1,12 @@
-"""The plan of one step: which samples each data-parallel rank trains on, microbatch by
-microbatch. Pure; no I/O.
+"""The plan of one step: which samples each bucket (a data-parallel rank, a DP x CP consumer,
+or any rank of the world) trains on, microbatch by microbatch. Pure; no I/O.
 
 `build_step_plan` takes the samples the mixture allocated to the step (with their lengths from
 the loaders' summaries), leaves out the bad ones (length 0: they are consumed, never
-delivered), balances the rest over ranks and then over each rank's microbatches by cost. Every
-rank gets exactly `microbatches` microbatches (I2); a microbatch left without samples (only when
-a step has fewer good samples than microbatches in all, as in a finite job's last step) is a
-filler the constructor pads.
+delivered), and `assign` balances the rest over buckets and then over each bucket's microbatches
+by cost, or forms token-budget microbatches. Every bucket gets the same number of microbatches
+(I2); a microbatch left without samples (only when a step has fewer good samples than
+microbatches in all, as in a finite job's last step) is a filler the constructor pads.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from batchplane.planner.balance import partition
 from batchplane.planner.cost import CostFn
+from batchplane.planner.token_budget import token_budget
 
 
 _COLUMNS = (("source", np.int32), ("seq", np.int64), ("row", np.int64), ("length", np.int32), ("epoch", np.int32))
@@ -63,15 +64,68 @@ class SampleTable:
 
 
 @dataclasses.dataclass(frozen=True)
+class Balancing:
+    """How a graph's samples are spread over buckets and microbatches (see `assign`).
+
+    Attributes:
+        method: "karmarkar_karp", "greedy", "round_robin", "token_budget", or a callable
+            `method(costs, parts) -> list of index arrays` (a user balancing method, e.g.
+            zig-zag), used like the built-in ones.
+        microbatches: Microbatches per bucket (the minimum for "token_budget").
+        intra: Balance within a bucket's microbatches; False keeps each bucket's samples in
+            (source, seq) order and cuts them into consecutive microbatches.
+        group_size: Balance within groups of this many buckets (samples are first spread over
+            the groups), bounding planning cost on very large meshes; None: all buckets at once.
+        max_tokens: "token_budget": padded tokens (or real tokens when `padded` is False) per
+            microbatch.
+        max_cost: "token_budget": cost per microbatch, instead of max_tokens.
+        padded: "token_budget": microbatches are padded to their longest sample (False: packed).
+    """
+
+    method: object = "karmarkar_karp"
+    microbatches: int = 1
+    intra: bool = True
+    group_size: int | None = None
+    max_tokens: int | None = None
+    max_cost: float | None = None
+    padded: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SubPlan:
+    """A secondary graph's assignment (e.g. images balanced over WORLD for a vision encoder).
+
+    Attributes:
+        name: The graph's name.
+        axis: "DP", "CP" or "WORLD".
+        metadata: The per-sample quantity it balances ("image_tokens", ...).
+        buckets: buckets[b] = indices into the step's `samples`, ascending.
+        costs: Cost of each sample of the step under this graph's model (0 outside it).
+    """
+
+    name: str
+    axis: str
+    metadata: str
+    buckets: tuple[np.ndarray, ...]
+    costs: np.ndarray
+
+    def bucket_costs(self) -> np.ndarray:
+        return np.array([float(self.costs[b].sum()) for b in self.buckets])
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What every rank trains on in one step.
+    """What every bucket trains on in one step.
 
     Attributes:
         step: The step.
         samples: The step's good samples in (source, seq) order.
-        microbatches: microbatches[rank][m] = indices into `samples`, ascending.
+        microbatches: microbatches[bucket][m] = indices into `samples`, ascending. Every bucket
+            has the same number of microbatches.
         bad_samples: Samples of the step's allocation left out as bad.
-        costs: Cost of each sample in `samples` under the job's cost model.
+        costs: Cost of each sample in `samples` under the primary graph's model.
+        axis: The buckets' axis: "DP" (one per data-parallel replica) or "CP" (DP x CP).
+        subplans: Secondary graphs' assignments.
     """
 
     step: int
@@ -79,14 +133,21 @@ class StepPlan:
     microbatches: tuple[tuple[np.ndarray, ...], ...]
     bad_samples: int
     costs: np.ndarray
+    axis: str = "DP"
+    subplans: tuple[SubPlan, ...] = ()
 
     @property
     def dp(self) -> int:
+        """Number of buckets."""
         return len(self.microbatches)
 
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches[0]) if self.microbatches else 0
+
     def rank_samples(self, rank: int) -> tuple[SampleTable, np.ndarray]:
-        """The samples of `rank` microbatch after microbatch, and the int64 microbatch offsets
-        (len = microbatches + 1)."""
+        """The samples of bucket `rank` microbatch after microbatch, and the int64 microbatch
+        offsets (len = microbatches + 1)."""
         parts = self.microbatches[rank]
         index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         offsets = np.zeros(len(parts) + 1, np.int64)
@@ -94,7 +155,7 @@ class StepPlan:
         return self.samples.take(index), offsets
 
     def rank_costs(self) -> np.ndarray:
-        """Total cost of each rank (float64 [dp])."""
+        """Total cost of each bucket (float64 [buckets])."""
         return np.array([sum(float(self.costs[mb].sum()) for mb in rank) for rank in self.microbatches])
 
     @property
@@ -131,39 +192,99 @@ def fill_short_groups(groups: list[np.ndarray], costs: np.ndarray, *, minimum: i
         groups[short[0]] = np.sort(np.append(groups[short[0]], item))
 
 
+def split(costs: np.ndarray, parts: int, method: object) -> list[np.ndarray]:
+    """`partition` for a built-in method name, or a user callable checked to return a
+    partition of the indices into `parts` groups.
+
+    Raises:
+        ValueError: the callable's result is not a partition (names what is wrong).
+    """
+    if isinstance(method, str):
+        return partition(costs, parts, method)
+    groups = [np.sort(np.asarray(g, dtype=np.int64)) for g in method(costs, parts)]
+    name = getattr(method, "__name__", repr(method))
+    if len(groups) != parts:
+        raise ValueError(f"balancing method {name} returned {len(groups)} groups, expected {parts}")
+    seen = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+    if len(seen) != len(costs) or not np.array_equal(np.sort(seen), np.arange(len(costs))):
+        raise ValueError(f"balancing method {name} must place every one of {len(costs)} items in exactly one group")
+    return groups
+
+
+def assign(costs: np.ndarray, lengths: np.ndarray, *, buckets: int, balancing: Balancing) -> tuple[tuple[np.ndarray, ...], ...]:
+    """Spreads items over `buckets` buckets and each bucket's microbatches.
+
+    Args:
+        costs: float64 cost of each item.
+        lengths: int64 length of each item (token budgets count these).
+        buckets: Number of buckets.
+        balancing: How.
+    Returns:
+        result[bucket][m] = ascending item indices; the same number of microbatches per bucket.
+    """
+    b = balancing
+    if b.method == "token_budget":
+        per_rank = token_budget(
+            lengths, costs, ranks=buckets, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded, min_microbatches=b.microbatches
+        )
+        return tuple(tuple(np.asarray(mb, dtype=np.int64) for mb in rank) for rank in per_rank)
+    if b.group_size and b.group_size < buckets:
+        if buckets % b.group_size:
+            raise ValueError(f"group_size {b.group_size} must divide the {buckets} buckets")
+        groups = buckets // b.group_size
+        ranks: list[np.ndarray] = []
+        for members in split(costs, groups, b.method):
+            ranks += [members[r] for r in split(costs[members], b.group_size, b.method)]
+    else:
+        ranks = split(costs, buckets, b.method)
+    result = []
+    for rank_index in fill_short_groups(ranks, costs, minimum=b.microbatches):
+        if b.intra:
+            parts = split(costs[rank_index], b.microbatches, b.method)
+            result.append(tuple(rank_index[p] for p in parts))
+        else:
+            result.append(tuple(np.array_split(rank_index, b.microbatches)))
+    return tuple(result)
+
+
+def good_samples(allocated: SampleTable) -> tuple[SampleTable, int]:
+    """The allocation's good samples in (source, seq) order, and how many were bad."""
+    good = allocated.length > 0
+    order = np.lexsort((allocated.seq[good], allocated.source[good]))
+    return allocated.take(np.flatnonzero(good)[order]), int(np.count_nonzero(~good))
+
+
 def build_step_plan(
     step: int,
     allocated: SampleTable,
     *,
     dp: int,
     microbatches: int,
-    method: str,
+    method: object,
     cost_fn: CostFn,
+    balancing: Balancing | None = None,
 ) -> StepPlan:
-    """Balances one step's allocated samples over `dp` ranks x `microbatches` microbatches.
+    """Balances one step's allocated samples over `dp` buckets x `microbatches` microbatches
+    (the single-graph strategy; see `batchplane.planner.dgraph` for the general one).
 
     Args:
         step: The step.
         allocated: The samples the mixture allocated to the step, bad ones included.
-        dp: Data-parallel ranks.
-        microbatches: Microbatches per rank.
-        method: Balancing method (see `batchplane.planner.balance.METHODS`).
+        dp: Buckets (data-parallel ranks).
+        microbatches: Microbatches per bucket.
+        method: Balancing method (see `Balancing.method`).
         cost_fn: Per-sample cost from int64 lengths and the samples' features.
+        balancing: Further balancing options; `method` and `microbatches` override its fields.
     Returns:
         The plan; a function of its arguments only (I4).
     """
-    good = allocated.length > 0
-    order = np.lexsort((allocated.seq[good], allocated.source[good]))
-    samples = allocated.take(np.flatnonzero(good)[order])
+    samples, bad = good_samples(allocated)
     costs = np.asarray(cost_fn(samples.length.astype(np.int64), samples.features), dtype=np.float64)
-    ranks = []
-    for rank_index in fill_short_groups(partition(costs, dp, method), costs, minimum=microbatches):
-        parts = partition(costs[rank_index], microbatches, method)
-        ranks.append(tuple(rank_index[p] for p in parts))
+    balancing = dataclasses.replace(balancing or Balancing(), method=method, microbatches=microbatches)
     return StepPlan(
         step=step,
         samples=samples,
-        microbatches=tuple(ranks),
-        bad_samples=int(np.count_nonzero(~good)),
+        microbatches=assign(costs, samples.length.astype(np.int64), buckets=dp, balancing=balancing),
+        bad_samples=bad,
         costs=costs,
     )

@@ -17,6 +17,7 @@ from batchplane.planner.book import PlanBook
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.service import PlannerServicer
+from batchplane.planner.strategy import load_strategy
 from batchplane.planner.summaries import SummaryPuller, SummaryStore
 from batchplane.v1 import planner_pb2_grpc
 
@@ -53,7 +54,9 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     """
     run_dir = job.resolve(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    weights = [w / sum(job.weights) for w in job.weights]
+    strategy = load_strategy(job)
+    configured = strategy.weights(job.source_names, job.weights)
+    weights = [w / sum(configured) for w in configured]
     metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=weights)
     membership = Membership(job)
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
@@ -63,7 +66,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
         ledger_file.write(line + "\n")
 
     try:
-        book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger_sink=write_line)
+        book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger_sink=write_line, strategy=strategy)
     except BaseException:
         ledger_file.close()
         raise
@@ -80,5 +83,5 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     server.start()
     set_serving(health, "batchplane.v1.Planner")
     address = process.listen or f"{job.network.host}:{port}"
-    log.info("job %r (fingerprint %s): %d sources, mesh dp=%d, ledger in %s", job.job, job.fingerprint, len(job.sources), job.mesh.dp, run_dir / LEDGER_FILE)
+    log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), run_dir / LEDGER_FILE)
     return RunningPlanner(address, server, book, puller, ledger_file)

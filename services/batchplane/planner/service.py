@@ -7,23 +7,28 @@ import grpc
 import numpy as np
 
 from batchplane.core.config import JobSettings
+from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.planner.book import PlanBook
+from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
-from batchplane.planner.plan import SampleTable
+from batchplane.planner.plan import SampleTable, StepPlan
 from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
 DEFAULT_WAIT_MS = 30_000
 
 
-def job_info(job: JobSettings) -> common_pb2.JobInfo:
+def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
     """The job's description as every part sees it."""
+    m = job.mesh
     return common_pb2.JobInfo(
         job_id=job.job,
         fingerprint=job.fingerprint,
         sources=job.source_names,
-        mesh=common_pb2.Mesh(dp=job.mesh.dp),
+        mesh=common_pb2.Mesh(
+            dp=m.dp, cp=m.cp, tp=m.tp, pp=m.pp, order=m.order, cp_slicing=job.constructors.cp_slicing, broadcast_at=sorted(strategy.broadcast)
+        ),
         global_batch_size=job.batch.global_batch_size,
         microbatches=job.batch.microbatches,
     )
@@ -39,12 +44,36 @@ def sample_set(table: SampleTable) -> common_pb2.SampleSet:
     )
 
 
+def subplan_parts(plan: StepPlan, ranks: tuple[int, ...], book: PlanBook) -> list[planner_pb2.SubPlanPart]:
+    """The secondary graphs' parts for the buckets `ranks` consume."""
+    parts = []
+    for sub in plan.subplans:
+        for bucket in sorted({book.mesh.bucket_of(r, sub.axis) for r in ranks}):
+            index = sub.buckets[bucket]
+            values = plan.samples.features[sub.metadata][index] if sub.metadata != "length" else plan.samples.length[index]
+            parts.append(
+                planner_pb2.SubPlanPart(
+                    name=sub.name,
+                    axis=sub.axis,
+                    metadata=sub.metadata,
+                    bucket=bucket,
+                    samples=sample_set(plan.samples.take(index)),
+                    values=encode_array(np.rint(values).astype(np.int64)),
+                )
+            )
+    return parts
+
+
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(self, job: JobSettings, membership: Membership, book: PlanBook) -> None:
         self._job = job
-        self._info = job_info(job)
+        self._info = job_info(job, book.strategy)
         self._membership = membership
         self._book = book
+        self._rules = DeliveryRules(
+            book.mesh, axis=book.strategy.primary.axis, broadcast=book.strategy.broadcast, middle_tensors=job.constructors.pp_middle_tensors
+        )
+        self._fetchers = self._rules.fetchers([job.constructor_ranks(c) for c in range(job.constructor_count)])
 
     def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
         facts = [SourceFacts(name=s.name, num_rows=s.num_rows) for s in request.sources]
@@ -53,7 +82,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return planner_pb2.RegisterLoaderResponse(job=self._info)
 
     def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
-        self._membership.register_constructor(request.constructor_index, request.address, list(request.dp_ranks))
+        self._membership.register_constructor(request.constructor_index, request.address, list(request.ranks))
         return planner_pb2.RegisterConstructorResponse(job=self._info)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
@@ -66,20 +95,25 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
         wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
-        plan = self._book.plan_for(ranks, request.step, timeout_s=wait_ms / 1000)
+        plan = self._book.plan_for(request.constructor_index, request.step, timeout_s=wait_ms / 1000)
         if plan is None:
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
+        mesh = self._book.mesh
         rank_plans = []
-        for rank in ranks:
-            samples, offsets = plan.rank_samples(rank)
+        for bucket in sorted({mesh.bucket_of(r, plan.axis) for r in ranks}):
+            samples, offsets = plan.rank_samples(bucket)
             rank_plans.append(
-                planner_pb2.RankPlan(dp_rank=rank, samples=sample_set(samples), microbatch_offsets=encode_array(offsets))
+                planner_pb2.RankPlan(
+                    dp_rank=bucket, samples=sample_set(samples), microbatch_offsets=encode_array(offsets), fetchers=self._fetchers[bucket]
+                )
             )
         return planner_pb2.GetPlanResponse(
             step=request.step,
             ranks=rank_plans,
             source_loaders=[self._membership.loader_of(k) or "" for k in range(len(self._job.sources))],
             global_loss_tokens=plan.loss_tokens,
+            axis=plan.axis,
+            subplans=subplan_parts(plan, ranks, self._book),
         )
 
     def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:

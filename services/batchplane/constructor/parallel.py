@@ -1,0 +1,337 @@
+"""The constructor's parallelism and microbatch transforms: context-parallel (CP) slicing,
+sequence packing and the pipeline-parallel (PP) stage filter. Pure numpy; no I/O, no grpc, no
+torch. They run for every microbatch of every step, so the per-token work is vectorized.
+
+A microbatch is a mapping of tensor name to array: 2-D [rows, width] tensors (input_ids,
+labels, attention_mask, position_ids, segment_ids), 1-D per-sample metadata (sample_*,
+cu_seqlens) and 0-d scalars (max_seqlen). Labels are the next token *within a sample*
+(`ignore_id` on each sample's last token and on padding); they are computed before any slicing,
+so cutting the columns never changes a label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import numpy as np
+
+CP_MODES = ("contiguous", "zigzag")
+TOKEN_DTYPES = ("int32", "int64")
+
+FIRST = "first"
+MIDDLE = "middle"
+LAST = "last"
+
+# What each pipeline stage gets by default, besides the per-sample metadata ("sample_*"), which
+# goes to every stage. The first stage embeds the tokens and runs its attention layers. The last
+# stage runs attention layers too and computes the loss, so besides labels/loss_mask it needs:
+# position_ids, because rotary embeddings are applied inside every attention layer, and after CP
+# slicing (or packing) the positions are neither 0..L-1 nor contiguous, so a stage cannot
+# regenerate them from arange; segment_ids/cu_seqlens/max_seqlen, so that its attention layers
+# keep the packed samples of a row apart and a per-sample loss can be reduced per segment.
+# Middle stages get nothing by default (only activations); a model whose middle stages need
+# positions or packing info for the same reason names them in `stage_filter(..., middle=...)`.
+STAGE_TENSORS: Mapping[str, frozenset[str]] = MappingProxyType({
+    FIRST: frozenset({"input_ids", "attention_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
+    MIDDLE: frozenset(),
+    LAST: frozenset({"labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
+})
+SAMPLE_PREFIX = "sample_"
+
+
+# --- context parallelism ---------------------------------------------------------------------
+
+
+def _check_cp(*, cp: int, mode: str) -> None:
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp!r}")
+    if mode not in CP_MODES:
+        raise ValueError(f"mode must be one of {', '.join(CP_MODES)}, got {mode!r}")
+
+
+def cp_width(width: int, *, cp: int, mode: str) -> int:
+    """The width every CP rank's share adds up to: `width` rounded up so that the ranks get
+    equal shares.
+
+    Args:
+        width: The microbatch's width (columns), >= 0.
+        cp: The context-parallel size, >= 1.
+        mode: "contiguous" (a multiple of cp) or "zigzag" (a multiple of 2 * cp).
+
+    Returns:
+        The padded width; `width` itself when cp == 1.
+
+    Raises:
+        ValueError: for width < 0, cp < 1 or an unknown mode.
+    """
+    _check_cp(cp=cp, mode=mode)
+    if width < 0:
+        raise ValueError(f"width must be >= 0, got {width!r}")
+    if cp == 1:
+        return width
+    multiple = cp if mode == "contiguous" else 2 * cp
+    return -(-width // multiple) * multiple
+
+
+def _cp_ranges(width: int, *, cp: int, rank: int, mode: str) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(padded width, the [lo, hi) column ranges of `rank`, in the order the rank holds them)."""
+    padded = cp_width(width, cp=cp, mode=mode)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank must be in [0, {cp}), got {rank!r}")
+    if cp == 1:
+        return padded, ((0, padded),)
+    if mode == "contiguous":
+        k = padded // cp
+        return padded, ((rank * k, (rank + 1) * k),)
+    k = padded // (2 * cp)
+    mirror = 2 * cp - 1 - rank
+    return padded, ((rank * k, (rank + 1) * k), (mirror * k, (mirror + 1) * k))
+
+
+def cp_columns(width: int, *, cp: int, rank: int, mode: str) -> np.ndarray:
+    """The columns (into the padded width, `cp_width(width, ...)`) that CP rank `rank` holds.
+
+    "contiguous": the padded width in cp equal chunks; rank i gets chunk i. "zigzag" (the
+    load-balanced layout of Megatron / TransformerEngine ring attention): 2 * cp equal chunks;
+    rank i gets chunk i, then chunk 2 * cp - 1 - i, so that every rank holds an early (cheap)
+    and a late (expensive) part of a causal sequence.
+
+    Balance of causal attention, a column c costing c + 1 (its query sees c + 1 keys). Zigzag,
+    padded width W = 2 * cp * k, p = W - width < 2 * cp padding columns: chunk j costs
+    k * k * j + k * (k + 1) / 2 and j + (2 * cp - 1 - j) is the same for every rank, so each
+    rank's kernel work (padding included) is exactly k * (W + 1). Counting real columns only,
+    the padding is the last p columns; for k >= 2 it lies in the ranks' second chunks, rank 0
+    (holding the last chunk) loses the most, L = q * W - q * (q - 1) / 2 with q = min(p, k), so
+        max / min <= k * (W + 1) / (k * (W + 1) - L) <= k / (k - q)   (q < k),
+    with equality for cp >= 2 and k >= 3, and it tends to 1 as the width grows (q < 2 * cp).
+    Contiguous: kernel work grows with the rank, max / min = 1 + 2 * k' * (cp - 1) / (k' + 1)
+    for chunks of k' columns, i.e. close to 2 * cp - 1.
+
+    Args:
+        width: The microbatch's width before padding.
+        cp: The context-parallel size.
+        rank: The CP rank, in [0, cp).
+        mode: "contiguous" or "zigzag".
+
+    Returns:
+        int64 column indices, cp_width(...) / cp of them, increasing within each chunk.
+
+    Raises:
+        ValueError: for width < 0, cp < 1, a rank outside [0, cp) or an unknown mode.
+    """
+    _, ranges = _cp_ranges(width, cp=cp, rank=rank, mode=mode)
+    return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in ranges])
+
+
+def cp_slice(
+    tensors: Mapping[str, np.ndarray],
+    *,
+    cp: int,
+    rank: int,
+    mode: str,
+    pad_values: Mapping[str, int | bool],
+) -> dict[str, np.ndarray]:
+    """CP rank `rank`'s share of a microbatch: the 2-D tensors are padded on the right to
+    cp_width(...) and cut to the rank's columns (`cp_columns`); everything else passes through.
+
+    position_ids are not renumbered: each column keeps its position in the full sequence,
+    which is what rotary embeddings and the causal mask of ring attention need on a rank that
+    holds non-adjacent chunks. Labels were computed on the full sequence, so the label of a
+    chunk's last column is still the next token of the sequence (held by another rank), and a
+    label never crosses a sample boundary. 1-D (sample_*, cu_seqlens) and 0-d (max_seqlen)
+    tensors pass through unchanged and keep describing the full rows, not the slice: for packed
+    rows, the kernel masks by segment_ids (sliced like the tokens). TransformerEngine's THD
+    layout, which splits every packed sequence in 2 * cp chunks of its own, is not this.
+
+    Args:
+        tensors: The microbatch; all 2-D tensors share one width.
+        cp: The context-parallel size.
+        rank: The CP rank, in [0, cp).
+        mode: "contiguous" or "zigzag".
+        pad_values: The padding of each 2-D tensor by name (e.g. pad_id for input_ids,
+            ignore_id for labels, False for attention_mask, 0 for position_ids/segment_ids).
+
+    Returns:
+        A new dict: each 2-D tensor as a new C-contiguous array [rows, cp_width(...) / cp] of
+        its dtype; the other tensors as they were (the same objects).
+
+    Raises:
+        ValueError: for a bad cp, rank or mode, 2-D tensors of different widths, or a 2-D
+            tensor without a pad value.
+    """
+    widths = {name: t.shape[1] for name, t in tensors.items() if t.ndim == 2}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"tensors: 2-D tensors must share one width, got {widths}")
+    missing = sorted(name for name in widths if name not in pad_values)
+    if missing:
+        raise ValueError(f"pad_values: no pad value for {', '.join(missing)}")
+    width = next(iter(widths.values()), 0)
+    padded, ranges = _cp_ranges(width, cp=cp, rank=rank, mode=mode)
+    share = padded // cp
+    out: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        if t.ndim != 2:
+            out[name] = t
+            continue
+        part = np.empty((t.shape[0], share), dtype=t.dtype)
+        at = 0
+        for lo, hi in ranges:
+            real = max(min(hi, width) - lo, 0)
+            part[:, at : at + real] = t[:, lo : lo + real]
+            part[:, at + real : at + hi - lo] = pad_values[name]
+            at += hi - lo
+        out[name] = part
+    return out
+
+
+# --- packing ---------------------------------------------------------------------------------
+
+
+def _pack_rows(lengths: list[int], max_length: int) -> np.ndarray:
+    """Next-fit in order: a sample opens a new row when it does not fit in the current one."""
+    rows = np.empty(len(lengths), dtype=np.int32)
+    row, used = -1, max_length + 1  # no open row: the first sample opens one
+    for i, n in enumerate(lengths):
+        if used + n > max_length:
+            row, used = row + 1, 0
+        used += n
+        rows[i] = row
+    return rows
+
+
+def pack(
+    tokens: Sequence[np.ndarray],
+    *,
+    max_length: int,
+    pad_id: int,
+    ignore_id: int,
+    dtype: str,
+) -> dict[str, np.ndarray]:
+    """Packs a microbatch's samples, in order, into rows of at most `max_length` tokens.
+
+    Going through the samples in order, a sample starts a new row when it does not fit in the
+    current one; a sample longer than max_length gets a row of its own (never truncated, never
+    split). Rows are right-padded to the longest row, W. With no samples (a filler microbatch),
+    the result is one row of one padding token: no label, segment 0, mask False, cu_seqlens [0].
+
+    Args:
+        tokens: The samples' token ids, each a non-empty 1-D integer array.
+        max_length: The most tokens of a row holding more than one sample, >= 1.
+        pad_id: The token id of padding.
+        ignore_id: The label of positions without a target.
+        dtype: The dtype of input_ids, labels and position_ids: "int32" or "int64".
+
+    Returns:
+        input_ids [R, W]; labels [R, W]: the next token within the same sample, ignore_id on
+        each sample's last token and on padding; position_ids [R, W]: 0.. per sample, 0 on
+        padding; segment_ids [R, W] int32: 1, 2, ... per sample within its row, 0 on padding;
+        attention_mask [R, W] bool: True on real tokens; cu_seqlens int32 [S + 1]: the samples'
+        offsets into input_ids[attention_mask] (the unpadded tokens, row-major), as varlen
+        attention kernels take them; max_seqlen: 0-d int32, the longest sample (0 with none);
+        sample_rows int32 [S]: the row of each sample.
+
+    Raises:
+        ValueError: for max_length < 1, a dtype other than int32/int64, or a sample that is not
+            a non-empty 1-D array.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length!r}")
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
+    for i, t in enumerate(tokens):
+        if t.ndim != 1 or len(t) == 0:
+            raise ValueError(f"tokens[{i}] must be a non-empty 1-D array, got shape {t.shape}")
+    count = len(tokens)
+    if count == 0:
+        return {
+            "input_ids": np.full((1, 1), pad_id, dtype=dtype),
+            "labels": np.full((1, 1), ignore_id, dtype=dtype),
+            "position_ids": np.zeros((1, 1), dtype=dtype),
+            "segment_ids": np.zeros((1, 1), dtype=np.int32),
+            "attention_mask": np.zeros((1, 1), dtype=bool),
+            "cu_seqlens": np.zeros(1, dtype=np.int32),
+            "max_seqlen": np.array(0, dtype=np.int32),
+            "sample_rows": np.zeros(0, dtype=np.int32),
+        }
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=count)
+    rows = _pack_rows(lengths.tolist(), max_length)
+    first = np.flatnonzero(np.diff(rows, prepend=-1))  # the first sample of each row
+    row_lengths = np.add.reduceat(lengths, first)
+    width = int(row_lengths.max())
+    mask = np.arange(width) < row_lengths[:, None]
+    # Samples go to rows in order, so the real tokens in row-major order are the samples
+    # concatenated: every per-token array is built flat and scattered by the mask.
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    flat = np.empty(total, dtype=dtype)
+    np.concatenate(tokens, out=flat, casting="unsafe")
+    next_token = np.empty(total, dtype=dtype)
+    next_token[:-1] = flat[1:]
+    next_token[offsets[1:] - 1] = ignore_id
+    segment = (np.arange(count) - first[rows] + 1).astype(np.int32)
+
+    def scatter(values: np.ndarray, fill: int, out_dtype: str | type) -> np.ndarray:
+        out = np.full(mask.shape, fill, dtype=out_dtype)
+        out[mask] = values
+        return out
+
+    return {
+        "input_ids": scatter(flat, pad_id, dtype),
+        "labels": scatter(next_token, ignore_id, dtype),
+        "position_ids": scatter(np.arange(total) - np.repeat(offsets[:-1], lengths), 0, dtype),
+        "segment_ids": scatter(np.repeat(segment, lengths), 0, np.int32),
+        "attention_mask": mask,
+        "cu_seqlens": offsets.astype(np.int32),
+        "max_seqlen": np.array(lengths.max(), dtype=np.int32),
+        "sample_rows": rows,
+    }
+
+
+# --- pipeline parallelism --------------------------------------------------------------------
+
+
+def stage_filter(
+    tensors: Mapping[str, np.ndarray],
+    *,
+    stage: int,
+    stages: int,
+    ignore_id: int,
+    middle: Sequence[str] = (),
+) -> dict[str, np.ndarray]:
+    """The tensors pipeline stage `stage` of `stages` needs (see STAGE_TENSORS).
+
+    The first stage gets STAGE_TENSORS["first"], the last STAGE_TENSORS["last"], middle stages
+    STAGE_TENSORS["middle"] plus `middle`; every stage gets the per-sample metadata (names
+    starting with "sample_"). With one stage, it is first and last and gets every tensor. When
+    the last stage needs "loss_mask" and the microbatch has labels but no loss_mask, it is
+    derived: labels != ignore_id.
+
+    Args:
+        tensors: The microbatch.
+        stage: The stage, in [0, stages).
+        stages: The number of pipeline stages, >= 1.
+        ignore_id: The label of positions without a target (for the derived loss_mask).
+        middle: Extra tensors that middle stages (and only they) get.
+
+    Returns:
+        A new dict of the kept tensors (the same array objects), in input order; a derived
+        loss_mask comes last.
+
+    Raises:
+        ValueError: for stages < 1 or a stage outside [0, stages).
+    """
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages!r}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}), got {stage!r}")
+    is_first, is_last = stage == 0, stage == stages - 1
+    if stages == 1:
+        out = dict(tensors)
+    else:
+        wanted = STAGE_TENSORS[FIRST] if is_first else STAGE_TENSORS[LAST] if is_last else STAGE_TENSORS[MIDDLE] | set(middle)
+        out = {name: t for name, t in tensors.items() if name in wanted or name.startswith(SAMPLE_PREFIX)}
+    if is_last and "loss_mask" not in out and "labels" in tensors:
+        out["loss_mask"] = tensors["labels"] != ignore_id
+    return out

@@ -1,0 +1,77 @@
+"""What each rank of the mesh receives: the bucket it consumes, whether it gets tensors, and
+which variant of its bucket's microbatches (CP slice, pipeline-stage part). Pure; no I/O.
+
+Shared by the planner (to tell loaders how many constructors fetch each bucket) and the
+constructors (to build each variant once and hand it to every rank that wants it: TP peers
+share one built batch, I3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from batchplane.core.mesh import ClientPlaceTree
+
+#: Pipeline-stage roles: which part of a microbatch a stage gets.
+ALL, FIRST, MIDDLE, LAST = "all", "first", "middle", "last"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way a bucket's microbatches are delivered; ranks with equal variants get the same
+    bytes.
+
+    Attributes:
+        bucket: The bucket consumed (on the plan's axis).
+        cp_rank: The CP slice to cut, or None for whole sequences (cp = 1, or axis "CP").
+        stage: ALL, FIRST, MIDDLE or LAST.
+        tensors: False when the rank gets no tensors at all (a TP peer the trainer broadcasts
+            to, or a middle stage that needs nothing).
+    """
+
+    bucket: int
+    cp_rank: int | None
+    stage: str
+    tensors: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryRules:
+    """Delivery of one job.
+
+    Args:
+        mesh: The job's ClientPlaceTree.
+        axis: The primary graph's axis, "DP" or "CP".
+        broadcast: Dimensions the trainer broadcasts along ({"TP"}).
+        middle_tensors: Tensors middle pipeline stages receive.
+    """
+
+    mesh: ClientPlaceTree
+    axis: str = "DP"
+    broadcast: frozenset[str] = frozenset()
+    middle_tensors: tuple[str, ...] = ()
+
+    def variant(self, rank: int) -> Variant:
+        c = self.mesh.coords(rank)
+        pp = self.mesh.sizes["pp"]
+        stage = ALL if pp == 1 else FIRST if c.pp == 0 else LAST if c.pp == pp - 1 else MIDDLE
+        cp_rank = c.cp if self.axis == "DP" and self.mesh.sizes["cp"] > 1 else None
+        tensors = not ("TP" in self.broadcast and c.tp > 0) and not (stage == MIDDLE and not self.middle_tensors)
+        return Variant(bucket=self.mesh.bucket_of(rank, self.axis), cp_rank=cp_rank, stage=stage, tensors=tensors)
+
+    def needs_samples(self, ranks: Sequence[int]) -> set[int]:
+        """Buckets whose samples `ranks` need fetched (some rank of them gets tensors)."""
+        return {v.bucket for v in map(self.variant, ranks) if v.tensors}
+
+    def fetchers(self, layout: Sequence[Sequence[int]]) -> list[int]:
+        """For each bucket, how many constructors fetch its samples.
+
+        Args:
+            layout: layout[c] = the ranks constructor c serves.
+        """
+        counts = [0] * self.mesh.buckets(self.axis)
+        for ranks in layout:
+            for bucket in self.needs_samples(ranks):
+                counts[bucket] += 1
+        return counts

@@ -1,0 +1,378 @@
+"""DGraph: a job's planning strategy declared in a few lines. Pure; no I/O.
+
+A strategy is a user Python file named by the job's `strategy` setting. It defines
+`strategy(mesh)`, which receives the job's ClientPlaceTree and returns `DGraph.plan()`:
+
+    def strategy(mesh):                                   # LLM long/short balancing
+        text = DGraph("text", metadata="length")
+        text.mix()                                        # the job's mixture weights
+        text.distribute(axis="DP")
+        text.cost(models.LLAMA_12B.cost)
+        text.balance("karmarkar_karp", microbatches=4)
+        return text.plan()
+
+A DGraph records what happens to one step's samples; it does nothing when declared. The planner
+runs the compiled `Strategy` for every step on the samples the mixture allocated: each graph
+looks at one per-sample quantity (`metadata`: the length in tokens, or a feature the loaders
+report such as "image_tokens"), computes costs with its cost model, and balances its samples
+over the buckets of its axis. Several graphs over the same samples express multi-module models:
+a vision-language strategy balances images over WORLD by encoder cost and sequences over DP by
+backbone cost (see examples/strategies/).
+
+The graph `plan()` is called on is the primary one: it must hold every sample (I1) and decides
+the microbatches every rank trains on. The others are secondary: they hold the samples whose
+metadata is positive and say which rank processes them (e.g. which GPU encodes which images).
+
+Low-level hooks cover what the primitives cannot say:
+- `plan_raw(fn)`: replaces distribute/balance: `fn(samples, costs, mesh)` returns
+  [bucket][microbatch] index arrays itself (checked to be a partition, aligned);
+- `summary_buffer(fn)`: derives extra per-sample metadata from the step's buffer summary,
+  `fn(samples) -> {name: array}`, before costs are computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
+from batchplane.planner.cost import CostFn, make_cost_fn
+from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples
+
+BUILTIN_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
+BROADCAST_DIMS = ("TP",)
+
+
+class StrategyError(ValueError):
+    """A strategy that cannot be planned; the message names the graph and the primitive."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    """One graph as declared (immutable once `plan()` compiled it)."""
+
+    name: str
+    metadata: str
+    weights: Mapping[str, float] | None
+    mixes: bool
+    axis: str
+    group_size: int | None
+    cost_fn: CostFn | None
+    balancing: Balancing
+    raw: Callable[..., object] | None
+    summary: Callable[[SampleTable], Mapping[str, np.ndarray]] | None
+
+
+class DGraph:
+    """Declares what happens to one step's samples under one metadata.
+
+    Args:
+        name: The graph's name ("text", "images"); secondary graphs' assignments are delivered
+            under it.
+        metadata: "length" (tokens of the sample) or the name of a per-sample feature the
+            loaders report (e.g. "image_tokens"); the cost model receives it as its lengths.
+    """
+
+    def __init__(self, name: str = "text", *, metadata: str = "length") -> None:
+        if not name or not name.replace("_", "").isalnum():
+            raise StrategyError(f"DGraph name must be letters, digits and _, got {name!r}")
+        self.name = name
+        self.metadata = metadata
+        self._weights: Mapping[str, float] | None = None
+        self._mixes = False
+        self._axis = "DP"
+        self._group_size: int | None = None
+        self._cost: CostFn | None = None
+        self._balancing = Balancing()
+        self._raw: Callable[..., object] | None = None
+        self._summary: Callable[[SampleTable], Mapping[str, np.ndarray]] | None = None
+        self._broadcast: set[str] = set()
+
+    # ---- primitives ----------------------------------------------------------------------
+
+    def mix(self, schedule: Mapping[str, float] | None = None) -> DGraph:
+        """Samples the sources by `schedule`: per-source weights (only ratios matter); None
+        uses the job's `mixture.weights`. Only the primary graph mixes."""
+        if schedule is not None:
+            if not isinstance(schedule, Mapping):
+                raise StrategyError(f"{self.name}.mix: schedule must be a mapping of source name to weight, got {type(schedule).__name__}")
+            for source, weight in schedule.items():
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight < 0:
+                    raise StrategyError(f"{self.name}.mix: weight of {source!r} must be a finite number >= 0, got {weight!r}")
+            schedule = {str(k): float(v) for k, v in schedule.items()}
+        self._weights = schedule
+        self._mixes = True
+        return self
+
+    def distribute(self, axis: str = "DP", group_size: int | None = None) -> DGraph:
+        """Distributes samples over the buckets of `axis` of the ClientPlaceTree: "DP" (one per
+        replica; CP peers get slices), "CP" (DP x CP consumers of whole sequences) or "WORLD"
+        (every rank). With `group_size`, balancing runs within groups of that many buckets."""
+        if axis not in DISTRIBUTION_AXES:
+            raise StrategyError(f"{self.name}.distribute: axis must be one of {DISTRIBUTION_AXES}, got {axis!r}")
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            raise StrategyError(f"{self.name}.distribute: group_size must be an integer >= 1, got {group_size!r}")
+        self._axis, self._group_size = axis, group_size
+        return self
+
+    def cost(self, fn: CostFn | str) -> DGraph:
+        """Registers the cost model: a callable `fn(lengths, features=None)` of the graph's
+        metadata, or a built-in name ("quadratic", "linear", a model such as "llama-12b")."""
+        if isinstance(fn, str):
+            fn = make_cost_fn(fn)
+        if not callable(fn):
+            raise StrategyError(f"{self.name}.cost: expected a callable or a built-in name, got {type(fn).__name__}")
+        self._cost = fn
+        return self
+
+    def balance(
+        self,
+        method: str | Callable[[np.ndarray, int], object] = "karmarkar_karp",
+        *,
+        microbatches: int = 1,
+        intra: bool = True,
+        max_tokens: int | None = None,
+        max_cost: float | None = None,
+        padded: bool = True,
+    ) -> DGraph:
+        """Balances samples by cost over the buckets, then over `microbatches` microbatches per
+        bucket (`intra=False` keeps each bucket's sample order within its microbatches).
+
+        Methods: "karmarkar_karp", "greedy", "round_robin", "token_budget" (variable-size
+        microbatches under `max_tokens` padded tokens - real tokens when `padded` is False - or
+        `max_cost`, the same number on every bucket, at least `microbatches`), or a callable
+        `method(costs, parts) -> list of index arrays` (e.g. a zig-zag order).
+        """
+        if isinstance(method, str) and method not in BUILTIN_METHODS:
+            raise StrategyError(f"{self.name}.balance: method must be one of {BUILTIN_METHODS} or a callable, got {method!r}")
+        if not isinstance(method, str) and not callable(method):
+            raise StrategyError(f"{self.name}.balance: method must be a name or a callable, got {type(method).__name__}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise StrategyError(f"{self.name}.balance: microbatches must be an integer >= 1, got {microbatches!r}")
+        if method == "token_budget" and (max_tokens is None) == (max_cost is None):
+            raise StrategyError(f"{self.name}.balance: 'token_budget' needs exactly one of max_tokens and max_cost")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise StrategyError(f"{self.name}.balance: max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if max_cost is not None and not (isinstance(max_cost, (int, float)) and np.isfinite(max_cost) and max_cost > 0):
+            raise StrategyError(f"{self.name}.balance: max_cost must be a finite number > 0, got {max_cost!r}")
+        self._balancing = Balancing(
+            method=method, microbatches=microbatches, intra=bool(intra), max_tokens=max_tokens, max_cost=max_cost, padded=bool(padded)
+        )
+        return self
+
+    def broadcast_at(self, dim: str) -> DGraph:
+        """Declares that the trainer broadcasts along `dim` ("TP"): rank tp=0 of each group
+        receives the data, its peers get only the step's metadata."""
+        if dim not in BROADCAST_DIMS:
+            raise StrategyError(f"{self.name}.broadcast_at: dim must be one of {BROADCAST_DIMS}, got {dim!r}")
+        self._broadcast.add(dim)
+        return self
+
+    # ---- low-level hooks -----------------------------------------------------------------
+
+    def plan_raw(self, fn: Callable[[SampleTable, np.ndarray, ClientPlaceTree], object]) -> DGraph:
+        """Plans this graph directly: `fn(samples, costs, mesh)` returns [bucket][microbatch]
+        index arrays into `samples` (a partition; the same microbatch count per bucket)."""
+        self._raw = _callable(fn, self.name, "plan_raw")
+        return self
+
+    def summary_buffer(self, fn: Callable[[SampleTable], Mapping[str, np.ndarray]]) -> DGraph:
+        """Derives per-sample metadata from the step's buffer summary before costs:
+        `fn(samples) -> {name: float64 array}`, merged into the samples' features."""
+        self._summary = _callable(fn, self.name, "summary_buffer")
+        return self
+
+    # ---- compile -------------------------------------------------------------------------
+
+    def _spec(self, *, primary: bool) -> GraphSpec:
+        if self._mixes and not primary:
+            raise StrategyError(f"{self.name}.mix: only the primary graph (the one plan() is called on) mixes sources")
+        return GraphSpec(
+            name=self.name,
+            metadata=self.metadata,
+            weights=self._weights,
+            mixes=self._mixes,
+            axis=self._axis,
+            group_size=self._group_size,
+            cost_fn=self._cost,
+            balancing=self._balancing,
+            raw=self._raw,
+            summary=self._summary,
+        )
+
+    def plan(self, *secondary: DGraph) -> Strategy:
+        """Compiles this graph (the primary) and `secondary` graphs into a Strategy."""
+        if self._axis == "WORLD":
+            raise StrategyError(f"{self.name}.distribute: the primary graph distributes over 'DP' or 'CP'; 'WORLD' is for secondary graphs")
+        names = [self.name, *(g.name for g in secondary)]
+        if len(set(names)) != len(names):
+            raise StrategyError(f"DGraph names must differ, got {names}")
+        graphs = (self, *secondary)
+        return Strategy(
+            primary=self._spec(primary=True),
+            secondary=tuple(g._spec(primary=False) for g in secondary),
+            broadcast=frozenset().union(*(g._broadcast for g in graphs)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A compiled strategy: run once per step by the planner.
+
+    Attributes:
+        primary: The graph every sample goes through; decides the microbatches.
+        secondary: Graphs over the samples with positive metadata (e.g. images).
+        broadcast: Dimensions the trainer broadcasts along ("TP").
+    """
+
+    primary: GraphSpec
+    secondary: tuple[GraphSpec, ...] = ()
+    broadcast: frozenset[str] = frozenset()
+
+    def weights(self, source_names: tuple[str, ...], default: tuple[float, ...]) -> tuple[float, ...]:
+        """Per-source weights, in source order: the primary graph's mix, else `default`.
+
+        Raises:
+            StrategyError: the mix names an unknown source or gives every source weight 0.
+        """
+        if self.primary.weights is None:
+            return default
+        unknown = sorted(set(self.primary.weights) - set(source_names))
+        if unknown:
+            raise StrategyError(f"{self.primary.name}.mix: {unknown} name no source; sources are {list(source_names)}")
+        weights = tuple(self.primary.weights.get(name, 1.0) for name in source_names)
+        if sum(weights) <= 0:
+            raise StrategyError(f"{self.primary.name}.mix: at least one source needs a weight > 0")
+        return weights
+
+    def check(self, mesh: ClientPlaceTree) -> None:
+        """Checks the strategy against a mesh (bucket counts, group sizes).
+
+        Raises:
+            StrategyError: names the graph and what does not fit.
+        """
+        for g in (self.primary, *self.secondary):
+            buckets = mesh.buckets(g.axis)
+            if g.group_size and g.group_size < buckets and buckets % g.group_size:
+                raise StrategyError(f"{g.name}.distribute: group_size {g.group_size} must divide the {buckets} {g.axis} buckets of {mesh!r}")
+            if g.group_size and g.balancing.method == "token_budget":
+                raise StrategyError(f"{g.name}.distribute: group_size does not apply to 'token_budget', which plans every bucket at once")
+
+    def run(self, step: int, allocated: SampleTable, mesh: ClientPlaceTree, *, default_cost: CostFn) -> StepPlan:
+        """Plans one step.
+
+        Args:
+            step: The step.
+            allocated: The samples the mixture allocated to it, bad ones included.
+            mesh: The job's ClientPlaceTree.
+            default_cost: Cost model of a graph that registered none.
+        Returns:
+            The step's plan; a function of the arguments (I4).
+        Raises:
+            StrategyError: a hook or cost model returned something unusable.
+        """
+        samples, bad = good_samples(allocated)
+        for g in (self.primary, *self.secondary):
+            if g.summary is not None:
+                samples = _with_features(samples, g.summary(samples), g.name)
+        primary = self.primary
+        metadata = _metadata(samples, primary)
+        costs = _costs(primary, metadata, samples, default_cost)
+        buckets = mesh.buckets(primary.axis)
+        if primary.raw is not None:
+            microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
+        else:
+            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary))
+        subplans = []
+        for g in self.secondary:
+            values = _metadata(samples, g, required=False)
+            members = np.flatnonzero(values > 0)
+            graph_costs = np.zeros(len(samples))
+            graph_costs[members] = _costs(g, values[members], samples.take(members), default_cost)
+            n = mesh.buckets(g.axis)
+            if g.raw is not None:
+                parts = _checked_raw(g.raw(samples.take(members), graph_costs[members], mesh), len(members), n, g.name)
+                groups = tuple(np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts)
+            else:
+                balancing = dataclasses.replace(_with_group(g), microbatches=1)
+                groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in assign(graph_costs[members], values[members], buckets=n, balancing=balancing))
+            subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs))
+        return StepPlan(
+            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans)
+        )
+
+
+def default_strategy(*, method: str, microbatches: int, cost_fn: CostFn, max_tokens: int | None = None, max_cost: float | None = None, padded: bool = True) -> Strategy:
+    """The strategy of a job without a strategy file: mix by the job's weights, distribute over
+    DP, the job's cost model, balance with the job's method."""
+    g = DGraph("text")
+    g.mix()
+    g.distribute(axis="DP")
+    g.cost(cost_fn)
+    g.balance(method, microbatches=microbatches, max_tokens=max_tokens, max_cost=max_cost, padded=padded)
+    return g.plan()
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _callable(fn: object, graph: str, primitive: str) -> Callable:
+    if not callable(fn):
+        raise StrategyError(f"{graph}.{primitive}: expected a callable, got {type(fn).__name__}")
+    return fn
+
+
+def _with_group(g: GraphSpec) -> Balancing:
+    return dataclasses.replace(g.balancing, group_size=g.group_size)
+
+
+def _metadata(samples: SampleTable, g: GraphSpec, *, required: bool = True) -> np.ndarray:
+    """The graph's per-sample quantity as int64. A feature no sample of the step reports is 0
+    for all of them when not `required` (a secondary graph's step drawn only from sources
+    without it, e.g. text-only sources of a VLM job), else an error."""
+    if g.metadata == "length":
+        return samples.length.astype(np.int64)
+    values = samples.features.get(g.metadata)
+    if values is None:
+        if not len(samples) or not required:
+            return np.zeros(len(samples), np.int64)
+        raise StrategyError(
+            f"graph {g.name!r}: metadata {g.metadata!r} is not a feature of the samples; features reported: {sorted(samples.features) or 'none'}"
+        )
+    return np.rint(np.asarray(values, dtype=np.float64)).astype(np.int64)
+
+
+def _costs(g: GraphSpec, lengths: np.ndarray, samples: SampleTable, default_cost: CostFn) -> np.ndarray:
+    fn = g.cost_fn or default_cost
+    costs = np.asarray(fn(lengths, samples.features), dtype=np.float64)
+    if costs.shape != lengths.shape or not np.all(np.isfinite(costs)) or np.any(costs < 0):
+        raise StrategyError(f"graph {g.name!r}: its cost model must return finite costs >= 0, one per sample")
+    return costs
+
+
+def _with_features(samples: SampleTable, extra: Mapping[str, np.ndarray], graph: str) -> SampleTable:
+    features = dict(samples.features)
+    for name, values in dict(extra).items():
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != (len(samples),):
+            raise StrategyError(f"{graph}.summary_buffer: feature {name!r} has shape {values.shape}, expected ({len(samples)},)")
+        features[name] = values
+    return dataclasses.replace(samples, features=features)
+
+
+def _checked_raw(result: object, n: int, buckets: int, graph: str) -> tuple[tuple[np.ndarray, ...], ...]:
+    """A plan_raw result as [bucket][microbatch] int64 arrays, checked to be an aligned partition."""
+    try:
+        plan = tuple(tuple(np.sort(np.asarray(mb, dtype=np.int64)) for mb in bucket) for bucket in result)  # type: ignore[union-attr]
+    except (TypeError, ValueError) as exc:
+        raise StrategyError(f"{graph}.plan_raw: must return [bucket][microbatch] index arrays: {exc}") from exc
+    if len(plan) != buckets:
+        raise StrategyError(f"{graph}.plan_raw: returned {len(plan)} buckets, the axis has {buckets}")
+    if len({len(b) for b in plan}) > 1:
+        raise StrategyError(f"{graph}.plan_raw: every bucket needs the same number of microbatches, got {[len(b) for b in plan]}")
+    flat = np.concatenate([mb for b in plan for mb in b]) if plan and plan[0] else np.zeros(0, np.int64)
+    if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
+        raise StrategyError(f"{graph}.plan_raw: every one of the {n} samples must be in exactly one microbatch")
+    return plan

@@ -1,0 +1,90 @@
+"""Loading a job's strategy: the user's strategy file, or the default one built from the job's
+`balance` settings. Reads (imports) the strategy file; nothing else.
+
+A strategy file is plain Python defining `strategy(mesh)`, which gets the job's
+ClientPlaceTree and returns `DGraph.plan()`. `from batchplane.planner import DGraph, models`
+gives it the primitives and the FLOPs cost models. Every part of the job (planner,
+constructors, loaders) loads the same file: the fingerprint holds its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import ConfigError
+from batchplane.core.mesh import ClientPlaceTree, MeshError
+from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
+
+
+def job_mesh(job: JobSettings) -> ClientPlaceTree:
+    """The job's ClientPlaceTree.
+
+    Raises:
+        ConfigError: field "mesh.*" for sizes or an order that cannot be.
+    """
+    m = job.mesh
+    try:
+        return ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
+    except MeshError as exc:
+        raise ConfigError("mesh", str(exc), dict(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)) from exc
+
+
+def load_strategy(job: JobSettings) -> Strategy:
+    """The job's strategy, checked against its mesh.
+
+    Raises:
+        ConfigError: field "strategy" when the file cannot be imported, has no callable
+            `strategy`, raises, returns something else than `DGraph.plan()`, or declares what
+            the mesh cannot do (the message says which graph and primitive); field
+            "balance.cost.kind" for an unknown cost model.
+    """
+    mesh = job_mesh(job)
+    if job.strategy is None:
+        b = job.balance
+        strategy = default_strategy(
+            method=b.method,
+            microbatches=job.batch.microbatches,
+            cost_fn=make_cost_fn(b.cost.kind, linear=b.cost.linear, quadratic=b.cost.quadratic),
+            max_tokens=b.max_tokens,
+            max_cost=b.max_cost,
+            padded=not job.batch.packing,
+        )
+    else:
+        strategy = _from_file(job, mesh)
+    try:
+        strategy.check(mesh)
+        strategy.weights(job.source_names, job.weights)
+    except StrategyError as exc:
+        raise ConfigError("strategy", str(exc), job.strategy) from exc
+    return strategy
+
+
+def _from_file(job: JobSettings, mesh: ClientPlaceTree) -> Strategy:
+    path = job.resolve(job.strategy)
+    name = "batchplane_strategy_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"not a Python file: {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except Exception as exc:  # any failure in user code is a configuration error
+        sys.modules.pop(name, None)
+        raise ConfigError("strategy", f"cannot load {str(path)!r}: {type(exc).__name__}: {exc}", job.strategy) from exc
+    fn = getattr(module, "strategy", None)
+    if not callable(fn):
+        raise ConfigError("strategy", f"{str(path)!r} must define a function strategy(mesh)", job.strategy)
+    try:
+        result = fn(mesh)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} failed: {type(exc).__name__}: {exc}", job.strategy) from exc
+    if not isinstance(result, Strategy):
+        raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} must return DGraph.plan(), got {type(result).__name__}", job.strategy)
+    return result
