@@ -118,6 +118,20 @@ class Pareto:
 LengthComponent = Union[LogNormal, Pareto]
 
 
+def _layout_problems(name: str, num_rows: int, files: int, rows_per_row_group: int) -> list[str]:
+    """What is wrong with a source's name and file layout (empty when nothing)."""
+    problems = []
+    if not name or "/" in name or name.startswith("."):
+        problems.append(f"name must be a plain directory name, got {name!r}")
+    if num_rows < 1:
+        problems.append(f"num_rows must be >= 1, got {num_rows}")
+    if not 1 <= files <= max(num_rows, 1):
+        problems.append(f"files must be in [1, num_rows], got {files}")
+    if rows_per_row_group < 1:
+        problems.append(f"rows_per_row_group must be >= 1, got {rows_per_row_group}")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageTextSource:
     """One synthetic image-text source, written by `batchplane.demo.images`."""
@@ -134,15 +148,7 @@ class ImageTextSource:
     rows_per_row_group: int
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            problems.append(f"name must be a plain directory name, got {self.name!r}")
-        if self.num_rows < 1:
-            problems.append(f"num_rows must be >= 1, got {self.num_rows}")
-        if not 1 <= self.files <= max(self.num_rows, 1):
-            problems.append(f"files must be in [1, num_rows], got {self.files}")
-        if self.rows_per_row_group < 1:
-            problems.append(f"rows_per_row_group must be >= 1, got {self.rows_per_row_group}")
+        problems = _layout_problems(self.name, self.num_rows, self.files, self.rows_per_row_group)
         if problems:
             raise ValueError(f"ImageTextSource {self.name!r}: " + "; ".join(problems))
 
@@ -172,15 +178,7 @@ class DemoSource:
     noise: float = 0.05
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            problems.append(f"name must be a plain directory name, got {self.name!r}")
-        if self.num_rows < 1:
-            problems.append(f"num_rows must be >= 1, got {self.num_rows}")
-        if not 1 <= self.files <= max(self.num_rows, 1):
-            problems.append(f"files must be in [1, num_rows], got {self.files}")
-        if self.rows_per_row_group < 1:
-            problems.append(f"rows_per_row_group must be >= 1, got {self.rows_per_row_group}")
+        problems = _layout_problems(self.name, self.num_rows, self.files, self.rows_per_row_group)
         if not self.lengths:
             problems.append("lengths needs at least one component")
         if not 2 <= self.min_length <= self.max_length:
