@@ -239,7 +239,9 @@ def assign(costs: np.ndarray, lengths: np.ndarray, *, buckets: int, balancing: B
         ranks = split(costs, buckets, b.method)
     result = []
     for rank_index in fill_short_groups(ranks, costs, minimum=b.microbatches):
-        if b.intra:
+        if b.microbatches == 1:  # the bucket is its one microbatch: nothing to split
+            result.append((np.sort(rank_index),))
+        elif b.intra:
             parts = split(costs[rank_index], b.microbatches, b.method)
             result.append(tuple(rank_index[p] for p in parts))
         else:

@@ -1,0 +1,444 @@
+"""`batchplane bench balance`: load-time balancing of a vision-language step, three ways.
+
+Reproduces the orchestration side of MegaScale-Data's Fig. 13 (Llama-12B backbone + ViT-2B
+encoder) in simulation: each step's samples are planned with the DGraph API and the step's
+iteration time is computed from the FLOPs every rank is left with. Methods:
+
+- "vanilla": no balancing: the step's samples are dealt to the DP ranks in arrival order
+  (DGraph "text" balanced "round_robin"), and a sample's images are encoded by the ranks of the
+  DP replica that holds it;
+- "backbone": the sequences are balanced over DP by backbone cost ("karmarkar_karp" on
+  `LLAMA_12B.cost` of the total length, text + image tokens); images still go with their sample;
+- "hybrid": the backbone graph above plus a secondary DGraph "images" (metadata "image_tokens")
+  distributed over WORLD and balanced "greedy" by `VIT_2B.cost` (the paper's Algorithm 2): every
+  rank encodes the images it is given, wherever their sample's sequence trains.
+
+Every graph has `--microbatches` microbatches per DP rank; the simulation uses per-rank totals
+only, so they do not change the result (no pipeline bubbles are modelled).
+
+Simulated iteration time of a step, with M = tp * pp * cp ranks per DP replica and F the assumed
+effective throughput per GPU (`--tflops`, default 400 TFLOP/s):
+
+    time = max over ranks r of (E_r + B_d(r) / M) / F
+
+- B_d: backbone training FLOPs (`LLAMA_12B.cost`, or the same shape with `--backbone-layers`) of
+  the sequences of DP rank d; the M ranks of a replica share them evenly (TP, PP and CP split a
+  replica's backbone work);
+- E_r: encoder training FLOPs (`VIT_2B.cost` of a sample's image tokens, its images counted as
+  one sequence) encoded on rank r. For "vanilla" and "backbone" a DP rank's images are spread
+  perfectly evenly over its M ranks, E_r = E_d / M (a fluid split, the best case for those
+  methods); for "hybrid" E_r is what the images graph gave rank r, whole samples at a time.
+
+Communication (moving image features to the rank that trains the sequence), pipeline bubbles,
+memory and the data-loading side are not modelled; the backbone sees every image token (no
+patch merging).
+
+Workload (synthetic; `--lengths FILE` replaces it). For a context C (the maximum sequence
+length), each sample is drawn independently:
+
+- text tokens: with probability 0.98 uniform on {8, ..., 64}; otherwise (the long tail)
+  65 + floor(X), X ~ LogNormal(mu=4.2, sigma=1.0) (tail mean ~174 tokens, so the tail holds ~9%
+  of the text tokens, like coyo700m's top 1.62% holding 9.3%); at most C;
+- images: none with probability 0.1 (text-only samples), else 1 + Poisson(0.5) images, each of
+  max(64, round(Y)) patches, Y ~ LogNormal(ln 1024, 1.0) (median a 512 x 512 image in 16 x 16
+  patches);
+- image tokens: the sum of its images' patches, capped at C - text tokens (the images are
+  downscaled so the sample fits the context, NaViT-style), so text + image tokens <= C.
+
+The cap is what makes the context matter: a longer context leaves a longer tail of image tokens
+in the batch. The JSON's "workload" reports, per context, the measured share of samples with at
+most 64 text tokens, the long tail's share of text tokens (and of all tokens), the capped share,
+the text-only share and the encoder's share of the FLOPs, over every sample drawn.
+
+Step s of (dp, context) draws dp * `--samples-per-rank` samples (default 72: the paper's
+BS = 72 per GPU; a GPU trains on its DP replica's samples, which its TP, PP and CP peers share,
+so a per-GPU batch is a per-replica batch) from `numpy.random.default_rng([seed, dp, context,
+s])`; all three methods plan the same samples. `--lengths FILE` instead draws them uniformly with
+replacement from the file's samples that fit the context: a .npy of text lengths (1-D, no
+images) or of shape [2, n] (text lengths, image tokens), or a .npz whose first array holds text
+lengths and second (optional) image tokens.
+
+Records, one per (dp, context, method):
+
+- dp, context, method;
+- max_over_mean, max_over_min: the spread of the DP ranks' backbone costs (`StepPlan.rank_costs`),
+  averaged over steps;
+- encoder_max_over_mean: max / mean of E_r over the ranks, averaged over steps;
+- sim_iteration_s: the simulated iteration time, mean over steps;
+- speedup_vs_vanilla: vanilla's sim_iteration_s / this method's (a ratio of means: the same
+  samples trained in less time).
+
+The summary gives, for "hybrid" and "backbone", the mean and max speedup over all (dp, context)
+cells and the mean per context, beside the paper's (1.77x average, 4.54x best; per context 4k
+1.71x, 8k 2.63x, 16k 3.09x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+
+from batchplane.core.mesh import ClientPlaceTree
+from batchplane.planner.balance import spread
+from batchplane.planner.cost import CostFn
+from batchplane.planner.dgraph import DGraph, Strategy
+from batchplane.planner.models import LLAMA_12B, VIT_2B, TransformerSpec
+from batchplane.planner.plan import SampleTable, StepPlan
+
+HELP = "vanilla vs backbone vs hybrid (encoder + backbone) balancing of a vision-language step, simulated"
+
+METHODS = ("vanilla", "backbone", "hybrid")
+DP = (8, 32)
+CONTEXTS = (4096, 8192, 16384)
+
+#: The synthetic draw (see the module docstring).
+BODY_SHARE = 0.98
+BODY_TEXT = (8, 64)
+TAIL_TEXT_MU, TAIL_TEXT_SIGMA = 4.2, 1.0
+TEXT_ONLY_SHARE = 0.1
+EXTRA_IMAGES_MEAN = 0.5
+PATCHES_MEDIAN, PATCHES_SIGMA, PATCHES_MIN = 1024, 1.0, 64
+
+#: The paper's Fig. 13 / Sec. 7.3 speedups over vanilla.
+PAPER = {"mean": 1.77, "max": 4.54, "per_context": {4096: 1.71, 8192: 2.63, 16384: 3.09}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Per-sample text and image tokens to draw steps from (a --lengths file), int64 [n] each."""
+
+    text: np.ndarray
+    image_tokens: np.ndarray
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's flags.
+
+    Args:
+        parser: The benchmark's argument parser.
+    """
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    parser.add_argument(
+        "--dp", action="append", type=_positive_int, default=None, metavar="N",
+        help=f"data-parallel size (repeatable; default {', '.join(map(str, DP))})",
+    )
+    parser.add_argument("--tp", type=_positive_int, default=4, help="tensor-parallel size (default 4)")
+    parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default 1)")
+    parser.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument(
+        "--context", action="append", type=_positive_int, default=None, metavar="TOKENS",
+        help=f"maximum sequence length (repeatable; default {', '.join(map(str, CONTEXTS))})",
+    )
+    parser.add_argument(
+        "--samples-per-rank", type=_positive_int, default=72,
+        help="samples per DP rank per step (default 72, the paper's per-GPU batch)",
+    )
+    parser.add_argument("--steps", type=_positive_int, default=60, help="steps per (dp, context) (default 60)")
+    parser.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per DP rank (default 4)")
+    parser.add_argument(
+        "--tflops", type=_positive_float, default=400.0,
+        help="assumed effective training throughput per GPU, TFLOP/s (default 400)",
+    )
+    parser.add_argument(
+        "--backbone-layers", type=_positive_int, default=LLAMA_12B.layers,
+        help=f"layers of the Llama-12B backbone (default {LLAMA_12B.layers}; the paper's Sec. 7.2 runs 8 or 16)",
+    )
+    parser.add_argument(
+        "--lengths", type=pathlib.Path, default=None, metavar="FILE",
+        help="draw samples from a .npy (text lengths, or [2, n] text and image tokens) or .npz "
+        "(text lengths, then image tokens) instead of the synthetic distribution",
+    )
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    """Runs the sweep.
+
+    Args:
+        args: Parsed flags (see `add_arguments`).
+        progress: Called once per (dp, context).
+    Returns:
+        {"benchmark", "backbone", "encoder", "tp", "pp", "cp", "samples_per_rank", "steps",
+        "microbatches", "tflops", "source", "workload", "records", "summary"}.
+    Raises:
+        ValueError: A --lengths file that does not hold valid lengths, or none of whose samples
+            fits a context.
+    """
+    dps = sorted(set(args.dp)) if args.dp else list(DP)
+    contexts = sorted(set(args.context)) if args.context else list(CONTEXTS)
+    file = load_workload(args.lengths) if args.lengths else None
+    backbone = dataclasses.replace(LLAMA_12B, layers=args.backbone_layers)
+    strategies = {
+        "vanilla": vision_language_strategy(text_method="round_robin", microbatches=args.microbatches, backbone_cost=backbone.cost),
+        "backbone": vision_language_strategy(text_method="karmarkar_karp", microbatches=args.microbatches, backbone_cost=backbone.cost),
+        "hybrid": vision_language_strategy(
+            text_method="karmarkar_karp", microbatches=args.microbatches, backbone_cost=backbone.cost, encoder_cost=VIT_2B.cost
+        ),
+    }
+    flops_per_s = args.tflops * 1e12
+    records: list[dict] = []
+    drawn: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {c: [] for c in contexts}
+    for dp in dps:
+        mesh = ClientPlaceTree(pp=args.pp, dp=dp, cp=args.cp, tp=args.tp)
+        for context in contexts:
+            fits = None if file is None else _fitting(file, context)
+            sums = {m: np.zeros(4) for m in METHODS}  # max/mean, max/min, encoder max/mean, time
+            for step in range(args.steps):
+                rng = np.random.default_rng([args.seed, dp, context, step])
+                n = dp * args.samples_per_rank
+                if fits is None:
+                    text, image_tokens = draw_samples(rng, n, context=context)
+                else:
+                    pick = rng.integers(0, len(fits.text), n)
+                    text, image_tokens = fits.text[pick], fits.image_tokens[pick]
+                drawn[context].append((text, image_tokens))
+                table = sample_table(text, image_tokens)
+                for method, strategy in strategies.items():
+                    plan = strategy.run(step, table, mesh, default_cost=backbone.cost)
+                    sums[method] += _measure(plan, mesh, flops_per_s=flops_per_s)
+            means = {m: s / args.steps for m, s in sums.items()}
+            for method in METHODS:
+                mo_mean, mo_min, enc_mo_mean, sim = means[method]
+                records.append({
+                    "dp": dp,
+                    "context": context,
+                    "method": method,
+                    "max_over_mean": float(mo_mean),
+                    "max_over_min": float(mo_min),
+                    "encoder_max_over_mean": float(enc_mo_mean),
+                    "sim_iteration_s": float(sim),
+                    "speedup_vs_vanilla": float(means["vanilla"][3] / sim),
+                })
+            progress(f"balance: dp {dp} context {context} done")
+    return {
+        "benchmark": "balance",
+        "backbone": {"name": backbone.name, "layers": backbone.layers},
+        "encoder": {"name": VIT_2B.name, "layers": VIT_2B.layers},
+        "tp": args.tp,
+        "pp": args.pp,
+        "cp": args.cp,
+        "samples_per_rank": args.samples_per_rank,
+        "steps": args.steps,
+        "microbatches": args.microbatches,
+        "tflops": args.tflops,
+        "source": str(args.lengths) if args.lengths else "synthetic",
+        "workload": {str(c): workload_stats(drawn[c], context=c, backbone=backbone) for c in contexts},
+        "records": records,
+        "summary": _summarize(records),
+    }
+
+
+def draw_samples(rng: np.random.Generator, n: int, *, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Draws `n` samples of the synthetic vision-language workload (see the module docstring).
+
+    Args:
+        rng: The generator.
+        n: Number of samples.
+        context: Maximum text + image tokens of a sample.
+    Returns:
+        (text tokens, image tokens), int64 [n] each; text >= 1, text + image <= context.
+    """
+    tail = rng.random(n) >= BODY_SHARE
+    text = rng.integers(BODY_TEXT[0], BODY_TEXT[1] + 1, n, dtype=np.int64)
+    text[tail] = BODY_TEXT[1] + 1 + np.floor(rng.lognormal(TAIL_TEXT_MU, TAIL_TEXT_SIGMA, int(tail.sum()))).astype(np.int64)
+    text = np.minimum(text, context)
+    images = 1 + rng.poisson(EXTRA_IMAGES_MEAN, n)
+    images[rng.random(n) < TEXT_ONLY_SHARE] = 0
+    width = max(int(images.max(initial=0)), 1)
+    patches = np.maximum(PATCHES_MIN, np.rint(rng.lognormal(np.log(PATCHES_MEDIAN), PATCHES_SIGMA, (n, width)))).astype(np.int64)
+    patches[np.arange(width)[None, :] >= images[:, None]] = 0
+    return text, np.minimum(patches.sum(axis=1), context - text)
+
+
+def sample_table(text: np.ndarray, image_tokens: np.ndarray) -> SampleTable:
+    """One step's samples as the planner sees them: one source, in arrival order, length = text
+    + image tokens, feature "image_tokens".
+
+    Args:
+        text: int64 text tokens [n], each >= 1.
+        image_tokens: int64 image tokens [n], each >= 0.
+    Returns:
+        The SampleTable.
+    """
+    n = len(text)
+    return SampleTable(
+        source=np.zeros(n, np.int32),
+        seq=np.arange(n, dtype=np.int64),
+        row=np.arange(n, dtype=np.int64),
+        length=(text + image_tokens).astype(np.int32),
+        epoch=np.zeros(n, np.int32),
+        features={"image_tokens": image_tokens.astype(np.float64)},
+    )
+
+
+def vision_language_strategy(
+    *,
+    text_method: str,
+    microbatches: int,
+    backbone_cost: CostFn,
+    encoder_cost: CostFn | None = None,
+    group_size: int | None = None,
+    image_group_size: int | None = None,
+) -> Strategy:
+    """The strategy: sequences over DP by backbone cost, and, with `encoder_cost`, images
+    (metadata "image_tokens") over WORLD greedily by encoder cost.
+
+    Args:
+        text_method: Balancing of the sequences ("round_robin", "karmarkar_karp", ...).
+        microbatches: Microbatches per DP rank.
+        backbone_cost: Cost of a sequence from its length (text + image tokens).
+        encoder_cost: Cost of a sample's images from its image tokens; None: no images graph.
+        group_size: DP ranks per balancing group of the text graph (None: all at once).
+        image_group_size: Ranks per balancing group of the images graph (None: all at once).
+    Returns:
+        The compiled Strategy.
+    """
+    text = DGraph("text").mix().distribute(axis="DP", group_size=group_size).cost(backbone_cost)
+    text.balance(text_method, microbatches=microbatches)
+    if encoder_cost is None:
+        return text.plan()
+    images = DGraph("images", metadata="image_tokens").distribute(axis="WORLD", group_size=image_group_size)
+    images.cost(encoder_cost).balance("greedy")
+    return text.plan(images)
+
+
+def simulate(plan: StepPlan, mesh: ClientPlaceTree, *, encoder: TransformerSpec = VIT_2B) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the FLOPs it computes in one step (see the module docstring).
+
+    Args:
+        plan: The step's plan; with an "images" subplan over WORLD its images are encoded where
+            it says, else on the ranks of their sample's DP replica, evenly.
+        mesh: The mesh the plan was made for.
+        encoder: The image encoder.
+    Returns:
+        (encoder FLOPs [world], backbone FLOPs [world]) of each rank.
+    """
+    share = mesh.world // mesh.buckets("DP")
+    rank_dp = np.zeros(mesh.world, np.int64)
+    for d in range(mesh.buckets("DP")):
+        rank_dp[mesh.ranks(dp=d)] = d
+    backbone_flops = (plan.rank_costs() / share)[rank_dp]
+    images = [s for s in plan.subplans if s.name == "images" and s.axis == "WORLD"]
+    if images:
+        return images[0].bucket_costs(), backbone_flops  # WORLD bucket b is rank b
+    per_sample = encoder.cost(np.rint(plan.samples.features["image_tokens"]).astype(np.int64))
+    per_dp = np.array([sum(float(per_sample[mb].sum()) for mb in rank) for rank in plan.microbatches])
+    return (per_dp / share)[rank_dp], backbone_flops
+
+
+def workload_stats(steps: list[tuple[np.ndarray, np.ndarray]], *, context: int, backbone: TransformerSpec = LLAMA_12B) -> dict:
+    """Checks of the drawn samples of one context (see the module docstring).
+
+    Args:
+        steps: (text, image tokens) of every step drawn.
+        context: The context.
+        backbone: The backbone, for the encoder's FLOPs share.
+    Returns:
+        {"samples", "text_le_64_share", "tail_text_token_share", "tail_all_token_share",
+        "mean_text_tokens", "mean_image_tokens", "text_only_share", "capped_share",
+        "encoder_flops_share"}.
+    """
+    text = np.concatenate([t for t, _ in steps])
+    image_tokens = np.concatenate([i for _, i in steps])
+    tail = text > BODY_TEXT[1]
+    total = text + image_tokens
+    encoder_flops = float(VIT_2B.cost(image_tokens).sum())
+    return {
+        "samples": int(len(text)),
+        "text_le_64_share": float(np.mean(~tail)),
+        "tail_text_token_share": float(text[tail].sum() / text.sum()),
+        "tail_all_token_share": float(text[tail].sum() / total.sum()),
+        "mean_text_tokens": float(text.mean()),
+        "mean_image_tokens": float(image_tokens.mean()),
+        "text_only_share": float(np.mean(image_tokens == 0)),
+        "capped_share": float(np.mean(total == context)),
+        "encoder_flops_share": encoder_flops / (encoder_flops + float(backbone.cost(total).sum())),
+    }
+
+
+def load_workload(path: pathlib.Path) -> Workload:
+    """Reads a --lengths file (see the module docstring).
+
+    Raises:
+        ValueError: Not integer text lengths > 0 and image tokens >= 0 of one length each.
+    """
+    data = np.load(path, allow_pickle=False)
+    if isinstance(data, np.lib.npyio.NpzFile):
+        with data:
+            arrays = [data[name] for name in data.files]
+    elif data.ndim == 2 and data.shape[0] == 2:
+        arrays = [data[0], data[1]]
+    else:
+        arrays = [data]
+    if len(arrays) == 1:
+        arrays.append(np.zeros(arrays[0].shape, np.int64))
+    text, image_tokens = arrays[0], arrays[-1]
+    ok = (
+        len(arrays) == 2
+        and all(a.ndim == 1 and np.issubdtype(a.dtype, np.integer) for a in (text, image_tokens))
+        and text.size > 0
+        and text.shape == image_tokens.shape
+        and text.min() > 0
+        and image_tokens.min() >= 0
+    )
+    if not ok:
+        raise ValueError(
+            f"--lengths {str(path)!r}: want integer text lengths > 0 (1-D .npy), or those and image "
+            f"tokens >= 0 of the same length ([2, n] .npy or a .npz of one or two arrays); got "
+            f"{[(str(a.dtype), a.shape) for a in arrays]}"
+        )
+    return Workload(text.astype(np.int64), image_tokens.astype(np.int64))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not np.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _fitting(workload: Workload, context: int) -> Workload:
+    """The file's samples of at most `context` tokens.
+
+    Raises:
+        ValueError: None fits.
+    """
+    total = workload.text + workload.image_tokens
+    keep = total <= context
+    if not keep.any():
+        raise ValueError(f"--lengths: no sample fits context {context} (the shortest has {int(total.min())} tokens)")
+    return Workload(workload.text[keep], workload.image_tokens[keep])
+
+
+def _measure(plan: StepPlan, mesh: ClientPlaceTree, *, flops_per_s: float) -> np.ndarray:
+    """[backbone max/mean, backbone max/min, encoder max/mean, simulated seconds] of one step."""
+    max_over_min, max_over_mean = spread(plan.rank_costs())
+    encoder_flops, backbone_flops = simulate(plan, mesh)
+    _, encoder_max_over_mean = spread(encoder_flops)
+    seconds = float((encoder_flops + backbone_flops).max()) / flops_per_s
+    return np.array([max_over_mean, max_over_min, encoder_max_over_mean, seconds])
+
+
+def _summarize(records: list[dict]) -> dict:
+    """Speedups of "hybrid" and "backbone" over the (dp, context) cells, beside the paper's."""
+    out: dict = {"paper": {"mean": PAPER["mean"], "max": PAPER["max"], "per_context": {str(c): v for c, v in PAPER["per_context"].items()}}}
+    for method in ("hybrid", "backbone"):
+        mine = [r for r in records if r["method"] == method]
+        speedups = [r["speedup_vs_vanilla"] for r in mine]
+        contexts = sorted({r["context"] for r in mine})
+        out[method] = {
+            "mean_speedup": float(np.mean(speedups)),
+            "max_speedup": float(np.max(speedups)),
+            "per_context": {str(c): float(np.mean([r["speedup_vs_vanilla"] for r in mine if r["context"] == c])) for c in contexts},
+        }
+    return out
