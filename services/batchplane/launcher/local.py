@@ -83,7 +83,7 @@ class LocalCluster:
     def __init__(self, config_path: str | pathlib.Path, *, run_dir: pathlib.Path | None = None, log_level: str = "INFO") -> None:
         self.config_path = pathlib.Path(config_path).resolve()
         self.job: JobSettings = load_job(self.config_path)
-        load_strategy(self.job)
+        _check_strategy(self.job)
         self.run_dir = (run_dir or self.job.resolve(self.job.run_dir)).resolve()
         self.log_level = log_level
         self.planner: ServiceProcess | None = None
@@ -208,3 +208,19 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _check_strategy(job: JobSettings) -> None:
+    """Loads the job's strategy and cost model as its services will, with the PYTHONPATH they
+    inherit, so a bad one fails before any process starts.
+
+    Raises:
+        ConfigError: field "strategy" or "balance.cost.kind".
+    """
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = extra
+    try:
+        load_strategy(job)
+    finally:
+        for p in extra:
+            sys.path.remove(p)
