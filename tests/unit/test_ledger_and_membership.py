@@ -272,6 +272,3 @@ def test_constructor_indices_outside_the_layout_are_rejected(index: int) -> None
 
 def _re_list(values: list[int]) -> str:
     return "\\[" + ", ".join(str(v) for v in values) + "\\]"
-    with pytest.raises(InvalidArgument, match=r"\{3: 0\}"):
-        m.register_constructor(1, "c:1", [3])
-    assert m.constructor_ranks(1) == (0, 1)

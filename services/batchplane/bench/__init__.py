@@ -13,7 +13,9 @@ Pure of services: benchmarks drive the planning and delivery logic in process; n
 
 from __future__ import annotations
 
+import argparse
 import importlib
+from collections.abc import Sequence
 from types import ModuleType
 
 #: Benchmark name -> module under batchplane.bench.
@@ -31,3 +33,28 @@ def load(name: str) -> ModuleType:
         KeyError: no such benchmark.
     """
     return importlib.import_module(BENCHMARKS[name])
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_mesh_arguments(parser: argparse.ArgumentParser, *, dp: Sequence[int], pp: int, contexts: Sequence[int]) -> None:
+    """Adds the flags the mesh benchmarks share: --seed, --dp (repeatable), --tp, --pp, --cp and
+    --context (repeatable), with these defaults."""
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    parser.add_argument(
+        "--dp", action="append", type=positive_int, default=None, metavar="N",
+        help=f"data-parallel size (repeatable; default {', '.join(map(str, dp))})",
+    )
+    parser.add_argument("--tp", type=positive_int, default=4, help="tensor-parallel size (default 4)")
+    parser.add_argument("--pp", type=positive_int, default=pp, help=f"pipeline-parallel size (default {pp})")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument(
+        "--context", action="append", type=positive_int, default=None, metavar="TOKENS",
+        help=f"maximum sequence length (repeatable; default {', '.join(map(str, contexts))})",
+    )

@@ -82,6 +82,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from batchplane.bench import add_mesh_arguments, positive_int
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.balance import spread
 from batchplane.planner.cost import CostFn
@@ -121,30 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The benchmark's argument parser.
     """
-    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    add_mesh_arguments(parser, dp=DP, pp=1, contexts=CONTEXTS)
     parser.add_argument(
-        "--dp", action="append", type=_positive_int, default=None, metavar="N",
-        help=f"data-parallel size (repeatable; default {', '.join(map(str, DP))})",
-    )
-    parser.add_argument("--tp", type=_positive_int, default=4, help="tensor-parallel size (default 4)")
-    parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default 1)")
-    parser.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (default 1)")
-    parser.add_argument(
-        "--context", action="append", type=_positive_int, default=None, metavar="TOKENS",
-        help=f"maximum sequence length (repeatable; default {', '.join(map(str, CONTEXTS))})",
-    )
-    parser.add_argument(
-        "--samples-per-rank", type=_positive_int, default=72,
+        "--samples-per-rank", type=positive_int, default=72,
         help="samples per DP rank per step (default 72, the paper's per-GPU batch)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=60, help="steps per (dp, context) (default 60)")
-    parser.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per DP rank (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=60, help="steps per (dp, context) (default 60)")
+    parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per DP rank (default 4)")
     parser.add_argument(
         "--tflops", type=_positive_float, default=400.0,
         help="assumed effective training throughput per GPU, TFLOP/s (default 400)",
     )
     parser.add_argument(
-        "--backbone-layers", type=_positive_int, default=LLAMA_12B.layers,
+        "--backbone-layers", type=positive_int, default=LLAMA_12B.layers,
         help=f"layers of the Llama-12B backbone (default {LLAMA_12B.layers}; the paper's Sec. 7.2 runs 8 or 16)",
     )
     parser.add_argument(
@@ -391,13 +381,6 @@ def load_workload(path: pathlib.Path) -> Workload:
             f"{[(str(a.dtype), a.shape) for a in arrays]}"
         )
     return Workload(text.astype(np.int64), image_tokens.astype(np.int64))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:

@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from batchplane.bench import add_mesh_arguments, positive_int
 from batchplane.bench.balance import draw_samples, sample_table, vision_language_strategy
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.models import LLAMA_12B, VIT_2B
@@ -98,29 +99,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The benchmark's argument parser.
     """
-    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    add_mesh_arguments(parser, dp=DP, pp=8, contexts=CONTEXTS)
     parser.add_argument(
-        "--dp", action="append", type=_positive_int, default=None, metavar="N",
-        help=f"data-parallel size (repeatable; default {', '.join(map(str, DP))})",
-    )
-    parser.add_argument("--tp", type=_positive_int, default=4, help="tensor-parallel size (default 4)")
-    parser.add_argument("--pp", type=_positive_int, default=8, help="pipeline-parallel size (default 8)")
-    parser.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (default 1)")
-    parser.add_argument(
-        "--samples-per-rank", action="append", type=_positive_int, default=None, metavar="N",
+        "--samples-per-rank", action="append", type=positive_int, default=None, metavar="N",
         help=f"samples per DP rank per step (repeatable; default {', '.join(map(str, SAMPLES_PER_RANK))})",
     )
     parser.add_argument(
-        "--context", action="append", type=_positive_int, default=None, metavar="TOKENS",
-        help=f"maximum sequence length (repeatable; default {', '.join(map(str, CONTEXTS))})",
-    )
-    parser.add_argument(
-        "--group-size", action="append", type=_positive_int, default=None, metavar="G",
+        "--group-size", action="append", type=positive_int, default=None, metavar="G",
         help="DP ranks per balancing group, run for each DP size it divides besides no grouping "
         "(repeatable; default: per DP size its divisor closest to the square root)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=7, help="steps per configuration; the median is kept (default 7)")
-    parser.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per DP rank (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=7, help="steps per configuration; the median is kept (default 7)")
+    parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per DP rank (default 4)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -188,13 +178,6 @@ def group_sizes(dp: int, chosen: list[int] | None) -> list[int]:
         return sorted({g for g in chosen if g < dp and dp % g == 0})
     divisors = [g for g in range(2, dp) if dp % g == 0]
     return [min(divisors, key=lambda g: (abs(g - math.sqrt(dp)), g))] if divisors else []
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _plan_once(

@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from batchplane.bench import positive_int
 from batchplane.planner.token_budget import token_budget
 
 HELP = "token-budget batching vs fixed batches on ODB's synthetic length distributions"
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths (default 0)")
     parser.add_argument(
-        "--window", type=_positive_int, default=256,
+        "--window", type=positive_int, default=256,
         help="samples per planner step; the last window may be shorter (default 256)",
     )
     parser.add_argument(
@@ -96,11 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a synthetic distribution to run (repeatable; default: all six, none with --lengths)",
     )
     parser.add_argument(
-        "--lmax", action="append", type=_positive_int, default=None, metavar="N",
+        "--lmax", action="append", type=positive_int, default=None, metavar="N",
         help=f"token budget per microbatch (repeatable; default {', '.join(map(str, LMAX))})",
     )
     parser.add_argument(
-        "--world", action="append", type=_positive_int, default=None, metavar="W",
+        "--world", action="append", type=positive_int, default=None, metavar="W",
         help=f"data-parallel world size (repeatable; default {', '.join(map(str, WORLD))})",
     )
 
@@ -161,13 +162,6 @@ def synthetic_lengths(name: str, *, seed: int, samples: int = SAMPLES) -> np.nda
         parts.append(rng.integers(lo, hi + 1, count, dtype=np.int64))
         left -= count
     return rng.permutation(np.concatenate(parts))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _distributions(args: argparse.Namespace) -> Iterator[tuple[str, np.ndarray]]:

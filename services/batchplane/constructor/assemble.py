@@ -167,6 +167,17 @@ def _weight(loss_tokens: int, global_loss_tokens: int) -> float:
     return loss_tokens / global_loss_tokens if global_loss_tokens > 0 else 0.0
 
 
+def metadata_only(*, step: int, rank: int, lengths: np.ndarray, offsets: np.ndarray, global_loss_tokens: int) -> BuiltBatch:
+    """A bucket's microbatches without tensors (none of a pod's ranks gets its data): token
+    counts and loss weights from the planned lengths alone."""
+    layouts = []
+    for m in range(len(offsets) - 1):
+        part = lengths[int(offsets[m]) : int(offsets[m + 1])].astype(np.int64)
+        loss = int(np.maximum(part - 1, 0).sum())
+        layouts.append(MicrobatchLayout((), int(part.sum()), loss, len(part) == 0, _weight(loss, global_loss_tokens)))
+    return BuiltBatch(step, rank, tuple(layouts), bytearray(), global_loss_tokens)
+
+
 def _sample_fields(samples: RankSamples, lo: int, hi: int, lengths: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "sample_source": samples.source[lo:hi].astype(np.int32),

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive
+from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive, lay_out, metadata_only
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import ALL, DeliveryRules, Variant
@@ -34,7 +34,7 @@ from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.rpc import call_with_retry, create_channel, reraise
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
-from batchplane.wire import PayloadReceiver, align, decode_array, encode_array
+from batchplane.wire import PayloadReceiver, decode_array, encode_array
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class StepPipeline:
         missing = sorted({v.bucket for v in variants.values()} - set(buckets))
         if missing:
             raise FailedPrecondition(f"the plan of step {step} lacks buckets {missing} this constructor's ranks consume")
-        fetch = [b for b in sorted(wanted)]
+        fetch = sorted(wanted)
         tokens: dict[tuple[int, int], np.ndarray] = {}
         if fetch:
             sources = np.concatenate([buckets[b][0] for b in fetch])
@@ -232,7 +232,7 @@ class StepPipeline:
                     token_dtype=batch.token_dtype, global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length,
                 )
             else:
-                built[bucket] = _metadata_only(step, bucket, length, offsets, plan.global_loss_tokens)
+                built[bucket] = metadata_only(step=step, rank=bucket, lengths=length, offsets=offsets, global_loss_tokens=plan.global_loss_tokens)
         variants_built: dict[Variant, BuiltBatch] = {}
         deliveries = []
         for rank, v in variants.items():
@@ -259,25 +259,22 @@ class StepPipeline:
         parts = [p for p in plan.subplans if p.bucket == self.mesh.bucket_of(delivery.rank, p.axis)]
         if not parts:
             return delivery
-        base = len(delivery.batch.payload)
-        chunks: list[bytes] = []
-        offset = 0
-        subbatches = []
-        for part in parts:
-            arrays = {
+        arrays = [
+            {
                 "sample_source": decode_array(part.samples.source, field="subplans.samples.source", dtype="int32", ndim=1),
                 "sample_row": decode_array(part.samples.row, field="subplans.samples.row", dtype="int64", ndim=1),
                 "sample_epoch": decode_array(part.samples.epoch, field="subplans.samples.epoch", dtype="int32", ndim=1),
                 part.metadata: decode_array(part.values, field="subplans.values", dtype="int64", ndim=1),
             }
-            specs = []
-            for name, array in arrays.items():
-                specs.append(TensorLayout(name, array.dtype.name, tuple(array.shape), base + offset))
-                data = np.ascontiguousarray(array).tobytes()
-                chunks.append(data + bytes(align(len(data)) - len(data)))
-                offset += align(len(data))
-            subbatches.append(SubBatch(part.name, part.metadata, tuple(specs)))
-        return dataclasses.replace(delivery, subbatches=tuple(subbatches), extra=b"".join(chunks))
+            for part in parts
+        ]
+        extra = lay_out([(a, MicrobatchLayout((), 0, 0, False)) for a in arrays], step=delivery.batch.step, rank=delivery.rank, global_loss_tokens=0)
+        base = len(delivery.batch.payload)  # a multiple of 64: the extra tensors stay aligned
+        subbatches = tuple(
+            SubBatch(part.name, part.metadata, tuple(dataclasses.replace(s, offset=base + s.offset) for s in laid.tensors))
+            for part, laid in zip(parts, extra.microbatches)
+        )
+        return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra.payload))
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000)
@@ -372,13 +369,3 @@ class StepPipeline:
         for channel in self._loader_channels.values():
             channel.close()
 
-
-def _metadata_only(step: int, bucket: int, lengths: np.ndarray, offsets: np.ndarray, global_loss_tokens: int) -> BuiltBatch:
-    """A bucket's microbatches without tensors (none of this pod's ranks gets its data)."""
-    layouts = []
-    for m in range(len(offsets) - 1):
-        part = lengths[int(offsets[m]) : int(offsets[m + 1])].astype(np.int64)
-        loss = int(np.maximum(part - 1, 0).sum())
-        weight = loss / global_loss_tokens if global_loss_tokens > 0 else 0.0
-        layouts.append(MicrobatchLayout((), int(part.sum()), loss, len(part) == 0, weight))
-    return BuiltBatch(step, bucket, tuple(layouts), bytearray(), global_loss_tokens)

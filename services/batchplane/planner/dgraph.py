@@ -298,7 +298,7 @@ class Strategy:
             else:
                 balancing = dataclasses.replace(_with_group(g), microbatches=1)
                 groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in assign(graph_costs[members], values[members], buckets=n, balancing=balancing))
-            subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs))
+            subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values))
         return StepPlan(
             step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans)
         )

@@ -101,6 +101,7 @@ class SubPlan:
         metadata: The per-sample quantity it balances ("image_tokens", ...).
         buckets: buckets[b] = indices into the step's `samples`, ascending.
         costs: Cost of each sample of the step under this graph's model (0 outside it).
+        values: int64 `metadata` of each sample of the step (0 where a sample lacks it).
     """
 
     name: str
@@ -108,6 +109,7 @@ class SubPlan:
     metadata: str
     buckets: tuple[np.ndarray, ...]
     costs: np.ndarray
+    values: np.ndarray
 
     def bucket_costs(self) -> np.ndarray:
         return np.array([float(self.costs[b].sum()) for b in self.buckets])
@@ -264,7 +266,6 @@ def build_step_plan(
     microbatches: int,
     method: object,
     cost_fn: CostFn,
-    balancing: Balancing | None = None,
 ) -> StepPlan:
     """Balances one step's allocated samples over `dp` buckets x `microbatches` microbatches
     (the single-graph strategy; see `batchplane.planner.dgraph` for the general one).
@@ -276,17 +277,15 @@ def build_step_plan(
         microbatches: Microbatches per bucket.
         method: Balancing method (see `Balancing.method`).
         cost_fn: Per-sample cost from int64 lengths and the samples' features.
-        balancing: Further balancing options; `method` and `microbatches` override its fields.
     Returns:
         The plan; a function of its arguments only (I4).
     """
     samples, bad = good_samples(allocated)
     costs = np.asarray(cost_fn(samples.length.astype(np.int64), samples.features), dtype=np.float64)
-    balancing = dataclasses.replace(balancing or Balancing(), method=method, microbatches=microbatches)
     return StepPlan(
         step=step,
         samples=samples,
-        microbatches=assign(costs, samples.length.astype(np.int64), buckets=dp, balancing=balancing),
+        microbatches=assign(costs, samples.length.astype(np.int64), buckets=dp, balancing=Balancing(method=method, microbatches=microbatches)),
         bad_samples=bad,
         costs=costs,
     )

@@ -50,7 +50,6 @@ def subplan_parts(plan: StepPlan, ranks: tuple[int, ...], book: PlanBook) -> lis
     for sub in plan.subplans:
         for bucket in sorted({book.mesh.bucket_of(r, sub.axis) for r in ranks}):
             index = sub.buckets[bucket]
-            values = plan.samples.features[sub.metadata][index] if sub.metadata != "length" else plan.samples.length[index]
             parts.append(
                 planner_pb2.SubPlanPart(
                     name=sub.name,
@@ -58,7 +57,7 @@ def subplan_parts(plan: StepPlan, ranks: tuple[int, ...], book: PlanBook) -> lis
                     metadata=sub.metadata,
                     bucket=bucket,
                     samples=sample_set(plan.samples.take(index)),
-                    values=encode_array(np.rint(values).astype(np.int64)),
+                    values=encode_array(sub.values[index]),
                 )
             )
     return parts
@@ -118,7 +117,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:
         ledger = self._book.ledger
-        weights = np.asarray(self._job.weights)
+        weights = np.asarray(self._book.weights)
         weights = weights / weights.sum()
         return planner_pb2.GetStatusResponse(
             job=self._info,
