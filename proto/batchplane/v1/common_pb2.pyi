@@ -67,17 +67,27 @@ class Mesh(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., cp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., order: _Optional[str] = ..., cp_slicing: _Optional[str] = ..., broadcast_at: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches")
+    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches", "hooks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    HOOKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fingerprint: str
     sources: _containers.RepeatedScalarFieldContainer[str]
     mesh: Mesh
     global_batch_size: int
     microbatches: int
-    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
+    hooks: Hooks
+    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ...) -> None: ...
+
+class Hooks(_message.Message):
+    __slots__ = ("loader_do_plan", "constructor_do_plan")
+    LOADER_DO_PLAN_FIELD_NUMBER: _ClassVar[int]
+    CONSTRUCTOR_DO_PLAN_FIELD_NUMBER: _ClassVar[int]
+    loader_do_plan: str
+    constructor_do_plan: str
+    def __init__(self, loader_do_plan: _Optional[str] = ..., constructor_do_plan: _Optional[str] = ...) -> None: ...

@@ -49,3 +49,8 @@ class ConstructorMetrics:
             registry=registry,
             buckets=(0.0001, *_LATENCY_BUCKETS),
         )
+        self.hook_failures = Counter(
+            "batchplane_constructor_hook_failures_total",
+            "Steps that could not be built because the strategy's constructor_do_plan hook raised or broke the delivery rules.",
+            registry=registry,
+        )

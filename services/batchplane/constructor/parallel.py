@@ -38,6 +38,8 @@ STAGE_TENSORS: Mapping[str, frozenset[str]] = MappingProxyType({
     LAST: frozenset({"labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
 })
 SAMPLE_PREFIX = "sample_"
+#: Every tensor the constructor builds; others (a constructor_do_plan hook's) go to every stage.
+BUILT_TENSORS = frozenset().union(*STAGE_TENSORS.values(), {"attention_mask", "input_ids", "labels"})
 
 
 # --- context parallelism ---------------------------------------------------------------------
@@ -304,7 +306,8 @@ def stage_filter(
 
     The first stage gets STAGE_TENSORS["first"], the last STAGE_TENSORS["last"], middle stages
     STAGE_TENSORS["middle"] plus `middle`; every stage gets the per-sample metadata (names
-    starting with "sample_"). With one stage, it is first and last and gets every tensor. When
+    starting with "sample_") and tensors the constructor does not build (not in
+    BUILT_TENSORS: a constructor_do_plan hook's, which the model may need anywhere). With one stage, it is first and last and gets every tensor. When
     the last stage needs "loss_mask" and the microbatch has labels but no loss_mask, it is
     derived: labels != ignore_id.
 
@@ -331,7 +334,7 @@ def stage_filter(
         out = dict(tensors)
     else:
         wanted = STAGE_TENSORS[FIRST] if is_first else STAGE_TENSORS[LAST] if is_last else STAGE_TENSORS[MIDDLE] | set(middle)
-        out = {name: t for name, t in tensors.items() if name in wanted or name.startswith(SAMPLE_PREFIX)}
+        out = {name: t for name, t in tensors.items() if name in wanted or name.startswith(SAMPLE_PREFIX) or name not in BUILT_TENSORS}
     if is_last and "loss_mask" not in out and "labels" in tensors:
         out["loss_mask"] = tensors["labels"] != ignore_id
     return out

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive, lay_out, metadata_only
+from batchplane.constructor.hooks import HookError, apply_constructor_hook
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import ALL, DeliveryRules, Variant
@@ -73,15 +74,25 @@ class StepPipeline:
         planner: The planner's address.
         metrics: The constructor's metrics.
         info: The job as the planner describes it (its mesh says what the trainer broadcasts).
+        hook: The strategy's constructor_do_plan hook, run on every microbatch built.
     """
 
     def __init__(
-        self, job: JobSettings, *, index: int, ranks: Sequence[int], planner: str, metrics: ConstructorMetrics, info: common_pb2.JobInfo | None = None
+        self,
+        job: JobSettings,
+        *,
+        index: int,
+        ranks: Sequence[int],
+        planner: str,
+        metrics: ConstructorMetrics,
+        info: common_pb2.JobInfo | None = None,
+        hook: Callable | None = None,
     ) -> None:
         self._job = job
         m = job.mesh
         self.mesh = ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
         self._broadcast = frozenset(info.mesh.broadcast_at) if info is not None else frozenset()
+        self._hook = hook
         self._index = index
         self.ranks = tuple(ranks)
         self._metrics = metrics
@@ -231,6 +242,12 @@ class StepPipeline:
                     samples, step=step, rank=bucket, pad_id=batch.pad_id, ignore_id=batch.ignore_id,
                     token_dtype=batch.token_dtype, global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length,
                 )
+                if self._hook is not None:
+                    try:
+                        built[bucket] = apply_constructor_hook(self._hook, built[bucket], sources=self._job.source_names)
+                    except HookError:
+                        self._metrics.hook_failures.inc()
+                        raise
             else:
                 built[bucket] = metadata_only(step=step, rank=bucket, lengths=length, offsets=offsets, global_loss_tokens=plan.global_loss_tokens)
         variants_built: dict[Variant, BuiltBatch] = {}

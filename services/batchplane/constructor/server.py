@@ -17,6 +17,7 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.core.userfile import job_hook
 from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     )
     address = process.listen or f"{job.network.host}:{port}"
     info = _register(job, process, address, ranks)
-    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info)
+    hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
+    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook)
     constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
     server.start()
     set_serving(health, "batchplane.v1.Constructor")

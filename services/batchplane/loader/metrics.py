@@ -51,3 +51,8 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.hook_failures = Counter(
+            "batchplane_loader_hook_failures_total",
+            "Fetches refused because the strategy's loader_do_plan hook raised or broke the plan.",
+            registry=registry,
+        )

@@ -13,6 +13,7 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
+from batchplane.core.userfile import job_hook
 from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
@@ -95,7 +96,8 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         server.start()
         address = process.listen or f"{job.network.host}:{port}"
         running = RunningLoader(address, server, streams)
-        _register(job, process, address, streams)
+        info = _register(job, process, address, streams)
+        servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))
     except BaseException:
         for stream in streams.values():
             stream.close()
@@ -104,7 +106,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     return running
 
 
-def _register(job: JobSettings, process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> None:
+def _register(job: JobSettings, process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> common_pb2.JobInfo:
     request = planner_pb2.RegisterLoaderRequest(
         loader_index=process.index,
         address=address,
@@ -118,4 +120,4 @@ def _register(job: JobSettings, process: ProcessSettings, address: str, streams:
             for s in streams.values()
         ],
     )
-    register_with_planner(job, process, rpc="RegisterLoader", request=request, who=f"loader {process.index}")
+    return register_with_planner(job, process, rpc="RegisterLoader", request=request, who=f"loader {process.index}")

@@ -3,19 +3,25 @@ responses. No logic of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 
-from batchplane.core.errors import InvalidArgument
+from batchplane.core.errors import InvalidArgument, Unavailable
 from batchplane.core.rpc import stream_payload
 from batchplane.loader.fetch import FetchBook, encode_payload
+from batchplane.loader.hooks import HookError, LoaderPlan, apply_loader_hook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.stream import SourceStream
 from batchplane.v1 import loader_pb2, loader_pb2_grpc
 from batchplane.wire import decode_array, encode_array
 
 MAX_SUMMARY_SAMPLES = 65536
+JOIN_WAIT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 class LoaderServicer(loader_pb2_grpc.LoaderServicer):
@@ -25,6 +31,15 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         self._streams = streams
         self._book = book
         self._metrics = metrics
+        self._joined = threading.Event()
+        self._hook: Callable | None = None
+        self._source_names: tuple[str, ...] = ()
+
+    def join(self, *, sources: tuple[str, ...], hook: Callable | None) -> None:
+        """Starts serving fetches, for the job the planner described: its source names and
+        the strategy's loader_do_plan hook (None for none)."""
+        self._source_names, self._hook = sources, hook
+        self._joined.set()
 
     def GetSummary(self, request: loader_pb2.GetSummaryRequest, context: grpc.ServicerContext) -> loader_pb2.GetSummaryResponse:
         stream = self._streams.get(request.source)
@@ -51,7 +66,16 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
         self._book.release(constructor=request.constructor_index, below_step=request.release_below_step)
         copies = decode_array(request.copies, field="copies", dtype="int32", ndim=1) if request.HasField("copies") else None
+        if not self._joined.wait(JOIN_WAIT_S):
+            raise Unavailable("this loader has not joined the planner's job yet")
         batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs, copies=copies)
+        if self._hook is not None:
+            try:
+                batch = apply_loader_hook(self._hook, batch, LoaderPlan(request.step, request.constructor_index, self._source_names))
+            except HookError:
+                self._metrics.hook_failures.inc()
+                log.exception("fetch of step %d by constructor %d refused", request.step, request.constructor_index)
+                raise
         payload = encode_payload(batch)
         for source in set(sources.tolist()):
             self._metrics.samples_sent.labels(self._streams[source].name).inc(int((sources == source).sum()))

@@ -27,7 +27,13 @@ Low-level hooks cover what the primitives cannot say:
 - `plan_raw(fn)`: replaces distribute/balance: `fn(samples, costs, mesh)` returns
   [bucket][microbatch] index arrays itself (checked to be a partition, aligned);
 - `summary_buffer(fn)`: derives extra per-sample metadata from the step's buffer summary,
-  `fn(samples) -> {name: array}`, before costs are computed.
+  `fn(samples) -> {name: array}`, before costs are computed;
+- `loader_do_plan(fn)`: runs in the loaders on the samples of every fetch a plan makes,
+  `fn(samples: pyarrow.Table, plan) -> pyarrow.Table` (see `batchplane.loader.hooks`);
+- `constructor_do_plan(fn)`: runs in the constructors on every microbatch they build,
+  `fn(tensors: {name: ndarray}, context) -> {name: ndarray}` (see `batchplane.constructor.hooks`).
+The last two run in other processes: they must be functions at the top level of the strategy
+file, which those processes import by name (the fingerprint holds the file's digest).
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class DGraph:
         self._raw: Callable[..., object] | None = None
         self._summary: Callable[[SampleTable], Mapping[str, np.ndarray]] | None = None
         self._broadcast: set[str] = set()
+        self._hooks: dict[str, Callable] = {}
 
     # ---- primitives ----------------------------------------------------------------------
 
@@ -184,11 +191,30 @@ class DGraph:
         self._summary = _callable(fn, self.name, "summary_buffer")
         return self
 
+    def loader_do_plan(self, fn: Callable) -> DGraph:
+        """Transforms the samples loaders send for each plan: `fn(samples, plan)` gets the
+        fetched rows (columns source, seq, input_ids) and a `LoaderPlan` (step, constructor,
+        source names) and returns a table of the same rows in the same order whose input_ids
+        keep their lengths (the plan's token counts and loss weights depend on them). For
+        deterministic per-step work: masking, noising, token replacement."""
+        self._hooks["loader_do_plan"] = _callable(fn, self.name, "loader_do_plan")
+        return self
+
+    def constructor_do_plan(self, fn: Callable) -> DGraph:
+        """Transforms every microbatch a constructor builds, before CP slicing and the pipeline
+        stage filter: `fn(tensors, context)` returns the microbatch's tensors, with new ones
+        added or built ones replaced in shape and dtype (2-D tensors are per-token, shaped
+        like input_ids, and CP-sliced like it); `context` is a `MicrobatchContext`."""
+        self._hooks["constructor_do_plan"] = _callable(fn, self.name, "constructor_do_plan")
+        return self
+
     # ---- compile -------------------------------------------------------------------------
 
     def _spec(self, *, primary: bool) -> GraphSpec:
         if self._mixes and not primary:
             raise StrategyError(f"{self.name}.mix: only the primary graph (the one plan() is called on) mixes sources")
+        if self._hooks and not primary:
+            raise StrategyError(f"{self.name}.{next(iter(self._hooks))}: hooks belong to the primary graph (the one plan() is called on)")
         return GraphSpec(
             name=self.name,
             metadata=self.metadata,
@@ -214,6 +240,7 @@ class DGraph:
             primary=self._spec(primary=True),
             secondary=tuple(g._spec(primary=False) for g in secondary),
             broadcast=frozenset().union(*(g._broadcast for g in graphs)),
+            hooks=dict(self._hooks),
         )
 
 
@@ -225,11 +252,17 @@ class Strategy:
         primary: The graph every sample goes through; decides the microbatches.
         secondary: Graphs over the samples with positive metadata (e.g. images).
         broadcast: Dimensions the trainer broadcasts along ("TP").
+        hooks: The loader and constructor hooks by kind ("loader_do_plan", ...).
     """
 
     primary: GraphSpec
     secondary: tuple[GraphSpec, ...] = ()
     broadcast: frozenset[str] = frozenset()
+    hooks: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+
+    def hook_names(self) -> dict[str, str]:
+        """The hooks' function names, as loaders and constructors look them up."""
+        return {kind: fn.__name__ for kind, fn in self.hooks.items()}
 
     def weights(self, source_names: tuple[str, ...], default: tuple[float, ...]) -> tuple[float, ...]:
         """Per-source weights, in source order: the primary graph's mix, else `default`.

@@ -31,6 +31,7 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
         ),
         global_batch_size=job.batch.global_batch_size,
         microbatches=job.batch.microbatches,
+        hooks=common_pb2.Hooks(**strategy.hook_names()),
     )
 
 

@@ -9,13 +9,10 @@ constructors, loaders) loads the same file: the fingerprint holds its digest.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
-
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.mesh import ClientPlaceTree, MeshError
+from batchplane.core.userfile import import_file
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
 
@@ -65,17 +62,7 @@ def load_strategy(job: JobSettings) -> Strategy:
 
 def _from_file(job: JobSettings, mesh: ClientPlaceTree) -> Strategy:
     path = job.resolve(job.strategy)
-    name = "batchplane_strategy_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"not a Python file: {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    except Exception as exc:  # any failure in user code is a configuration error
-        sys.modules.pop(name, None)
-        raise ConfigError("strategy", f"cannot load {str(path)!r}: {type(exc).__name__}: {exc}", job.strategy) from exc
+    module = import_file(path, setting=job.strategy)
     fn = getattr(module, "strategy", None)
     if not callable(fn):
         raise ConfigError("strategy", f"{str(path)!r} must define a function strategy(mesh)", job.strategy)
@@ -87,4 +74,12 @@ def _from_file(job: JobSettings, mesh: ClientPlaceTree) -> Strategy:
         raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} failed: {type(exc).__name__}: {exc}", job.strategy) from exc
     if not isinstance(result, Strategy):
         raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} must return DGraph.plan(), got {type(result).__name__}", job.strategy)
+    for kind, hook in result.hooks.items():
+        if getattr(module, getattr(hook, "__name__", ""), None) is not hook:
+            raise ConfigError(
+                "strategy",
+                f"{kind}: {getattr(hook, '__qualname__', hook)!r} must be a function defined at the top level of {str(path)!r}, "
+                "so that loaders and constructors can load it by name",
+                job.strategy,
+            )
     return result
