@@ -3,11 +3,14 @@
     batchplane up -c job.yaml     start a job's data plane as local processes
     batchplane demo               write a demo dataset and train a tiny model against it
     batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency)
+    batchplane ledger show --step N | find SOURCE:INDEX | stats [--from A --to B]
+                                  lineage from a job's durable ledger
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import pathlib
@@ -38,12 +41,31 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("benchmark", choices=list(BENCHMARKS), help="the benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="its flags, e.g. --json")
 
+    ledger = commands.add_parser("ledger", help="what each step trained on, from a job's durable ledger")
+    ledger_commands = ledger.add_subparsers(dest="query", required=True)
+    queries = {
+        "show": ledger_commands.add_parser("show", help="what each rank trained on at a step"),
+        "find": ledger_commands.add_parser("find", help="which steps saw a sample"),
+        "stats": ledger_commands.add_parser("stats", help="the realized mixture over a range of steps"),
+    }
+    queries["show"].add_argument("--step", type=int, required=True, help="the step")
+    queries["find"].add_argument("sample", metavar="SOURCE:INDEX", help="a source's name and a row of it, e.g. web:123")
+    queries["stats"].add_argument("--from", dest="first", type=int, default=0, help="first step (default 0)")
+    queries["stats"].add_argument("--to", dest="last", type=int, default=None, help="last step, inclusive (default: the latest)")
+    for query in queries.values():
+        where = query.add_mutually_exclusive_group(required=True)
+        where.add_argument("-c", "--config", type=pathlib.Path, help="job configuration (YAML): its run_dir's ledger")
+        where.add_argument("--ledger", type=pathlib.Path, help="a ledger folder (<run_dir>/ledger)")
+        query.add_argument("--json", action="store_true", help="print one JSON object")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "up":
         return _up(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "ledger":
+        return _ledger(args)
     from batchplane.demo.run import run_demo
 
     return run_demo(workdir=args.dir, steps=args.steps, log_every=args.log_every)
@@ -103,10 +125,6 @@ def describe(cluster) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _bench(args: argparse.Namespace) -> int:
     from batchplane.bench import load
 
@@ -137,3 +155,59 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _cell(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    from batchplane.core.config import load_job
+    from batchplane.core.storage import LocalStorage
+    from batchplane.planner import lineage
+    from batchplane.planner.journal import LedgerReader
+
+    if args.config is not None:
+        try:
+            job = load_job(args.config)
+        except ConfigError as exc:
+            print(f"batchplane ledger: bad configuration {args.config}: {exc}", file=sys.stderr)
+            return 2
+        folder = job.resolve(job.run_dir) / "ledger"
+    else:
+        folder = args.ledger
+    if not folder.is_dir():
+        print(f"batchplane ledger: no ledger at {folder}", file=sys.stderr)
+        return 2
+    reader = LedgerReader(LocalStorage(folder))
+    if not reader.generations:
+        print(f"batchplane ledger: the ledger at {folder} is empty", file=sys.stderr)
+        return 2
+    sources = reader.generations[-1].sources
+    if args.query == "show":
+        record = reader.record(args.step)
+        if record is None:
+            print(f"batchplane ledger: step {args.step} is not in the ledger at {folder} (latest: {reader.last_step()})", file=sys.stderr)
+            return 1
+        rows = lineage.step_table(record, sources)
+        result: dict = {"step": args.step, "generation": reader.owner(args.step).gen, "shares": dict(zip(sources, record["shares"])), "microbatches": rows}
+        text = [f"step {args.step} (generation {result['generation']}): " + ", ".join(f"{k} {v:.3f}" for k, v in result["shares"].items())]
+        text += [f"  bucket {r['bucket']} microbatch {r['microbatch']}: {r['samples']} samples  {' '.join(r['ids'])}" for r in rows]
+    elif args.query == "find":
+        try:
+            source, row = lineage.parse_sample(args.sample, sources)
+        except ValueError as exc:
+            print(f"batchplane ledger find: {exc}", file=sys.stderr)
+            return 2
+        seen = lineage.find(reader.records(), source, row)
+        result = {"sample": args.sample, "seen": [dataclasses.asdict(s) for s in seen]}
+        text = [f"{args.sample}: seen {len(seen)} time(s)"] + [f"  step {s.step} bucket {s.bucket} microbatch {s.microbatch} epoch {s.epoch}" for s in seen]
+    else:
+        result = lineage.realized_mixture(reader.records(args.first, args.last), sources)
+        text = [f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"]
+        text.append(f"  {'source':<16}{'target':>9}{'samples':>9}{'tokens':>9}{'drift':>10}")
+        text += [
+            f"  {r['source']:<16}{r['target']:>9.4f}{r['sample_share']:>9.4f}{r['token_share']:>9.4f}{r['drift']:>+10.4f}" for r in result["sources"]
+        ]
+    print(json.dumps(result) if args.json else "\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

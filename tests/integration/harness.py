@@ -17,7 +17,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from batchplane.client import Client
+from batchplane.core.storage import LocalStorage
 from batchplane.launcher.local import LocalCluster
+from batchplane.planner.journal import LedgerReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +168,8 @@ def wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) ->
 
 def start_cluster(config: pathlib.Path) -> LocalCluster:
     return LocalCluster(config, log_level="INFO").start()
+
+
+def ledger_records(run_dir: pathlib.Path) -> list[dict]:
+    """The authoritative record of every step in a run folder's durable ledger, in step order."""
+    return list(LedgerReader(LocalStorage(run_dir / "ledger")).records())

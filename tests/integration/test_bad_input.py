@@ -159,8 +159,10 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
             late.load_state_dict({**state, "next_step": 1})
             with pytest.raises(StepUnavailableError, match="already consumed"):
                 next(iter(late))
-            with pytest.raises(InvalidRequestError, match="fingerprint"):
-                late.load_state_dict({**state, "fingerprint": "0" * 16})
+            with pytest.raises(InvalidRequestError, match="data settings .* differ"):
+                late.load_state_dict({**state, "fingerprints": {**state["fingerprints"], "data": "0" * 16}})
+            with pytest.raises(InvalidRequestError, match="state_dict is of rank 1, this client is rank 0"):
+                late.load_state_dict({**state, "rank": 1})  # the mesh did not change: ranks must match
         with grpc.insecure_channel(endpoints["loaders"]["0"]) as channel:
             loader = loader_pb2_grpc.LoaderStub(channel)
             with pytest.raises(grpc.RpcError) as info:

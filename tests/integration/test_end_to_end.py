@@ -10,7 +10,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from harness import collect, sample_ids, skewed_lengths, start_cluster, write_job, write_source
+from harness import collect, ledger_records, sample_ids, skewed_lengths, start_cluster, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, dataset):
         status = cluster.status()
     finally:
         cluster.stop()
-    return batches, (cluster.run_dir / "ledger.jsonl").read_text().splitlines(), status
+    return batches, ledger_records(cluster.run_dir), status
 
 
 def test_every_row_arrives_exactly_once_and_byte_identical(reference, dataset) -> None:
@@ -94,7 +94,7 @@ def test_a_second_run_with_the_same_seed_plans_the_same_sequence(reference, data
         cluster.stop()
     for rank in range(DP):
         assert sample_ids(again[rank]) == sample_ids(batches[rank])
-    assert (cluster.run_dir / "ledger.jsonl").read_text().splitlines() == ledger
+    assert ledger_records(cluster.run_dir) == ledger
 
 
 def assert_same_batches(got: list[dict], want: list[dict]) -> None:

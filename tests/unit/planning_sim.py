@@ -11,6 +11,7 @@ import numpy as np
 from batchplane.loader.order import SampleOrder
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.mixture import Mixture, MixtureState
+from batchplane.planner.schedule import Static
 from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
 
 
@@ -48,7 +49,7 @@ class SimJob:
 
     def mixture(self) -> Mixture:
         ends = [None if self.epochs is None else self.epochs * len(s.lengths) for s in self.sources]
-        return Mixture(self.weights, global_batch_size=self.global_batch_size, stream_ends=ends)
+        return Mixture(Static(self.weights), global_batch_size=self.global_batch_size, stream_ends=ends)
 
 
 def _row_groups(num_rows: int, size: int) -> list[int]:

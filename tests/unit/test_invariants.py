@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from planning_sim import SimJob, SimSource, delivered, fingerprint, simulate
 
 from batchplane.planner.mixture import Mixture, MixtureState, drift_bound
+from batchplane.planner.schedule import Static
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -107,7 +108,7 @@ def test_i4_resume_of_an_endless_job_is_exact(job: SimJob, k: int) -> None:
     st.integers(1, 400),
 )
 def test_i5_realized_counts_stay_within_tijdemans_bound_of_the_target(weights, batch, steps) -> None:
-    mixture = Mixture(weights, global_batch_size=batch, stream_ends=[None] * len(weights))
+    mixture = Mixture(Static(weights), global_batch_size=batch, stream_ends=[None] * len(weights))
     state = MixtureState.initial(len(weights))
     share = np.asarray(weights) / sum(weights)
     realized = np.zeros(len(weights))

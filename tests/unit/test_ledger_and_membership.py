@@ -13,9 +13,9 @@ from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import InvalidArgument
 from batchplane.planner.balance import METHODS
 from batchplane.planner.cost import make_cost_fn
-from batchplane.planner.ledger import BalanceTotals, Ledger
+from batchplane.planner.ledger import BalanceTotals, Ledger, state_from_json
 from batchplane.planner.membership import Membership, SourceFacts
-from batchplane.planner.mixture import Allocation
+from batchplane.planner.mixture import Allocation, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
 
 QUADRATIC = make_cost_fn("quadratic")
@@ -46,6 +46,7 @@ STEP3 = _table(
     ]
 )
 ALLOC3 = Allocation(step=3, starts=(10, 0, 0), counts=(3, 2, 0))
+AFTER = MixtureState(step=4, cursors=(13, 2, 0))
 
 # Per-rank costs over dp=2 by hand: round robin takes items 0,2 | 1,3 -> [89, 13];
 # greedy and Karmarkar-Karp both give {64} | {25, 9, 4} -> [64, 38].
@@ -66,7 +67,7 @@ def _plan(step: int, table: SampleTable, *, dp: int = 2, microbatches: int = 1, 
 @pytest.mark.parametrize("method", METHODS)
 def test_ledger_totals_count_bad_samples(method: str) -> None:
     ledger = Ledger(NAMES, method=method)
-    ledger.record(ALLOC3, _plan(3, STEP3, method=method))
+    ledger.record(ALLOC3, _plan(3, STEP3, method=method), AFTER)
     assert ledger.steps == 1
     got = [(t.samples, t.tokens, t.bad_samples) for t in ledger.sources]
     assert got == [(3, 8, 1), (2, 10, 0), (0, 0, 0)]
@@ -76,9 +77,9 @@ def test_ledger_totals_count_bad_samples(method: str) -> None:
 
 def test_ledger_totals_accumulate_over_steps() -> None:
     ledger = Ledger(NAMES, method="greedy")
-    ledger.record(ALLOC3, _plan(3, STEP3, method="greedy"))
+    ledger.record(ALLOC3, _plan(3, STEP3, method="greedy"), AFTER)
     step4 = _table([(2, 0, 5, 6, 0), (2, 1, 6, 0, 0), (0, 13, 1, 4, 0)])
-    ledger.record(Allocation(step=4, starts=(13, 2, 0), counts=(1, 0, 2)), _plan(4, step4, method="greedy"))
+    ledger.record(Allocation(step=4, starts=(13, 2, 0), counts=(1, 0, 2)), _plan(4, step4, method="greedy"), AFTER)
     assert ledger.steps == 2
     got = [(t.samples, t.tokens, t.bad_samples) for t in ledger.sources]
     assert got == [(4, 12, 1), (2, 10, 0), (2, 6, 1)]
@@ -86,10 +87,11 @@ def test_ledger_totals_accumulate_over_steps() -> None:
 
 def test_ledger_line_content() -> None:
     plan = _plan(3, STEP3, dp=2, microbatches=2, method="greedy")
-    line = Ledger(NAMES, method="greedy").record(ALLOC3, plan)
-    assert "\n" not in line and " " not in line
-    record = json.loads(line)
-    assert set(record) == {"step", "take", "bad", "ranks"}
+    record = json.loads(json.dumps(Ledger(NAMES, method="greedy").record(ALLOC3, plan, AFTER)))
+    assert set(record) == {"step", "shares", "take", "tokens", "bad", "ranks", "after", "consumed"}
+    assert record["consumed"] == {"a": [[10, 13]], "b": [[0, 2]]}
+    assert record["tokens"] == {"a": 8, "b": 10}
+    assert state_from_json(record["after"]) == AFTER
     assert record["step"] == 3
     assert record["take"] == {"a": [10, 3], "b": [0, 2]}  # c took nothing and is left out
     assert record["bad"] == 1
@@ -109,7 +111,7 @@ def test_ledger_line_content() -> None:
 def test_ledger_line_of_an_all_bad_step() -> None:
     table = _table([(0, 0, 0, 0, 0), (0, 1, 1, 0, 0)])
     ledger = Ledger(NAMES, method="round_robin")
-    record = json.loads(ledger.record(Allocation(0, (0, 0, 0), (2, 0, 0)), _plan(0, table, method="round_robin")))
+    record = json.loads(json.dumps(ledger.record(Allocation(0, (0, 0, 0), (2, 0, 0)), _plan(0, table, method="round_robin"), AFTER)))
     assert record["take"] == {"a": [0, 2]}
     assert record["bad"] == 2
     assert record["ranks"] == [[[]], [[]]]
@@ -123,8 +125,8 @@ def test_balance_figures_for_all_methods_configured_first(method: str) -> None:
     assert list(ledger.balance)[0] == method
     assert sorted(ledger.balance) == sorted(METHODS)
     plan = _plan(3, STEP3, method=method)
-    ledger.record(ALLOC3, plan)
-    ledger.record(Allocation(4, ALLOC3.starts, ALLOC3.counts), _plan(4, STEP3, method=method))
+    ledger.record(ALLOC3, plan, AFTER)
+    ledger.record(Allocation(4, (13, 2, 0), ALLOC3.counts), _plan(4, STEP3, method=method), AFTER)
     for m, totals in ledger.balance.items():
         assert totals.steps == 2, m
         max_over_min, max_over_mean = EXPECTED_SPREAD[m]
@@ -134,7 +136,7 @@ def test_balance_figures_for_all_methods_configured_first(method: str) -> None:
 
 def test_balance_is_not_recorded_when_a_step_has_fewer_samples_than_ranks() -> None:
     ledger = Ledger(NAMES, method="karmarkar_karp")
-    ledger.record(ALLOC3, _plan(3, STEP3, dp=5))  # 4 good samples over 5 ranks
+    ledger.record(ALLOC3, _plan(3, STEP3, dp=5), AFTER)  # 4 good samples over 5 ranks
     assert ledger.steps == 1
     for totals in ledger.balance.values():
         assert totals.steps == 0
@@ -153,10 +155,22 @@ def test_balance_totals_skip_steps_with_an_idle_rank() -> None:
     assert totals.mean_max_over_mean == pytest.approx((4 / 3 + 1.0) / 2)
 
 
+def test_taking_a_consumed_seq_again_is_refused_and_resume_restores_consumption() -> None:
+    ledger = Ledger(NAMES, method="greedy")
+    record = ledger.record(ALLOC3, _plan(3, STEP3, method="greedy"), AFTER)
+    with pytest.raises(ValueError, match=r"step 4 would take seqs 12..14 of source 'a' again \(consumed: \[\[10, 13\]\]\)"):
+        ledger.record(Allocation(4, (12, 2, 0), ALLOC3.counts), _plan(4, STEP3, method="greedy"), AFTER)
+    resumed = Ledger(NAMES, method="greedy")
+    resumed.restore(json.loads(json.dumps(record)))
+    assert [c.to_list() for c in resumed.consumed] == [[[10, 13]], [[0, 2]], []]
+    resumed.assume_consumed((5, 0, 2))
+    assert [c.to_list() for c in resumed.consumed] == [[[0, 5]], [], [[0, 2]]]
+
+
 def test_mismatched_allocation_and_plan_step_is_rejected() -> None:
     ledger = Ledger(NAMES, method="greedy")
     with pytest.raises(ValueError, match=r"allocation of step 4 with plan of step 3"):
-        ledger.record(Allocation(4, ALLOC3.starts, ALLOC3.counts), _plan(3, STEP3, method="greedy"))
+        ledger.record(Allocation(4, ALLOC3.starts, ALLOC3.counts), _plan(3, STEP3, method="greedy"), AFTER)
     assert ledger.steps == 0
     assert all((t.samples, t.tokens, t.bad_samples) == (0, 0, 0) for t in ledger.sources)
     assert all(b.steps == 0 for b in ledger.balance.values())

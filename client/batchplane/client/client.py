@@ -25,6 +25,7 @@ rank.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import time
@@ -38,7 +39,9 @@ from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+
+log = logging.getLogger(__name__)
 ENV_ADDRESS = "BATCHPLANE_CONSTRUCTOR"
 ENV_ENDPOINTS = "BATCHPLANE_ENDPOINTS"
 
@@ -93,6 +96,9 @@ class Client:
         if rank is None and world is not None and world.isdigit() and int(world) != size:
             raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has {size} ranks ({shape})")
         self._next_step = 0
+        self._resume: dict[str, str] = {}
+        #: Groups of settings that changed since the checkpoint this client resumed from.
+        self.resumed_across: tuple[str, ...] = ()
         self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch")
 
     # ---- iteration -----------------------------------------------------------------------
@@ -119,7 +125,8 @@ class Client:
             pending.cancel()
 
     def _fetch(self, step: int) -> dict[str, Any] | None:
-        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory)
+        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory, resume=self._resume)
+        self._resume = {}
         if header.end_of_data:
             return None
         microbatches = []
@@ -153,36 +160,49 @@ class Client:
     # ---- checkpointing -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where to resume: the step after the last one yielded, and which job it belongs to."""
+        """Where to resume: the step after the last one yielded, and the job and settings it
+        belongs to (fingerprints per group of settings, see `load_state_dict`)."""
         return {
             "version": STATE_VERSION,
             "job": self.job.job_id,
             "fingerprint": self.job.fingerprint,
+            "fingerprints": dict(self.job.fingerprints),
             "rank": self.rank,
             "next_step": self._next_step,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resumes at `state["next_step"]`.
+        """Resumes at `state["next_step"]`, also across changes of the mixture, the mesh (any
+        rank's state then serves every new rank: they all resume at the same step), the
+        loaders or the batching: the planner re-plans from its ledger's record of the step
+        before, and `resumed_across` names what changed.
 
         Raises:
-            InvalidRequestError: a malformed state, or one from another job (fingerprint) or rank.
+            InvalidRequestError: a malformed state, one whose data settings (sources,
+                transforms, seed, epochs, shuffle) differ, or another rank's state on an
+                unchanged mesh.
         """
-        missing = {"version", "fingerprint", "rank", "next_step"} - set(state)
+        missing = {"version", "fingerprints", "rank", "next_step"} - set(state)
         if missing:
             raise InvalidRequestError(f"state_dict lacks {sorted(missing)}")
         if state["version"] != STATE_VERSION:
             raise InvalidRequestError(f"state_dict version {state['version']} is not {STATE_VERSION}")
-        if state["fingerprint"] != self.job.fingerprint:
-            raise InvalidRequestError(
-                f"state_dict is from job {state.get('job')!r} with fingerprint {state['fingerprint']}; this data "
-                f"plane serves job {self.job.job_id!r} with fingerprint {self.job.fingerprint}"
-            )
-        if state["rank"] != self.rank:
-            raise InvalidRequestError(f"state_dict is of rank {state['rank']}, this client is rank {self.rank}")
         step = state["next_step"]
         if not isinstance(step, int) or step < 0:
             raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
+        then, now = dict(state["fingerprints"]), dict(self.job.fingerprints)
+        if then.get("data") != now.get("data"):
+            raise InvalidRequestError(
+                f"state_dict is from job {state.get('job')!r} whose data settings (sources, transforms, seed, epochs or shuffle) "
+                f"differ from job {self.job.job_id!r}: its positions name other samples, so it cannot resume here"
+            )
+        changed = tuple(name for name in now if then.get(name) != now[name])
+        if "topology" not in changed and state["rank"] != self.rank:
+            raise InvalidRequestError(f"state_dict is of rank {state['rank']}, this client is rank {self.rank}")
+        if changed:
+            log.info("rank %d resumes at step %d across changes of %s; the planner re-plans from its ledger", self.rank, step, ", ".join(changed))
+        self.resumed_across = changed
+        self._resume = then
         self._next_step = step
 
     # ---- lifetime ------------------------------------------------------------------------

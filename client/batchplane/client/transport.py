@@ -52,12 +52,13 @@ class ConstructorConnection:
     def info(self) -> constructor_pb2.GetInfoResponse:
         return self._call(lambda remaining: self._stub.GetInfo(constructor_pb2.GetInfoRequest(), timeout=remaining), "GetInfo")
 
-    def batch(self, rank: int, step: int, *, pin: bool) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
-        """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream)."""
+    def batch(self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
+        """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream);
+        `resume`: the fingerprints of the checkpoint the rank resumed from (first request)."""
 
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             wait_ms = int(min(remaining, 30.0) * 1000)
-            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms)
+            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms, resume=resume or {})
             stream = self._stub.GetBatch(request, timeout=wait_ms / 1000 + 30)
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":

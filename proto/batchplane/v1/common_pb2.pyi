@@ -67,7 +67,14 @@ class Mesh(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., cp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., order: _Optional[str] = ..., cp_slicing: _Optional[str] = ..., broadcast_at: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches", "hooks")
+    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches", "hooks", "fingerprints")
+    class FingerprintsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +82,7 @@ class JobInfo(_message.Message):
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     HOOKS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fingerprint: str
     sources: _containers.RepeatedScalarFieldContainer[str]
@@ -82,7 +90,8 @@ class JobInfo(_message.Message):
     global_batch_size: int
     microbatches: int
     hooks: Hooks
-    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ...) -> None: ...
+    fingerprints: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ..., fingerprints: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Hooks(_message.Message):
     __slots__ = ("loader_do_plan", "constructor_do_plan")

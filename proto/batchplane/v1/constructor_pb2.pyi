@@ -20,14 +20,23 @@ class GetInfoResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank")
+    __slots__ = ("step", "wait_ms", "rank", "resume")
+    class ResumeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    resume: _containers.ScalarMap[str, str]
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")

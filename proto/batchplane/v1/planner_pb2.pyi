@@ -52,14 +52,23 @@ class GetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "wait_ms")
+    __slots__ = ("constructor_index", "step", "wait_ms", "resume")
+    class ResumeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     wait_ms: int
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    resume: _containers.ScalarMap[str, str]
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers")
@@ -112,18 +121,20 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SourceStatus(_message.Message):
-    __slots__ = ("name", "target_weight", "samples", "tokens", "bad_samples")
+    __slots__ = ("name", "target_weight", "samples", "tokens", "bad_samples", "target_samples")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BAD_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
     target_weight: float
     samples: int
     tokens: int
     bad_samples: int
-    def __init__(self, name: _Optional[str] = ..., target_weight: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., bad_samples: _Optional[int] = ...) -> None: ...
+    target_samples: float
+    def __init__(self, name: _Optional[str] = ..., target_weight: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., bad_samples: _Optional[int] = ..., target_samples: _Optional[float] = ...) -> None: ...
 
 class BalanceFigure(_message.Message):
     __slots__ = ("method", "mean_max_over_min", "mean_max_over_mean")

@@ -107,6 +107,7 @@ class StepPipeline:
         self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
         self._start: int | None = None
+        self._resume: dict[str, str] = {}
         self._next = 0
         self._end: int | None = None
         self._failure: FailedPrecondition | None = None
@@ -116,8 +117,10 @@ class StepPipeline:
 
     # ---- trainer side ----------------------------------------------------------------------
 
-    def batch(self, rank: int, step: int, *, timeout_s: float) -> Delivery | None:
+    def batch(self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None) -> Delivery | None:
         """Rank `rank`'s batch of `step`, waiting up to `timeout_s`; None past the end of data.
+        `resume`: the fingerprints of the checkpoint the rank resumed from, passed on to the
+        planner with the first plan asked for.
 
         Raises:
             InvalidArgument: a rank this constructor does not serve.
@@ -133,6 +136,7 @@ class StepPipeline:
         with self._cond:
             if self._start is None:
                 self._start = self._next = step
+                self._resume = dict(resume or {})
                 log.info("starting at step %d", step)
             if step < self._start:
                 raise FailedPrecondition(f"step {step} is before step {self._start}, where this job started")
@@ -294,7 +298,8 @@ class StepPipeline:
         return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra.payload))
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
-        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000)
+        resume = self._resume if step == self._start else {}
+        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume)
         try:
             return call_with_retry(
                 lambda: self._planner.GetPlan(request, timeout=10),

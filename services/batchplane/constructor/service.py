@@ -57,7 +57,7 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
         wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
-        delivery = self._pipeline.batch(request.rank, request.step, timeout_s=wait_ms / 1000)
+        delivery = self._pipeline.batch(request.rank, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume))
         if delivery is None:
             yield constructor_pb2.GetBatchResponse(
                 header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)

@@ -259,26 +259,42 @@ class JobSettings:
         return p if p.is_absolute() else pathlib.Path(self.base_dir) / p
 
     @property
-    def fingerprint(self) -> str:
-        """Hash of every field that determines the plan sequence. Source paths are left out on
-        purpose: moving a dataset keeps the job (a changed row count is caught at registration)."""
-        planned = {
-            "sources": [
-                [s.name, s.token_column, s.transform, dict(s.transform_args), s.columns]
-                for s in self.sources
-            ],
-            "weights": self.weights,
-            "seed": self.seed,
-            "epochs": self.epochs,
-            "batch": dataclasses.asdict(self.batch),
-            "mesh": dataclasses.asdict(self.mesh),
-            "balance": dataclasses.asdict(self.balance),
-            "shuffle": dataclasses.asdict(self.loaders.shuffle),
-            "delivery": [self.constructors.cp_slicing, list(self.constructors.pp_middle_tensors)],
-            "strategy": self.strategy_digest,
+    def fingerprints(self) -> dict[str, str]:
+        """Hashes of the groups of settings that determine the plan sequence, by what a resume
+        may change (source paths are left out on purpose: moving a dataset keeps the job; a
+        changed row count is caught at registration):
+
+        - "data": the sources, their transforms, the seed, epochs and shuffle, i.e. which sample
+          each position of each source's stream is. A resume cannot honour a change;
+        - "mixture": the per-source weights;
+        - "topology": the mesh and how it is delivered to (CP slicing, PP tensors);
+        - "batching": batch shape, balancing and the strategy file.
+        A resume across a change of the last three re-plans from the ledger's cursors.
+        """
+        groups = {
+            "data": {
+                "sources": [[s.name, s.token_column, s.transform, dict(s.transform_args), s.columns] for s in self.sources],
+                "seed": self.seed,
+                "epochs": self.epochs,
+                "shuffle": dataclasses.asdict(self.loaders.shuffle),
+            },
+            "mixture": {"weights": self.weights},
+            "topology": {
+                "mesh": dataclasses.asdict(self.mesh),
+                "delivery": [self.constructors.cp_slicing, list(self.constructors.pp_middle_tensors)],
+            },
+            "batching": {"batch": dataclasses.asdict(self.batch), "balance": dataclasses.asdict(self.balance), "strategy": self.strategy_digest},
         }
-        blob = json.dumps(planned, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return {name: _hash(value) for name, value in groups.items()}
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of every setting that determines the plan sequence (all of `fingerprints`)."""
+        return _hash(self.fingerprints)
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ---- loading --------------------------------------------------------------------------------

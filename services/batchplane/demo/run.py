@@ -168,6 +168,7 @@ def summary(stats: list[dict], status, memory: dict[str, int | None]) -> str:
         for name, n in s["per_source"].items():
             received[name] = received.get(name, 0) + n
     planned_total = sum(src.samples for src in status.sources) or 1
+    planned_tokens = sum(src.tokens for src in status.sources) or 1
     lines = [
         "",
         "=== batchplane demo summary ===",
@@ -175,12 +176,13 @@ def summary(stats: list[dict], status, memory: dict[str, int | None]) -> str:
         f"{samples / elapsed:.0f} samples/s, {tokens / elapsed:.0f} tokens/s",
         f"loss {stats[0]['first_loss']:.3f} -> {stats[0]['last_loss']:.3f}; trainers waited for data "
         f"{wait:.2f} s each ({100 * wait / elapsed:.1f}% of the run)",
-        "mixture (share of samples): source     configured  planned  received by trainers",
+        "mixture fidelity: source  target  planned (samples)  drift  received by trainers  planned (tokens)",
     ]
     for src in status.sources:
         lines.append(
-            f"  {src.name:<10} {src.target_weight:>10.3f} {src.samples / planned_total:>8.3f} "
-            f"{received.get(src.name, 0) / max(samples, 1):>8.3f}"
+            f"  {src.name:<10} {src.target_samples / planned_total:>7.3f} {src.samples / planned_total:>10.3f} "
+            f"{(src.samples - src.target_samples) / planned_total:>+14.4f} {received.get(src.name, 0) / max(samples, 1):>8.3f} "
+            f"{src.tokens / planned_tokens:>22.3f}"
         )
     lines.append(
         f"per-rank step cost (quadratic in length), max/min averaged over {status.steps_planned} planned steps:"

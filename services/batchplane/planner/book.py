@@ -2,9 +2,13 @@
 every rank has moved past it, and knows where the job started and where its data ends.
 
 The first step any constructor asks for is where the job starts: a fresh job asks for step 0,
-a resumed one for the step after its checkpoint. The mixture is fast-forwarded there without
-touching data (see `mixture`), so a resumed job plans exactly what the uninterrupted job would
-have (I4). A constructor that asks for step s is done with every earlier step; asking for an
+a resumed one for the step after its checkpoint. A resume restores the mixture's cursors from the
+durable ledger's record of the step before (see `journal`), so it continues the epoch with no
+sample lost or repeated even when the mixture, the mesh, the loaders or the batching changed
+since; the planner logs what changed. Without that record (a new run folder) it fast-forwards the
+mixture without touching data, which is exact only if the mixture is unchanged: a resume whose
+checkpoint says the mixture changed is then refused. Every step's record is written durably
+before its plan is served. A constructor that asks for step s is done with every earlier step; asking for an
 earlier step afterwards is refused as consumed. Each step is planned by the job's strategy
 (see `dgraph`) over the job's ClientPlaceTree.
 """
@@ -14,19 +18,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 
 import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, Unavailable
+from batchplane.core.storage import MemoryStorage, Storage
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
-from batchplane.planner.ledger import Ledger
+from batchplane.planner.journal import LedgerReader, LedgerWriter
+from batchplane.planner.ledger import Ledger, state_from_json
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
+from batchplane.planner.schedule import Static
 from batchplane.planner.strategy import job_mesh, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 
@@ -44,7 +51,7 @@ class PlanBook:
         membership: Registered loaders and constructors.
         store: Sample metadata pulled from the loaders.
         metrics: The planner's metrics.
-        ledger_sink: Receives the ledger line of every planned step, in order.
+        ledger: Storage of the durable ledger; default: in memory (tests).
         strategy: The job's strategy; default: `load_strategy(job)`.
     """
 
@@ -55,14 +62,16 @@ class PlanBook:
         membership: Membership,
         store: SummaryStore,
         metrics: PlannerMetrics,
-        ledger_sink: Callable[[str], None] = lambda line: None,
+        ledger: Storage | None = None,
         strategy: Strategy | None = None,
     ) -> None:
         self._job = job
         self._membership = membership
         self._store = store
         self._metrics = metrics
-        self._ledger_sink = ledger_sink
+        self._ledger_storage = ledger if ledger is not None else MemoryStorage()
+        self._writer: LedgerWriter | None = None
+        self.resumed_across: tuple[str, ...] = ()
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
         self.strategy = strategy if strategy is not None else load_strategy(job)
         self.mesh = job_mesh(job)
@@ -78,6 +87,7 @@ class PlanBook:
         self.end_step: int | None = None
         self._wanted = -1
         self._waiting_on = ""
+        self._consumed_below = 0
         self._failure: str | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._plan_loop, name="planning", daemon=True)
@@ -85,8 +95,12 @@ class PlanBook:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def plan_for(self, constructor: int, step: int, *, timeout_s: float) -> StepPlan | None:
+    def plan_for(self, constructor: int, step: int, *, timeout_s: float, resume: Mapping[str, str] | None = None) -> StepPlan | None:
         """The plan of `step` for constructor `constructor`; None (END_OF_DATA) past the end.
+
+        Args:
+            resume: The settings fingerprints of the checkpoint a trainer resumes from, if any
+                (what `_start` checks a resume without a ledger record against).
 
         Raises:
             FailedPrecondition: the step is before the job's start, was consumed by the
@@ -97,7 +111,7 @@ class PlanBook:
         """
         with self._cond:
             if self.start_step is None:
-                self._start(step, timeout_s=timeout_s)
+                self._start(step, timeout_s=timeout_s, resume=resume or {})
             if step < self.start_step:
                 raise FailedPrecondition(f"step {step} is before step {self.start_step}, where this job started")
             latest = self._progress.get(constructor, step)
@@ -121,8 +135,13 @@ class PlanBook:
                 raise Unavailable(f"plan of step {step} not ready after {timeout_s:.1f} s: {self._waiting_on}")
             return self._plans.get(step, END_OF_DATA)
 
-    def _start(self, step: int, *, timeout_s: float) -> None:
-        """Starts the job at `step`: waits for every loader, then fast-forwards (lock held)."""
+    def _start(self, step: int, *, timeout_s: float, resume: Mapping[str, str]) -> None:
+        """Starts the job at `step`: waits for every loader, restores or fast-forwards the
+        mixture, opens this run's generation of the ledger (lock held).
+
+        Raises:
+            FailedPrecondition: a resume the planner cannot make exact (see the module docstring).
+        """
         ready = self._cond.wait_for(lambda: self._membership.ready or self._stopped, timeout=timeout_s)
         if self._stopped:
             raise Unavailable("the planner is stopping")
@@ -134,18 +153,55 @@ class PlanBook:
             None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
             for k in range(len(self._job.sources))
         ]
-        self._mixture = Mixture(self.weights, global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
-        begin = time.perf_counter()
-        self._state = self._mixture.fast_forward(MixtureState.initial(len(ends)), step)
+        self._mixture = Mixture(Static(self.weights), global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
+        self._state = self._restore(step, resume)
+        self._writer = LedgerWriter(self._ledger_storage, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
         self.start_step = step
         self._wanted = step
-        if step:
-            log.info("job resumes at step %d (fast-forward took %.3f s)", step, time.perf_counter() - begin)
         self._store.start(self._state.cursors)
         self._cond.notify_all()
 
+    def _restore(self, step: int, resume: Mapping[str, str]) -> MixtureState:
+        """The mixture state before `step`: from the ledger's record of step - 1, else by
+        fast-forwarding from the start."""
+        initial = MixtureState.initial(len(self._job.sources))
+        if step == 0:
+            return initial
+        reader = LedgerReader(self._ledger_storage)
+        record = reader.record(step - 1)
+        if record is not None:
+            before = reader.owner(step - 1)
+            if list(before.sources) != list(self._job.source_names):
+                raise FailedPrecondition(
+                    f"cannot resume at step {step}: the ledger's sources {list(before.sources)} are not this job's {list(self._job.source_names)}"
+                )
+            changed = tuple(name for name, value in self._job.fingerprints.items() if before.fingerprints.get(name) != value)
+            if "data" in changed:
+                raise FailedPrecondition(
+                    f"cannot resume at step {step}: the data settings (sources, transforms, seed, epochs or shuffle) changed since "
+                    f"generation {before.gen} of the ledger at {self._ledger_storage.describe()} planned it, so its positions name other samples"
+                )
+            self.resumed_across = changed
+            log.info(
+                "job resumes at step %d from the ledger's record of step %d (generation %d)%s",
+                step, step - 1, before.gen, f"; changed since: {', '.join(changed)}, re-planned from its cursors" if changed else "",
+            )
+            self.ledger.restore(record)
+            return state_from_json(record["after"])
+        if resume.get("mixture", self._job.fingerprints["mixture"]) != self._job.fingerprints["mixture"]:
+            raise FailedPrecondition(
+                f"cannot resume at step {step} across a mixture change: the ledger at {self._ledger_storage.describe()} has no record "
+                f"of step {step - 1} to restore the sources' positions from; resume with the original run folder's ledger"
+            )
+        begin = time.perf_counter()
+        state = self._mixture.fast_forward(initial, step)
+        self.ledger.assume_consumed(state.cursors)
+        log.info("job resumes at step %d without a ledger record: fast-forwarded the mixture in %.3f s", step, time.perf_counter() - begin)
+        return state
+
     def _forget_consumed(self) -> None:
         low = min(self._progress.get(c, self.start_step) for c in range(self._job.constructor_count))
+        self._consumed_below = low
         for s in [s for s in self._plans if s < low]:
             del self._plans[s]
 
@@ -188,14 +244,14 @@ class PlanBook:
             return  # stopped while waiting
         waited = time.perf_counter() - begin
         plan = self.strategy.run(state.step, table, self.mesh, default_cost=self._cost_fn)
-        line = self.ledger.record(allocation, plan)
-        self._ledger_sink(line)
+        self._writer.append(self.ledger.record(allocation, plan, after))
         self._store.advance(after.cursors)
         with self._cond:
             self._plans[state.step] = plan
             self._state = after
             self._cond.notify_all()
         self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
+        self._writer.compact(self._consumed_below)
 
     def _allocated_samples(self, allocation: Allocation) -> SampleTable | None:
         tables = []

@@ -1,7 +1,8 @@
-"""The ledger of what each step consumed. Pure; no I/O (the planner writes its lines out).
+"""The ledger of what each step consumed. Pure; no I/O (`journal` writes the records out).
 
 Consumption is contiguous per source (see `mixture`), so a step's record is one seq range per
-source plus the rank and microbatch of every sample. The ledger also keeps running totals: the
+source plus the rank and microbatch of every sample, and the mixture state after the step (what
+a resume restores). The ledger also keeps running totals: the
 realized mixture per source and, for the balancing figures, each step's per-rank cost spread
 under the configured method and, on the same samples, under the other methods.
 """
@@ -9,14 +10,15 @@ under the configured method and, on the same samples, under the other methods.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from batchplane.planner.balance import METHODS, partition, spread
-from batchplane.planner.mixture import Allocation
+from batchplane.planner.intervals import IntervalSet
+from batchplane.planner.mixture import Allocation, MixtureState
 from batchplane.planner.plan import StepPlan
 
 
@@ -27,6 +29,8 @@ class SourceTotals:
     samples: int = 0
     tokens: int = 0
     bad_samples: int = 0
+    #: Sum over steps of the target share times the step's samples: what the schedule asked for.
+    target_samples: float = 0.0
 
 
 @dataclasses.dataclass
@@ -67,11 +71,43 @@ class Ledger:
         self.sources = [SourceTotals() for _ in source_names]
         self.balance = {m: BalanceTotals() for m in (method, *[m for m in METHODS if m != method])}
         self.steps = 0
+        #: Per source, the seqs every recorded step (and, after `restore`, every earlier
+        #: generation) consumed.
+        self.consumed = [IntervalSet.empty() for _ in source_names]
 
-    def record(self, allocation: Allocation, plan: StepPlan) -> str:
-        """Adds one planned step; returns its ledger line (JSON, no trailing newline)."""
+    def assume_consumed(self, cursors: Sequence[int]) -> None:
+        """Continues from mixture cursors without a record (a fast-forward): each source's seqs
+        below its cursor were consumed."""
+        self.consumed = [IntervalSet([(0, c)]) for c in cursors]
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Continues from a recorded step (a resume): its consumption is the past's."""
+        self.consumed = [IntervalSet.from_list(record["consumed"].get(name, [])) for name in self.source_names]
+
+    def record(self, allocation: Allocation, plan: StepPlan, after: MixtureState) -> dict[str, Any]:
+        """Adds one planned step; returns its record (JSON-ready):
+
+        - step; shares: the target share of each source; take: {source: [first seq, count]};
+        - tokens: {source: tokens of its good samples}; bad: samples left out as bad;
+        - ranks: per bucket, per microbatch, [source, row, epoch] of each sample;
+        - after: the mixture state after the step (`state_to_json`);
+        - consumed: {source: [[first, end), ...]}: every seq consumed up to this step, across
+          resumes (a snapshot: a resume restores it from the step before).
+
+        Raises:
+            ValueError: the allocation takes a seq already consumed (I1 guard).
+        """
         if allocation.step != plan.step:
             raise ValueError(f"allocation of step {allocation.step} with plan of step {plan.step}")
+        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
+            if count and self.consumed[k].overlaps(start, start + count):
+                raise ValueError(
+                    f"step {plan.step} would take seqs {start}..{start + count - 1} of source {self.source_names[k]!r} again "
+                    f"(consumed: {self.consumed[k].to_list()}); refusing to deliver a sample twice (I1)"
+                )
+        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
+            if count:
+                self.consumed[k] = self.consumed[k].add(start, start + count)
         self.steps += 1
         tokens = np.bincount(plan.samples.source, weights=plan.samples.length, minlength=len(self.sources))
         good = np.bincount(plan.samples.source, minlength=len(self.sources))
@@ -79,27 +115,39 @@ class Ledger:
             totals.samples += allocation.counts[k]
             totals.tokens += int(tokens[k])
             totals.bad_samples += allocation.counts[k] - int(good[k])
+            totals.target_samples += allocation.shares[k] * allocation.total if allocation.shares else 0.0
         if len(plan.samples) >= plan.dp:
             self.balance[self.method].add(plan.rank_costs())
             for method, totals in self.balance.items():
                 if method != self.method:
                     totals.add(np.array([plan.costs[g].sum() for g in partition(plan.costs, plan.dp, method)]))
-        return json.dumps(
-            {
-                "step": plan.step,
-                "take": {
-                    name: [start, count]
-                    for name, start, count in zip(self.source_names, allocation.starts, allocation.counts)
-                    if count
-                },
-                "bad": plan.bad_samples,
-                "ranks": [
-                    [
-                        [[int(plan.samples.source[i]), int(plan.samples.row[i]), int(plan.samples.epoch[i])] for i in mb]
-                        for mb in rank
-                    ]
-                    for rank in plan.microbatches
-                ],
+        return {
+            "step": plan.step,
+            "shares": [round(float(x), 9) for x in allocation.shares],
+            "take": {
+                name: [start, count]
+                for name, start, count in zip(self.source_names, allocation.starts, allocation.counts)
+                if count
             },
-            separators=(",", ":"),
-        )
+            "tokens": {name: int(tokens[k]) for k, name in enumerate(self.source_names) if allocation.counts[k]},
+            "bad": plan.bad_samples,
+            "ranks": [
+                [
+                    [[int(plan.samples.source[i]), int(plan.samples.row[i]), int(plan.samples.epoch[i])] for i in mb]
+                    for mb in rank
+                ]
+                for rank in plan.microbatches
+            ],
+            "after": state_to_json(after),
+            "consumed": {name: c.to_list() for name, c in zip(self.source_names, self.consumed) if not c.is_empty},
+        }
+
+
+def state_to_json(state: MixtureState) -> dict[str, Any]:
+    """A mixture state as a record's "after" field."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(state).items()}
+
+
+def state_from_json(data: dict[str, Any]) -> MixtureState:
+    """The mixture state of a record's "after" field."""
+    return MixtureState(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

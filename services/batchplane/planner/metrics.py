@@ -53,13 +53,27 @@ class PlannerMetrics:
         )
         self.target = Gauge(
             "batchplane_planner_mixture_target_ratio",
-            "Configured share of samples, by source (the source's name).",
+            "Target share of planned samples since the planner started: what the schedule asked for, step by step "
+            "(shares renormalize over the sources that still have data), by source (the source's name).",
             ["source"],
             registry=registry,
         )
         self.realized = Gauge(
             "batchplane_planner_mixture_realized_ratio",
-            "Realized share of planned samples since the job started, by source (the source's name).",
+            "Realized share of planned samples since the planner started, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.realized_tokens = Gauge(
+            "batchplane_planner_mixture_realized_token_ratio",
+            "Realized share of planned tokens since the planner started, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.drift = Gauge(
+            "batchplane_planner_mixture_drift_ratio",
+            "Realized minus target share of samples since the planner started (the target being what the schedule "
+            "asked for, step by step), by source (the source's name).",
             ["source"],
             registry=registry,
         )
@@ -69,7 +83,7 @@ class PlannerMetrics:
             registry=registry,
         )
         for name, weight in zip(self._names, target_weights):
-            self.target.labels(name).set(weight)
+            self.target.labels(name).set(weight)  # until the first step is planned
 
     def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
         """Records one planned step."""
@@ -79,12 +93,17 @@ class PlannerMetrics:
         good = np.bincount(plan.samples.source, minlength=len(self._names))
         tokens = np.bincount(plan.samples.source, weights=plan.samples.length, minlength=len(self._names))
         total = sum(t.samples for t in ledger.sources) or 1
+        total_tokens = sum(t.tokens for t in ledger.sources) or 1
         for k, name in enumerate(self._names):
             if allocation.counts[k]:
                 self.samples.labels(name).inc(allocation.counts[k])
                 self.tokens.labels(name).inc(int(tokens[k]))
                 self.bad_samples.labels(name).inc(allocation.counts[k] - int(good[k]))
-            self.realized.labels(name).set(ledger.sources[k].samples / total)
+            totals = ledger.sources[k]
+            self.realized.labels(name).set(totals.samples / total)
+            self.realized_tokens.labels(name).set(totals.tokens / total_tokens)
+            self.target.labels(name).set(totals.target_samples / total)
+            self.drift.labels(name).set((totals.samples - totals.target_samples) / total)
         max_over_min, _ = spread(plan.rank_costs())
         if np.isfinite(max_over_min):
             self.imbalance.set(max_over_min)

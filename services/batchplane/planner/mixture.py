@@ -4,18 +4,61 @@ Every source is a stream of samples numbered by `seq` (epoch * num_rows + positi
 epoch's shuffled order). A step takes a contiguous range of seqs from each source, so what the
 job has consumed is one cursor per source, and a sample is taken at most once per pass (I1).
 
-How many samples a step takes from each source solves the chairman assignment problem
-(Tijdeman, 1980) at step boundaries: with K sources of shares p_k and T samples taken since
-the shares last changed, source k has taken c_k with |c_k - p_k * T| <= 1 - 1/(2K - 2) after
-every step. Each step first gives every source the samples it must have by the step's end to
-stay above its lower bound, then hands the remaining places out by earliest deadline (the time
-a source's next sample becomes due) among sources below their upper bound. So the realized
-mixture never drifts by a whole sample from the target, far inside the O(sqrt(T)) drift of
-i.i.d. sampling; the allocation needs no data and is a function of the weights and the global
-batch size alone, so a resume fast-forwards to its step without reading anything (I4).
+Targets. A `Schedule` gives every source a weight at every step position; the target shares
+are the weights renormalized over the active sources (weight > 0 and samples left). With
+granularity "step" the schedule is read once per step, at position s. With "microbatch" the
+step's `global_batch_size` samples are cut into `microbatches` consecutive sub-steps of sizes
+as equal as possible (the first ones one larger), sub-step m is read at s + m / microbatches
+and apportioned like a step, and the step takes the sum: still one contiguous range per
+source. `Allocation.shares` is the step's target, which the ledger compares the counts with.
 
-Shares are the weights renormalized over the sources that still have samples; when a source
-of a finite job runs out, a new phase starts with the remaining sources and fresh counts.
+Phases. A phase is a run of (sub-)steps with the same active sources and the same shares; a
+new one begins exactly at the (sub-)step where either changes. Within a phase the counts follow
+the chairman assignment rule (Tijdeman, 1980) on the targets o_k + p_k * T: m active sources of
+shares p_k, T samples taken in the phase, o_k samples owed to source k when the phase began.
+Each sub-step first gives every source the samples it must have by the sub-step's end to stay
+at most B = 1 - 1/(2m - 2) below its target, then hands the remaining places (fewer than m)
+out by earliest deadline (the time a source's next sample becomes due) among sources at most
+B above it: O(m log m) per sub-step. Should the first part ask for more places than the
+sub-step has (possible only when o != 0), the sources furthest ahead give theirs back.
+
+Carry-over. When only the shares change (a stage boundary; every step of a curriculum), the
+new phase inherits what each source is owed, o_k = target - count, so the counts track the
+cumulative target (the sum of shares * samples over the sub-steps) instead of restarting the
+rounding at every change: with fresh counts a curriculum would round every step the same way
+and drift by up to a sample per step, and one-sample sub-steps would always go to the largest
+share. When the active sources change (a source runs out, or its weight turns 0 or stops being
+0), the phase starts afresh with o = 0: a source that leaves cannot settle what it is owed.
+
+Bounds. Let d_k = cumulative target - cumulative count of source k since the active sources
+last changed, after any sub-step, and B = drift_bound(m):
+- In a phase that began with o = 0 (all of a static job until a source runs out, and every
+  phase after the active sources change), |d_k| <= B as long as its shares hold: Tijdeman's
+  bound, so the realized mixture never drifts by a whole sample, far inside the O(sqrt(T))
+  drift of i.i.d. sampling. A `Static` schedule allocates exactly as the allocator did before
+  schedules.
+- For every schedule, d_k >= -B: a source never runs more than B ahead. (It only gets a sample
+  while below floor(target + B), and these caps of all sources add up to at least the count
+  due, so they never bind.)
+- For every schedule, d_k <= (m - 1) * B, because the d_k sum to 0. That is all that is proven
+  on the deficit side: when a phase inherits o != 0, giving back (above) can leave a source
+  more than B behind. Measured: random curricula stayed within B; random stages, some one step
+  long, reached 0.84 (m = 3) to 1.01 (m = 6); a search for bad schedules changing every step
+  reached 0.875 (m = 3), 1.27 (m = 4) and 1.36 (m = 5). With one-sample (sub-)steps, no
+  allocator that does not read the schedule ahead can promise less than 1/2 + 1/3 + ... + 1/m
+  (the cup-game adversary spreads the weight over the sources not yet served), which exceeds B
+  from m = 3 on.
+When a source runs out inside a sub-step, the others fill its places beyond their bounds and
+the next sub-step starts a fresh phase without it.
+
+End of data. A sub-step whose schedule weighs only sources that have run out takes nothing; a
+step that takes nothing ends the job's data (`Allocation.end_of_data`), even if a later stage
+would weigh sources that still have samples.
+
+Determinism. The allocation needs no data: it is a function of the schedule, the batch size
+and the stream ends, and the state carries the whole phase (sources, shares, counts, what was
+owed), so a resume from a saved `MixtureState`, or a fast-forward from step 0, continues
+exactly as the uninterrupted job (I4).
 """
 
 from __future__ import annotations
@@ -23,19 +66,25 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+from batchplane.planner.schedule import GRANULARITIES, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
 class MixtureState:
-    """Where the mixture stands before a step.
+    """Where the mixture stands before a step; it alone determines the rest of the job.
 
     Attributes:
         step: The next step to allocate.
         cursors: Per source, the next seq to take.
-        phase: Sources active in the current phase (same shares since it began).
+        phase: Sources active in the current phase.
         phase_total: Samples taken in the current phase.
         phase_counts: Per source, samples taken in the current phase.
+        phase_shares: Per source, its share in the current phase (0 when inactive).
+        phase_offsets: Per source, the samples it was owed when the phase began (its target
+            minus its count, carried over from the previous phase; 0 after a change of the
+            active sources).
     """
 
     step: int
@@ -43,6 +92,8 @@ class MixtureState:
     phase: tuple[int, ...] = ()
     phase_total: int = 0
     phase_counts: tuple[int, ...] = ()
+    phase_shares: tuple[float, ...] = ()
+    phase_offsets: tuple[float, ...] = ()
 
     @classmethod
     def initial(cls, num_sources: int) -> MixtureState:
@@ -51,11 +102,21 @@ class MixtureState:
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-    """The samples one step takes: seqs [starts[k], starts[k] + counts[k]) of each source k."""
+    """The samples one step takes: seqs [starts[k], starts[k] + counts[k]) of each source k.
+
+    Attributes:
+        step: The step.
+        starts: Per source, the first seq taken.
+        counts: Per source, how many samples are taken.
+        shares: Per source, its target share of the step (summing to 1 over the sources; with
+            microbatch granularity the sub-steps' shares weighted by their sizes); all 0 when
+            the data has ended.
+    """
 
     step: int
     starts: tuple[int, ...]
     counts: tuple[int, ...]
+    shares: tuple[float, ...] = ()
 
     @property
     def total(self) -> int:
@@ -68,100 +129,87 @@ class Allocation:
 
 
 def drift_bound(num_sources: int) -> float:
-    """The largest |taken - share * total| of any source after any step (Tijdeman's bound)."""
+    """The largest |taken - share * total| of any source after any step of a phase that began
+    with no carried offset, e.g. every step of a static schedule (Tijdeman's bound)."""
     return 1 - 1 / (2 * num_sources - 2) if num_sources > 1 else 0.0
 
 
 class Mixture:
-    """Allocates each step's samples over the sources.
+    """Allocates each step's samples over the sources, following a weight schedule.
 
     Args:
-        weights: Non-negative weight per source; at least one positive.
+        schedule: Per-source weights as a function of the step position.
         global_batch_size: Samples per step.
         stream_ends: Per source, the seq where its stream ends (epochs * num_rows), or None for
             an endless stream.
+        granularity: "step" reads the schedule once per step; "microbatch" once per sub-step.
+        microbatches: Sub-steps per step with microbatch granularity (ignored otherwise).
     Raises:
-        ValueError: mismatched lengths, negative or all-zero weights, batch size < 1.
+        ValueError: a schedule for another number of sources, an unknown granularity, batch
+            size or microbatches < 1.
     """
 
     def __init__(
         self,
-        weights: Sequence[float],
+        schedule: Schedule,
         *,
         global_batch_size: int,
         stream_ends: Sequence[int | None],
+        granularity: str = "step",
+        microbatches: int = 1,
     ) -> None:
-        if len(weights) != len(stream_ends):
-            raise ValueError(f"{len(weights)} weights for {len(stream_ends)} sources")
-        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
+        if schedule.num_sources != len(stream_ends):
+            raise ValueError(f"a schedule of {schedule.num_sources} sources for {len(stream_ends)} sources")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        self.weights = tuple(float(w) for w in weights)
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self.schedule = schedule
         self.global_batch_size = global_batch_size
         self.stream_ends = tuple(stream_ends)
+        self.granularity = granularity
+        self.microbatches = microbatches if granularity == "microbatch" else 1
 
     @property
     def num_sources(self) -> int:
-        return len(self.weights)
+        return len(self.stream_ends)
+
+    def describe(self) -> str:
+        """A short human description for logs."""
+        per = f"per microbatch ({self.microbatches} a step)" if self.granularity == "microbatch" else "per step"
+        return f"{self.schedule.describe()}; read {per}"
 
     def allocate(self, state: MixtureState) -> tuple[Allocation, MixtureState]:
         """The allocation of `state.step` and the state after it.
 
         An allocation with total 0 means the data has ended; the state is then returned as is.
-        """
-        remaining = [
-            math.inf if end is None else max(end - cursor, 0)
-            for end, cursor in zip(self.stream_ends, state.cursors)
-        ]
-        active = tuple(k for k in range(self.num_sources) if self.weights[k] > 0 and remaining[k] > 0)
-        if not active:
-            return Allocation(state.step, state.cursors, (0,) * self.num_sources), state
-        if active != state.phase:  # shares changed: a new phase with fresh counts
-            state = dataclasses.replace(state, phase=active, phase_total=0, phase_counts=(0,) * self.num_sources)
-        n = int(min(self.global_batch_size, sum(remaining[k] for k in active)))
-        taken = self._apportion(state, active, n, remaining)
-        counts = tuple(taken[k] - state.phase_counts[k] for k in range(self.num_sources))
-        allocation = Allocation(state.step, state.cursors, counts)
-        after = MixtureState(
-            step=state.step + 1,
-            cursors=tuple(c + m for c, m in zip(state.cursors, counts)),
-            phase=active,
-            phase_total=state.phase_total + n,
-            phase_counts=tuple(taken),
-        )
-        return allocation, after
 
-    def _apportion(self, state: MixtureState, active: tuple[int, ...], n: int, remaining: list[float]) -> list[int]:
-        """Phase counts after a step of `n` samples (see the module docstring)."""
-        total_weight = sum(self.weights[k] for k in active)
-        share = {k: self.weights[k] / total_weight for k in active}
-        delta = 1 / (2 * len(active) - 2) if len(active) > 1 else 0.5
-        end = state.phase_total + n
-        taken = list(state.phase_counts)
-        cap = {k: taken[k] + remaining[k] for k in active}
-        upper = {k: min(math.floor(share[k] * end + 1 - delta + 1e-9), cap[k]) for k in active}
-        for k in active:  # what each source must have by the step's end
-            taken[k] = min(max(taken[k], math.ceil(share[k] * end - 1 + delta - 1e-9)), cap[k])
-        free = n - sum(taken[k] - state.phase_counts[k] for k in active)
-        # The rest by earliest deadline: source k's next sample is due at (taken + 1 - delta) / share.
-        due = [((taken[k] + 1 - delta) / share[k], k) for k in active if taken[k] < upper[k]]
-        heapq.heapify(due)
-        while free > 0:
-            if not due:  # only when a capped source runs out: let the others exceed their bound
-                due = [((taken[k] + 1 - delta) / share[k], k) for k in active if taken[k] < cap[k]]
-                heapq.heapify(due)
-                upper = cap
-            _, k = heapq.heappop(due)
-            taken[k] += 1
-            free -= 1
-            if taken[k] < upper[k]:
-                heapq.heappush(due, ((taken[k] + 1 - delta) / share[k], k))
-        while free < 0:  # never seen; keeps the batch size exact should rounding ever disagree
-            k = max((k for k in active if taken[k] > state.phase_counts[k]), key=lambda k: ((taken[k] - delta) / share[k], k))
-            taken[k] -= 1
-            free += 1
-        return taken
+        Raises:
+            ScheduleError: the schedule failed (a callable returned bad weights).
+        """
+        counts = [0] * self.num_sources
+        weighted = [0.0] * self.num_sources
+        parts = []
+        run = state
+        for t, size in self._substeps(state.step):
+            part = self._substep(run, t, size)
+            if part is None:  # the schedule weighs only sources that have run out
+                continue
+            taken, shares, run = part
+            n = sum(taken)
+            parts.append(shares)
+            for k in range(self.num_sources):
+                counts[k] += taken[k]
+                weighted[k] += shares[k] * n
+        total = sum(counts)
+        if not total:
+            return Allocation(state.step, state.cursors, tuple(counts), (0.0,) * self.num_sources), state
+        same = all(p == parts[0] for p in parts)
+        shares = parts[0] if same else tuple(w / total for w in weighted)
+        allocation = Allocation(state.step, state.cursors, tuple(counts), shares)
+        return allocation, dataclasses.replace(run, step=state.step + 1)
 
     def fast_forward(self, state: MixtureState, step: int) -> MixtureState:
         """The state before `step`, replaying the allocations from `state` (no data needed).
@@ -177,3 +225,110 @@ class Mixture:
                 return dataclasses.replace(state, step=step)
             state = after
         return state
+
+    # ---- one sub-step ----------------------------------------------------------------------
+
+    def _substeps(self, step: int) -> Iterator[tuple[float, int]]:
+        """(position, size) of the step's non-empty sub-steps, sizes as equal as possible."""
+        size, extra = divmod(self.global_batch_size, self.microbatches)
+        for m in range(self.microbatches):
+            if size + (m < extra):
+                yield step + m / self.microbatches, size + (m < extra)
+
+    def _substep(self, run: MixtureState, t: float, size: int) -> tuple[tuple[int, ...], tuple[float, ...], MixtureState] | None:
+        """Counts and shares of a sub-step at position `t`, and the state after it; None when
+        no source with weight > 0 at `t` has samples left."""
+        remaining = [
+            math.inf if end is None else max(end - cursor, 0)
+            for end, cursor in zip(self.stream_ends, run.cursors)
+        ]
+        weights = self.schedule.weights_at(t)
+        active = tuple(k for k in range(self.num_sources) if weights[k] > 0 and remaining[k] > 0)
+        if not active:
+            return None
+        run = self._enter_phase(run, active, _shares(weights, active))
+        n = int(min(size, sum(remaining[k] for k in active)))
+        taken = _apportion(run, n, remaining)
+        counts = tuple(taken[k] - run.phase_counts[k] for k in range(self.num_sources))
+        after = dataclasses.replace(
+            run,
+            cursors=tuple(c + m for c, m in zip(run.cursors, counts)),
+            phase_total=run.phase_total + n,
+            phase_counts=tuple(taken),
+        )
+        return counts, run.phase_shares, after
+
+    def _enter_phase(self, run: MixtureState, active: tuple[int, ...], shares: tuple[float, ...]) -> MixtureState:
+        """`run`, in a new phase when the active sources or their shares changed."""
+        if active == run.phase and shares == run.phase_shares:
+            return run
+        zeros = (0,) * self.num_sources
+        if active != run.phase or not run.phase_shares:  # fresh counts, nothing carried over
+            offsets = (0.0,) * self.num_sources
+        else:
+            offsets = _owed(run)
+        return dataclasses.replace(
+            run, phase=active, phase_total=0, phase_counts=zeros, phase_shares=shares, phase_offsets=offsets
+        )
+
+
+def _shares(weights: Sequence[float], active: tuple[int, ...]) -> tuple[float, ...]:
+    """The weights renormalized over the active sources; 0 for the others."""
+    total_weight = sum(weights[k] for k in active)
+    shares = [0.0] * len(weights)
+    for k in active:
+        shares[k] = weights[k] / total_weight
+    return tuple(shares)
+
+
+def _offsets(run: MixtureState) -> tuple[float, ...]:
+    return run.phase_offsets or (0.0,) * len(run.cursors)
+
+
+def _owed(run: MixtureState) -> tuple[float, ...]:
+    """Per active source, target minus count at the end of the phase (summing to 0)."""
+    offsets = _offsets(run)
+    owed = {k: offsets[k] + run.phase_shares[k] * run.phase_total - run.phase_counts[k] for k in run.phase}
+    mean = sum(owed.values()) / len(owed)  # 0 but for rounding; keeps it from creeping
+    return tuple(owed[k] - mean if k in owed else 0.0 for k in range(len(run.cursors)))
+
+
+def _apportion(run: MixtureState, n: int, remaining: list[float]) -> list[int]:
+    """Phase counts after a sub-step of `n` samples (see the module docstring)."""
+    active, share, offset = run.phase, run.phase_shares, _offsets(run)
+    delta = 1 / (2 * len(active) - 2) if len(active) > 1 else 0.5
+    end = run.phase_total + n
+    taken = list(run.phase_counts)
+    target = {k: offset[k] + share[k] * end for k in active}
+    cap = {k: taken[k] + remaining[k] for k in active}
+    upper = {k: min(math.floor(target[k] + 1 - delta + 1e-9), cap[k]) for k in active}
+    for k in active:  # what each source must have by the sub-step's end
+        taken[k] = min(max(taken[k], math.ceil(target[k] - 1 + delta - 1e-9)), cap[k])
+    free = n - sum(taken[k] - run.phase_counts[k] for k in active)
+    # The rest by earliest deadline: source k's next sample is due at (taken + 1 - delta - offset) / share.
+    due = [((taken[k] + 1 - delta - offset[k]) / share[k], k) for k in active if taken[k] < upper[k]]
+    heapq.heapify(due)
+    while free > 0:
+        if not due:  # only when a capped source runs out: let the others exceed their bound
+            due = [((taken[k] + 1 - delta - offset[k]) / share[k], k) for k in active if taken[k] < cap[k]]
+            heapq.heapify(due)
+            upper = cap
+        _, k = heapq.heappop(due)
+        taken[k] += 1
+        free -= 1
+        if taken[k] < upper[k]:
+            heapq.heappush(due, ((taken[k] + 1 - delta - offset[k]) / share[k] + 0.2, k))
+    if free < 0:  # the lower bounds ask for too much (only after a change of shares)
+        _give_back(taken, run.phase_counts, target, -free)
+    return taken
+
+
+def _give_back(taken: list[int], before: tuple[int, ...], target: dict[int, float], excess: int) -> None:
+    """Takes `excess` samples back, each from the source furthest ahead of its target."""
+    ahead = [(target[k] - taken[k], k) for k in target if taken[k] > before[k]]
+    heapq.heapify(ahead)
+    for _ in range(excess):
+        _, k = heapq.heappop(ahead)
+        taken[k] -= 1
+        if taken[k] > before[k]:
+            heapq.heappush(ahead, (target[k] - taken[k], k))

@@ -1,18 +1,17 @@
-"""Wires the planner together: membership, summary pulling, the plan book, its ledger file and
-the gRPC server."""
+"""Wires the planner together: membership, summary pulling, the plan book, its durable ledger
+(`<run_dir>/ledger`) and the gRPC server."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TextIO
-
 import grpc
 from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import JobSettings
 from batchplane.core.process import ProcessSettings
 from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.core.storage import LocalStorage
 from batchplane.planner.book import PlanBook
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
@@ -23,7 +22,7 @@ from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-LEDGER_FILE = "ledger.jsonl"
+LEDGER_DIR = "ledger"
 
 
 @dataclasses.dataclass
@@ -32,13 +31,11 @@ class RunningPlanner:
     server: grpc.Server
     book: PlanBook
     puller: SummaryPuller
-    ledger_file: TextIO
 
     def stop(self, grace_s: float) -> None:
         self.puller.stop()
         self.book.stop()  # first: wakes requests waiting for plans
         self.server.stop(grace_s).wait()
-        self.ledger_file.close()
 
 
 def summary_lookahead(job: JobSettings) -> int:
@@ -60,16 +57,8 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=weights)
     membership = Membership(job)
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
-    ledger_file = open(run_dir / LEDGER_FILE, "a", buffering=1)  # noqa: SIM115 - closed by stop()
-
-    def write_line(line: str) -> None:
-        ledger_file.write(line + "\n")
-
-    try:
-        book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger_sink=write_line, strategy=strategy)
-    except BaseException:
-        ledger_file.close()
-        raise
+    ledger = LocalStorage(run_dir / LEDGER_DIR)
+    book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy)
     puller = SummaryPuller(
         store, num_sources=len(job.sources), loader_of=membership.loader_of, max_message_bytes=job.network.max_message_bytes
     )
@@ -83,5 +72,5 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     server.start()
     set_serving(health, "batchplane.v1.Planner")
     address = process.listen or f"{job.network.host}:{port}"
-    log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), run_dir / LEDGER_FILE)
-    return RunningPlanner(address, server, book, puller, ledger_file)
+    log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe())
+    return RunningPlanner(address, server, book, puller)

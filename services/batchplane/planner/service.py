@@ -32,6 +32,7 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
         global_batch_size=job.batch.global_batch_size,
         microbatches=job.batch.microbatches,
         hooks=common_pb2.Hooks(**strategy.hook_names()),
+        fingerprints=job.fingerprints,
     )
 
 
@@ -95,7 +96,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
         wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
-        plan = self._book.plan_for(request.constructor_index, request.step, timeout_s=wait_ms / 1000)
+        plan = self._book.plan_for(request.constructor_index, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume))
         if plan is None:
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
         mesh = self._book.mesh
@@ -127,7 +128,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             finished=self._book.finished,
             sources=[
                 planner_pb2.SourceStatus(
-                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples
+                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples, target_samples=t.target_samples
                 )
                 for name, w, t in zip(self._job.source_names, weights, ledger.sources)
             ],

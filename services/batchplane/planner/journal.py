@@ -1,0 +1,179 @@
+"""The durable ledger: every planned step's record on a `Storage`, written before its plan is
+served, crash-safe, compacted, readable by `batchplane ledger`.
+
+Layout (keys of the storage):
+
+    gen-000003/head.json                                  the generation's start
+    gen-000003/steps/000000000123.json                    one record per step
+    gen-000003/segments/000000000000-000000000999.json.gz  compacted records of steps 0..999
+
+Every planner start opens a new *generation*, claimed with put_if_absent (the next number), and
+writes each step's record once with put_if_absent: nothing is ever overwritten, so a crash at any
+point leaves a ledger that opens. A generation supersedes the earlier ones from its start step
+on: the steps an earlier run planned ahead but no trainer checkpointed past are planned again,
+possibly differently (another mixture, another mesh). Reading step s takes the newest generation
+that started at or before s and holds s.
+
+A record holds the step's target shares, the seq range taken from each source, tokens per
+source, each rank's microbatches by sample identity, and the mixture state after the step, so a
+resume at step s restores the cursors from record s - 1 whatever changed since (I1 across
+changes). Steps are compacted into gzip segments of `SEGMENT_STEPS` once every rank has moved
+past them; a crash between writing a segment and deleting its step records leaves duplicates
+that are identical and harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from batchplane.core.storage import Storage
+
+log = logging.getLogger(__name__)
+
+SEGMENT_STEPS = 1000
+_GEN = re.compile(r"^gen-(\d{6})/head\.json$")
+_STEP = re.compile(r"/steps/(\d{12})\.json$")
+_SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})\.json\.gz$")
+
+
+def _gen_prefix(gen: int) -> str:
+    return f"gen-{gen:06d}/"
+
+
+def _encode(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One planner run's part of the ledger."""
+
+    gen: int
+    start_step: int
+    fingerprints: Mapping[str, str]
+    sources: tuple[str, ...]
+
+
+class LedgerReader:
+    """The ledger as it is on `storage`: generations and the authoritative record of each step.
+
+    Args:
+        storage: Where the ledger lies.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.generations: list[Generation] = []
+        for key in storage.list("gen-"):
+            m = _GEN.match(key)
+            if m:
+                head = json.loads(storage.get(key))
+                self.generations.append(Generation(int(m.group(1)), head["start_step"], head["fingerprints"], tuple(head["sources"])))
+        self.generations.sort(key=lambda g: g.gen)
+        self._index: dict[int, dict[int, str]] = {}  # gen -> step -> key of the record or segment
+        self._segments: dict[str, list[dict]] = {}
+
+    def _keys(self, gen: int) -> dict[int, str]:
+        if gen not in self._index:
+            keys: dict[int, str] = {}
+            for key in self.storage.list(_gen_prefix(gen)):
+                if m := _SEGMENT.search(key):
+                    for step in range(int(m.group(1)), int(m.group(2)) + 1):
+                        keys.setdefault(step, key)
+            for key in self.storage.list(_gen_prefix(gen) + "steps/"):
+                if m := _STEP.search(key):
+                    keys.setdefault(int(m.group(1)), key)
+            self._index[gen] = keys
+        return self._index[gen]
+
+    def _load(self, key: str, step: int) -> dict:
+        if key.endswith(".gz"):
+            if key not in self._segments:
+                self._segments[key] = json.loads(gzip.decompress(self.storage.get(key)))
+            first = int(_SEGMENT.search(key).group(1))
+            return self._segments[key][step - first]
+        return json.loads(self.storage.get(key))
+
+    def owner(self, step: int) -> Generation | None:
+        """The generation whose record of `step` counts (newest started at or before it)."""
+        for g in reversed(self.generations):
+            if g.start_step <= step and step in self._keys(g.gen):
+                return g
+        return None
+
+    def record(self, step: int) -> dict | None:
+        """The record of `step`, or None when no generation planned it."""
+        g = self.owner(step)
+        return None if g is None else self._load(self._keys(g.gen)[step], step)
+
+    def last_step(self) -> int | None:
+        """The latest step any generation recorded."""
+        steps = [max(self._keys(g.gen)) for g in self.generations if self._keys(g.gen)]
+        return max(steps) if steps else None
+
+    def records(self, first: int = 0, last: int | None = None) -> Iterator[dict]:
+        """The authoritative records of steps first..last (inclusive) that exist, in order."""
+        last = self.last_step() if last is None else last
+        if last is None:
+            return
+        for step in range(first, last + 1):
+            record = self.record(step)
+            if record is not None:
+                yield record
+
+
+class LedgerWriter:
+    """Appends this planner run's step records as a new generation.
+
+    Args:
+        storage: Where the ledger lies.
+        start_step: The step this run starts planning at.
+        fingerprints: The job's settings fingerprints (what a later resume compares against).
+        sources: The job's source names.
+    """
+
+    def __init__(self, storage: Storage, *, start_step: int, fingerprints: Mapping[str, str], sources: tuple[str, ...]) -> None:
+        self.storage = storage
+        reader = LedgerReader(storage)
+        gen = (reader.generations[-1].gen + 1) if reader.generations else 1
+        head = {"start_step": start_step, "fingerprints": dict(fingerprints), "sources": list(sources), "created": time.time()}
+        while not storage.put_if_absent(f"{_gen_prefix(gen)}head.json", _encode(head)):
+            gen += 1  # another planner claimed it: never share a generation
+        self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources))
+        self._prefix = _gen_prefix(gen)
+        self._next_segment = start_step - start_step % SEGMENT_STEPS + (SEGMENT_STEPS if start_step % SEGMENT_STEPS else 0)
+        self.bytes_written = 0
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Writes one step's record durably (before its plan may be served)."""
+        data = _encode(record)
+        if not self.storage.put_if_absent(f"{self._prefix}steps/{record['step']:012d}.json", data):
+            raise RuntimeError(f"ledger record of step {record['step']} exists twice in generation {self.generation.gen} of {self.storage.describe()}")
+        self.bytes_written += len(data)
+
+    def compact(self, below_step: int) -> int:
+        """Folds every whole segment of this generation's steps below `below_step` (which every
+        rank has moved past) into one gzip object; returns the number of segments written."""
+        written = 0
+        while self._next_segment + SEGMENT_STEPS <= below_step:
+            lo, hi = self._next_segment, self._next_segment + SEGMENT_STEPS - 1
+            keys = [f"{self._prefix}steps/{s:012d}.json" for s in range(lo, hi + 1)]
+            records = [json.loads(self.storage.get(k)) for k in keys]
+            self.storage.put_if_absent(f"{self._prefix}segments/{lo:012d}-{hi:012d}.json.gz", gzip.compress(b"[" + b",".join(_encode(r) for r in records) + b"]"))
+            for key in keys:
+                self.storage.delete(key)
+            self._next_segment += SEGMENT_STEPS
+            written += 1
+        return written
+
+
+def ledger_size(storage: Storage) -> int:
+    """Bytes of every object of the ledger (for figures)."""
+    return sum(len(storage.get(k)) for k in storage.list("gen-"))

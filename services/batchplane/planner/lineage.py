@@ -1,0 +1,92 @@
+"""Lineage queries over ledger records: what each rank trained on at a step, which steps saw a
+sample, and the realized mixture over a range of steps. Pure; no I/O (`batchplane ledger` reads
+the records through `journal.LedgerReader`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Sighting:
+    """One delivery of a sample: the step, the bucket (DP rank, or DP x CP consumer) and the
+    microbatch it trained in, and the epoch (pass over its source)."""
+
+    step: int
+    bucket: int
+    microbatch: int
+    epoch: int
+
+
+def step_table(record: Mapping[str, Any], sources: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (bucket, microbatch) of a step: its samples as "source:row" (with "@epoch"
+    past the first pass) and their count."""
+    rows = []
+    for bucket, microbatches in enumerate(record["ranks"]):
+        for m, samples in enumerate(microbatches):
+            names = [f"{sources[k]}:{row}" + (f"@{epoch}" if epoch else "") for k, row, epoch in samples]
+            rows.append({"bucket": bucket, "microbatch": m, "samples": len(samples), "ids": names})
+    return rows
+
+
+def find(records: Iterable[Mapping[str, Any]], source: int, row: int) -> list[Sighting]:
+    """Every delivery of sample `row` of source index `source`, in step order."""
+    seen = []
+    for record in records:
+        for bucket, microbatches in enumerate(record["ranks"]):
+            for m, samples in enumerate(microbatches):
+                seen.extend(Sighting(record["step"], bucket, m, e) for k, r, e in samples if k == source and r == row)
+    return seen
+
+
+def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
+    """Per source over the records: target share (the mean of the steps' shares), realized share
+    of samples and of tokens, and drift (realized - target share of samples).
+
+    Returns:
+        {"steps", "first", "last", "samples", "tokens", "sources": [{"source", "target",
+        "samples", "tokens", "sample_share", "token_share", "drift"}]}.
+    """
+    k = len(sources)
+    samples, tokens, target = [0] * k, [0] * k, [0.0] * k
+    steps, first, last = 0, None, None
+    for record in records:
+        steps += 1
+        first = record["step"] if first is None else first
+        last = record["step"]
+        for i, name in enumerate(sources):
+            samples[i] += record["take"].get(name, [0, 0])[1]
+            tokens[i] += record.get("tokens", {}).get(name, 0)
+            target[i] += record["shares"][i] if "shares" in record else 0.0
+    total, total_tokens = sum(samples) or 1, sum(tokens) or 1
+    rows = [
+        {
+            "source": name,
+            "target": target[i] / max(steps, 1),
+            "samples": samples[i],
+            "tokens": tokens[i],
+            "sample_share": samples[i] / total,
+            "token_share": tokens[i] / total_tokens,
+            "drift": samples[i] / total - target[i] / max(steps, 1),
+        }
+        for i, name in enumerate(sources)
+    ]
+    return {"steps": steps, "first": first, "last": last, "samples": sum(samples), "tokens": sum(tokens), "sources": rows}
+
+
+def parse_sample(text: str, sources: Sequence[str]) -> tuple[int, int]:
+    """"SOURCE:INDEX" as (source index, row).
+
+    Raises:
+        ValueError: not of that form, an unknown source, or a negative index; names the text.
+    """
+    name, sep, index = text.rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"{text!r}: expected SOURCE:INDEX, e.g. {sources[0] if sources else 'web'}:123")
+    if name not in sources:
+        raise ValueError(f"{text!r}: no source {name!r}; sources are {', '.join(sources)}")
+    if not index.isdigit():
+        raise ValueError(f"{text!r}: INDEX must be a row number >= 0")
+    return list(sources).index(name), int(index)

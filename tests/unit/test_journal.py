@@ -1,0 +1,114 @@
+"""The durable ledger on a storage: generations, supersession, compaction, lineage queries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchplane.core.storage import MemoryStorage
+from batchplane.planner import journal, lineage
+from batchplane.planner.journal import SEGMENT_STEPS, LedgerReader, LedgerWriter
+
+SOURCES = ("web", "code")
+FP = {"data": "d1", "mixture": "m1", "topology": "t1", "batching": "b1"}
+
+
+def _record(step: int, gen_tag: int = 0) -> dict:
+    return {
+        "step": step,
+        "shares": [0.75, 0.25],
+        "take": {"web": [3 * step, 3], "code": [step, 1]},
+        "tokens": {"web": 30, "code": 10 + gen_tag},
+        "bad": 0,
+        "ranks": [[[[0, 3 * step, 0], [1, step, 0]]], [[[0, 3 * step + 1, 0], [0, 3 * step + 2, 0]]]],
+        "after": {"step": step + 1, "cursors": [3 * step + 3, step + 1]},
+        "consumed": {"web": [[0, 3 * step + 3]], "code": [[0, step + 1]]},
+    }
+
+
+def _write(storage, start: int, stop: int, *, fingerprints=FP, tag: int = 0) -> LedgerWriter:
+    writer = LedgerWriter(storage, start_step=start, fingerprints=fingerprints, sources=SOURCES)
+    for step in range(start, stop):
+        writer.append(_record(step, tag))
+    return writer
+
+
+def test_a_later_generation_supersedes_from_its_start_step() -> None:
+    storage = MemoryStorage()
+    _write(storage, 0, 12)  # planned ahead to step 11, trainers checkpointed at 8
+    _write(storage, 8, 15, fingerprints={**FP, "mixture": "m2"}, tag=1)
+    reader = LedgerReader(storage)
+    assert [(g.gen, g.start_step, g.fingerprints["mixture"]) for g in reader.generations] == [(1, 0, "m1"), (2, 8, "m2")]
+    assert [reader.owner(s).gen for s in (0, 7, 8, 11, 14)] == [1, 1, 2, 2, 2]
+    assert [r["tokens"]["code"] for r in reader.records()] == [10] * 8 + [11] * 7
+    assert reader.record(15) is None and reader.last_step() == 14
+
+
+def test_steps_are_written_once() -> None:
+    storage = MemoryStorage()
+    writer = _write(storage, 0, 3)
+    with pytest.raises(RuntimeError, match="ledger record of step 2 exists twice in generation 1"):
+        writer.append(_record(2))
+
+
+def test_compaction_folds_whole_segments_that_every_rank_passed_and_reads_the_same() -> None:
+    storage = MemoryStorage()
+    writer = _write(storage, 0, 2 * SEGMENT_STEPS + 10)
+    before = list(LedgerReader(storage).records())
+    assert writer.compact(SEGMENT_STEPS + 5) == 1
+    assert writer.compact(SEGMENT_STEPS + 5) == 0
+    keys = storage.list("gen-000001/")
+    assert "gen-000001/segments/000000000000-000000000999.json.gz" in keys
+    assert len([k for k in keys if "/steps/" in k]) == SEGMENT_STEPS + 10
+    assert list(LedgerReader(storage).records()) == before
+    size = journal.ledger_size(storage)
+    assert size < sum(len(json.dumps(r)) for r in before)
+
+
+def test_a_crash_between_segment_and_deletes_leaves_identical_duplicates() -> None:
+    storage = MemoryStorage()
+    writer = _write(storage, 0, SEGMENT_STEPS + 1)
+    before = list(LedgerReader(storage).records())
+    real_delete = storage.delete
+    calls = []
+
+    def crash_after_some(key: str) -> None:
+        calls.append(key)
+        if len(calls) > 10:
+            raise KeyboardInterrupt("crash")
+        real_delete(key)
+
+    storage.delete = crash_after_some
+    with pytest.raises(KeyboardInterrupt):
+        writer.compact(SEGMENT_STEPS + 1)
+    storage.delete = real_delete
+    assert list(LedgerReader(storage).records()) == before
+
+
+def test_a_generation_number_is_never_shared() -> None:
+    storage = MemoryStorage()
+    storage.put_if_absent("gen-000001/head.json", json.dumps({"start_step": 0, "fingerprints": FP, "sources": list(SOURCES)}).encode())
+    a = LedgerWriter(storage, start_step=0, fingerprints=FP, sources=SOURCES)
+    assert a.generation.gen == 2
+
+
+def test_lineage_show_find_and_stats() -> None:
+    storage = MemoryStorage()
+    _write(storage, 0, 4)
+    reader = LedgerReader(storage)
+    rows = lineage.step_table(reader.record(2), SOURCES)
+    assert rows == [
+        {"bucket": 0, "microbatch": 0, "samples": 2, "ids": ["web:6", "code:2"]},
+        {"bucket": 1, "microbatch": 0, "samples": 2, "ids": ["web:7", "web:8"]},
+    ]
+    assert lineage.find(reader.records(), 0, 7) == [lineage.Sighting(step=2, bucket=1, microbatch=0, epoch=0)]
+    assert lineage.find(reader.records(), 1, 99) == []
+    stats = lineage.realized_mixture(reader.records(1, 2), SOURCES)
+    assert (stats["steps"], stats["first"], stats["last"], stats["samples"]) == (2, 1, 2, 8)
+    web = stats["sources"][0]
+    assert (web["target"], web["sample_share"], web["drift"]) == (0.75, 0.75, 0.0)
+    assert lineage.parse_sample("code:12", SOURCES) == (1, 12)
+    for bad, message in (("code", "expected SOURCE:INDEX"), ("nope:1", "no source 'nope'"), ("web:-1", "row number")):
+        with pytest.raises(ValueError, match=message):
+            lineage.parse_sample(bad, SOURCES)

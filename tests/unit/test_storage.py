@@ -1,0 +1,366 @@
+"""Tests of batchplane.core.storage: the Storage semantics on both implementations, key rules,
+racing writers (threads and processes), and LocalStorage surviving writers killed mid-write."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import random
+import signal
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.core import storage as storage_module
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from batchplane.core.storage import TEMP_PREFIX, LocalStorage, MemoryStorage, Storage
+
+
+@pytest.fixture(params=["local", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Storage:
+    return LocalStorage(tmp_path / "store") if request.param == "local" else MemoryStorage()
+
+
+def temp_files(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.rglob("*") if p.name.startswith(TEMP_PREFIX))
+
+
+# --- Semantics, on both implementations ----------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [b"", b"x", bytes(range(256)) * 4096])
+def test_put_then_get_round_trips(storage: Storage, data: bytes) -> None:
+    assert storage.put_if_absent("jobs/j1/ledger/000001.json", data) is True
+    assert storage.get("jobs/j1/ledger/000001.json") == data
+
+
+def test_bytearray_and_memoryview_are_data(storage: Storage) -> None:
+    assert storage.put_if_absent("a", bytearray(b"abc"))
+    assert storage.put_if_absent("b", memoryview(b"xyz")[1:])
+    assert (storage.get("a"), storage.get("b")) == (b"abc", b"yz")
+    with pytest.raises(TypeError, match="must be bytes, not str"):
+        storage.put_if_absent("c", "text")  # type: ignore[arg-type]
+
+
+def test_put_if_absent_keeps_the_first_content(storage: Storage) -> None:
+    assert storage.put_if_absent("k", b"first") is True
+    assert storage.put_if_absent("k", b"second") is False
+    assert storage.get("k") == b"first"
+    assert storage.list() == ["k"]
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "expected"),
+    [(0, 10, b"0123456789"), (2, 5, b"234"), (3, 3, b""), (7, 100, b"789"), (10, 20, b""), (50, 60, b"")],
+)
+def test_get_range_returns_the_slice_clipped_to_the_size(storage: Storage, start: int, end: int, expected: bytes) -> None:
+    storage.put_if_absent("digits", b"0123456789")
+    assert storage.get_range("digits", start, end) == expected
+
+
+@pytest.mark.parametrize(("start", "end", "problem"), [(-1, 3, "start must be >= 0"), (5, 4, "end must be >= start")])
+def test_get_range_refuses_bad_ranges(storage: Storage, start: int, end: int, problem: str) -> None:
+    storage.put_if_absent("digits", b"0123456789")
+    with pytest.raises(ValueError, match=problem):
+        storage.get_range("digits", start, end)
+
+
+def test_missing_objects_are_not_found_by_name(storage: Storage) -> None:
+    storage.put_if_absent("a/b", b"x")
+    for key in ("missing", "a", "a/b/c", "a/c"):
+        with pytest.raises(NotFound) as caught:
+            storage.get(key)
+        assert repr(key) in str(caught.value) and storage.describe() in str(caught.value)
+        with pytest.raises(NotFound, match=repr(key)):
+            storage.get_range(key, 0, 1)
+
+
+def test_list_returns_the_keys_with_a_prefix_sorted(storage: Storage) -> None:
+    keys = ["ledger/000010", "ledger/000002", "ledger/sub/x", "ledger2", "leg", "other/a=1/b.json", "z"]
+    for key in keys:
+        assert storage.put_if_absent(key, key.encode())
+    assert storage.list() == sorted(keys)
+    assert storage.list("ledger/") == ["ledger/000002", "ledger/000010", "ledger/sub/x"]
+    assert storage.list("ledger") == ["ledger/000002", "ledger/000010", "ledger/sub/x", "ledger2"]
+    assert storage.list("le") == ["ledger/000002", "ledger/000010", "ledger/sub/x", "ledger2", "leg"]
+    assert storage.list("ledger/0000") == ["ledger/000002", "ledger/000010"]
+    assert storage.list("other/a=1/") == ["other/a=1/b.json"]
+    for nothing in ("nothing", "nothing/", "z/", "../", "a//", "ledger/.", "/"):
+        assert storage.list(nothing) == [], nothing
+
+
+def test_delete_is_idempotent_and_frees_the_key(storage: Storage) -> None:
+    storage.put_if_absent("a/b/c", b"1")
+    storage.put_if_absent("a/d", b"2")
+    storage.delete("a/b/c")
+    storage.delete("a/b/c")
+    storage.delete("never/was")
+    storage.delete("a")  # a folder, not an object
+    assert storage.list() == ["a/d"]
+    assert storage.put_if_absent("a/b", b"3"), "the emptied folder a/b can become an object"
+    assert storage.put_if_absent("a/b", b"4") is False
+    assert storage.get("a/b") == b"3"
+
+
+def test_a_key_cannot_be_both_an_object_and_a_folder(storage: Storage) -> None:
+    storage.put_if_absent("a/b", b"1")
+    with pytest.raises(FailedPrecondition, match="cannot put 'a' in .*: it is a folder of other keys"):
+        storage.put_if_absent("a", b"2")
+    storage.put_if_absent("c", b"1")
+    with pytest.raises(FailedPrecondition, match="'c/d/e'.*'c' is an object, not a folder"):
+        storage.put_if_absent("c/d/e", b"2")
+    assert storage.list() == ["a/b", "c"]
+
+
+def test_eight_threads_racing_for_a_key_make_exactly_one_winner(storage: Storage) -> None:
+    threads = 8
+    for round_ in range(10):
+        key = f"race/{round_}"
+        barrier = threading.Barrier(threads)
+        won = [False] * threads
+
+        def put(i: int) -> None:
+            barrier.wait()
+            won[i] = storage.put_if_absent(key, f"thread {i}".encode() * (i + 1))
+
+        workers = [threading.Thread(target=put, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert won.count(True) == 1, won
+        winner = won.index(True)
+        assert storage.get(key) == f"thread {winner}".encode() * (winner + 1)
+
+
+# --- Key rules -------------------------------------------------------------------------------
+
+SEGMENT_CHARS = string.ascii_letters + string.digits + "._=-"
+segments = st.text(SEGMENT_CHARS, min_size=1, max_size=20).filter(lambda s: not s.startswith("."))
+keys = st.lists(segments, min_size=1, max_size=5).map("/".join)
+
+
+@st.composite
+def bad_keys(draw: st.DrawFn) -> str:
+    parts = draw(st.lists(segments, min_size=1, max_size=4))
+    i = draw(st.integers(0, len(parts) - 1))
+    how = draw(st.sampled_from(["char", "empty", "dot", "dotdot", "hidden", "lead", "trail", "long"]))
+    if how == "char":
+        bad = draw(st.characters(exclude_characters=SEGMENT_CHARS + "/", exclude_categories=["Cs"]))
+        at = draw(st.integers(0, len(parts[i])))
+        parts[i] = parts[i][:at] + bad + parts[i][at:]
+    elif how == "empty":
+        parts.insert(i, "")
+    elif how in ("dot", "dotdot"):
+        parts[i] = "." if how == "dot" else ".."
+    elif how == "hidden":
+        parts[i] = "." + parts[i]
+    elif how == "lead":
+        return "/" + "/".join(parts)
+    elif how == "trail":
+        return "/".join(parts) + "/"
+    else:
+        parts[i] = "x" * 256
+    return "/".join(parts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys)
+def test_valid_keys_are_stored_by_both_implementations(key: str) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        for storage in (LocalStorage(root), MemoryStorage()):
+            assert storage.put_if_absent(key, key.encode())
+            assert storage.get(key) == key.encode()
+            assert storage.list() == [key]
+
+
+@settings(max_examples=100, deadline=None)
+@given(bad_keys())
+def test_invalid_keys_are_refused_naming_the_key(key: str) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        for storage in (LocalStorage(root), MemoryStorage()):
+            for call in (
+                lambda: storage.put_if_absent(key, b"x"),
+                lambda: storage.get(key),
+                lambda: storage.get_range(key, 0, 1),
+                lambda: storage.delete(key),
+            ):
+                with pytest.raises(InvalidArgument) as caught:
+                    call()
+                assert f"bad storage key {key!r}: " in str(caught.value)
+            assert storage.list() == []
+        assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "rule"),
+    [
+        ("", "must not be empty"),
+        ("a//b", "empty segment"),
+        ("/a", "empty segment"),
+        ("a/../b", "segment '..' starts with '.'"),
+        (".tmp-123", "segment '.tmp-123' starts with '.'"),
+        ("a b", "character outside"),
+        ("x" * 1025, "at most 1024 characters"),
+        ("a/" + "x" * 256, "at most 255 characters"),
+        (b"bytes", "must be a str, not bytes"),
+    ],
+)
+def test_invalid_keys_name_the_rule(storage: Storage, key: str, rule: str) -> None:
+    with pytest.raises(InvalidArgument, match=rule):
+        storage.get(key)
+
+
+# --- LocalStorage on disk --------------------------------------------------------------------
+
+
+def test_local_objects_survive_a_new_instance_and_temp_files_are_ignored_then_swept(tmp_path: pathlib.Path) -> None:
+    store = LocalStorage(tmp_path / "new" / "root")
+    store.put_if_absent("a/b", b"payload")
+    (tmp_path / "new/root/a" / f"{TEMP_PREFIX}crashed").write_bytes(b"half")
+    (tmp_path / "new/root" / f"{TEMP_PREFIX}crashed").write_bytes(b"half")
+    (tmp_path / "new/root/empty/left/over").mkdir(parents=True)
+    assert store.list() == ["a/b"]
+    assert store.sweep() == 2
+    assert temp_files(tmp_path) == []
+    assert not (tmp_path / "new/root/empty").exists()
+    (tmp_path / "new/root/a" / f"{TEMP_PREFIX}again").write_bytes(b"half")
+    reopened = LocalStorage(tmp_path / "new" / "root")
+    assert temp_files(tmp_path) == []
+    assert reopened.get("a/b") == b"payload"
+    assert reopened.describe() == f"local storage at {tmp_path / 'new' / 'root'}"
+
+
+def test_local_delete_removes_emptied_folders(tmp_path: pathlib.Path) -> None:
+    store = LocalStorage(tmp_path)
+    store.put_if_absent("a/b/c/d", b"1")
+    store.put_if_absent("a/x", b"2")
+    store.delete("a/b/c/d")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/x"]
+
+
+def test_a_put_writes_again_when_another_instance_sweeps_its_temporary_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a LocalStorage sweeps; one opened by another process mid-put removes the writer's
+    temporary file and its new, still empty folders. The writer then writes again."""
+    store = LocalStorage(tmp_path)
+    written = []
+
+    def write_then_be_swept(folder: pathlib.Path, data: bytes) -> pathlib.Path:
+        temp = real_write_temp(folder, data)
+        written.append(temp)
+        if len(written) <= 2:
+            LocalStorage(tmp_path)
+            assert not folder.exists()
+        return temp
+
+    real_write_temp = storage_module._write_temp
+    monkeypatch.setattr(storage_module, "_write_temp", write_then_be_swept)
+    assert store.put_if_absent("a/b/c", b"data")
+    assert len(written) == 3
+    assert store.get("a/b/c") == b"data" and temp_files(tmp_path) == []
+
+
+def test_a_put_gives_up_when_its_files_keep_vanishing(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = LocalStorage(tmp_path)
+
+    def write_then_be_swept(folder: pathlib.Path, data: bytes) -> pathlib.Path:
+        temp = real_write_temp(folder, data)
+        store.sweep()
+        return temp
+
+    real_write_temp = storage_module._write_temp
+    monkeypatch.setattr(storage_module, "_write_temp", write_then_be_swept)
+    with pytest.raises(Unavailable, match="could not write 'a/b' to local storage at .*kept vanishing"):
+        store.put_if_absent("a/b", b"data")
+    assert store.list() == []
+
+
+RACER = """
+import sys
+from batchplane.core.storage import LocalStorage
+store, me = LocalStorage(sys.argv[1]), sys.argv[2]
+sys.stdin.readline()  # start together
+for i in range(int(sys.argv[3])):
+    if store.put_if_absent(f"race/{i}", me.encode()):
+        print(i, flush=True)
+"""
+
+
+def test_processes_racing_for_keys_make_exactly_one_winner_each(tmp_path: pathlib.Path) -> None:
+    keys = 60
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(tmp_path), f"process {p}", str(keys)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for p in range(4)
+    ]
+    for racer in racers:
+        racer.stdin.write("go\n")  # type: ignore[union-attr]
+        racer.stdin.flush()  # type: ignore[union-attr]
+    wins = [[int(line) for line in racer.communicate(timeout=60)[0].split()] for racer in racers]
+    assert all(racer.returncode == 0 for racer in racers)
+    assert sorted(i for won in wins for i in won) == list(range(keys)), "each key has exactly one winner"
+    store = LocalStorage(tmp_path)
+    for p, won in enumerate(wins):
+        assert all(store.get(f"race/{i}") == f"process {p}".encode() for i in won)
+
+
+WRITER = """
+import hashlib, random, sys
+from batchplane.core.storage import LocalStorage
+store, run, rng = LocalStorage(sys.argv[1]), sys.argv[2], random.Random(sys.argv[2])
+for i in range(100_000):
+    payload = rng.randbytes(rng.randrange(1 << 20))
+    data = hashlib.sha256(payload).digest() + payload
+    print("writing", i, flush=True)
+    assert store.put_if_absent(f"{run}/{i % 7}/{i:06d}", data)
+    print("stored", i, flush=True)
+"""
+
+
+def write_until_killed(root: pathlib.Path, run: str, rng: random.Random) -> list[str]:
+    """Runs WRITER and kills it with SIGKILL a random moment after it starts writing an object,
+    a few objects in; returns the keys it reported stored."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), run], stdout=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        target = f"writing {rng.randint(1, 4)}"
+        while not lines or lines[-1] != target:
+            lines.append(writer.stdout.readline().strip())  # type: ignore[union-attr]
+        time.sleep(rng.uniform(0, 0.004))
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        lines += writer.communicate(timeout=30)[0].splitlines()
+    assert writer.returncode == -signal.SIGKILL, f"the writer ended before the kill: {lines[-3:]}"
+    stored = [int(line.split()[1]) for line in lines if line.startswith("stored")]
+    return [f"{run}/{i % 7}/{i:06d}" for i in stored]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_local_storage_survives_writers_killed_mid_stream(tmp_path: pathlib.Path, seed: int) -> None:
+    """After each kill, a fresh LocalStorage holds whole objects only, every one a writer
+    reported stored among them, and its sweep has removed the writers' temporary files."""
+    rng = random.Random(seed)
+    stored: list[str] = []
+    for run in range(3):
+        stored += write_until_killed(tmp_path, f"seed{seed}-run{run}", rng)
+        store = LocalStorage(tmp_path)
+        keys = store.list()
+        assert set(stored) <= set(keys)
+        for key in keys:
+            data = store.get(key)
+            assert hashlib.sha256(data[32:]).digest() == data[:32], f"{key} is torn"
+        assert temp_files(tmp_path) == []
