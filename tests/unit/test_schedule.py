@@ -55,6 +55,10 @@ def test_staged_weights_switch_exactly_at_each_start(t: float, weights: tuple[fl
     assert STAGED.weights_at(t) == weights
 
 
+def test_staged_describes_its_stages() -> None:
+    assert STAGED.describe() == "staged, 3 stages: from step 0: (1, 0); from step 100: (1, 3); from step 250: (0, 1)"
+
+
 CURRICULUM = Curriculum(((10, (1, 0)), (20, (0, 2)), (40, (4, 2))))
 
 
@@ -143,9 +147,12 @@ def test_a_callable_that_raises_or_is_bad_at_step_0_fails_when_built() -> None:
         (lambda: Staged(((0, (1,)), (9, (2,)), (4, (1,)))), "mixture.schedule.stages[2].start: must be > 9 and increasing, got 4"),
         (lambda: Staged(((0, (1,)), (1.5, (1,)))), "mixture.schedule.stages[1].start: must be an integer, got 1.5"),
         (lambda: Staged(((0, (1,)), (3,))), "mixture.schedule.stages[1]: must be a (start, weights) pair, got (3,)"),
-        (lambda: Staged(((0, (1, 1)), (10, (1,)))), "mixture.schedule.stages[1].weights: must have 2 weights like mixture.schedule.stages[0], got (1,)"),
-        (lambda: Staged(((0, (1, 0)), (10, (0, 0)))), "mixture.schedule.stages[1].weights: must give at least one source a weight > 0, got (0, 0)"),
-        (lambda: Staged(((0, (1, 1)), (10, (0, -2))), source_names=("web", "code")), "mixture.schedule.stages[1].weights.code: must be a finite number >= 0, got -2"),
+        (lambda: Staged(((0, (1, 1)), (10, (1,)))),
+         "mixture.schedule.stages[1].weights: must have 2 weights like mixture.schedule.stages[0], got (1,)"),
+        (lambda: Staged(((0, (1, 0)), (10, (0, 0)))),
+         "mixture.schedule.stages[1].weights: must give at least one source a weight > 0, got (0, 0)"),
+        (lambda: Staged(((0, (1, 1)), (10, (0, -2))), source_names=("web", "code")),
+         "mixture.schedule.stages[1].weights.code: must be a finite number >= 0, got -2"),
         (lambda: Curriculum(()), "mixture.schedule.anchors: must have at least one (step, weights) pair, got ()"),
         (lambda: Curriculum(((-1, (1,)),)), "mixture.schedule.anchors[0].step: must be >= 0, got -1"),
         (lambda: Curriculum(((0, (1,)), (10, (1,)), (10, (2,)))), "mixture.schedule.anchors[2].step: must be > 10 and increasing, got 10"),
@@ -186,7 +193,8 @@ def test_every_kind_from_the_configuration() -> None:
     schedule, granularity = schedule_from_mapping(staged, NAMES)
     assert schedule == Staged(((0, (1.0, 0.0, 1.0)), (1000, (1.0, 1.0, 4.0))), source_names=NAMES)
     assert granularity == "step"
-    curriculum = {"weights": {}, "schedule": {"kind": "curriculum", "granularity": "step", "anchors": [{"step": 0, "weights": {"web": 0.9, "code": 0.1, "math": 0}}, {"step": 5000, "weights": {"web": 0.5}}]}}
+    anchors = [{"step": 0, "weights": {"web": 0.9, "code": 0.1, "math": 0}}, {"step": 5000, "weights": {"web": 0.5}}]
+    curriculum = {"weights": {}, "schedule": {"kind": "curriculum", "granularity": "step", "anchors": anchors}}
     schedule, _ = schedule_from_mapping(curriculum, NAMES)
     assert schedule == Curriculum(((0, (0.9, 0.1, 0.0)), (5000, (0.5, 1.0, 1.0))), source_names=NAMES)
     assert schedule.describe() == "curriculum, linear between 2 anchors: step 0: web=0.9 code=0.1 math=0; step 5000: web=0.5 code=1 math=1"
@@ -424,6 +432,20 @@ def test_a_change_of_shares_starts_a_new_phase_at_its_exact_step_and_carries_wha
     assert {a.shares for a, _ in run[:100]} == {(2 / 3, 1 / 3)} and {a.shares for a, _ in run[100:]} == {(1 / 3, 2 / 3)}
 
 
+def test_when_the_lower_bounds_ask_too_much_the_source_furthest_ahead_gives_back() -> None:
+    # Owed 0.36 and 0.34, both sources must take a sample to stay within B = 3/4 of their
+    # targets 0.81 and 0.79, but the step has one: source 1, the further ahead, gives it back.
+    shares = (0.45, 0.45, 0.1)
+    state = MixtureState(
+        step=7, cursors=(0, 0, 0), phase=(0, 1, 2), phase_counts=(0, 0, 0),
+        phase_shares=shares, phase_offsets=(0.36, 0.34, -0.7),
+    )
+    mixture = Mixture(Static(shares), global_batch_size=1, stream_ends=[None] * 3)
+    allocation, after = mixture.allocate(state)
+    assert allocation.counts == (1, 0, 0)
+    assert after.phase_offsets == state.phase_offsets and after.phase_total == 1
+
+
 def test_microbatch_granularity_reads_the_schedule_at_each_sub_step() -> None:
     # Sub-step m of 4 weighs only source m: the counts are the sub-step sizes, first ones larger.
     def one_hot(t: float) -> list[float]:
@@ -565,5 +587,8 @@ def test_a_mixture_refuses_bad_arguments(kwargs, message: str) -> None:
 
 
 def test_a_mixture_describes_its_schedule_and_granularity() -> None:
-    mixture = Mixture(Static((1, 3), source_names=("web", "code")), global_batch_size=8, stream_ends=[None, None], granularity="microbatch", microbatches=4)
+    mixture = Mixture(
+        Static((1, 3), source_names=("web", "code")), global_batch_size=8, stream_ends=[None, None],
+        granularity="microbatch", microbatches=4,
+    )
     assert mixture.describe() == "static web=1 code=3; read per microbatch (4 a step)"

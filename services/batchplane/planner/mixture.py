@@ -124,7 +124,8 @@ class Allocation:
 
     @property
     def end_of_data(self) -> bool:
-        """True when no source has anything left: the job's data ends before this step."""
+        """True when the step takes nothing (no source the schedule weighs has samples left):
+        the job's data ends before this step."""
         return self.total == 0
 
 
@@ -189,27 +190,25 @@ class Mixture:
         Raises:
             ScheduleError: the schedule failed (a callable returned bad weights).
         """
-        counts = [0] * self.num_sources
-        weighted = [0.0] * self.num_sources
-        parts = []
-        run = state
+        run, parts = state, []
         for t, size in self._substeps(state.step):
             part = self._substep(run, t, size)
-            if part is None:  # the schedule weighs only sources that have run out
-                continue
-            taken, shares, run = part
-            n = sum(taken)
-            parts.append(shares)
-            for k in range(self.num_sources):
-                counts[k] += taken[k]
-                weighted[k] += shares[k] * n
-        total = sum(counts)
-        if not total:
-            return Allocation(state.step, state.cursors, tuple(counts), (0.0,) * self.num_sources), state
-        same = all(p == parts[0] for p in parts)
-        shares = parts[0] if same else tuple(w / total for w in weighted)
-        allocation = Allocation(state.step, state.cursors, tuple(counts), shares)
-        return allocation, dataclasses.replace(run, step=state.step + 1)
+            if part is not None:  # None: the schedule weighs only sources that have run out
+                counts, shares, run = part
+                parts.append((counts, shares))
+        if not parts:
+            return Allocation(state.step, state.cursors, (0,) * self.num_sources, (0.0,) * self.num_sources), state
+        counts, shares = _combined(parts)
+        after = MixtureState(
+            step=state.step + 1,
+            cursors=run.cursors,
+            phase=run.phase,
+            phase_total=run.phase_total,
+            phase_counts=run.phase_counts,
+            phase_shares=run.phase_shares,
+            phase_offsets=run.phase_offsets,
+        )
+        return Allocation(state.step, state.cursors, counts, shares), after
 
     def fast_forward(self, state: MixtureState, step: int) -> MixtureState:
         """The state before `step`, replaying the allocations from `state` (no data needed).
@@ -250,11 +249,14 @@ class Mixture:
         n = int(min(size, sum(remaining[k] for k in active)))
         taken = _apportion(run, n, remaining)
         counts = tuple(taken[k] - run.phase_counts[k] for k in range(self.num_sources))
-        after = dataclasses.replace(
-            run,
+        after = MixtureState(
+            step=run.step,
             cursors=tuple(c + m for c, m in zip(run.cursors, counts)),
+            phase=run.phase,
             phase_total=run.phase_total + n,
             phase_counts=tuple(taken),
+            phase_shares=run.phase_shares,
+            phase_offsets=run.phase_offsets,
         )
         return counts, run.phase_shares, after
 
@@ -270,6 +272,19 @@ class Mixture:
         return dataclasses.replace(
             run, phase=active, phase_total=0, phase_counts=zeros, phase_shares=shares, phase_offsets=offsets
         )
+
+
+def _combined(parts: list[tuple[tuple[int, ...], tuple[float, ...]]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A step's counts and shares from its sub-steps' (counts, shares): the counts add up, the
+    shares are weighted by the sub-steps' sizes."""
+    if len(parts) == 1:
+        return parts[0]
+    counts = tuple(sum(column) for column in zip(*(c for c, _ in parts)))
+    if all(shares == parts[0][1] for _, shares in parts):
+        return counts, parts[0][1]
+    total = sum(counts)
+    weighted = [[share * sum(c) for share in shares] for c, shares in parts]
+    return counts, tuple(sum(column) / total for column in zip(*weighted))
 
 
 def _shares(weights: Sequence[float], active: tuple[int, ...]) -> tuple[float, ...]:
@@ -317,7 +332,7 @@ def _apportion(run: MixtureState, n: int, remaining: list[float]) -> list[int]:
         taken[k] += 1
         free -= 1
         if taken[k] < upper[k]:
-            heapq.heappush(due, ((taken[k] + 1 - delta - offset[k]) / share[k] + 0.2, k))
+            heapq.heappush(due, ((taken[k] + 1 - delta - offset[k]) / share[k], k))
     if free < 0:  # the lower bounds ask for too much (only after a change of shares)
         _give_back(taken, run.phase_counts, target, -free)
     return taken
