@@ -28,7 +28,7 @@ def _record(step: int, gen_tag: int = 0) -> dict:
 
 
 def _write(storage, start: int, stop: int, *, fingerprints=FP, tag: int = 0) -> LedgerWriter:
-    writer = LedgerWriter(storage, start_step=start, fingerprints=fingerprints, sources=SOURCES)
+    writer = LedgerWriter(LedgerReader(storage), start_step=start, fingerprints=fingerprints, sources=SOURCES)
     for step in range(start, stop):
         writer.append(_record(step, tag))
     return writer
@@ -89,7 +89,7 @@ def test_a_crash_between_segment_and_deletes_leaves_identical_duplicates() -> No
 def test_a_generation_number_is_never_shared() -> None:
     storage = MemoryStorage()
     storage.put_if_absent("gen-000001/head.json", json.dumps({"start_step": 0, "fingerprints": FP, "sources": list(SOURCES)}).encode())
-    a = LedgerWriter(storage, start_step=0, fingerprints=FP, sources=SOURCES)
+    a = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES)
     assert a.generation.gen == 2
 
 

@@ -17,9 +17,6 @@ from collections.abc import Callable
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 
-#: The hooks a strategy can register, as JobInfo names them.
-HOOKS = ("loader_do_plan", "constructor_do_plan")
-
 
 def import_file(path: pathlib.Path, *, setting: str | None) -> types.ModuleType:
     """Imports a Python file as a module of its own (named after the path, so two jobs' files

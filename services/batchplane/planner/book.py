@@ -154,20 +154,20 @@ class PlanBook:
             for k in range(len(self._job.sources))
         ]
         self._mixture = Mixture(Static(self.weights), global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
-        self._state = self._restore(step, resume)
-        self._writer = LedgerWriter(self._ledger_storage, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
+        reader = LedgerReader(self._ledger_storage)
+        self._state = self._restore(step, resume, reader)
+        self._writer = LedgerWriter(reader, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
         self.start_step = step
         self._wanted = step
         self._store.start(self._state.cursors)
         self._cond.notify_all()
 
-    def _restore(self, step: int, resume: Mapping[str, str]) -> MixtureState:
+    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> MixtureState:
         """The mixture state before `step`: from the ledger's record of step - 1, else by
         fast-forwarding from the start."""
         initial = MixtureState.initial(len(self._job.sources))
         if step == 0:
             return initial
-        reader = LedgerReader(self._ledger_storage)
         record = reader.record(step - 1)
         if record is not None:
             before = reader.owner(step - 1)

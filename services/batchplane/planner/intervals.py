@@ -3,16 +3,15 @@ Pure: no I/O.
 
 An `IntervalSet` holds its integers as half-open ranges [lo, hi), sorted, disjoint and
 non-adjacent (touching ranges are merged), and is immutable: every operation returns a new set.
-Consumption mostly grows a contiguous cursor, so growing a set at its end costs O(1) amortized
-(see `IntervalSet.add`); membership is a binary search; union, difference and intersection are
-linear merges.
+Consumption mostly grows a contiguous cursor, so a source's set is usually one range and growing
+it at its end replaces that range; membership is a binary search; union, difference and
+intersection are linear merges.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import operator
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -34,14 +33,12 @@ class IntervalSet:
             message names the pair.
     """
 
-    # The set's ranges are _head[:_n] followed by _last (None when the set is empty); _count is
-    # the number of integers. _head is append-only and shared with the sets this one was made
-    # from and makes: a set reads only its first _n entries and appends in place only when
-    # nobody has appended there yet, so growing at the end copies nothing.
-    __slots__ = ("_head", "_n", "_last", "_count", "_hash")
+    __slots__ = ("_ranges", "_count", "_hash")
 
     def __init__(self, ranges: Iterable[Range] = ()) -> None:
-        self._set(_normalized(sorted(_checked(pair) for pair in ranges)))
+        self._ranges = tuple(_normalized(sorted(_checked(pair) for pair in ranges)))
+        self._count = sum(hi - lo for lo, hi in self._ranges)
+        self._hash: int | None = None
 
     @classmethod
     def empty(cls) -> IntervalSet:
@@ -72,7 +69,7 @@ class IntervalSet:
                 pairs.append(_checked(entry))
             except ValueError as e:
                 raise ValueError(f"interval set entry {i}: {e}") from None
-        return _from_normalized(_normalized(sorted(pairs)))
+        return _make(_normalized(sorted(pairs)))
 
     def to_list(self) -> list[list[int]]:
         """Returns the ranges as [[lo, hi], ...], for JSON."""
@@ -83,26 +80,20 @@ class IntervalSet:
     def add(self, lo: int, hi: int) -> IntervalSet:
         """Returns this set plus the integers lo <= x < hi.
 
-        O(1) amortized when the range starts at or after the start of the set's last range
-        (the cursor grows); O(n) otherwise.
+        Growing the set at its end (the cursor) touches only its last range.
 
         Raises:
             ValueError: lo or hi is not a non-negative integer, or lo > hi.
         """
         lo, hi = _checked((lo, hi))
-        last = self._last
         if lo == hi:
             return self
-        if last is None:
-            return _make([], 0, (lo, hi), hi - lo)
-        last_lo, last_hi = last
-        if lo > last_hi:
-            return self._append((lo, hi))
+        if not self._ranges or lo > self._ranges[-1][1]:
+            return _make((*self._ranges, (lo, hi)))
+        last_lo, last_hi = self._ranges[-1]
         if lo >= last_lo:
-            if hi <= last_hi:
-                return self
-            return _make(self._head, self._n, (last_lo, hi), self._count + hi - last_hi)
-        return self.union(_make([], 0, (lo, hi), hi - lo))
+            return self if hi <= last_hi else _make((*self._ranges[:-1], (last_lo, hi)))
+        return self.union(_make(((lo, hi),)))
 
     def union(self, other: IntervalSet) -> IntervalSet:
         """Returns the integers in this set or in `other`."""
@@ -110,17 +101,17 @@ class IntervalSet:
             return self
         if self.is_empty:
             return other
-        return _from_normalized(_normalized(heapq.merge(self, other)))
+        return _make(_normalized(heapq.merge(self, other)))
 
     def difference(self, other: IntervalSet) -> IntervalSet:
         """Returns the integers in this set and not in `other`."""
         if other.is_empty or self.is_empty:
             return self
-        return _from_normalized(_subtracted(self._list(), other._list()))
+        return _make(_subtracted(self._ranges, other._ranges))
 
     def intersection(self, other: IntervalSet) -> IntervalSet:
         """Returns the integers in both this set and `other`."""
-        return _from_normalized(_intersected(self._list(), other._list()))
+        return _make(_intersected(self._ranges, other._ranges))
 
     # --- Questions ---------------------------------------------------------------------------
 
@@ -154,7 +145,7 @@ class IntervalSet:
 
     @property
     def is_empty(self) -> bool:
-        return self._last is None
+        return not self._ranges
 
     @property
     def first(self) -> int:
@@ -164,7 +155,7 @@ class IntervalSet:
             ValueError: The set is empty.
         """
         self._check_not_empty("first")
-        return self._head[0][0] if self._n else self._last[0]  # type: ignore[index]
+        return self._ranges[0][0]
 
     @property
     def end(self) -> int:
@@ -174,28 +165,25 @@ class IntervalSet:
             ValueError: The set is empty.
         """
         self._check_not_empty("end")
-        return self._last[1]  # type: ignore[index]
+        return self._ranges[-1][1]
 
     @property
     def ranges(self) -> tuple[Range, ...]:
         """The ranges as ((lo, hi), ...), sorted."""
-        return tuple(self)
+        return self._ranges
 
     def __iter__(self) -> Iterator[Range]:
         """Iterates over the ranges (not the integers), sorted."""
-        if self._last is None:
-            return iter(())
-        return itertools.chain(itertools.islice(self._head, self._n), (self._last,))
+        return iter(self._ranges)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IntervalSet):
             return NotImplemented
-        same_shape = (self._count, self._n, self._last) == (other._count, other._n, other._last)
-        return same_shape and all(a == b for a, b in zip(itertools.islice(self._head, self._n), other._head))
+        return self._ranges == other._ranges
 
     def __hash__(self) -> int:
         if self._hash is None:
-            self._hash = hash(self.ranges)
+            self._hash = hash(self._ranges)
         return self._hash
 
     def __repr__(self) -> str:
@@ -206,52 +194,22 @@ class IntervalSet:
 
     # --- Internals ---------------------------------------------------------------------------
 
-    def _set(self, ranges: list[Range]) -> None:
-        """Fills the slots from normalized ranges, which the set then owns."""
-        if ranges:
-            self._head, self._n, self._last = ranges, len(ranges) - 1, ranges[-1]
-        else:
-            self._head, self._n, self._last = ranges, 0, None
-        self._count = sum(hi - lo for lo, hi in ranges)
-        self._hash: int | None = None
-
-    def _list(self) -> list[Range]:
-        return list(self)
-
-    def _append(self, new: Range) -> IntervalSet:
-        """Returns this set plus `new`, a range past its end that does not touch it."""
-        head, n, last = self._head, self._n, self._last
-        if len(head) == n:
-            head.append(last)  # nobody has grown `head` past our part: share it
-        if head[n] != last:  # somebody grew it differently first: copy our part
-            head = head[:n] + [last]
-        return _make(head, n + 1, new, self._count + new[1] - new[0])
-
     def _range_at_or_before(self, x: int) -> Range | None:
         """Returns the range with the greatest lo <= x, or None."""
-        last = self._last
-        if last is None:
-            return None
-        if x >= last[0]:
-            return last
-        i = bisect.bisect_right(self._head, x, 0, self._n, key=_lo_of) - 1
-        return self._head[i] if i >= 0 else None
+        i = bisect.bisect_right(self._ranges, x, key=_lo_of) - 1
+        return self._ranges[i] if i >= 0 else None
 
     def _check_not_empty(self, what: str) -> None:
-        if self._last is None:
+        if not self._ranges:
             raise ValueError(f"an empty interval set has no {what}")
 
 
-def _make(head: list[Range], n: int, last: Range, count: int) -> IntervalSet:
-    """Builds a set from its slots, without checks."""
+def _make(ranges: Iterable[Range]) -> IntervalSet:
+    """Builds a set from normalized ranges, without checks."""
     made = object.__new__(IntervalSet)
-    made._head, made._n, made._last, made._count, made._hash = head, n, last, count, None
-    return made
-
-
-def _from_normalized(ranges: list[Range]) -> IntervalSet:
-    made = object.__new__(IntervalSet)
-    made._set(ranges)
+    made._ranges = tuple(ranges)
+    made._count = sum(hi - lo for lo, hi in made._ranges)
+    made._hash = None
     return made
 
 
@@ -292,7 +250,7 @@ def _normalized(ranges: Iterable[Range]) -> list[Range]:
     return out
 
 
-def _intersected(a: list[Range], b: list[Range]) -> list[Range]:
+def _intersected(a: tuple[Range, ...], b: tuple[Range, ...]) -> list[Range]:
     """The intersection of two normalized range lists, normalized."""
     out = []
     i = j = 0
@@ -307,7 +265,7 @@ def _intersected(a: list[Range], b: list[Range]) -> list[Range]:
     return out
 
 
-def _subtracted(a: list[Range], b: list[Range]) -> list[Range]:
+def _subtracted(a: tuple[Range, ...], b: tuple[Range, ...]) -> list[Range]:
     """The ranges of `a` without those of `b` (both normalized), normalized."""
     out = []
     j = 0

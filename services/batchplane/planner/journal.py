@@ -133,15 +133,14 @@ class LedgerWriter:
     """Appends this planner run's step records as a new generation.
 
     Args:
-        storage: Where the ledger lies.
+        reader: The ledger as it is (its storage, and the generations already there).
         start_step: The step this run starts planning at.
         fingerprints: The job's settings fingerprints (what a later resume compares against).
         sources: The job's source names.
     """
 
-    def __init__(self, storage: Storage, *, start_step: int, fingerprints: Mapping[str, str], sources: tuple[str, ...]) -> None:
-        self.storage = storage
-        reader = LedgerReader(storage)
+    def __init__(self, reader: LedgerReader, *, start_step: int, fingerprints: Mapping[str, str], sources: tuple[str, ...]) -> None:
+        self.storage = storage = reader.storage
         gen = (reader.generations[-1].gen + 1) if reader.generations else 1
         head = {"start_step": start_step, "fingerprints": dict(fingerprints), "sources": list(sources), "created": time.time()}
         while not storage.put_if_absent(f"{_gen_prefix(gen)}head.json", _encode(head)):

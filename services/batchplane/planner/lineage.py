@@ -58,8 +58,8 @@ def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str
         last = record["step"]
         for i, name in enumerate(sources):
             samples[i] += record["take"].get(name, [0, 0])[1]
-            tokens[i] += record.get("tokens", {}).get(name, 0)
-            target[i] += record["shares"][i] if "shares" in record else 0.0
+            tokens[i] += record["tokens"].get(name, 0)
+            target[i] += record["shares"][i]
     total, total_tokens = sum(samples) or 1, sum(tokens) or 1
     rows = [
         {
