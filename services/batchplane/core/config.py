@@ -53,11 +53,15 @@ class SourceSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MixtureSettings:
-    """Per-source sampling weights (static in this version)."""
+    """Per-source sampling weights: static, or following a schedule."""
 
     #: Weight per source name; missing sources get weight 1. Weights are normalized over the
     #: sources that still have data, so only ratios matter; 0 leaves a source unread.
     weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: How the weights change over the steps: {kind: static | staged | curriculum | callable |
+    #: adaptive, granularity: step | microbatch, ...}; None: `weights` at every step. Checked by
+    #: the planner (`batchplane.planner.strategy.load_schedule`), which names the bad field.
+    schedule: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +270,7 @@ class JobSettings:
 
         - "data": the sources, their transforms, the seed, epochs and shuffle, i.e. which sample
           each position of each source's stream is. A resume cannot honour a change;
-        - "mixture": the per-source weights;
+        - "mixture": the per-source weights and their schedule;
         - "topology": the mesh and how it is delivered to (CP slicing, PP tensors);
         - "batching": batch shape, balancing and the strategy file.
         A resume across a change of the last three re-plans from the ledger's cursors.
@@ -278,7 +282,7 @@ class JobSettings:
                 "epochs": self.epochs,
                 "shuffle": dataclasses.asdict(self.loaders.shuffle),
             },
-            "mixture": {"weights": self.weights},
+            "mixture": {"weights": self.weights, "schedule": self.mixture.schedule},
             "topology": {
                 "mesh": dataclasses.asdict(self.mesh),
                 "delivery": [self.constructors.cp_slicing, list(self.constructors.pp_middle_tensors)],

@@ -1,4 +1,5 @@
-"""Importing the job's strategy file, the one piece of user code every part of a job runs.
+"""Importing the job's user code: its strategy file, the one piece of user code every part of a
+job runs, and callables named by import path (cost models, mixture schedules).
 
 The planner compiles the strategy from it; loaders and constructors take their hooks
 (`loader_do_plan`, `constructor_do_plan`) from it by the names the planner publishes in
@@ -8,6 +9,7 @@ JobInfo. The file's sha256 is part of the job's fingerprint, so every part runs 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import pathlib
 import sys
@@ -55,3 +57,27 @@ def job_hook(job: JobSettings, kind: str, name: str) -> Callable | None:
     if not callable(fn):
         raise ConfigError("strategy", f"{kind} hook {name!r} is not a function of {job.strategy!r}", job.strategy)
     return fn
+
+
+def import_callable(path: str) -> Callable:
+    """Imports the callable named by "package.module:attribute[.attribute...]".
+
+    Raises:
+        ImportError: the path is not of that form, the module cannot be imported (whatever it
+            raised), an attribute is missing or the object is not callable; the message says which.
+    """
+    module_name, sep, attr_path = path.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ImportError(f"{path!r} is not an import path 'package.module:callable'")
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as exc:  # any failure while importing user code
+        raise ImportError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ImportError(f"{module_name!r} has no attribute {attr_path!r}") from exc
+    if not callable(obj):
+        raise ImportError(f"{attr_path!r} in {module_name!r} is not callable ({type(obj).__name__})")
+    return obj

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import grpc
 
 from batchplane.core.config import JobSettings, load_job
-from batchplane.planner.strategy import load_strategy
+from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.core.rpc import is_serving
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
@@ -211,16 +211,16 @@ class LocalCluster:
 
 
 def _check_strategy(job: JobSettings) -> None:
-    """Loads the job's strategy and cost model as its services will, with the PYTHONPATH they
-    inherit, so a bad one fails before any process starts.
+    """Loads the job's strategy, cost model and mixture schedule as the planner will, with the
+    PYTHONPATH it inherits, so a bad one fails before any process starts.
 
     Raises:
-        ConfigError: field "strategy" or "balance.cost.kind".
+        ConfigError: field "strategy", "balance.cost.kind" or "mixture.*".
     """
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[:0] = extra
     try:
-        load_strategy(job)
+        load_schedule(job, load_strategy(job))
     finally:
         for p in extra:
             sys.path.remove(p)

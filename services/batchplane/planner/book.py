@@ -33,8 +33,7 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
-from batchplane.planner.schedule import Static
-from batchplane.planner.strategy import job_mesh, load_strategy
+from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 
 log = logging.getLogger(__name__)
@@ -53,6 +52,7 @@ class PlanBook:
         metrics: The planner's metrics.
         ledger: Storage of the durable ledger; default: in memory (tests).
         strategy: The job's strategy; default: `load_strategy(job)`.
+        schedule: The job's mixture schedule; default: `load_schedule(job, strategy)`.
     """
 
     def __init__(
@@ -64,6 +64,7 @@ class PlanBook:
         metrics: PlannerMetrics,
         ledger: Storage | None = None,
         strategy: Strategy | None = None,
+        schedule: JobSchedule | None = None,
     ) -> None:
         self._job = job
         self._membership = membership
@@ -75,7 +76,9 @@ class PlanBook:
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
         self.strategy = strategy if strategy is not None else load_strategy(job)
         self.mesh = job_mesh(job)
-        self.weights = self.strategy.weights(job.source_names, job.weights)
+        self.schedule = schedule if schedule is not None else load_schedule(job, self.strategy)
+        #: The normalized weights the schedule gave the latest planned step.
+        self.shares = self.schedule.initial_shares
         method = self.strategy.primary.balancing.method
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
         self._cond = threading.Condition()
@@ -153,7 +156,14 @@ class PlanBook:
             None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
             for k in range(len(self._job.sources))
         ]
-        self._mixture = Mixture(Static(self.weights), global_batch_size=self._job.batch.global_batch_size, stream_ends=ends)
+        self._mixture = Mixture(
+            self.schedule.schedule,
+            global_batch_size=self._job.batch.global_batch_size,
+            stream_ends=ends,
+            granularity=self.schedule.granularity,
+            microbatches=self._job.batch.microbatches,
+        )
+        log.info("mixture: %s", self._mixture.describe())
         reader = LedgerReader(self._ledger_storage)
         self._state = self._restore(step, resume, reader)
         self._writer = LedgerWriter(reader, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
@@ -249,6 +259,7 @@ class PlanBook:
         with self._cond:
             self._plans[state.step] = plan
             self._state = after
+            self.shares = allocation.shares
             self._cond.notify_all()
         self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
         self._writer.compact(self._consumed_below)

@@ -11,13 +11,13 @@ importing that module.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from batchplane.core.errors import ConfigError
+from batchplane.core.userfile import import_callable
 from batchplane.planner.models import MODELS, encoder_cost
 
 #: (int64 lengths [n], optional per-sample features {name: float64 [n]}) -> float64 costs [n].
@@ -77,7 +77,13 @@ def make_cost_fn(kind: str, *, linear: float = 0.0, quadratic: float = 1.0) -> C
         if name not in MODELS:
             raise ConfigError(_FIELD, f"names no known model {name!r}; models: {tuple(MODELS)}", kind)
         return encoder_cost(MODELS[name])
-    return _wrap_user(kind, _import_callable(kind))
+    module_name, sep, attr_path = kind.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(_FIELD, f"must be one of {known_kinds()} or an import path 'package.module:callable'", kind)
+    try:
+        return _wrap_user(kind, import_callable(kind))
+    except ImportError as exc:
+        raise ConfigError(_FIELD, str(exc), kind) from exc
 
 
 def _coefficient(name: str, value: float) -> float:
@@ -130,33 +136,6 @@ def _linear(lengths: np.ndarray, features: Mapping[str, np.ndarray] | None = Non
         The lengths as float64.
     """
     return np.asarray(lengths, dtype=np.float64).copy()
-
-
-def _import_callable(path: str) -> Callable[[np.ndarray], object]:
-    """Imports the callable named by "package.module:attribute[.attribute...]".
-
-    Args:
-        path: The import path.
-    Returns:
-        The callable.
-    Raises:
-        ConfigError: field "balance.cost.kind", naming what failed.
-    """
-    module_name, sep, attr_path = path.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ConfigError(_FIELD, f"must be one of {known_kinds()} or an import path 'package.module:callable'", path)
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as exc:  # any failure while importing user code is a configuration error
-        raise ConfigError(_FIELD, f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}", path) from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ConfigError(_FIELD, f"{module_name!r} has no attribute {attr_path!r}", path) from exc
-    if not callable(obj):
-        raise ConfigError(_FIELD, f"{attr_path!r} in {module_name!r} is not callable ({type(obj).__name__})", path)
-    return obj
 
 
 def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:

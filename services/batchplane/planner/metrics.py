@@ -19,7 +19,7 @@ class PlannerMetrics:
     Args:
         registry: The planner's registry.
         source_names: Sources in job order.
-        target_weights: Normalized configured weight per source.
+        target_weights: Normalized weight per source at step 0.
     """
 
     def __init__(self, registry: CollectorRegistry, *, source_names: Sequence[str], target_weights: Sequence[float]) -> None:
@@ -48,6 +48,13 @@ class PlannerMetrics:
         self.bad_samples = Counter(
             "batchplane_planner_bad_samples_total",
             "Planned samples left out as bad (reported by loaders with length 0), by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
+        self.weight = Gauge(
+            "batchplane_planner_mixture_weight_ratio",
+            "Share of samples the schedule gives each source at the latest planned step (renormalized over the sources "
+            "that still have data), by source (the source's name).",
             ["source"],
             registry=registry,
         )
@@ -84,6 +91,7 @@ class PlannerMetrics:
         )
         for name, weight in zip(self._names, target_weights):
             self.target.labels(name).set(weight)  # until the first step is planned
+            self.weight.labels(name).set(weight)
 
     def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
         """Records one planned step."""
@@ -100,6 +108,8 @@ class PlannerMetrics:
                 self.tokens.labels(name).inc(int(tokens[k]))
                 self.bad_samples.labels(name).inc(allocation.counts[k] - int(good[k]))
             totals = ledger.sources[k]
+            if allocation.shares:
+                self.weight.labels(name).set(allocation.shares[k])
             self.realized.labels(name).set(totals.samples / total)
             self.realized_tokens.labels(name).set(totals.tokens / total_tokens)
             self.target.labels(name).set(totals.target_samples / total)

@@ -16,7 +16,7 @@ from batchplane.planner.book import PlanBook
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.service import PlannerServicer
-from batchplane.planner.strategy import load_strategy
+from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryPuller, SummaryStore
 from batchplane.v1 import planner_pb2_grpc
 
@@ -52,13 +52,12 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     run_dir = job.resolve(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     strategy = load_strategy(job)
-    configured = strategy.weights(job.source_names, job.weights)
-    weights = [w / sum(configured) for w in configured]
-    metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=weights)
+    schedule = load_schedule(job, strategy)
+    metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=schedule.initial_shares)
     membership = Membership(job)
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
     ledger = LocalStorage(run_dir / LEDGER_DIR)
-    book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy)
+    book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
     puller = SummaryPuller(
         store, num_sources=len(job.sources), loader_of=membership.loader_of, max_message_bytes=job.network.max_message_bytes
     )

@@ -4,7 +4,6 @@ responses. No logic of its own."""
 from __future__ import annotations
 
 import grpc
-import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
@@ -119,8 +118,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:
         ledger = self._book.ledger
-        weights = np.asarray(self._book.weights)
-        weights = weights / weights.sum()
+        weights = self._book.shares
         return planner_pb2.GetStatusResponse(
             job=self._info,
             steps_planned=self._book.steps_planned,

@@ -1,5 +1,6 @@
-"""Loading a job's strategy: the user's strategy file, or the default one built from the job's
-`balance` settings. Reads (imports) the strategy file; nothing else.
+"""Loading what the planner runs from a job's settings: its strategy (the user's strategy file, or
+the default one built from the job's `balance` settings) and its mixture schedule. Reads
+(imports) the strategy file and a schedule callable; nothing else.
 
 A strategy file is plain Python defining `strategy(mesh)`, which gets the job's
 ClientPlaceTree and returns `DGraph.plan()`. `from batchplane.planner import DGraph, models`
@@ -9,12 +10,15 @@ constructors, loaders) loads the same file: the fingerprint holds its digest.
 
 from __future__ import annotations
 
+import dataclasses
+
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.mesh import ClientPlaceTree, MeshError
-from batchplane.core.userfile import import_file
+from batchplane.core.userfile import import_callable, import_file
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
+from batchplane.planner.schedule import Schedule, ScheduleError, Static, schedule_from_mapping
 
 
 def job_mesh(job: JobSettings) -> ClientPlaceTree:
@@ -83,3 +87,51 @@ def _from_file(job: JobSettings, mesh: ClientPlaceTree) -> Strategy:
                 job.strategy,
             )
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSchedule:
+    """The job's mixture schedule as the planner runs it.
+
+    Attributes:
+        schedule: Per-source weights as a function of the step position.
+        granularity: "step" or "microbatch" (see `mixture.Mixture`).
+    """
+
+    schedule: Schedule
+    granularity: str
+
+    @property
+    def initial_shares(self) -> tuple[float, ...]:
+        """The normalized weights of step 0."""
+        weights = self.schedule.weights_at(0.0)
+        return tuple(w / sum(weights) for w in weights)
+
+
+def load_schedule(job: JobSettings, strategy: Strategy) -> JobSchedule:
+    """The job's mixture schedule: `mixture.schedule`, else static `mixture.weights`, or the
+    strategy's `mix` weights (which may not be combined with a changing schedule).
+
+    Raises:
+        ConfigError: naming the field of a bad schedule (e.g.
+            "mixture.schedule.stages[1].start"), a schedule callable that cannot be imported or
+            returns bad weights at step 0, or field "strategy" when the strategy mixes with fixed
+            weights and `mixture.schedule` changes them.
+    """
+    data: dict = {"weights": dict(job.mixture.weights)}
+    if job.mixture.schedule is not None:
+        data["schedule"] = dict(job.mixture.schedule)
+    try:
+        schedule, granularity = schedule_from_mapping(data, job.source_names, resolve_callable=import_callable)
+    except ScheduleError as exc:
+        raise ConfigError(exc.field, exc.problem, exc.value) from exc
+    if strategy.primary.weights is not None:
+        if not isinstance(schedule, Static):
+            raise ConfigError(
+                "strategy", f"{strategy.primary.name}.mix sets fixed weights, but mixture.schedule changes them; give the weights in one place", job.strategy
+            )
+        try:
+            schedule = Static(strategy.weights(job.source_names, job.weights), source_names=job.source_names)
+        except StrategyError as exc:
+            raise ConfigError("strategy", str(exc), job.strategy) from exc
+    return JobSchedule(schedule, granularity)
