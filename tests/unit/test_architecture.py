@@ -68,6 +68,7 @@ PURE = (
     "batchplane.planner.intervals",
     "batchplane.planner.lineage",
     "batchplane.planner.schedule",
+    "batchplane.planner.adaptive",
     "batchplane.loader.order",
     "batchplane.constructor.hooks",
     "batchplane.constructor.assemble",

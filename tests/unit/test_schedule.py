@@ -235,7 +235,7 @@ GOOD = {"start": 0, "weights": {}}
         ({"weights": {"web": 0, "code": 0, "math": 0}}, "mixture.weights: must give at least one source a weight > 0"),
         ({"weights": [1, 2, 3]}, "mixture.weights: must be a mapping of source name to weight"),
         ({"schedule": "staged"}, "mixture.schedule: must be a mapping"),
-        ({"schedule": {}}, "mixture.schedule.kind: must be one of static, staged, curriculum, callable, got None"),
+        ({"schedule": {}}, "mixture.schedule.kind: must be one of static, staged, curriculum, callable, adaptive, got None"),
         ({"schedule": {"kind": "cosine"}}, "mixture.schedule.kind: must be one of static, staged, curriculum, callable"),
         ({"schedule": {"kind": "static", "granularity": "sample"}}, "mixture.schedule.granularity: must be one of step, microbatch"),
         ({"schedule": {"kind": "static", "every": 2}}, "mixture.schedule.every: unknown key"),

@@ -99,6 +99,7 @@ class Client:
         self._resume: dict[str, str] = {}
         #: Groups of settings that changed since the checkpoint this client resumed from.
         self.resumed_across: tuple[str, ...] = ()
+        self._report_warnings: set[str] = set()
         self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch")
 
     # ---- iteration -----------------------------------------------------------------------
@@ -156,6 +157,28 @@ class Client:
             "global_loss_tokens": header.global_loss_tokens,
             "sources": self.sources,
         }
+
+    # ---- metric-driven mixing ------------------------------------------------------------
+
+    def report(self, step: int, losses: Mapping[str, float]) -> bool:
+        """Reports step `step`'s mean training loss per source, for a job whose mixture adapts to
+        training (mixture.schedule.kind "adaptive"). One rank reports for the whole job, after
+        reducing the ranks' per-source loss sums and sample counts (e.g. with all_reduce); the
+        batch's "sources" names each microbatch's "sample_source" ids. The planner uses the
+        report of step s to plan step s + delay_steps, so report every step.
+
+        Returns:
+            True when the report is recorded; False (logged once per reason) when the job's
+            mixture is not adaptive or the step was already reported with other losses.
+        Raises:
+            InvalidRequestError: a name that is no source, or a loss that is not a finite
+                number >= 0.
+        """
+        response = self._connection.report(step, {str(k): float(v) for k, v in losses.items()})
+        if not response.accepted and response.reason not in self._report_warnings:
+            self._report_warnings.add(response.reason)
+            log.warning("report of step %d not used: %s", step, response.reason)
+        return response.accepted
 
     # ---- checkpointing -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch
 
 from batchplane.client import errors
 from batchplane.client.tensors import allocate
-from batchplane.v1 import constructor_pb2, constructor_pb2_grpc
+from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 from batchplane.wire import PayloadReceiver, WireFormatError
 
 T = TypeVar("T")
@@ -75,6 +75,11 @@ class ConstructorConnection:
             return header, storage
 
         return self._call(attempt, f"GetBatch(rank {rank}, step {step})")
+
+    def report(self, step: int, losses: dict[str, float]) -> common_pb2.ReportResponse:
+        """Sends the training report of `step` (through the constructor, to the planner)."""
+        request = common_pb2.ReportRequest(step=step, losses=losses)
+        return self._call(lambda remaining: self._stub.Report(request, timeout=remaining), f"Report(step {step})")
 
     def _call(self, attempt: Callable[[float], T], what: str) -> T:
         give_up = time.monotonic() + self.timeout_s

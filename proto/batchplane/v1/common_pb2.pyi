@@ -100,3 +100,26 @@ class Hooks(_message.Message):
     loader_do_plan: str
     constructor_do_plan: str
     def __init__(self, loader_do_plan: _Optional[str] = ..., constructor_do_plan: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("step", "losses")
+    class LossesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    losses: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

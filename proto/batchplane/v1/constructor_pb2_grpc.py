@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from batchplane.v1 import common_pb2 as batchplane_dot_v1_dot_common__pb2
 from batchplane.v1 import constructor_pb2 as batchplane_dot_v1_dot_constructor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class ConstructorStub:
                 request_serializer=batchplane_dot_v1_dot_constructor__pb2.GetBatchRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetBatchResponse.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/batchplane.v1.Constructor/Report',
+                request_serializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class ConstructorServicer:
@@ -70,6 +76,13 @@ class ConstructorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """Forwards a training report to the planner (see Planner.Report).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConstructorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +95,11 @@ def add_ConstructorServicer_to_server(servicer, server):
                     servicer.GetBatch,
                     request_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetBatchRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_constructor__pb2.GetBatchResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +157,33 @@ class Constructor:
             '/batchplane.v1.Constructor/GetBatch',
             batchplane_dot_v1_dot_constructor__pb2.GetBatchRequest.SerializeToString,
             batchplane_dot_v1_dot_constructor__pb2.GetBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchplane.v1.Constructor/Report',
+            batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
+            batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

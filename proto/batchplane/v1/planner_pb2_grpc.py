@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from batchplane.v1 import common_pb2 as batchplane_dot_v1_dot_common__pb2
 from batchplane.v1 import planner_pb2 as batchplane_dot_v1_dot_planner__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -60,6 +61,11 @@ class PlannerStub:
                 request_serializer=batchplane_dot_v1_dot_planner__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_planner__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/batchplane.v1.Planner/Report',
+                request_serializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -109,6 +115,16 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """Records a training report for metric-driven mixing (mixture.schedule.kind "adaptive"): the
+        plan of step s uses the reports of steps <= s - delay_steps. The first report of a step
+        stands. Errors: INVALID_ARGUMENT for an unknown source or a loss that is not a finite
+        number >= 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +152,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=batchplane_dot_v1_dot_planner__pb2.GetStatusRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_planner__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +295,33 @@ class Planner:
             '/batchplane.v1.Planner/GetStatus',
             batchplane_dot_v1_dot_planner__pb2.GetStatusRequest.SerializeToString,
             batchplane_dot_v1_dot_planner__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchplane.v1.Planner/Report',
+            batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
+            batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

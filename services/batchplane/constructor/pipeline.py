@@ -297,6 +297,18 @@ class StepPipeline:
         )
         return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra.payload))
 
+    def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
+        """Forwards a trainer's training report to the planner."""
+        try:
+            return call_with_retry(
+                lambda: self._planner.Report(request, timeout=10),
+                what=f"Report(step {request.step}) to planner at {self._planner_address}",
+                deadline_s=self._job.network.rpc_timeout_s,
+                should_stop=lambda: self._stopped,
+            )
+        except grpc.RpcError as exc:
+            raise reraise(exc, f"planner at {self._planner_address}") from exc
+
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         resume = self._resume if step == self._start else {}
         request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume)

@@ -53,6 +53,9 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
     def GetInfo(self, request: constructor_pb2.GetInfoRequest, context: grpc.ServicerContext) -> constructor_pb2.GetInfoResponse:
         return constructor_pb2.GetInfoResponse(job=self._job, ranks=self._pipeline.ranks)
 
+    def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
+        return self._pipeline.report(request)
+
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")

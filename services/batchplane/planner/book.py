@@ -16,6 +16,7 @@ earlier step afterwards is refused as consumed. Each step is planned by the job'
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -23,8 +24,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from batchplane.core.config import JobSettings
-from batchplane.core.errors import FailedPrecondition, Unavailable
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
+from batchplane.planner.adaptive import AdaptiveState, state_from_json as adaptive_from_json, state_to_json as adaptive_to_json, update
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.journal import LedgerReader, LedgerWriter
@@ -79,6 +81,10 @@ class PlanBook:
         self.schedule = schedule if schedule is not None else load_schedule(job, self.strategy)
         #: The normalized weights the schedule gave the latest planned step.
         self.shares = self.schedule.initial_shares
+        self._adaptive = self.schedule.adaptive
+        self._adaptive_state: AdaptiveState | None = None
+        self._reports: dict[int, dict | None] = {}  # step -> losses not applied yet (None: never reported)
+        self._applied_through = -1  # the last step whose report the adaptive state holds
         method = self.strategy.primary.balancing.method
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
         self._cond = threading.Condition()
@@ -166,6 +172,8 @@ class PlanBook:
         log.info("mixture: %s", self._mixture.describe())
         reader = LedgerReader(self._ledger_storage)
         self._state = self._restore(step, resume, reader)
+        if self._adaptive is not None:
+            self._restore_adaptive(step, reader)
         self._writer = LedgerWriter(reader, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
         self.start_step = step
         self._wanted = step
@@ -198,6 +206,11 @@ class PlanBook:
             )
             self.ledger.restore(record)
             return state_from_json(record["after"])
+        if self._adaptive is not None:
+            raise FailedPrecondition(
+                f"cannot resume an adaptive mixture at step {step}: the ledger at {self._ledger_storage.describe()} has no record "
+                f"of step {step - 1}, and the weights depend on the training reports it holds; resume with the original run folder's ledger"
+            )
         if resume.get("mixture", self._job.fingerprints["mixture"]) != self._job.fingerprints["mixture"]:
             raise FailedPrecondition(
                 f"cannot resume at step {step} across a mixture change: the ledger at {self._ledger_storage.describe()} has no record "
@@ -208,6 +221,66 @@ class PlanBook:
         self.ledger.assume_consumed(state.cursors)
         log.info("job resumes at step %d without a ledger record: fast-forwarded the mixture in %.3f s", step, time.perf_counter() - begin)
         return state
+
+    def _restore_adaptive(self, step: int, reader: LedgerReader) -> None:
+        """The adaptive mixing state before `step`: from the ledger's record of step - 1 with the
+        reports stored since (those never stored count as missing), else the rule's start."""
+        record = reader.record(step - 1) if step else None
+        saved = record.get("adaptive") if record is not None else None
+        if saved is None or "mixture" in self.resumed_across:
+            self._adaptive_state = AdaptiveState.initial(self._adaptive)
+            self._applied_through = step - 1  # only reports of this run's steps count
+            if step:
+                log.info("adaptive mixing starts afresh at step %d from its initial weights", step)
+            return
+        self._adaptive_state = adaptive_from_json(saved["state"])
+        self._applied_through = saved["applied_through"]
+        missing = []
+        for t in range(self._applied_through + 1, step):
+            stored = reader.report(t)
+            self._reports[t] = None if stored is None else stored["losses"]
+            if stored is None:
+                missing.append(t)
+        if missing:
+            log.warning("adaptive mixing: steps %s before the resume step %d were never reported; their reports count as missing", missing, step)
+
+    def report(self, step: int, losses: Mapping[str, float]) -> tuple[bool, str]:
+        """Records the training report of `step` (mean loss per source) for adaptive mixing,
+        durably before it counts.
+
+        Returns:
+            (accepted, reason): not accepted when the mixture is not adaptive, the step precedes
+            this run's start, or the step was already reported with other losses (the first
+            report stands).
+        Raises:
+            InvalidArgument: a negative step, a name that is no source, or a loss that is not a
+                finite number >= 0.
+            Unavailable: the job has not started (no constructor asked for a step yet).
+        """
+        if self._adaptive is None:
+            return False, "the job's mixture is not adaptive (mixture.schedule.kind), so reports are not used"
+        if step < 0:
+            raise InvalidArgument(f"report: step must be >= 0, got {step}")
+        for name, loss in losses.items():
+            if name not in self._job.source_names:
+                raise InvalidArgument(f"report of step {step}: {name!r} names no source; sources are {', '.join(self._job.source_names)}")
+            if not (math.isfinite(loss) and loss >= 0):
+                raise InvalidArgument(f"report of step {step}: the loss of source {name!r} must be a finite number >= 0, got {loss!r}")
+        with self._cond:
+            writer, start = self._writer, self.start_step
+        if writer is None:
+            raise Unavailable("the job has not started: no constructor has asked for a step yet")
+        if step < start:
+            return False, f"step {step} is before step {start}, where this run of the job started, so its report is not used"
+        losses = {name: float(loss) for name, loss in losses.items()}
+        stored = writer.put_report(step, {"losses": losses})["losses"]
+        if stored != losses:
+            return False, f"step {step} was already reported with other losses; the first report stands"
+        with self._cond:
+            if step > self._applied_through:
+                self._reports.setdefault(step, stored)
+                self._cond.notify_all()
+        return True, ""
 
     def _forget_consumed(self) -> None:
         low = min(self._progress.get(c, self.start_step) for c in range(self._job.constructor_count))
@@ -241,6 +314,9 @@ class PlanBook:
                 return
 
     def _plan_next(self, state: MixtureState) -> None:
+        applied = self._adapt(state.step) if self._adaptive is not None else []
+        if applied is None:
+            return  # stopped while waiting
         allocation, after = self._mixture.allocate(state)
         if allocation.end_of_data:
             with self._cond:
@@ -254,7 +330,10 @@ class PlanBook:
             return  # stopped while waiting
         waited = time.perf_counter() - begin
         plan = self.strategy.run(state.step, table, self.mesh, default_cost=self._cost_fn)
-        self._writer.append(self.ledger.record(allocation, plan, after))
+        record = self.ledger.record(allocation, plan, after)
+        if self._adaptive is not None:
+            record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
+        self._writer.append(record)
         self._store.advance(after.cursors)
         with self._cond:
             self._plans[state.step] = plan
@@ -262,7 +341,33 @@ class PlanBook:
             self.shares = allocation.shares
             self._cond.notify_all()
         self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
-        self._writer.compact(self._consumed_below)
+        self._writer.compact(self._consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None)
+
+    def _adapt(self, step: int) -> list[tuple[int, dict | None]] | None:
+        """Applies the reports of the steps up to step - delay_steps (waiting for them) and sets
+        step `step`'s weights; returns the (step, losses) applied, or None when stopped."""
+        rule = self._adaptive
+        applied = []
+        while self._applied_through < step - rule.delay_steps:
+            t = self._applied_through + 1
+            with self._cond:
+                while t not in self._reports and not self._stopped:
+                    self._waiting_on = (
+                        f"waiting for the training report of step {t}: with mixture.schedule.adaptive.delay_steps = {rule.delay_steps}, "
+                        f"step {step} is planned with the reports of steps up to {step - rule.delay_steps} (Client.report(step, losses))"
+                    )
+                    self._cond.wait(timeout=1.0)
+                if self._stopped:
+                    return None
+                losses = self._reports.pop(t)
+                self._waiting_on = ""
+            if losses is not None:
+                self._adaptive_state = update(rule, self._adaptive_state, losses)
+            self._applied_through = t
+            applied.append((t, losses))
+        self.schedule.schedule.set(step, self._adaptive_state.weights)
+        self.schedule.schedule.forget_before(step)
+        return applied
 
     def _allocated_samples(self, allocation: Allocation) -> SampleTable | None:
         tables = []

@@ -6,6 +6,7 @@ Layout (keys of the storage):
     gen-000003/head.json                                  the generation's start
     gen-000003/steps/000000000123.json                    one record per step
     gen-000003/segments/000000000000-000000000999.json.gz  compacted records of steps 0..999
+    gen-000003/reports/000000000120.json                  a training report (adaptive mixing)
 
 Every planner start opens a new *generation*, claimed with put_if_absent (the next number), and
 writes each step's record once with put_if_absent: nothing is ever overwritten, so a crash at any
@@ -20,6 +21,11 @@ resume at step s restores the cursors from record s - 1 whatever changed since (
 changes). Steps are compacted into gzip segments of `SEGMENT_STEPS` once every rank has moved
 past them; a crash between writing a segment and deleting its step records leaves duplicates
 that are identical and harmless.
+
+Training reports (metric-driven mixing) are stored the moment they arrive, first report of a step
+wins, in the generation that was running; the report of step t counts from the newest generation
+that started at or before t and holds it, like records. The record of the step that applied a
+report holds it too, so reports are deleted once compaction has folded that record.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from batchplane.core.errors import NotFound
 from batchplane.core.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -41,10 +48,15 @@ SEGMENT_STEPS = 1000
 _GEN = re.compile(r"^gen-(\d{6})/head\.json$")
 _STEP = re.compile(r"/steps/(\d{12})\.json$")
 _SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})\.json\.gz$")
+_REPORT = re.compile(r"/reports/(\d{12})\.json$")
 
 
 def _gen_prefix(gen: int) -> str:
     return f"gen-{gen:06d}/"
+
+
+def _report_key(gen: int, step: int) -> str:
+    return f"{_gen_prefix(gen)}reports/{step:012d}.json"
 
 
 def _encode(value: Any) -> bytes:
@@ -113,6 +125,16 @@ class LedgerReader:
         g = self.owner(step)
         return None if g is None else self._load(self._keys(g.gen)[step], step)
 
+    def report(self, step: int) -> dict | None:
+        """The training report of `step` that counts, or None when none was stored."""
+        for g in reversed(self.generations):
+            if g.start_step <= step:
+                try:
+                    return json.loads(self.storage.get(_report_key(g.gen, step)))
+                except NotFound:
+                    continue
+        return None
+
     def last_step(self) -> int | None:
         """The latest step any generation recorded."""
         steps = [max(self._keys(g.gen)) for g in self.generations if self._keys(g.gen)]
@@ -157,9 +179,22 @@ class LedgerWriter:
             raise RuntimeError(f"ledger record of step {record['step']} exists twice in generation {self.generation.gen} of {self.storage.describe()}")
         self.bytes_written += len(data)
 
-    def compact(self, below_step: int) -> int:
+    def put_report(self, step: int, report: Mapping[str, Any]) -> dict:
+        """Stores the training report of `step` durably unless one is already stored; returns
+        the one that stands (the first)."""
+        key = _report_key(self.generation.gen, step)
+        if self.storage.put_if_absent(key, _encode(report)):
+            return dict(report)
+        return json.loads(self.storage.get(key))
+
+    def compact(self, below_step: int, *, report_delay: int | None = None) -> int:
         """Folds every whole segment of this generation's steps below `below_step` (which every
-        rank has moved past) into one gzip object; returns the number of segments written."""
+        rank has moved past) into one gzip object; returns the number of segments written.
+
+        Args:
+            report_delay: With adaptive mixing, the delay D after which a step's record holds the
+                report it applied: reports of steps whose applying record was folded are deleted.
+        """
         written = 0
         while self._next_segment + SEGMENT_STEPS <= below_step:
             lo, hi = self._next_segment, self._next_segment + SEGMENT_STEPS - 1
@@ -170,6 +205,11 @@ class LedgerWriter:
                 self.storage.delete(key)
             self._next_segment += SEGMENT_STEPS
             written += 1
+        if written and report_delay is not None:
+            for key in self.storage.list(f"{self._prefix}reports/"):
+                m = _REPORT.search(key)
+                if m and int(m.group(1)) + report_delay < self._next_segment:
+                    self.storage.delete(key)
         return written
 
 

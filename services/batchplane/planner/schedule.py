@@ -37,7 +37,7 @@ WeightsFn = Callable[[float], "Mapping[str, float] | Sequence[float]"]
 #: How often the mixture reads the schedule: once per step, or once per microbatch.
 GRANULARITIES = ("step", "microbatch")
 #: The values of `mixture.schedule.kind`.
-KINDS = ("static", "staged", "curriculum", "callable")
+KINDS = ("static", "staged", "curriculum", "callable", "adaptive")
 #: The weight of a source a weights mapping does not name.
 DEFAULT_WEIGHT = 1.0
 
@@ -272,7 +272,9 @@ def schedule_from_mapping(
     staged and curriculum schedules give their weights in their stages or anchors, and
     `weights` must then be absent or empty. Every weights mapping gives weight 1.0
     (`DEFAULT_WEIGHT`) to the sources it does not name, in every stage and anchor alike; a
-    callable's mapping gives them 0.
+    callable's mapping gives them 0. Kind "adaptive" gives an `adaptive.AdaptiveSchedule`
+    whose weights the planner sets step by step from training reports, configured by
+    `schedule.adaptive` (see `adaptive.rule_from_mapping`).
 
     Args:
         data: The content of the configuration's `mixture` mapping.
@@ -291,14 +293,14 @@ def schedule_from_mapping(
     weights = data.get("weights")
     if spec is None:
         return Static(_weights_from(weights, "mixture.weights", names), source_names=names), "step"
-    _check_keys(spec, "mixture.schedule", ("kind", "granularity", "stages", "anchors", "callable"))
+    _check_keys(spec, "mixture.schedule", ("kind", "granularity", "stages", "anchors", "callable", "adaptive"))
     kind = _choice(spec.get("kind"), "mixture.schedule.kind", KINDS)
     granularity = _choice(spec.get("granularity", "step"), "mixture.schedule.granularity", GRANULARITIES)
-    wanted = {"static": None, "staged": "stages", "curriculum": "anchors", "callable": "callable"}[kind]
-    for key in ("stages", "anchors", "callable"):
+    wanted = {"static": None, "staged": "stages", "curriculum": "anchors", "callable": "callable", "adaptive": "adaptive"}[kind]
+    for key in ("stages", "anchors", "callable", "adaptive"):
         if key in spec and key != wanted:
             raise ScheduleError(f"mixture.schedule.{key}", f"is not used by kind {kind!r}", spec[key])
-    if wanted is not None and wanted not in spec:
+    if wanted is not None and wanted not in spec and kind != "adaptive":  # every adaptive setting has a default
         raise ScheduleError(f"mixture.schedule.{wanted}", f"is required by kind {kind!r}")
     if kind != "static" and weights:
         raise ScheduleError("mixture.weights", f"cannot be combined with a {kind} schedule; give the weights in mixture.schedule", weights)
@@ -306,6 +308,10 @@ def schedule_from_mapping(
         return Static(_weights_from(weights, "mixture.weights", names), source_names=names), granularity
     if kind == "callable":
         return _callable_from(spec["callable"], names, resolve_callable), granularity
+    if kind == "adaptive":
+        from batchplane.planner.adaptive import AdaptiveSchedule, rule_from_mapping  # it builds on this module
+
+        return AdaptiveSchedule(rule_from_mapping(spec.get("adaptive"), names)), granularity
     points = _points_from(spec[wanted], f"mixture.schedule.{wanted}", "start" if kind == "staged" else "step", names)
     if kind == "staged":
         return Staged(points, source_names=names), granularity

@@ -116,6 +116,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             subplans=subplan_parts(plan, ranks, self._book),
         )
 
+    def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
+        accepted, reason = self._book.report(request.step, dict(request.losses))
+        return common_pb2.ReportResponse(accepted=accepted, reason=reason)
+
     def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:
         ledger = self._book.ledger
         weights = self._book.shares

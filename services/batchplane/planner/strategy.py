@@ -17,6 +17,7 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.mesh import ClientPlaceTree, MeshError
 from batchplane.core.userfile import import_callable, import_file
 from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule
 from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
 from batchplane.planner.schedule import Schedule, ScheduleError, Static, schedule_from_mapping
 
@@ -102,8 +103,15 @@ class JobSchedule:
     granularity: str
 
     @property
+    def adaptive(self) -> AdaptiveRule | None:
+        """The rule of metric-driven mixing; None for a schedule fixed in advance."""
+        return self.schedule.rule if isinstance(self.schedule, AdaptiveSchedule) else None
+
+    @property
     def initial_shares(self) -> tuple[float, ...]:
         """The normalized weights of step 0."""
+        if self.adaptive is not None:
+            return self.adaptive.initial
         weights = self.schedule.weights_at(0.0)
         return tuple(w / sum(weights) for w in weights)
 
