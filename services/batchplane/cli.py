@@ -186,8 +186,17 @@ def _ledger(args: argparse.Namespace) -> int:
             print(f"batchplane ledger: step {args.step} is not in the ledger at {folder} (latest: {reader.last_step()})", file=sys.stderr)
             return 1
         rows = lineage.step_table(record, sources)
-        result: dict = {"step": args.step, "generation": reader.owner(args.step).gen, "shares": dict(zip(sources, record["shares"])), "microbatches": rows}
+        result: dict = {
+            "step": args.step,
+            "generation": reader.owner(args.step).gen,
+            "shares": dict(zip(sources, record["shares"])),
+            "take": record["take"],
+            "thinned": lineage.is_thinned(record),
+            "microbatches": rows,
+        }
         text = [f"step {args.step} (generation {result['generation']}): " + ", ".join(f"{k} {v:.3f}" for k, v in result["shares"].items())]
+        if result["thinned"]:
+            text.append(f"  thinned (ledger.keep_detail_steps): seqs taken per source {record['take']}; per-rank samples not kept")
         text += [f"  bucket {r['bucket']} microbatch {r['microbatch']}: {r['samples']} samples  {' '.join(r['ids'])}" for r in rows]
     elif args.query == "find":
         try:
@@ -195,9 +204,11 @@ def _ledger(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"batchplane ledger find: {exc}", file=sys.stderr)
             return 2
-        seen = lineage.find(reader.records(), source, row)
-        result = {"sample": args.sample, "seen": [dataclasses.asdict(s) for s in seen]}
+        seen, thinned = lineage.find(reader.records(), source, row)
+        result = {"sample": args.sample, "seen": [dataclasses.asdict(s) for s in seen], "thinned_steps": len(thinned)}
         text = [f"{args.sample}: seen {len(seen)} time(s)"] + [f"  step {s.step} bucket {s.bucket} microbatch {s.microbatch} epoch {s.epoch}" for s in seen]
+        if thinned:
+            text.append(f"  steps {thinned[0]}..{thinned[-1]} are thinned (ledger.keep_detail_steps): {len(thinned)} steps not searched")
     else:
         result = lineage.realized_mixture(reader.records(args.first, args.last), sources)
         text = [f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"]

@@ -92,6 +92,7 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("int-in-columns", _source(0, columns=["a", 1]), "sources[0].columns[1]", 1),
     ("list-for-transform-args", _source(0, transform_args=[1]), "sources[0].transform_args", [1]),
     ("string-weight", _with(**{"mixture.weights": {"web": "1"}}), "mixture.weights.web", "1"),
+    ("negative-keep-detail", _with(**{"ledger.keep_detail_steps": -1}), "ledger.keep_detail_steps", -1),
     # required fields
     ("missing-job", _drop("job"), "job", None),
     ("blank-job", _with(job="  "), "job", "  "),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -102,8 +103,8 @@ def test_lineage_show_find_and_stats() -> None:
         {"bucket": 0, "microbatch": 0, "samples": 2, "ids": ["web:6", "code:2"]},
         {"bucket": 1, "microbatch": 0, "samples": 2, "ids": ["web:7", "web:8"]},
     ]
-    assert lineage.find(reader.records(), 0, 7) == [lineage.Sighting(step=2, bucket=1, microbatch=0, epoch=0)]
-    assert lineage.find(reader.records(), 1, 99) == []
+    assert lineage.find(reader.records(), 0, 7) == ([lineage.Sighting(step=2, bucket=1, microbatch=0, epoch=0)], [])
+    assert lineage.find(reader.records(), 1, 99) == ([], [])
     stats = lineage.realized_mixture(reader.records(1, 2), SOURCES)
     assert (stats["steps"], stats["first"], stats["last"], stats["samples"]) == (2, 1, 2, 8)
     web = stats["sources"][0]
@@ -112,3 +113,67 @@ def test_lineage_show_find_and_stats() -> None:
     for bad, message in (("code", "expected SOURCE:INDEX"), ("nope:1", "no source 'nope'"), ("web:-1", "row number")):
         with pytest.raises(ValueError, match=message):
             lineage.parse_sample(bad, SOURCES)
+
+
+def test_thinning_drops_only_the_per_rank_detail_of_old_segments_and_bounds_the_size() -> None:
+    storage = MemoryStorage()
+    writer = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=SEGMENT_STEPS + SEGMENT_STEPS // 2)
+    for step in range(3 * SEGMENT_STEPS + 10):
+        writer.append(_record(step))
+        writer.compact(step - 4)  # the slowest rank is 4 steps behind the planner
+    keys = storage.list("gen-000001/segments/")
+    assert keys == [
+        "gen-000001/segments/000000000000-000000000999.thin.json.gz",
+        "gen-000001/segments/000000001000-000000001999.json.gz",
+        "gen-000001/segments/000000002000-000000002999.json.gz",
+    ]
+    reader = LedgerReader(storage)
+    old, recent = reader.record(10), reader.record(SEGMENT_STEPS + 10)
+    assert lineage.is_thinned(old) and not lineage.is_thinned(recent)
+    assert old == {k: v for k, v in _record(10).items() if k != "ranks"}
+    assert recent == _record(SEGMENT_STEPS + 10)
+    assert lineage.find(reader.records(), 0, 30) == ([], list(range(SEGMENT_STEPS)))
+    stats = lineage.realized_mixture(reader.records(), SOURCES)
+    assert stats["samples"] == 4 * (3 * SEGMENT_STEPS + 10), "thinned records still count for the mixture"
+    whole = len(gzip.decompress(storage.get(keys[1])))
+    thin = len(gzip.decompress(storage.get(keys[0])))
+    assert thin < 0.8 * whole
+
+
+def test_a_crash_while_thinning_leaves_the_whole_segment_readable() -> None:
+    storage = MemoryStorage()
+    writer = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=0)
+    for step in range(SEGMENT_STEPS + 1):
+        writer.append(_record(step))
+    real_delete = storage.delete
+
+    def crash_on_the_whole_segment(key: str) -> None:
+        if key.endswith("999.json.gz"):
+            raise KeyboardInterrupt("crash")
+        real_delete(key)
+
+    storage.delete = crash_on_the_whole_segment
+    with pytest.raises(KeyboardInterrupt):
+        writer.compact(SEGMENT_STEPS + 1)
+    assert len(storage.list("gen-000001/segments/")) == 2
+    assert LedgerReader(storage).record(5) == _record(5), "readers prefer the whole segment"
+
+
+def test_reports_are_kept_first_wins_by_generation_and_deleted_once_folded() -> None:
+    storage = MemoryStorage()
+    first = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES)
+    assert first.put_report(3, {"losses": {"web": 1.0}}) == {"losses": {"web": 1.0}}
+    assert first.put_report(3, {"losses": {"web": 2.0}}) == {"losses": {"web": 1.0}}, "the first report stands"
+    first.put_report(9, {"losses": {"web": 5.0}})
+    second = LedgerWriter(LedgerReader(storage), start_step=8, fingerprints=FP, sources=SOURCES)
+    second.put_report(9, {"losses": {"web": 6.0}})
+    reader = LedgerReader(storage)
+    assert reader.report(3) == {"losses": {"web": 1.0}}
+    assert reader.report(9) == {"losses": {"web": 6.0}}, "a step at or after a generation's start counts from it"
+    assert reader.report(4) is None
+    for step in range(8, SEGMENT_STEPS + 20):
+        second.append(_record(step))
+        second.put_report(step, {"losses": {"code": float(step)}})
+    second.compact(SEGMENT_STEPS + 20, report_delay=8)
+    left = [int(k[-17:-5]) for k in storage.list("gen-000002/reports/")]
+    assert left == list(range(SEGMENT_STEPS - 8, SEGMENT_STEPS + 20)), "reports whose applying record was folded are gone"

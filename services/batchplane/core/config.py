@@ -65,6 +65,16 @@ class MixtureSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class LedgerSettings:
+    """The durable ledger of what every step consumed (`<run_dir>/ledger/`)."""
+
+    #: Keep each rank's sample lists (what `batchplane ledger show/find` read) for steps less
+    #: than this many behind the slowest rank; older segments keep per-source seq ranges,
+    #: tokens, shares and cursors only, a few hundred bytes per 1,000 steps. None keeps all.
+    keep_detail_steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchSettings:
     """Shape of every step's batch."""
 
@@ -207,6 +217,7 @@ class JobSettings:
     loaders: LoaderSettings = dataclasses.field(default_factory=LoaderSettings)
     constructors: ConstructorSettings = dataclasses.field(default_factory=ConstructorSettings)
     network: NetworkSettings = dataclasses.field(default_factory=NetworkSettings)
+    ledger: LedgerSettings = dataclasses.field(default_factory=LedgerSettings)
     #: Folder for logs, endpoints and the ledger; relative to the configuration file.
     run_dir: str = ".batchplane/run"
     #: A strategy file (Python, defining `strategy(mesh)` with DGraph primitives; relative to
@@ -502,6 +513,8 @@ def _validate(job: JobSettings) -> None:
     _positive("loaders.shuffle.window_row_groups", job.loaders.shuffle.window_row_groups)
     _positive("constructors.ranks_per_constructor", job.constructors.ranks_per_constructor)
     _positive("constructors.prefetch_steps", job.constructors.prefetch_steps)
+    if job.ledger.keep_detail_steps is not None and job.ledger.keep_detail_steps < 0:
+        raise ConfigError("ledger.keep_detail_steps", "must be >= 0 or null (keep everything)", job.ledger.keep_detail_steps)
     if job.network.max_message_bytes < 2 * MiB:
         raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", job.network.max_message_bytes)
     if not (math.isfinite(job.network.rpc_timeout_s) and job.network.rpc_timeout_s > 0):

@@ -85,6 +85,11 @@ class PlanBook:
         self._adaptive_state: AdaptiveState | None = None
         self._reports: dict[int, dict | None] = {}  # step -> losses not applied yet (None: never reported)
         self._applied_through = -1  # the last step whose report the adaptive state holds
+        if self._adaptive is not None and self._adaptive.delay_steps < job.constructors.prefetch_steps + 2:
+            log.warning(
+                "mixture.schedule.adaptive.delay_steps = %d is less than constructors.prefetch_steps + 2 = %d: planning will wait "
+                "for training reports and the trainer for its batches", self._adaptive.delay_steps, job.constructors.prefetch_steps + 2,
+            )
         method = self.strategy.primary.balancing.method
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
         self._cond = threading.Condition()
@@ -174,7 +179,13 @@ class PlanBook:
         self._state = self._restore(step, resume, reader)
         if self._adaptive is not None:
             self._restore_adaptive(step, reader)
-        self._writer = LedgerWriter(reader, start_step=step, fingerprints=self._job.fingerprints, sources=self._job.source_names)
+        self._writer = LedgerWriter(
+            reader,
+            start_step=step,
+            fingerprints=self._job.fingerprints,
+            sources=self._job.source_names,
+            keep_detail_steps=self._job.ledger.keep_detail_steps,
+        )
         self.start_step = step
         self._wanted = step
         self._store.start(self._state.cursors)

@@ -6,6 +6,7 @@ Layout (keys of the storage):
     gen-000003/head.json                                  the generation's start
     gen-000003/steps/000000000123.json                    one record per step
     gen-000003/segments/000000000000-000000000999.json.gz  compacted records of steps 0..999
+    gen-000003/segments/000000000000-000000000999.thin.json.gz  the same, thinned
     gen-000003/reports/000000000120.json                  a training report (adaptive mixing)
 
 Every planner start opens a new *generation*, claimed with put_if_absent (the next number), and
@@ -18,9 +19,16 @@ that started at or before s and holds s.
 A record holds the step's target shares, the seq range taken from each source, tokens per
 source, each rank's microbatches by sample identity, and the mixture state after the step, so a
 resume at step s restores the cursors from record s - 1 whatever changed since (I1 across
-changes). Steps are compacted into gzip segments of `SEGMENT_STEPS` once every rank has moved
-past them; a crash between writing a segment and deleting its step records leaves duplicates
+changes). Steps are compacted into gzip segments of `SEGMENT_STEPS` (a generation's first one ends at
+the next multiple) once every rank has moved past them; a crash between writing a segment and deleting its step records leaves duplicates
 that are identical and harmless.
+
+Size. A record is O(K) beside its per-rank sample lists ("ranks"), which are O(samples per
+step). With `keep_detail_steps`, segments further than that behind the slowest rank are
+rewritten *thinned*, without "ranks": they keep what a resume and the mixture figures need
+(shares, seq ranges taken, tokens, cursors, consumed sets), so the ledger grows by a few hundred
+bytes per 1,000 steps instead of by every sample id. `ledger find` cannot see samples in
+thinned steps and says so.
 
 Training reports (metric-driven mixing) are stored the moment they arrive, first report of a step
 wins, in the generation that was running; the report of step t counts from the newest generation
@@ -47,12 +55,19 @@ log = logging.getLogger(__name__)
 SEGMENT_STEPS = 1000
 _GEN = re.compile(r"^gen-(\d{6})/head\.json$")
 _STEP = re.compile(r"/steps/(\d{12})\.json$")
-_SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})\.json\.gz$")
+_SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})(?:\.thin)?\.json\.gz$")
+#: Record fields a thinned segment drops.
+DETAIL_FIELDS = ("ranks",)
 _REPORT = re.compile(r"/reports/(\d{12})\.json$")
 
 
 def _gen_prefix(gen: int) -> str:
     return f"gen-{gen:06d}/"
+
+
+def _segment_end(lo: int) -> int:
+    """The last step of the segment that starts at `lo`: before the next multiple of SEGMENT_STEPS."""
+    return (lo // SEGMENT_STEPS + 1) * SEGMENT_STEPS - 1
 
 
 def _report_key(gen: int, step: int) -> str:
@@ -159,9 +174,19 @@ class LedgerWriter:
         start_step: The step this run starts planning at.
         fingerprints: The job's settings fingerprints (what a later resume compares against).
         sources: The job's source names.
+        keep_detail_steps: Thin segments that end this many steps or more before the slowest
+            rank (see the module docstring); None keeps every record whole.
     """
 
-    def __init__(self, reader: LedgerReader, *, start_step: int, fingerprints: Mapping[str, str], sources: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        reader: LedgerReader,
+        *,
+        start_step: int,
+        fingerprints: Mapping[str, str],
+        sources: tuple[str, ...],
+        keep_detail_steps: int | None = None,
+    ) -> None:
         self.storage = storage = reader.storage
         gen = (reader.generations[-1].gen + 1) if reader.generations else 1
         head = {"start_step": start_step, "fingerprints": dict(fingerprints), "sources": list(sources), "created": time.time()}
@@ -169,7 +194,9 @@ class LedgerWriter:
             gen += 1  # another planner claimed it: never share a generation
         self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources))
         self._prefix = _gen_prefix(gen)
-        self._next_segment = start_step - start_step % SEGMENT_STEPS + (SEGMENT_STEPS if start_step % SEGMENT_STEPS else 0)
+        self._next_segment = start_step  # a generation's first segment ends at the next multiple of SEGMENT_STEPS
+        self._next_thin = start_step
+        self._keep_detail_steps = keep_detail_steps
         self.bytes_written = 0
 
     def append(self, record: Mapping[str, Any]) -> None:
@@ -196,21 +223,37 @@ class LedgerWriter:
                 report it applied: reports of steps whose applying record was folded are deleted.
         """
         written = 0
-        while self._next_segment + SEGMENT_STEPS <= below_step:
-            lo, hi = self._next_segment, self._next_segment + SEGMENT_STEPS - 1
+        while _segment_end(self._next_segment) < below_step:
+            lo, hi = self._next_segment, _segment_end(self._next_segment)
             keys = [f"{self._prefix}steps/{s:012d}.json" for s in range(lo, hi + 1)]
             records = [json.loads(self.storage.get(k)) for k in keys]
             self.storage.put_if_absent(f"{self._prefix}segments/{lo:012d}-{hi:012d}.json.gz", gzip.compress(b"[" + b",".join(_encode(r) for r in records) + b"]"))
             for key in keys:
                 self.storage.delete(key)
-            self._next_segment += SEGMENT_STEPS
+            self._next_segment = hi + 1
             written += 1
+        if self._keep_detail_steps is not None:
+            self._thin(below_step - self._keep_detail_steps)
         if written and report_delay is not None:
             for key in self.storage.list(f"{self._prefix}reports/"):
                 m = _REPORT.search(key)
                 if m and int(m.group(1)) + report_delay < self._next_segment:
                     self.storage.delete(key)
         return written
+
+
+    def _thin(self, below_step: int) -> None:
+        """Rewrites this generation's whole segments that end before `below_step` without the
+        records' detail fields (thinned copy first, then the whole one deleted: a crash between
+        leaves both, and readers take the whole one)."""
+        while self._next_thin < self._next_segment and _segment_end(self._next_thin) < below_step:
+            lo, hi = self._next_thin, _segment_end(self._next_thin)
+            whole = f"{self._prefix}segments/{lo:012d}-{hi:012d}.json.gz"
+            records = json.loads(gzip.decompress(self.storage.get(whole)))
+            thin = [{k: v for k, v in r.items() if k not in DETAIL_FIELDS} for r in records]
+            self.storage.put_if_absent(whole.replace(".json.gz", ".thin.json.gz"), gzip.compress(_encode(thin)))
+            self.storage.delete(whole)
+            self._next_thin = hi + 1
 
 
 def ledger_size(storage: Storage) -> int:

@@ -20,25 +20,33 @@ class Sighting:
     epoch: int
 
 
+def is_thinned(record: Mapping[str, Any]) -> bool:
+    """True for a record of a thinned segment: it has no per-rank sample lists."""
+    return "ranks" not in record
+
+
 def step_table(record: Mapping[str, Any], sources: Sequence[str]) -> list[dict[str, Any]]:
     """One row per (bucket, microbatch) of a step: its samples as "source:row" (with "@epoch"
-    past the first pass) and their count."""
+    past the first pass) and their count; none for a thinned record."""
     rows = []
-    for bucket, microbatches in enumerate(record["ranks"]):
+    for bucket, microbatches in enumerate(record.get("ranks", ())):
         for m, samples in enumerate(microbatches):
             names = [f"{sources[k]}:{row}" + (f"@{epoch}" if epoch else "") for k, row, epoch in samples]
             rows.append({"bucket": bucket, "microbatch": m, "samples": len(samples), "ids": names})
     return rows
 
 
-def find(records: Iterable[Mapping[str, Any]], source: int, row: int) -> list[Sighting]:
-    """Every delivery of sample `row` of source index `source`, in step order."""
-    seen = []
+def find(records: Iterable[Mapping[str, Any]], source: int, row: int) -> tuple[list[Sighting], list[int]]:
+    """Every delivery of sample `row` of source index `source`, in step order, and the steps
+    that cannot tell (thinned records)."""
+    seen, thinned = [], []
     for record in records:
-        for bucket, microbatches in enumerate(record["ranks"]):
+        if is_thinned(record):
+            thinned.append(record["step"])
+        for bucket, microbatches in enumerate(record.get("ranks", ())):
             for m, samples in enumerate(microbatches):
                 seen.extend(Sighting(record["step"], bucket, m, e) for k, r, e in samples if k == source and r == row)
-    return seen
+    return seen, thinned
 
 
 def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
