@@ -112,31 +112,41 @@ def collect(
     os.environ["BATCHPLANE_ENDPOINTS"] = str(endpoints)
     results: dict[int, list[Batch]] = {}
     final_states: dict[int, dict] = {}
-    failures: list[BaseException] = []
 
     def run(rank: int) -> None:
+        with Client(rank=rank, timeout_s=60) as client:
+            if states and rank in states:
+                client.load_state_dict(states[rank])
+            out = []
+            for batch in client:
+                out.append(to_numpy(batch))
+                if stop_after is not None and len(out) >= stop_after:
+                    break
+            results[rank] = out
+            final_states[rank] = client.state_dict()
+
+    run_ranks(run, ranks)
+    return results, final_states
+
+
+def run_ranks(fn: Callable[[int], None], ranks: Sequence[int]) -> None:
+    """Runs `fn(rank)` for every rank at once, one thread each (as trainers run), and re-raises
+    the first failure in the calling thread."""
+    failures: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
         try:
-            with Client(rank=rank, timeout_s=60) as client:
-                if states and rank in states:
-                    client.load_state_dict(states[rank])
-                out = []
-                for batch in client:
-                    out.append(to_numpy(batch))
-                    if stop_after is not None and len(out) >= stop_after:
-                        break
-                results[rank] = out
-                final_states[rank] = client.state_dict()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
             failures.append(exc)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     if failures:
         raise failures[0]
-    return results, final_states
 
 
 def sample_ids(batches: list[Batch]) -> list[list[list[tuple[int, int]]]]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import threading
 
 import numpy as np
 import pytest
-from harness import ledger_records, skewed_lengths, start_cluster, write_job, write_source
+from harness import run_ranks, ledger_records, skewed_lengths, start_cluster, write_job, write_source
 
 from batchplane.client import Client, InvalidRequestError
 
@@ -38,33 +37,23 @@ def _train(endpoints: pathlib.Path, *, states: dict | None = None, stop_after: i
     source's samples it trained on. Returns each rank's state_dict."""
     os.environ["BATCHPLANE_ENDPOINTS"] = str(endpoints)
     out: dict[int, dict] = {}
-    failures: list[BaseException] = []
 
     def run(rank: int) -> None:
-        try:
-            with Client(rank=rank, timeout_s=60) as client:
-                if states:
-                    client.load_state_dict(states[rank])
-                for n, batch in enumerate(client, 1):
-                    if rank == 0:
-                        losses: dict[str, list[float]] = {}
-                        for mb in batch["microbatches"]:
-                            for k, row in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist()):
-                                losses.setdefault(batch["sources"][k], []).append(_loss(k, row, batch["step"]))
-                        assert client.report(batch["step"], {name: float(np.mean(v)) for name, v in losses.items()})
-                    if stop_after is not None and n >= stop_after:
-                        break
-                out[rank] = client.state_dict()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            failures.append(exc)
+        with Client(rank=rank, timeout_s=60) as client:
+            if states:
+                client.load_state_dict(states[rank])
+            for n, batch in enumerate(client, 1):
+                if rank == 0:
+                    losses: dict[str, list[float]] = {}
+                    for mb in batch["microbatches"]:
+                        for k, row in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist()):
+                            losses.setdefault(batch["sources"][k], []).append(_loss(k, row, batch["step"]))
+                    assert client.report(batch["step"], {name: float(np.mean(v)) for name, v in losses.items()})
+                if stop_after is not None and n >= stop_after:
+                    break
+            out[rank] = client.state_dict()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if failures:
-        raise failures[0]
+    run_ranks(run, (0, 1))
     return out
 
 

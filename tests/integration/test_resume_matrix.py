@@ -11,12 +11,11 @@ import dataclasses
 import json
 import pathlib
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from harness import SourceData, skewed_lengths, start_cluster, write_job, write_source
+from harness import run_ranks, SourceData, skewed_lengths, start_cluster, write_job, write_source
 
 from batchplane.client import Client
 from batchplane.core.mesh import ClientPlaceTree
@@ -92,39 +91,29 @@ def _collect(
     deliveries: dict[int, list[Delivery]] = {}
     final_states: dict[int, dict] = {}
     resumed_across: dict[int, tuple[str, ...]] = {}
-    failures: list[BaseException] = []
 
     def run(rank: int) -> None:
-        try:
-            with Client(addresses[str(rank)], rank=rank, timeout_s=60) as client:
-                if states is not None:
-                    client.load_state_dict(states[rank])
-                out = []
-                for batch in client:
-                    place = (batch["rank"], batch["pp_rank"], batch["dp_rank"], batch["cp_rank"], batch["tp_rank"])
-                    c = tree.coords(rank)
-                    assert place == (rank, c.pp, c.dp, c.cp, c.tp), f"rank {rank} at step {batch['step']} says it is at {place}"
-                    samples = tuple(
-                        (int(k), int(r))
-                        for mb in batch["microbatches"]
-                        for k, r in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
-                    )
-                    out.append(Delivery(batch["step"], rank, c.pp, c.dp, c.cp, c.tp, samples))
-                    if stop_after is not None and len(out) >= stop_after:
-                        break
-                deliveries[rank] = out
-                final_states[rank] = client.state_dict()
-                resumed_across[rank] = client.resumed_across
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            failures.append(exc)
+        with Client(addresses[str(rank)], rank=rank, timeout_s=60) as client:
+            if states is not None:
+                client.load_state_dict(states[rank])
+            out = []
+            for batch in client:
+                place = (batch["rank"], batch["pp_rank"], batch["dp_rank"], batch["cp_rank"], batch["tp_rank"])
+                c = tree.coords(rank)
+                assert place == (rank, c.pp, c.dp, c.cp, c.tp), f"rank {rank} at step {batch['step']} says it is at {place}"
+                samples = tuple(
+                    (int(k), int(r))
+                    for mb in batch["microbatches"]
+                    for k, r in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
+                )
+                out.append(Delivery(batch["step"], rank, c.pp, c.dp, c.cp, c.tp, samples))
+                if stop_after is not None and len(out) >= stop_after:
+                    break
+            deliveries[rank] = out
+            final_states[rank] = client.state_dict()
+            resumed_across[rank] = client.resumed_across
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(tree.world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if failures:
-        raise failures[0]
+    run_ranks(run, range(tree.world))
     assert set(deliveries) == set(range(tree.world)), f"clients of ranks {sorted(set(range(tree.world)) - set(deliveries))} never finished"
     return Run(mesh, deliveries, final_states, resumed_across)
 

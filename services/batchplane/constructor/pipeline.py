@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -38,6 +39,7 @@ from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, 
 from batchplane.wire import PayloadReceiver, decode_array, encode_array
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,23 +301,19 @@ class StepPipeline:
 
     def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
         """Forwards a trainer's training report to the planner."""
-        try:
-            return call_with_retry(
-                lambda: self._planner.Report(request, timeout=10),
-                what=f"Report(step {request.step}) to planner at {self._planner_address}",
-                deadline_s=self._job.network.rpc_timeout_s,
-                should_stop=lambda: self._stopped,
-            )
-        except grpc.RpcError as exc:
-            raise reraise(exc, f"planner at {self._planner_address}") from exc
+        return self._call_planner(lambda: self._planner.Report(request, timeout=10), f"Report(step {request.step}) to")
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         resume = self._resume if step == self._start else {}
         request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume)
+        return self._call_planner(lambda: self._planner.GetPlan(request, timeout=10), f"GetPlan(step {step}) from")
+
+    def _call_planner(self, call: Callable[[], T], what: str) -> T:
+        """`call` retried while the planner is unavailable, within the job's RPC timeout."""
         try:
             return call_with_retry(
-                lambda: self._planner.GetPlan(request, timeout=10),
-                what=f"GetPlan(step {step}) from planner at {self._planner_address}",
+                call,
+                what=f"{what} planner at {self._planner_address}",
                 deadline_s=self._job.network.rpc_timeout_s,
                 should_stop=lambda: self._stopped,
             )
