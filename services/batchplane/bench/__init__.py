@@ -23,6 +23,8 @@ BENCHMARKS = {
     "balance": "batchplane.bench.balance",
     "token-budget": "batchplane.bench.token_budget",
     "plan-latency": "batchplane.bench.plan_latency",
+    "mixture": "batchplane.bench.mixture",
+    "ledger": "batchplane.bench.ledger",
 }
 
 

@@ -70,7 +70,7 @@ class LedgerSettings:
 
     #: Keep each rank's sample lists (what `batchplane ledger show/find` read) for steps less
     #: than this many behind the slowest rank; older segments keep per-source seq ranges,
-    #: tokens, shares and cursors only, a few hundred bytes per 1,000 steps. None keeps all.
+    #: tokens, shares and cursors only (about 80 bytes a step with 4 sources). None keeps all.
     keep_detail_steps: int | None = None
 
 

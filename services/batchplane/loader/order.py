@@ -12,8 +12,8 @@ same stream, and `seq = epoch * num_rows + position` names one row forever.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,13 +70,22 @@ class SampleOrder:
         self.key = stable_key(source_name)
         self.window_row_groups = window_row_groups
         self.shuffle = shuffle
+        self._windows: dict[int, tuple[Window, ...]] = {}  # the latest epochs' windows
+        self._lock = threading.Lock()
 
     def _rng(self, *parts: int) -> np.random.Generator:
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.key, *parts])))
 
-    @functools.lru_cache(maxsize=4)
     def windows(self, epoch: int) -> tuple[Window, ...]:
-        """The windows of `epoch`, in consumption order."""
+        """The windows of `epoch`, in consumption order (kept for the two latest epochs)."""
+        with self._lock:
+            if epoch not in self._windows:
+                if len(self._windows) >= 2:
+                    del self._windows[min(self._windows)]
+                self._windows[epoch] = self._make_windows(epoch)
+            return self._windows[epoch]
+
+    def _make_windows(self, epoch: int) -> tuple[Window, ...]:
         groups = np.arange(len(self.row_group_sizes))
         if self.shuffle:
             groups = self._rng(epoch).permutation(groups)

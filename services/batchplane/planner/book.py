@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from concurrent import futures
 from collections.abc import Mapping
 
 import numpy as np
@@ -104,6 +105,8 @@ class PlanBook:
         self._consumed_below = 0
         self._failure: str | None = None
         self._stopped = False
+        self._compactor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-compaction")
+        self._compacting: futures.Future | None = None
         self._thread = threading.Thread(target=self._plan_loop, name="planning", daemon=True)
         self._thread.start()
 
@@ -352,7 +355,11 @@ class PlanBook:
             self.shares = allocation.shares
             self._cond.notify_all()
         self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
-        self._writer.compact(self._consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None)
+        if self._compacting is None or self._compacting.done():  # compaction never stalls planning
+            self._compacting = self._compactor.submit(
+                self._writer.compact, self._consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None
+            )
+            self._compacting.add_done_callback(_log_failure)
 
     def _adapt(self, step: int) -> list[tuple[int, dict | None]] | None:
         """Applies the reports of the steps up to step - delay_steps (waiting for them) and sets
@@ -430,3 +437,11 @@ class PlanBook:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        self._compactor.shutdown(wait=True)
+
+
+def _log_failure(done: futures.Future) -> None:
+    """Logs a compaction that failed; the ledger stays whole (the steps stay as they were) and the
+    next step tries again."""
+    if not done.cancelled() and done.exception() is not None:
+        log.error("compacting the ledger failed", exc_info=done.exception())
