@@ -177,3 +177,30 @@ def test_reports_are_kept_first_wins_by_generation_and_deleted_once_folded() -> 
     second.compact(SEGMENT_STEPS + 20, report_delay=8)
     left = [int(k[-17:-5]) for k in storage.list("gen-000002/reports/")]
     assert left == list(range(SEGMENT_STEPS - 8, SEGMENT_STEPS + 20)), "reports whose applying record was folded are gone"
+
+
+def test_a_generation_supersedes_every_later_step_even_those_it_has_not_planned_yet() -> None:
+    storage = MemoryStorage()
+    _write(storage, 0, 12)
+    _write(storage, 8, 10, tag=1)  # restarted at 8, planned only 8 and 9 so far
+    reader = LedgerReader(storage)
+    assert reader.record(10) is None and reader.owner(11) is None
+    assert reader.last_step() == 9
+    assert [r["step"] for r in reader.records()] == list(range(10))
+    _write(storage, 5, 6, tag=2)  # resumed from an older checkpoint: supersedes generation 2 too
+    reader = LedgerReader(storage)
+    assert reader.last_step() == 5 and reader.record(8) is None and reader.record(5)["tokens"]["code"] == 12
+
+
+def test_a_new_generation_folds_the_loose_steps_earlier_ones_left() -> None:
+    storage = MemoryStorage()
+    first = _write(storage, 0, SEGMENT_STEPS + 6)
+    first.compact(SEGMENT_STEPS + 3)  # a restart at 1003: steps 1000..1005 of generation 1 stay loose
+    before = [LedgerReader(storage).record(s) for s in range(SEGMENT_STEPS + 3)]
+    second = _write(storage, SEGMENT_STEPS + 3, SEGMENT_STEPS + 8, tag=1)
+    second.compact(SEGMENT_STEPS + 3)
+    assert storage.list("gen-000001/steps/") == []
+    assert "gen-000001/segments/000000001000-000000001005.json.gz" in storage.list("gen-000001/segments/")
+    reader = LedgerReader(storage)
+    assert [reader.record(s) for s in range(SEGMENT_STEPS + 3)] == before
+    assert reader.owner(SEGMENT_STEPS + 4).gen == 2

@@ -53,7 +53,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         metrics=ServerMetrics("constructor", registry),
         max_message_bytes=job.network.max_message_bytes,
     )
-    address = process.listen or f"{job.network.host}:{port}"
+    address = process.advertise or process.listen or f"{job.network.host}:{port}"
     info = _register(job, process, address, ranks)
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
     pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook)

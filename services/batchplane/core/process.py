@@ -44,6 +44,9 @@ class ProcessSettings:
     port: int = 0
     #: gRPC address override, e.g. "unix:///run/batchplane/constructor.sock".
     listen: str | None = None
+    #: The address other parts reach this one at (e.g. the pod's IP and port in a cluster);
+    #: None: the address it serves on.
+    advertise: str | None = None
     #: Metrics HTTP port; 0 picks a free one.
     metrics_port: int = 0
     #: Where to write {"address", "metrics_port", "pid"} once serving.
@@ -69,6 +72,7 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     parser.add_argument("--listen", help="gRPC address instead of host:port, e.g. unix:///run/x.sock")
+    parser.add_argument("--advertise", help="address other parts reach this one at (default: the served address), e.g. $(POD_IP):50052")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (default: any free port)")
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")

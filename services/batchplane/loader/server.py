@@ -94,7 +94,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         )
         loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
         server.start()
-        address = process.listen or f"{job.network.host}:{port}"
+        address = process.advertise or process.listen or f"{job.network.host}:{port}"
         running = RunningLoader(address, server, streams)
         info = _register(job, process, address, streams)
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))

@@ -170,13 +170,7 @@ def update(rule: AdaptiveRule, state: AdaptiveState, losses: Mapping[str, float]
     names = rule.source_names
     if not (len(state.weights) == len(state.ema) == len(state.progress) == len(names)):
         raise ScheduleError(_STATE, f"must have one weight, ema and progress per source ({len(names)})", state)
-    if not isinstance(losses, Mapping):
-        raise ScheduleError(_REPORT, "must be a mapping of source name to mean loss", losses)
-    for name, loss in losses.items():
-        if name not in names:
-            raise ScheduleError(_REPORT, f"{name!r} names no source; sources are {', '.join(names)}", loss)
-        if not _is_number(loss) or not math.isfinite(loss) or loss < 0:
-            raise ScheduleError(_REPORT, f"the loss of source {name!r} must be a finite number >= 0", loss)
+    check_report(rule, losses)
     beta = rule.smoothing
     ema, progress = list(state.ema), list(state.progress)
     for k, name in enumerate(names):
@@ -202,6 +196,22 @@ def update(rule: AdaptiveRule, state: AdaptiveState, losses: Mapping[str, float]
     lower = [max(lo, w - c) for lo, w in zip(rule.minimum, state.weights)]
     upper = [min(hi, w + c) for hi, w in zip(rule.maximum, state.weights)]
     return dataclasses.replace(after, weights=project(target, lower, upper))
+
+
+def check_report(rule: AdaptiveRule, losses: Mapping[str, float]) -> None:
+    """Checks one step's report.
+
+    Raises:
+        ScheduleError: field "mixture.adaptive report" for something else than a mapping, a name
+            that is no source or a loss that is not a finite number >= 0 (naming the source).
+    """
+    if not isinstance(losses, Mapping):
+        raise ScheduleError(_REPORT, "must be a mapping of source name to mean loss", losses)
+    for name, loss in losses.items():
+        if name not in rule.source_names:
+            raise ScheduleError(_REPORT, f"{name!r} names no source; sources are {', '.join(rule.source_names)}", loss)
+        if not _is_number(loss) or not math.isfinite(loss) or loss < 0:
+            raise ScheduleError(_REPORT, f"the loss of source {name!r} must be a finite number >= 0", loss)
 
 
 def project(target: Sequence[float], lower: Sequence[float], upper: Sequence[float]) -> Weights:

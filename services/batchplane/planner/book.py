@@ -16,7 +16,6 @@ earlier step afterwards is refused as consumed. Each step is planned by the job'
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent import futures
@@ -27,7 +26,7 @@ import numpy as np
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
-from batchplane.planner.adaptive import AdaptiveState, state_from_json as adaptive_from_json, state_to_json as adaptive_to_json, update
+from batchplane.planner.adaptive import AdaptiveState, check_report, state_from_json as adaptive_from_json, state_to_json as adaptive_to_json, update
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.journal import LedgerReader, LedgerWriter
@@ -36,6 +35,7 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
+from batchplane.planner.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 
@@ -275,11 +275,10 @@ class PlanBook:
             return False, "the job's mixture is not adaptive (mixture.schedule.kind), so reports are not used"
         if step < 0:
             raise InvalidArgument(f"report: step must be >= 0, got {step}")
-        for name, loss in losses.items():
-            if name not in self._job.source_names:
-                raise InvalidArgument(f"report of step {step}: {name!r} names no source; sources are {', '.join(self._job.source_names)}")
-            if not (math.isfinite(loss) and loss >= 0):
-                raise InvalidArgument(f"report of step {step}: the loss of source {name!r} must be a finite number >= 0, got {loss!r}")
+        try:
+            check_report(self._adaptive, losses)
+        except ScheduleError as exc:
+            raise InvalidArgument(f"report of step {step}: {exc.problem}, got {exc.value!r}") from exc
         with self._cond:
             writer, start = self._writer, self.start_step
         if writer is None:

@@ -14,7 +14,8 @@ writes each step's record once with put_if_absent: nothing is ever overwritten, 
 point leaves a ledger that opens. A generation supersedes the earlier ones from its start step
 on: the steps an earlier run planned ahead but no trainer checkpointed past are planned again,
 possibly differently (another mixture, another mesh). Reading step s takes the newest generation
-that started at or before s and holds s.
+that started at or before s; if it has not recorded s, no record of s counts. A new generation
+folds the step records earlier ones left loose into segments, so restarts leave nothing behind.
 
 A record holds the step's target shares, the seq range taken from each source, tokens per
 source, each rank's microbatches by sample identity, and the mixture state after the step, so a
@@ -138,10 +139,11 @@ class LedgerReader:
         return json.loads(self.storage.get(key))
 
     def owner(self, step: int) -> Generation | None:
-        """The generation whose record of `step` counts (newest started at or before it)."""
+        """The generation whose record of `step` counts: the newest that started at or before
+        it, if it holds it (an earlier one's record of that step was superseded)."""
         for g in reversed(self.generations):
-            if g.start_step <= step and step in self._keys(g.gen):
-                return g
+            if g.start_step <= step:
+                return g if step in self._keys(g.gen) else None
         return None
 
     def record(self, step: int) -> dict | None:
@@ -160,9 +162,9 @@ class LedgerReader:
         return None
 
     def last_step(self) -> int | None:
-        """The latest step any generation recorded."""
-        steps = [max(self._keys(g.gen)) for g in self.generations if self._keys(g.gen)]
-        return max(steps) if steps else None
+        """The latest step whose record counts (see `owner`)."""
+        steps = sorted({step for g in self.generations for step in self._keys(g.gen)}, reverse=True)
+        return next((step for step in steps if self.owner(step) is not None), None)
 
     def records(self, first: int = 0, last: int | None = None) -> Iterator[dict]:
         """The authoritative records of steps first..last (inclusive) that exist, in order."""
@@ -202,6 +204,7 @@ class LedgerWriter:
         while not storage.put_if_absent(f"{_gen_prefix(gen)}head.json", _encode(head)):
             gen += 1  # another planner claimed it: never share a generation
         self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources))
+        self._earlier = [g.gen for g in reader.generations if g.gen < gen]  # whose loose steps to fold once
         self._prefix = _gen_prefix(gen)
         self._next_segment = start_step  # a generation's first segment ends at the next multiple of SEGMENT_STEPS
         self._next_thin = start_step
@@ -234,6 +237,8 @@ class LedgerWriter:
                 report it applied: reports of steps whose applying record was folded are deleted.
         """
         written = 0
+        if self._earlier:
+            self._fold_earlier()
         below_step = min(below_step, self._appended_through + 1)  # only steps this run wrote
         while _segment_end(self._next_segment) < below_step:
             lo, hi = self._next_segment, _segment_end(self._next_segment)
@@ -253,6 +258,27 @@ class LedgerWriter:
                     self.storage.delete(key)
         return written
 
+
+    def _fold_earlier(self) -> None:
+        """Folds the step records earlier generations left loose (the steps they planned past
+        their last segment, superseded or not) into segments, so restarts do not accumulate
+        them."""
+        for gen in self._earlier:
+            prefix = _gen_prefix(gen)
+            steps = sorted(int(m.group(1)) for key in self.storage.list(prefix + "steps/") if (m := _STEP.search(key)))
+            runs: list[list[int]] = []
+            for step in steps:
+                if runs and step == runs[-1][-1] + 1 and step <= _segment_end(runs[-1][0]):
+                    runs[-1].append(step)
+                else:
+                    runs.append([step])
+            for run in runs:
+                keys = [f"{prefix}steps/{s:012d}.json" for s in run]
+                lines = b"\n".join(self.storage.get(k) for k in keys)
+                self.storage.put_if_absent(f"{prefix}segments/{run[0]:012d}-{run[-1]:012d}.json.gz", gzip.compress(lines, compresslevel=_GZIP_LEVEL))
+                for key in keys:
+                    self.storage.delete(key)
+        self._earlier = []
 
     def _thin(self, below_step: int) -> None:
         """Rewrites this generation's whole segments that end before `below_step` without the

@@ -70,6 +70,6 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book), server)
     server.start()
     set_serving(health, "batchplane.v1.Planner")
-    address = process.listen or f"{job.network.host}:{port}"
+    address = process.advertise or process.listen or f"{job.network.host}:{port}"
     log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe())
     return RunningPlanner(address, server, book, puller)
