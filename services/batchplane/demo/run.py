@@ -72,9 +72,11 @@ def write_job(workdir: pathlib.Path) -> pathlib.Path:
 
 
 def ensure_dataset(workdir: pathlib.Path) -> None:
-    """Writes the demo dataset once (a marker file records that it is complete)."""
+    """Writes the demo dataset once: a marker file records that it is complete and what it
+    holds, so a dataset written by another version is written again."""
     marker = workdir / "data" / ".complete"
-    if marker.exists():
+    spec = repr(DEMO_SOURCES)
+    if marker.exists() and marker.read_text() == spec:
         print(f"demo dataset: {workdir / 'data'} (already written)")
         return
     shutil.rmtree(workdir / "data", ignore_errors=True)
@@ -87,7 +89,7 @@ def ensure_dataset(workdir: pathlib.Path) -> None:
 
     write_demo_dataset(workdir / "data", progress=progress)
     print()
-    marker.write_text("")
+    marker.write_text(spec)
 
 
 def _bar(label: str, done: int, total: int, width: int = 30) -> None:
