@@ -23,6 +23,8 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     steps = len(batches[0])
     planner = pages["planner"]
     assert planner["batchplane_planner_steps_planned_total"] == steps
+    assert planner["batchplane_planner_step"] == steps - 1
+    assert planner['batchplane_planner_mixture_weight_ratio{source="x"}'] + planner['batchplane_planner_mixture_weight_ratio{source="y"}'] == pytest.approx(1)
     assert planner['batchplane_planner_samples_total{source="x"}'] == 90
     target = planner['batchplane_planner_mixture_target_ratio{source="x"}']
     realized = planner['batchplane_planner_mixture_realized_ratio{source="x"}']
@@ -42,6 +44,7 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
         assert loader[f'batchplane_loader_samples_read_total{{source="{source}"}}'] == 90
         assert loader[f'batchplane_loader_samples_sent_total{{source="{source}"}}'] == 90
         assert loader["batchplane_loader_sent_bytes_total"] > 0
+        assert loader[f'batchplane_loader_read_seconds_total{{source="{source}"}}'] > 0
         assert f'batchplane_loader_buffer_samples{{source="{source}"}}' in loader
         assert "batchplane_loader_buffer_bytes" in loader
     for name in ("constructor-0", "constructor-1"):

@@ -54,7 +54,7 @@ def violations(module_names: list[str], forbidden: tuple[str, ...]) -> list[str]
 
 
 SERVICES = ("batchplane.planner", "batchplane.loader", "batchplane.constructor")
-SERVICE_SIDE = (*SERVICES, "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli")
+SERVICE_SIDE = (*SERVICES, "batchplane.operator", "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli")
 PURE = (
     "batchplane.planner.mixture",
     "batchplane.planner.plan",
@@ -69,6 +69,8 @@ PURE = (
     "batchplane.planner.lineage",
     "batchplane.planner.schedule",
     "batchplane.planner.adaptive",
+    "batchplane.operator.policy",
+    "batchplane.operator.partition",
     "batchplane.loader.order",
     "batchplane.constructor.hooks",
     "batchplane.constructor.assemble",
@@ -98,6 +100,10 @@ def test_services_do_not_import_each_other(service: str) -> None:
 
 def test_core_imports_no_service() -> None:
     assert violations(owned_by("batchplane.core"), (*SERVICES, "batchplane.launcher", "batchplane.demo")) == []
+
+
+def test_the_operator_drives_services_only_through_their_metrics_and_the_kubernetes_api() -> None:
+    assert violations(owned_by("batchplane.operator"), ("batchplane.loader", "batchplane.constructor", "batchplane.launcher", "grpc")) == []
 
 
 def test_client_imports_only_torch_grpc_protobuf_numpy_and_the_contract() -> None:

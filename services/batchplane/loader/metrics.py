@@ -15,6 +15,13 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.read_seconds = Counter(
+            "batchplane_loader_read_seconds_total",
+            "Time spent reading, decoding, transforming and shuffling windows, by source (the source's name): "
+            "its rate over the rate of samples_read_total is the loader's cost per sample.",
+            ["source"],
+            registry=registry,
+        )
         self.samples_sent = Counter(
             "batchplane_loader_samples_sent_total",
             "Samples sent to constructors, by source (the source's name).",

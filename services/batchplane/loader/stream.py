@@ -20,6 +20,7 @@ import bisect
 import dataclasses
 import logging
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -255,6 +256,7 @@ class SourceStream:
                 if self._closed:
                     return
                 seq = self._read_seq
+            begin = time.perf_counter()
             try:
                 window = self._read_window(seq)
             except Exception:  # noqa: BLE001 - a reader must not die silently
@@ -262,6 +264,7 @@ class SourceStream:
                 with self._cond:
                     self._cond.wait(timeout=1.0)
                 continue
+            self._metrics.read_seconds.labels(self.name).inc(time.perf_counter() - begin)
             with self._cond:
                 self._windows.append(window)
                 self._budget.add(window.nbytes)

@@ -25,6 +25,11 @@ class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry, *, source_names: Sequence[str], target_weights: Sequence[float]) -> None:
         self._names = tuple(source_names)
         self.steps = Counter("batchplane_planner_steps_planned_total", "Steps planned.", registry=registry)
+        self.step = Gauge(
+            "batchplane_planner_step",
+            "The latest planned step of the job (absolute: it continues across planner restarts and resumes).",
+            registry=registry,
+        )
         self.plan_latency = Histogram(
             "batchplane_planner_plan_duration_seconds",
             "Time to plan one step once its sample metadata is known (mixing, costing, balancing, ledger).",
@@ -96,6 +101,7 @@ class PlannerMetrics:
     def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
         """Records one planned step."""
         self.steps.inc()
+        self.step.set(allocation.step)
         self.plan_latency.observe(planned_s)
         self.summary_wait.inc(waited_s)
         good = np.bincount(plan.samples.source, minlength=len(self._names))

@@ -1,0 +1,1 @@
+"""The Kubernetes operator: partitioning sources into loader groups and scaling them from the mixture."""
