@@ -25,3 +25,10 @@ def test_without_advertise_the_served_address_is_used() -> None:
 def test_the_configuration_is_required() -> None:
     with pytest.raises(SystemExit):
         parse_process_args("planner", [])
+
+
+def test_listen_takes_only_a_unix_socket(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_process_args("constructor", ["-c", "j.yaml", "--listen", "unix:///run/c.sock"]).listen == "unix:///run/c.sock"
+    with pytest.raises(SystemExit):
+        parse_process_args("planner", ["-c", "j.yaml", "--listen", "0.0.0.0:50051"])
+    assert "--listen takes a Unix socket address" in capsys.readouterr().err

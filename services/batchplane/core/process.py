@@ -42,7 +42,7 @@ class ProcessSettings:
     planner: str | None = None
     #: gRPC port; 0 picks a free one.
     port: int = 0
-    #: gRPC address override, e.g. "unix:///run/batchplane/constructor.sock".
+    #: A Unix socket to serve gRPC on instead of host:port, e.g. "unix:///run/batchplane/constructor.sock".
     listen: str | None = None
     #: The address other parts reach this one at (e.g. the pod's IP and port in a cluster);
     #: None: the address it serves on.
@@ -71,13 +71,15 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--index", type=int, default=0, help=f"this {part}'s index in the job (default 0)")
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
-    parser.add_argument("--listen", help="gRPC address instead of host:port, e.g. unix:///run/x.sock")
+    parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/x.sock")
     parser.add_argument("--advertise", help="address other parts reach this one at (default: the served address), e.g. $(POD_IP):50052")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (default: any free port)")
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
     parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
     ns = parser.parse_args(argv)
+    if ns.listen is not None and not ns.listen.startswith("unix:"):
+        parser.error(f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host")
     return ProcessSettings(**vars(ns))
 
 

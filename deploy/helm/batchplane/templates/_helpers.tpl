@@ -1,0 +1,404 @@
+{{/*
+Names, labels, the job configuration and the pieces trainer pods include.
+
+Templates meant for users' own pod specs (see deploy/helm/README.md):
+  batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
+  batchplane.volumes              the socket emptyDir, the job ConfigMap and a /tmp emptyDir
+  batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR and BATCHPLANE_CONSTRUCTOR_INDEX
+  batchplane.trainerVolumeMounts  the socket folder, for the trainer container
+  batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
+  batchplane.trainerPodAnnotations  scrape annotations for the sidecar's metrics port
+Each takes this chart's context: `.` inside this chart, `.Subcharts.batchplane` in a parent chart.
+*/}}
+
+{{/* Fixed ports: the operator and the DataPlane contract rely on them. */}}
+{{- define "batchplane.plannerGrpcPort" -}}50051{{- end }}
+{{- define "batchplane.loaderGrpcPort" -}}50052{{- end }}
+{{- define "batchplane.metricsPort" -}}9100{{- end }}
+{{- define "batchplane.socketDir" -}}/run/batchplane{{- end }}
+{{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
+{{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
+
+{{- define "batchplane.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name: the prefix of every resource and the DataPlane's name. At most 40 characters, so
+that "<name>-<component>" names stay distinct and within 63.
+*/}}
+{{- define "batchplane.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<suffix>", e.g. (dict "root" . "suffix" "planner"). */}}
+{{- define "batchplane.componentName" -}}
+{{- printf "%s-%s" (include "batchplane.fullname" .root) .suffix | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "batchplane.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "batchplane.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "batchplane.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "batchplane.labels" -}}
+helm.sh/chart: {{ include "batchplane.chart" . }}
+{{ include "batchplane.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: batchplane
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one component: (dict "root" . "component" "planner"). */}}
+{{- define "batchplane.componentLabels" -}}
+{{ include "batchplane.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "batchplane.componentSelectorLabels" -}}
+{{ include "batchplane.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "batchplane.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "batchplane.plannerHost" -}}
+{{- printf "%s.%s.svc" (include "batchplane.componentName" (dict "root" . "suffix" "planner")) .Release.Namespace }}
+{{- end }}
+
+{{/* The planner's gRPC address, as loaders and constructors dial it. */}}
+{{- define "batchplane.plannerAddress" -}}
+{{- printf "%s:%s" (include "batchplane.plannerHost" .) (include "batchplane.plannerGrpcPort" .) }}
+{{- end }}
+
+{{- define "batchplane.jobConfigMapName" -}}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "job") }}
+{{- end }}
+
+{{- define "batchplane.world" -}}
+{{- $m := .Values.mesh }}
+{{- mul (int $m.dp) (int $m.cp) (int $m.tp) (int $m.pp) }}
+{{- end }}
+
+{{/* Trainer pods (= constructors): ceil(world / trainer.ranksPerPod). */}}
+{{- define "batchplane.trainerPods" -}}
+{{- $world := include "batchplane.world" . | int }}
+{{- $per := int .Values.trainer.ranksPerPod }}
+{{- div (add $world $per -1) $per }}
+{{- end }}
+
+{{- define "batchplane.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ int .Values.securityContext.runAsUser }}
+runAsGroup: {{ int .Values.securityContext.runAsGroup }}
+fsGroup: {{ int .Values.securityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "batchplane.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ int .Values.securityContext.runAsUser }}
+runAsGroup: {{ int .Values.securityContext.runAsGroup }}
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+privileged: false
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Environment of every batchplane service container (read-only root: nothing is written
+outside the mounted emptyDirs). */}}
+{{- define "batchplane.serviceEnv" -}}
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* Scrape annotations: (dict "root" . "port" 9100). */}}
+{{- define "batchplane.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{/* Pod annotation that restarts pods when the job configuration changes. */}}
+{{- define "batchplane.configChecksum" -}}
+checksum/job-config: {{ include "batchplane.jobConfigMapData" . | sha256sum }}
+{{- end }}
+
+{{/* The label every pod to scrape carries (the metrics Service selects by it). */}}
+{{- define "batchplane.scrapeSelector" -}}
+batchplane.dev/scrape: {{ include "batchplane.fullname" . }}
+{{- end }}
+
+{{/* Labels the NetworkPolicy admits trainer pods (and their constructor sidecars) by. */}}
+{{- define "batchplane.trainerSelectorLabels" -}}
+{{- if .Values.trainer.selectorLabels -}}
+{{- toYaml .Values.trainer.selectorLabels }}
+{{- else -}}
+batchplane.dev/trainer: {{ include "batchplane.fullname" . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of a trainer pod: admitted by the NetworkPolicy, scraped through the metrics Service. */}}
+{{- define "batchplane.trainerLabels" -}}
+{{ include "batchplane.trainerSelectorLabels" . }}
+{{ include "batchplane.scrapeSelector" . }}
+{{- end }}
+
+{{/* Labels the operator must put on every loader pod (DataPlane spec.loader.podLabels). */}}
+{{- define "batchplane.loaderPodLabels" -}}
+{{ include "batchplane.selectorLabels" . }}
+app.kubernetes.io/component: loader
+app.kubernetes.io/part-of: batchplane
+batchplane.dev/dataplane: {{ include "batchplane.fullname" . }}
+{{ include "batchplane.scrapeSelector" . }}
+{{- end }}
+
+{{/* ---- the job configuration ------------------------------------------------------------ */}}
+
+{{/*
+Fails with a message naming the value when values are inconsistent in ways the schema cannot
+say (cross-field rules).
+*/}}
+{{- define "batchplane.validate" -}}
+{{- $v := .Values }}
+{{- $groups := dict }}
+{{- $sources := dict }}
+{{- range $i, $g := $v.sourceGroups }}
+{{- if hasKey $groups $g.name }}
+{{- fail (printf "sourceGroups[%d].name: %q is used by another group" $i $g.name) }}
+{{- end }}
+{{- $_ := set $groups $g.name true }}
+{{- $min := int (ternary $g.minReplicas $v.loader.minReplicas (hasKey $g "minReplicas")) }}
+{{- $max := int (ternary $g.maxReplicas $v.loader.maxReplicas (hasKey $g "maxReplicas")) }}
+{{- if lt $max $min }}
+{{- fail (printf "sourceGroups[%d].maxReplicas: must be >= minReplicas (%d), got %d" $i $min $max) }}
+{{- end }}
+{{- range $j, $s := $g.sources }}
+{{- if hasKey $sources $s.name }}
+{{- fail (printf "sourceGroups[%d].sources[%d].name: source %q is listed twice" $i $j $s.name) }}
+{{- end }}
+{{- $_ := set $sources $s.name true }}
+{{- end }}
+{{- end }}
+{{- range $name, $w := (default dict $v.mixture.weights) }}
+{{- if not (hasKey $sources $name) }}
+{{- fail (printf "mixture.weights.%s: names no source; sources are %s" $name (keys $sources | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- $perStep := mul (int $v.mesh.dp) (int $v.batch.microbatches) }}
+{{- if lt (int $v.batch.globalBatchSize) $perStep }}
+{{- fail (printf "batch.globalBatchSize: must be >= mesh.dp * batch.microbatches = %d, got %d" $perStep (int $v.batch.globalBatchSize)) }}
+{{- end }}
+{{- if and $v.strategy (not (hasKey (default dict $v.strategyFiles) $v.strategy)) }}
+{{- fail (printf "strategy: %q is not a key of strategyFiles" $v.strategy) }}
+{{- end }}
+{{- $settings := default dict $v.job.settings }}
+{{- range $key := list "job" "seed" "epochs" "sources" "mixture" "mesh" "strategy" "run_dir" }}
+{{- if hasKey $settings $key }}
+{{- fail (printf "job.settings.%s: set by the chart; use the chart's own value instead" $key) }}
+{{- end }}
+{{- end }}
+{{- range $pair := list (list "network" "host") (list "batch" "global_batch_size") (list "batch" "microbatches") (list "constructors" "ranks_per_constructor") }}
+{{- $section := get $settings (index $pair 0) }}
+{{- if and (kindIs "map" $section) (hasKey $section (index $pair 1)) }}
+{{- fail (printf "job.settings.%s.%s: set by the chart; use the chart's own value instead" (index $pair 0) (index $pair 1)) }}
+{{- end }}
+{{- end }}
+{{- if and $v.example.enabled (gt (include "batchplane.trainerPods" . | int) 1) }}
+{{- fail (printf "example.enabled: tiny_lm meets its peers on 127.0.0.1, so all %s ranks must share one pod; set trainer.ranksPerPod to %s" (include "batchplane.world" .) (include "batchplane.world" .)) }}
+{{- end }}
+{{- end }}
+
+{{/* job.yaml, as batchplane.core.config loads it. */}}
+{{- define "batchplane.jobYaml" -}}
+{{- $v := .Values }}
+{{- $settings := deepCopy (default dict $v.job.settings) }}
+{{- $sources := list }}
+{{- range $g := $v.sourceGroups }}
+{{- range $s := $g.sources }}
+{{- $src := dict "name" $s.name "path" $s.path }}
+{{- if $s.tokenColumn }}{{ $_ := set $src "token_column" $s.tokenColumn }}{{ end }}
+{{- if $s.transform }}{{ $_ := set $src "transform" $s.transform }}{{ end }}
+{{- if $s.transformArgs }}{{ $_ := set $src "transform_args" $s.transformArgs }}{{ end }}
+{{- if $s.columns }}{{ $_ := set $src "columns" $s.columns }}{{ end }}
+{{- $sources = append $sources $src }}
+{{- end }}
+{{- end }}
+{{- $job := dict
+  "job" (default (include "batchplane.fullname" .) $v.job.name)
+  "seed" (int64 $v.job.seed)
+  "sources" $sources
+  "mixture" $v.mixture
+  "mesh" (dict "dp" (int $v.mesh.dp) "cp" (int $v.mesh.cp) "tp" (int $v.mesh.tp) "pp" (int $v.mesh.pp) "order" $v.mesh.order)
+  "run_dir" (printf "%s/run" (include "batchplane.stateDir" .))
+  "batch" (dict "global_batch_size" (int $v.batch.globalBatchSize) "microbatches" (int $v.batch.microbatches))
+  "constructors" (dict "ranks_per_constructor" (int $v.trainer.ranksPerPod))
+  "network" (dict "host" "0.0.0.0")
+}}
+{{- $_ := set $job "epochs" (ternary $v.job.epochs (int $v.job.epochs) (kindIs "string" $v.job.epochs)) }}
+{{- if $v.strategy }}{{ $_ := set $job "strategy" $v.strategy }}{{ end }}
+{{- toYaml (mergeOverwrite $settings $job) }}
+{{- end }}
+
+{{/* The job ConfigMap's data: job.yaml and the strategy files. */}}
+{{- define "batchplane.jobConfigMapData" -}}
+job.yaml: |
+  {{- include "batchplane.jobYaml" . | nindent 2 }}
+{{- range $name, $text := .Values.strategyFiles }}
+{{ $name }}: |
+  {{- $text | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* ---- what trainer pods include -------------------------------------------------------- */}}
+
+{{/* The constructor as a native sidecar: put it in the trainer pod's initContainers. */}}
+{{- define "batchplane.constructorSidecar" -}}
+{{- $port := int .Values.constructor.metricsPort -}}
+- name: batchplane-constructor
+  image: {{ include "batchplane.image" . | quote }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  # A native sidecar: started before the trainer, kept running beside it, stopped after it.
+  restartPolicy: Always
+  # The image's entrypoint runs the part its first argument names (python -m batchplane.constructor).
+  args:
+    - constructor
+    - -c
+    - {{ include "batchplane.configDir" . }}/job.yaml
+    - --index
+    - $(BATCHPLANE_CONSTRUCTOR_INDEX)
+    - --planner
+    - {{ include "batchplane.plannerAddress" . }}
+    - --listen
+    - unix://{{ include "batchplane.socketDir" . }}/constructor.sock
+    - --metrics-port
+    - {{ $port | quote }}
+  env:
+    - name: BATCHPLANE_CONSTRUCTOR_INDEX
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+    {{- include "batchplane.serviceEnv" . | nindent 4 }}
+  ports:
+    - name: bp-ctor-metrics
+      containerPort: {{ $port }}
+      protocol: TCP
+  # The metrics endpoint opens only after the constructor registered with the planner and
+  # serves on its socket, so the trainer starts once its data is reachable.
+  startupProbe:
+    httpGet:
+      path: /metrics
+      port: {{ $port }}
+    periodSeconds: 2
+    failureThreshold: {{ max 1 (div (int .Values.constructor.startupTimeoutSeconds) 2) }}
+  readinessProbe:
+    httpGet:
+      path: /metrics
+      port: {{ $port }}
+    periodSeconds: 10
+  livenessProbe:
+    httpGet:
+      path: /metrics
+      port: {{ $port }}
+    periodSeconds: 20
+    timeoutSeconds: 5
+    failureThreshold: 6
+  resources:
+    {{- toYaml .Values.constructor.resources | nindent 4 }}
+  securityContext:
+    {{- include "batchplane.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: batchplane-socket
+      mountPath: {{ include "batchplane.socketDir" . }}
+    - name: batchplane-job
+      mountPath: {{ include "batchplane.configDir" . }}
+      readOnly: true
+    - name: batchplane-tmp
+      mountPath: /tmp
+{{- end }}
+
+{{/* The volumes the sidecar needs: put them in the trainer pod's volumes. */}}
+{{- define "batchplane.volumes" -}}
+- name: batchplane-socket
+  emptyDir: {}
+- name: batchplane-job
+  configMap:
+    name: {{ include "batchplane.jobConfigMapName" . }}
+- name: batchplane-tmp
+  emptyDir: {}
+{{- end }}
+
+{{/* The trainer container's environment: where its constructor listens, and its index. */}}
+{{- define "batchplane.trainerEnv" -}}
+- name: BATCHPLANE_CONSTRUCTOR
+  value: unix://{{ include "batchplane.socketDir" . }}/constructor.sock
+- name: BATCHPLANE_CONSTRUCTOR_INDEX
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+{{- end }}
+
+{{/* The trainer container's mounts: the folder holding the constructor's socket. */}}
+{{- define "batchplane.trainerVolumeMounts" -}}
+- name: batchplane-socket
+  mountPath: {{ include "batchplane.socketDir" . }}
+{{- end }}
+
+{{/* Annotations of a trainer pod: scrape the sidecar, restart on a job change. */}}
+{{- define "batchplane.trainerPodAnnotations" -}}
+{{- with include "batchplane.scrapeAnnotations" (dict "root" . "port" (int .Values.constructor.metricsPort)) }}
+{{- . }}
+{{ end }}
+{{- include "batchplane.configChecksum" . }}
+{{- end }}
+
+{{/* ---- network policy pieces ------------------------------------------------------------- */}}
+
+{{- define "batchplane.networkPolicy.loaderSelector" -}}
+app.kubernetes.io/component: loader
+batchplane.dev/dataplane: {{ include "batchplane.fullname" . }}
+{{- end }}
+
+{{/* Any batchplane operator of the namespace (one serves every release there). */}}
+{{- define "batchplane.networkPolicy.operatorSelector" -}}
+app.kubernetes.io/name: {{ include "batchplane.name" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "batchplane.networkPolicy.fromMonitoring" -}}
+- from:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ .Values.networkPolicy.monitoringNamespace }}
+  ports:
+    - port: {{ include "batchplane.metricsPort" . }}
+      protocol: TCP
+{{- end }}
