@@ -100,9 +100,10 @@ def collect(
     *,
     states: dict[int, dict] | None = None,
     stop_after: int | None = None,
+    on_batch: Callable[[int, Batch], None] | None = None,
 ) -> tuple[dict[int, list[Batch]], dict[int, dict]]:
     """Runs one client per rank concurrently (as trainers do) until the end of data or until
-    `stop_after` batches each.
+    `stop_after` batches each; `on_batch(rank, batch)` runs after each batch (a trainer's step).
 
     Returns:
         (batches per rank, each client's state_dict at the end).
@@ -120,6 +121,8 @@ def collect(
             out = []
             for batch in client:
                 out.append(to_numpy(batch))
+                if on_batch is not None:
+                    on_batch(rank, batch)
                 if stop_after is not None and len(out) >= stop_after:
                     break
             results[rank] = out

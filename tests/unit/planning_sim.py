@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from batchplane.loader.order import SampleOrder
+from batchplane.core.order import SampleOrder
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.mixture import Mixture, MixtureState
 from batchplane.planner.schedule import Static

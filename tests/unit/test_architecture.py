@@ -71,7 +71,7 @@ PURE = (
     "batchplane.planner.adaptive",
     "batchplane.operator.policy",
     "batchplane.operator.partition",
-    "batchplane.loader.order",
+    "batchplane.core.order",
     "batchplane.constructor.hooks",
     "batchplane.constructor.assemble",
     "batchplane.constructor.parallel",

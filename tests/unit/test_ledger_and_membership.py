@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from batchplane.core.config import job_from_mapping
-from batchplane.core.errors import InvalidArgument
+from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.planner.balance import METHODS
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.ledger import BalanceTotals, Ledger, state_from_json
@@ -193,20 +193,26 @@ def _membership(*, dp: int = 4, ranks_per_constructor: int = 2) -> Membership:
     return Membership(job)
 
 
+def _facts(name: str, rows: int, groups: int = 1) -> SourceFacts:
+    """A source of `rows` rows in `groups` row groups as equal as possible."""
+    sizes = [rows // groups + (g < rows % groups) for g in range(groups)] if rows else [0]
+    return SourceFacts(name, rows, tuple(sizes))
+
+
 def test_loaders_registering_make_the_job_ready() -> None:
     m = _membership()
     assert not m.ready
     assert m.missing_loaders() == [0, 1]
-    assert [m.loader_of(k) for k in range(3)] == [None, None, None]
-    m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 5)])
+    assert m.summary_target(0, 0) is None
+    m.register_loader(0, "host:1", [_facts("a", 10), _facts("c", 5)])
     assert not m.ready
     assert m.missing_loaders() == [1]
-    assert [m.loader_of(k) for k in range(3)] == ["host:1", None, "host:1"]
+    assert m.replicas(0) == {"0": "host:1"} and m.replicas(1) == {}
     assert [m.num_rows(k) for k in range(3)] == [10, None, 5]
-    m.register_loader(1, "host:2", [SourceFacts("b", 7)])
+    m.register_loader(1, "host:2", [_facts("b", 7)])
     assert m.ready
     assert m.missing_loaders() == []
-    assert [m.loader_of(k) for k in range(3)] == ["host:1", "host:2", "host:1"]
+    assert [m.summary_target(k, 0)[0] for k in range(3)] == ["host:1", "host:2", "host:1"]
     assert [m.num_rows(k) for k in range(3)] == [10, 7, 5]
 
 
@@ -223,39 +229,69 @@ def test_loaders_registering_make_the_job_ready() -> None:
 def test_loader_with_the_wrong_sources_is_rejected(reported: list[str]) -> None:
     m = _membership()
     with pytest.raises(InvalidArgument) as info:
-        m.register_loader(0, "host:1", [SourceFacts(n, 3) for n in reported])
+        m.register_loader(0, "host:1", [_facts(n, 3) for n in reported])
     message = str(info.value)
     assert "loader 0" in message
     assert "['a', 'c']" in message
     assert repr(reported) in message
-    assert m.loader_of(0) is None and m.num_rows(0) is None
+    assert m.replicas(0) == {} and m.num_rows(0) is None
 
 
 def test_empty_source_is_rejected_and_nothing_is_recorded() -> None:
     m = _membership()
     with pytest.raises(InvalidArgument, match=r"source 'c' has no rows"):
-        m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 0)])
+        m.register_loader(0, "host:1", [_facts("a", 10), _facts("c", 0)])
     assert m.num_rows(0) is None
-    assert m.loader_of(0) is None
+    assert m.replicas(0) == {}
     assert m.missing_loaders() == [0, 1]
 
 
 def test_reregistration_replaces_the_address_and_rejects_a_changed_row_count() -> None:
     m = _membership()
-    m.register_loader(0, "host:1", [SourceFacts("a", 10), SourceFacts("c", 5)])
-    m.register_loader(0, "host:9", [SourceFacts("a", 10), SourceFacts("c", 5)])
-    assert m.loader_of(0) == "host:9"
+    m.register_loader(0, "host:1", [_facts("a", 10), _facts("c", 5)])
+    m.register_loader(0, "host:9", [_facts("a", 10), _facts("c", 5)])
+    assert m.replicas(0) == {"0": "host:9"}
     with pytest.raises(InvalidArgument, match=r"source 'c' had 5 rows and now has 6"):
-        m.register_loader(0, "host:3", [SourceFacts("a", 10), SourceFacts("c", 6)])
-    assert m.loader_of(0) == "host:9"
+        m.register_loader(0, "host:3", [_facts("a", 10), _facts("c", 6)])
+    with pytest.raises(InvalidArgument, match=r"other row groups than the group's other replicas"):
+        m.register_loader(0, "host:3", [_facts("a", 10), _facts("c", 5, groups=2)], replica="b")
+    assert m.replicas(0) == {"0": "host:9"}
     assert m.num_rows(2) == 5
+
+
+def test_replicas_joining_and_leaving_reroute_only_windows_nobody_was_asked_about() -> None:
+    """Source a: 40 rows in 8 row groups of 5, shuffle off, windows of 4 row groups: windows of
+    20 positions. Every window asked about keeps its owner whatever joins or leaves."""
+    job = job_from_mapping({
+        "job": "t", "epochs": "infinite", "sources": [{"name": "a", "path": "a"}],
+        "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
+    })
+    m = Membership(job)
+    m.register_loader(0, "host:r1", [_facts("a", 40, groups=8)], replica="r1")
+    asked = {}
+    for seq in (0, 20):  # windows 0 and 1 asked about: the frontier is window 2
+        address, end, _ = m.summary_target(0, seq)
+        asked[seq] = address
+        assert end == seq + 20
+    m.register_loader(0, "host:r2", [_facts("a", 40, groups=8)], replica="r2")
+    assert m.holders(0, [0, 19, 20, 39]) == ["host:r1"] * 4, "asked-about windows keep their owner"
+    owners = [m.summary_target(0, 20 * w)[0] for w in range(2, 6)]
+    assert owners == ["host:r1", "host:r2", "host:r1", "host:r2"], "new windows alternate over both"
+    drain = m.deregister_loader(0, "r1")
+    assert drain == [120], "r1 serves its windows below the frontier, window 6 (position 120)"
+    assert m.holders(0, [40, 60, 80]) == ["host:r1", "host:r2", "host:r1"], "a leaving replica keeps its windows"
+    assert [m.summary_target(0, 20 * w)[0] for w in range(6, 9)] == ["host:r2"] * 3
+    with pytest.raises(FailedPrecondition, match="the last of loader 0"):
+        m.deregister_loader(0, "r2")
+    with pytest.raises(InvalidArgument, match="has no replica 'r9'"):
+        m.deregister_loader(0, "r9")
 
 
 @pytest.mark.parametrize("index", [-1, 2, 10])
 def test_loader_index_outside_the_job_is_rejected(index: int) -> None:
     m = _membership()
     with pytest.raises(InvalidArgument, match=rf"loader_index {index} is outside \[0, 2\)"):
-        m.register_loader(index, "host:1", [SourceFacts("b", 3)])
+        m.register_loader(index, "host:1", [_facts("b", 3)])
     assert m.missing_loaders() == [0, 1]
 
 

@@ -1,4 +1,4 @@
-"""Tests of batchplane.loader.order: the seeded, windowed block shuffle of a source's rows."""
+"""Tests of batchplane.core.order: the seeded, windowed block shuffle of a source's rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from batchplane.loader.order import SampleOrder, Window, stable_key
+from batchplane.core.order import SampleOrder, Window, stable_key
 
 row_group_sizes = st.lists(st.integers(0, 40), min_size=1, max_size=15)
 window_sizes = st.integers(1, 6)

@@ -37,16 +37,26 @@ class SampleSet(_message.Message):
     def __init__(self, source: _Optional[_Union[Array, _Mapping]] = ..., seq: _Optional[_Union[Array, _Mapping]] = ..., row: _Optional[_Union[Array, _Mapping]] = ..., length: _Optional[_Union[Array, _Mapping]] = ..., epoch: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("name", "num_rows", "num_files", "num_row_groups")
+    __slots__ = ("name", "num_rows", "num_files", "num_row_groups", "row_group_sizes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     NUM_FILES_FIELD_NUMBER: _ClassVar[int]
     NUM_ROW_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ROW_GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     num_files: int
     num_row_groups: int
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ...) -> None: ...
+    row_group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ..., row_group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("from_window", "replicas")
+    FROM_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    from_window: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, from_window: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Mesh(_message.Message):
     __slots__ = ("dp", "cp", "tp", "pp", "order", "cp_slicing", "broadcast_at")

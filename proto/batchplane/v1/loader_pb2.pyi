@@ -2,24 +2,26 @@ from batchplane.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetSummaryRequest(_message.Message):
-    __slots__ = ("source", "from_seq", "planned_seq", "max_samples", "wait_ms")
+    __slots__ = ("source", "from_seq", "planned_seq", "max_samples", "wait_ms", "routes")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     PLANNED_SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     source: int
     from_seq: int
     planned_seq: int
     max_samples: int
     wait_ms: int
-    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    routes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Route]
+    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ...) -> None: ...
 
 class GetSummaryResponse(_message.Message):
     __slots__ = ("start_seq", "row", "length", "end_of_stream", "features")

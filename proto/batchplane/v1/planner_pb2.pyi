@@ -8,14 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterLoaderRequest(_message.Message):
-    __slots__ = ("loader_index", "address", "sources")
+    __slots__ = ("loader_index", "address", "sources", "replica")
     LOADER_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     loader_index: int
     address: str
     sources: _containers.RepeatedCompositeFieldContainer[_common_pb2.SourceInfo]
-    def __init__(self, loader_index: _Optional[int] = ..., address: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.SourceInfo, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, loader_index: _Optional[int] = ..., address: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.SourceInfo, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class DeregisterLoaderRequest(_message.Message):
+    __slots__ = ("loader_index", "replica")
+    LOADER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    loader_index: int
+    replica: str
+    def __init__(self, loader_index: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class DeregisterLoaderResponse(_message.Message):
+    __slots__ = ("drain_through",)
+    DRAIN_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    drain_through: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, drain_through: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterLoaderResponse(_message.Message):
     __slots__ = ("job",)
@@ -71,16 +87,18 @@ class GetPlanRequest(_message.Message):
     def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RankPlan(_message.Message):
-    __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers")
+    __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     FETCHERS_FIELD_NUMBER: _ClassVar[int]
+    LOADERS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     samples: _common_pb2.SampleSet
     microbatch_offsets: _common_pb2.Array
     fetchers: int
-    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., fetchers: _Optional[int] = ...) -> None: ...
+    loaders: _common_pb2.Array
+    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., fetchers: _Optional[int] = ..., loaders: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class SubPlanPart(_message.Message):
     __slots__ = ("name", "axis", "metadata", "bucket", "samples", "values")
@@ -99,22 +117,22 @@ class SubPlanPart(_message.Message):
     def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("step", "end_of_data", "ranks", "source_loaders", "global_loss_tokens", "axis", "subplans")
+    __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_LOADERS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
     SUBPLANS_FIELD_NUMBER: _ClassVar[int]
+    LOADER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
-    source_loaders: _containers.RepeatedScalarFieldContainer[str]
     global_loss_tokens: int
     axis: str
     subplans: _containers.RepeatedCompositeFieldContainer[SubPlanPart]
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., source_loaders: _Optional[_Iterable[str]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ...) -> None: ...
+    loader_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -41,6 +41,11 @@ class PlannerStub:
                 request_serializer=batchplane_dot_v1_dot_planner__pb2.RegisterLoaderRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_planner__pb2.RegisterLoaderResponse.FromString,
                 _registered_method=True)
+        self.DeregisterLoader = channel.unary_unary(
+                '/batchplane.v1.Planner/DeregisterLoader',
+                request_serializer=batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderResponse.FromString,
+                _registered_method=True)
         self.RegisterConstructor = channel.unary_unary(
                 '/batchplane.v1.Planner/RegisterConstructor',
                 request_serializer=batchplane_dot_v1_dot_planner__pb2.RegisterConstructorRequest.SerializeToString,
@@ -76,6 +81,14 @@ class PlannerServicer:
         """A loader announces itself and the sources it opened. Errors: INVALID_ARGUMENT when the
         loader's sources differ from what the configuration assigns it. Idempotent: a loader that
         registers again (after a restart) replaces its earlier address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterLoader(self, request, context):
+        """A replica of a loader group leaves (scaled down): no window is routed to it any more; it
+        must serve the windows it was routed until `drain_through` of each source, then may exit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +146,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     request_deserializer=batchplane_dot_v1_dot_planner__pb2.RegisterLoaderRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_planner__pb2.RegisterLoaderResponse.SerializeToString,
             ),
+            'DeregisterLoader': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterLoader,
+                    request_deserializer=batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderResponse.SerializeToString,
+            ),
             'RegisterConstructor': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterConstructor,
                     request_deserializer=batchplane_dot_v1_dot_planner__pb2.RegisterConstructorRequest.FromString,
@@ -187,6 +205,33 @@ class Planner:
             '/batchplane.v1.Planner/RegisterLoader',
             batchplane_dot_v1_dot_planner__pb2.RegisterLoaderRequest.SerializeToString,
             batchplane_dot_v1_dot_planner__pb2.RegisterLoaderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterLoader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchplane.v1.Planner/DeregisterLoader',
+            batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderRequest.SerializeToString,
+            batchplane_dot_v1_dot_planner__pb2.DeregisterLoaderResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,7 +68,7 @@ import numpy as np
 from batchplane.bench import positive_int
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.storage import LocalStorage
-from batchplane.loader.order import SampleOrder, Window
+from batchplane.core.order import SampleOrder, Window
 from batchplane.planner import journal
 from batchplane.planner.balance import METHODS
 from batchplane.planner.cost import make_cost_fn

@@ -105,6 +105,7 @@ class StepPipeline:
         self._loader_channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
+        self._holding: set[str] = set()  # loader replicas holding samples this constructor fetched
         self._cond = threading.Condition()
         self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
@@ -224,6 +225,7 @@ class StepPipeline:
                 decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
                 decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1),
                 max(rank_plan.fetchers, 1),
+                decode_array(rank_plan.loaders, field="loaders", dtype="int32", ndim=1),
             )
         missing = sorted({v.bucket for v in variants.values()} - set(buckets))
         if missing:
@@ -234,14 +236,15 @@ class StepPipeline:
             sources = np.concatenate([buckets[b][0] for b in fetch])
             seqs = np.concatenate([buckets[b][1] for b in fetch])
             copies = np.concatenate([np.full(len(buckets[b][0]), buckets[b][6], np.int32) for b in fetch])
+            holders = np.concatenate([buckets[b][7] for b in fetch])
             begin = time.perf_counter()
-            tokens = self._fetch(step, sources, seqs, copies, list(plan.source_loaders))
+            tokens = self._fetch(step, sources, seqs, copies, holders, list(plan.loader_addresses))
             self._metrics.fetch_latency.observe(time.perf_counter() - begin)
         begin = time.perf_counter()
         batch = self._job.batch
         pack_length = (batch.pack_length or self._job.balance.max_tokens or 2**31 - 1) if batch.packing else None
         built: dict[int, BuiltBatch] = {}
-        for bucket, (source, seq, row, epoch, length, offsets, _) in buckets.items():
+        for bucket, (source, seq, row, epoch, length, offsets, _, _) in buckets.items():
             if bucket in wanted:
                 samples = RankSamples(tokens=[tokens[(int(k), int(s))] for k, s in zip(source, seq)], source=source, row=row, epoch=epoch, offsets=offsets)
                 built[bucket] = assemble(
@@ -320,19 +323,33 @@ class StepPipeline:
         except grpc.RpcError as exc:
             raise reraise(exc, f"planner at {self._planner_address}") from exc
 
-    def _fetch(self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, loaders: list[str]) -> dict[tuple[int, int], np.ndarray]:
-        """Token ids of every (source, seq) of the step, fetched from the loaders in parallel."""
+    def _fetch(
+        self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, holders: np.ndarray, addresses: list[str]
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """Token ids of every (source, seq) of the step, fetched in parallel from the loader
+        replicas that hold them (`holders` indexes `addresses`)."""
         by_loader: dict[str, np.ndarray] = {}
-        for k in np.unique(sources):
-            address = loaders[int(k)] if int(k) < len(loaders) else ""
+        if len(holders) != len(seqs) or (len(holders) and not 0 <= holders.min() <= holders.max() < len(addresses)):
+            raise FailedPrecondition(f"the plan of step {step} names loaders outside its {len(addresses)} loader addresses")
+        for i in np.unique(holders):
+            address = addresses[int(i)]
             if not address:
-                raise Unavailable(f"no loader address for source {self._job.sources[int(k)].name!r}")
-            mask = sources == k
-            by_loader[address] = mask if address not in by_loader else by_loader[address] | mask
+                raise Unavailable(f"the plan of step {step} has no address for a loader of sources {sorted(set(sources[holders == i].tolist()))}")
+            by_loader[address] = holders == i
         jobs = {
             address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask], copies[mask])
             for address, mask in by_loader.items()
         }
+        # Loaders that served earlier steps but not this one release what they hold for us too
+        # (a replica that left its group waits for that before it exits).
+        none = np.zeros(0, np.int64)
+        releases = [self._fetchers.submit(self._fetch_from, a, step, none.astype(np.int32), none, none.astype(np.int32)) for a in self._holding - set(jobs)]
+        self._holding = set(jobs)
+        for release in releases:
+            try:
+                release.result()
+            except Exception as exc:  # noqa: BLE001 - a replica that has left is gone: nothing to release
+                log.debug("release at a loader that served earlier steps failed: %s", exc)
         tokens: dict[tuple[int, int], np.ndarray] = {}
         for address, job in jobs.items():
             table = job.result()

@@ -38,6 +38,8 @@ class ProcessSettings:
     config: pathlib.Path
     #: This process's index among its kind (loaders, constructors); 0 for the planner.
     index: int = 0
+    #: A loader's replica id within its group (unique, e.g. its pod name); None: the index.
+    replica: str | None = None
     #: The planner's address, for loaders and constructors.
     planner: str | None = None
     #: gRPC port; 0 picks a free one.
@@ -58,7 +60,7 @@ class ProcessSettings:
 
 
 class Running(Protocol):
-    """A started service."""
+    """A started service (a loader also has `leave()`, run on SIGUSR1 before it stops)."""
 
     address: str
 
@@ -69,6 +71,7 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser = argparse.ArgumentParser(prog=f"python -m batchplane.{part}", description=f"batchplane {part} service")
     parser.add_argument("--config", "-c", type=pathlib.Path, required=True, help="job configuration (YAML)")
     parser.add_argument("--index", type=int, default=0, help=f"this {part}'s index in the job (default 0)")
+    parser.add_argument("--replica", help="a loader's replica id in its group, unique (default: its index), e.g. $(POD_NAME)")
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/x.sock")
@@ -114,7 +117,7 @@ def run_service(
         The process exit status.
     """
     settings = parse_process_args(part, argv)
-    name = part if part == "planner" else f"{part}-{settings.index}"
+    name = part if part == "planner" else f"{part}-{settings.replica or settings.index}"
     configure_logging(settings.log_level, name)
     registry = CollectorRegistry()
     try:
@@ -133,6 +136,20 @@ def run_service(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    leave = getattr(running, "leave", None)
+    if leave is not None:  # SIGUSR1: leave gracefully (a scaled-down loader replica), then stop
+
+        def leave_then_stop() -> None:
+            try:
+                leave()
+            finally:
+                stop_event.set()
+
+        def on_leave(signum: int, _frame: object) -> None:
+            log.info("received SIGUSR1, leaving")
+            threading.Thread(target=leave_then_stop, name="leave", daemon=True).start()
+
+        signal.signal(signal.SIGUSR1, on_leave)
     if settings.exit_with_parent:
         _watch_parent(stop_event)
     if settings.ready_file:

@@ -164,7 +164,7 @@ class LocalCluster:
         table = {
             "job": self.job.job,
             "planner": self.planner.address,
-            "loaders": {str(i): p.address for i, p in enumerate(self.loaders)},
+            "loaders": {p.name.removeprefix("loader-"): p.address for p in self.loaders},
             "constructors": {
                 str(rank): p.address for i, p in enumerate(self.constructors) for rank in self.job.constructor_ranks(i)
             },
@@ -173,6 +173,53 @@ class LocalCluster:
         tmp = self.endpoints_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=2))
         os.replace(tmp, self.endpoints_path)
+
+    def add_loader(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
+        """Starts another replica of loader group `index` (scale out); the planner routes it
+        windows from the next one it has not asked about.
+
+        Raises:
+            LaunchError: the replica exited or did not become ready in time.
+        """
+        if not 0 <= index < self.job.loader_count:
+            raise ValueError(f"loader group {index} is outside [0, {self.job.loader_count})")
+        taken = {p.name for p in self.processes}
+        n = 1
+        while f"loader-{index}-{n}" in taken:
+            n += 1
+        name = f"loader-{index}-{n}"
+        process = self._spawn(name, "batchplane.loader", ["--index", str(index), "--replica", f"{index}-{n}", "--planner", self.planner.address])
+        self.loaders.append(process)
+        try:
+            self._wait_ready([process], timeout_s)
+        except BaseException:
+            process.popen.kill()
+            process.popen.wait()
+            self.loaders.remove(process)
+            raise
+        self._write_endpoints()
+        return process
+
+    def remove_loader(self, process: ServiceProcess, *, timeout_s: float = 120.0) -> None:
+        """Scales in: asks loader replica `process` to leave its group (SIGUSR1): it serves the
+        windows it was routed until they are consumed, then exits.
+
+        Raises:
+            LaunchError: it did not exit within `timeout_s` (it is killed), or exited with an error.
+        """
+        process.popen.send_signal(signal.SIGUSR1)
+        try:
+            code = process.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.popen.kill()
+            process.popen.wait()
+            raise LaunchError(f"{process.name} did not leave within {timeout_s:.0f} s; killed; see {process.log_path}") from None
+        finally:
+            self.loaders.remove(process)
+            process.ready_path.unlink(missing_ok=True)
+            self._write_endpoints()
+        if code != 0:
+            raise LaunchError(f"{process.name} exited with status {code} while leaving; end of {process.log_path}:\n{process.log_tail()}")
 
     def check_alive(self) -> None:
         """Raises LaunchError naming the first process that has exited."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -14,20 +15,20 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.userfile import job_hook
-from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, set_serving
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
-from batchplane.loader.order import SampleOrder
+from batchplane.core.order import SampleOrder
 from batchplane.loader.service import LoaderServicer
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import bind_transform
-from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2
+from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics) -> dict[int, SourceStream]:
+def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *, replica: str = "") -> dict[int, SourceStream]:
     """Opens the sources of loader `loader_index` and starts their streams.
 
     Raises:
@@ -55,9 +56,14 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics) ->
         streams[k] = SourceStream(
             k, source, order, transform,
             epochs=job.epochs, read_ahead_samples=job.loaders.read_ahead_samples, budget=budget, metrics=metrics,
+            replica=replica or str(loader_index),
         )
         log.info("source %r: %d rows in %d file(s), %d row groups", settings.name, source.num_rows, len(source.files), len(source.row_groups))
     return streams
+
+
+#: How long a leaving replica serves its windows at most before it exits anyway.
+DRAIN_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass
@@ -65,6 +71,30 @@ class RunningLoader:
     address: str
     server: grpc.Server
     streams: dict[int, SourceStream]
+    job: JobSettings | None = None
+    process: ProcessSettings | None = None
+
+    def leave(self) -> None:
+        """Leaves the loader group (scaled down): the planner routes no more windows here; this
+        replica serves the windows it was routed until they are consumed (at most
+        DRAIN_TIMEOUT_S), then returns. The group's last replica does not leave."""
+        job, process = self.job, self.process
+        request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
+        try:
+            with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+                response = planner_pb2_grpc.PlannerStub(channel).DeregisterLoader(request, timeout=job.network.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("cannot leave loader group %d: %s: %s", process.index, exc.code().name, exc.details())
+            return
+        below = dict(zip(job.loader_sources(process.index), response.drain_through))
+        log.info("left loader group %d; serving the windows routed here below %s", process.index, below)
+        give_up = time.monotonic() + DRAIN_TIMEOUT_S
+        while not all(stream.drained(below[k]) for k, stream in self.streams.items()):
+            if time.monotonic() > give_up:
+                log.error("windows routed here are still unserved after %.0f s; leaving anyway", DRAIN_TIMEOUT_S)
+                return
+            time.sleep(0.1)
+        log.info("every window routed here was served")
 
     def stop(self, grace_s: float) -> None:
         for stream in self.streams.values():
@@ -83,7 +113,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     if not process.planner:
         raise ConfigError("--planner", "is required for a loader", None)
     metrics = LoaderMetrics(registry)
-    streams = open_streams(job, process.index, metrics)
+    streams = open_streams(job, process.index, metrics, replica=replica_id(process))
     try:
         servicer = LoaderServicer(streams, FetchBook(streams), metrics)
         server, port, health = create_grpc_server(
@@ -95,7 +125,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
-        running = RunningLoader(address, server, streams)
+        running = RunningLoader(address, server, streams, job, process)
         info = _register(job, process, address, streams)
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))
     except BaseException:
@@ -109,6 +139,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
 def _register(job: JobSettings, process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> common_pb2.JobInfo:
     request = planner_pb2.RegisterLoaderRequest(
         loader_index=process.index,
+        replica=replica_id(process),
         address=address,
         sources=[
             common_pb2.SourceInfo(
@@ -116,8 +147,14 @@ def _register(job: JobSettings, process: ProcessSettings, address: str, streams:
                 num_rows=s.num_rows,
                 num_files=len(s.source.files),
                 num_row_groups=len(s.source.row_groups),
+                row_group_sizes=[rg.num_rows for rg in s.source.row_groups],
             )
             for s in streams.values()
         ],
     )
     return register_with_planner(job, process, rpc="RegisterLoader", request=request, who=f"loader {process.index}")
+
+
+def replica_id(process: ProcessSettings) -> str:
+    """The loader's replica id in its group: --replica, else its index."""
+    return process.replica or str(process.index)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 
+from batchplane.core.routing import Route, Routing
 from batchplane.core.errors import InvalidArgument, Unavailable
 from batchplane.core.rpc import stream_payload
 from batchplane.loader.fetch import FetchBook, encode_payload
@@ -52,6 +53,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             planned_seq=request.planned_seq,
             max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
             wait_s=max(request.wait_ms, 0) / 1000,
+            routes=Routing(tuple(Route(r.from_window, tuple(r.replicas)) for r in request.routes)) if request.routes else None,
         )
         return loader_pb2.GetSummaryResponse(
             start_seq=request.from_seq,
@@ -69,7 +71,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         if not self._joined.wait(JOIN_WAIT_S):
             raise Unavailable("this loader has not joined the planner's job yet")
         batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs, copies=copies)
-        if self._hook is not None:
+        if self._hook is not None and batch.num_rows:
             try:
                 batch = apply_loader_hook(self._hook, batch, LoaderPlan(request.step, request.constructor_index, self._source_names))
             except HookError:

@@ -5,7 +5,9 @@ from it and release them.
 Memory: a window (a few row groups, transformed and shuffled) is the unit read and freed. The
 reader reads ahead of the planner's cursor up to `read_ahead_samples` while the loader's
 buffered bytes stay under `buffer_bytes`; it always reads when the planner waits for data, so
-the planner never deadlocks on a full buffer. A window is freed once every position in it is
+the planner never deadlocks on a full buffer. A loader group may run as several replicas: each
+reads only the windows the planner routes to it (`core.routing`; the routes come with every
+summary request) and drops windows it read ahead that a new route gave to another replica. A window is freed once every position in it is
 planned and every good sample in it has been released by the constructor that fetched it.
 
 Bad data is skipped, never silently: a row group that cannot be read or decoded, or whose
@@ -26,8 +28,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.core.errors import FailedPrecondition, NotFound
+from batchplane.core.order import SampleOrder, Window
+from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
 from batchplane.loader.metrics import LoaderMetrics
-from batchplane.loader.order import SampleOrder, Window
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.transforms import BoundTransform, TransformError, lengths_of
 
@@ -69,6 +72,8 @@ class BufferedWindow:
     nbytes: int
     #: Good samples at or after the stream's start that are not yet released.
     unreleased: int
+    #: Whether the planner has seen it (then it is this replica's for good).
+    summarized: bool = False
 
     @property
     def seq_end(self) -> int:
@@ -87,6 +92,7 @@ class SourceStream:
         read_ahead_samples: How far to read past the planner's cursor.
         budget: The loader's buffered-bytes budget.
         metrics: The loader's metrics.
+        replica: This loader replica's id in its group (what routes name).
     """
 
     def __init__(
@@ -100,8 +106,10 @@ class SourceStream:
         read_ahead_samples: int,
         budget: ByteBudget,
         metrics: LoaderMetrics,
+        replica: str = "",
     ) -> None:
         self.index = index
+        self.replica = replica
         self.source = source
         self.order = order
         self.transform = transform
@@ -113,7 +121,7 @@ class SourceStream:
         self._cond = threading.Condition()
         self._windows: list[BufferedWindow] = []  # in seq order
         self._start_seq: int | None = None  # set by the first summary request
-        self._read_seq = 0  # next position to read (a window start)
+        self._routes: Routing | None = None  # None: every window is this replica's
         self._planned_seq = 0
         self._wanted_seq = -1  # a waiting summary request needs position wanted_seq
         self._feature_names: tuple[str, ...] | None = None  # set by the first good row group
@@ -128,10 +136,13 @@ class SourceStream:
     # ---- planner side --------------------------------------------------------------------
 
     def summary(
-        self, *, from_seq: int, planned_seq: int, max_samples: int, wait_s: float
+        self, *, from_seq: int, planned_seq: int, max_samples: int, wait_s: float, routes: Routing | None = None
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
         """Rows, lengths and features of positions from `from_seq` on, as far as read.
 
+        Args:
+            routes: The source's current routes (None: keep the last ones); `from_seq` lies in
+                a window routed to this replica.
         Returns:
             (rows int64 [n], lengths int32 [n], features {name: float64 [n]}, end_of_stream
             after them); n may be 0 after waiting `wait_s` for the reader.
@@ -146,20 +157,23 @@ class SourceStream:
                     f"source {self.name!r}: position {from_seq} is no longer buffered "
                     f"(the stream started at {self._start_seq})"
                 )
+            if routes is not None and routes != self._routes:
+                self._reroute(routes)
             self._planned_seq = max(self._planned_seq, planned_seq)
             self._evict()
-            if not self._is_end(from_seq) and self._read_seq <= from_seq:
+            if not self._is_end(from_seq) and not self._holds(from_seq):
                 self._wanted_seq = max(self._wanted_seq, from_seq)
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._read_seq > from_seq or self._closed, timeout=wait_s)
+                self._cond.wait_for(lambda: self._holds(from_seq) or self._closed, timeout=wait_s)
             rows, lengths = [], []
             names = self._feature_names or ()
             features: dict[str, list[np.ndarray]] = {name: [] for name in names}
             count = 0
-            i = self._window_index(from_seq) if self._read_seq > from_seq else len(self._windows)
+            i = self._window_index(from_seq) if self._holds(from_seq) else len(self._windows)
             seq = from_seq
-            while i < len(self._windows) and count < max_samples:
+            while i < len(self._windows) and count < max_samples and self._windows[i].seq_start <= seq:
                 w = self._windows[i]
+                w.summarized = True
                 lo = seq - w.seq_start
                 hi = min(len(w.rows), lo + max_samples - count)
                 rows.append(w.rows[lo:hi])
@@ -181,14 +195,68 @@ class SourceStream:
     def _seek(self, seq: int) -> None:
         """Starts the stream at `seq` (a resumed job starts mid-stream)."""
         self._start_seq = seq
-        if self._is_end(seq):
-            self._read_seq = seq
-            return
-        epoch, position = divmod(seq, self.num_rows)
-        self._read_seq = epoch * self.num_rows + self.order.window_at(epoch, position).start
         self._planned_seq = seq
-        if seq:
-            log.info("source %r: starting at position %d (epoch %d)", self.name, seq, epoch)
+        if seq and not self._is_end(seq):
+            log.info("source %r: starting at position %d (epoch %d)", self.name, seq, seq // self.num_rows)
+
+    def _holds(self, seq: int) -> bool:
+        """Whether a buffered window holds position `seq` (lock held)."""
+        i = bisect.bisect_right([w.seq_start for w in self._windows], seq) - 1
+        return i >= 0 and seq < self._windows[i].seq_end
+
+    def _owns(self, window: int) -> bool:
+        return self._routes is None or self._routes.owner(window) == self.replica
+
+    def _reroute(self, routes: Routing) -> None:
+        """Takes new routes; frees windows read ahead that are now another replica's (lock held)."""
+        self._routes = routes
+        kept = []
+        for w in self._windows:
+            if w.summarized or self._owns(window_of(self.order, w.seq_start).number):
+                kept.append(w)
+            else:
+                self._budget.add(-w.nbytes)
+        self._windows = kept
+
+    def drained(self, below: int) -> bool:
+        """Whether every window of this replica below position `below` has been served: read,
+        asked about by the planner and released by the constructors."""
+        with self._cond:
+            if self._start_seq is None:
+                return True  # never asked about anything: it holds nothing the planner counts on
+            if any((w.unreleased > 0 or not w.summarized) and w.seq_start < below for w in self._windows):
+                return False
+            seq = max(self._planned_seq, self._start_seq)
+            if self._is_end(seq) or seq >= below:
+                return True
+            starts = {w.seq_start for w in self._windows}
+            span = window_of(self.order, seq)
+            while span.start < below and not self._is_end(span.start):
+                if self._owns(span.number) and span.start not in starts:
+                    return False  # not read yet: the planner will ask for it
+                span = window_span(self.order, span.number + 1)
+            return True
+
+    def _next_window(self) -> WindowSpan | None:
+        """The first window of this replica not read yet that is due: it holds a position the
+        planner waits for, or starts within the read-ahead of the planner's cursor while the
+        byte budget allows (lock held)."""
+        if self._closed or self._start_seq is None:
+            return None
+        seq = max(self._planned_seq, self._start_seq)
+        if self._is_end(seq):
+            return None
+        span = window_of(self.order, seq)
+        starts = {w.seq_start for w in self._windows}
+        horizon = self._planned_seq + self.read_ahead_samples
+        while not self._is_end(span.start):
+            wanted = span.start <= self._wanted_seq < span.end
+            if not wanted and (span.start >= horizon or self._budget.exceeded) and span.end > self._wanted_seq:
+                return None
+            if self._owns(span.number) and span.start not in starts:
+                return span
+            span = window_span(self.order, span.number + 1)
+        return None
 
     # ---- constructor side ----------------------------------------------------------------
 
@@ -241,34 +309,26 @@ class SourceStream:
         self._metrics.buffer_samples.labels(self.name).set(sum(len(w.rows) for w in self._windows))
         self._metrics.buffer_bytes.set(self._budget.used)
 
-    def _should_read(self) -> bool:
-        if self._closed or self._start_seq is None or self._is_end(self._read_seq):
-            return False
-        if self._read_seq <= self._wanted_seq:
-            return True  # the planner is waiting for this data
-        ahead = self._read_seq - self._planned_seq
-        return ahead < self.read_ahead_samples and not self._budget.exceeded
-
     def _read_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._should_read() or self._closed)
+                self._cond.wait_for(lambda: self._next_window() is not None or self._closed)
                 if self._closed:
                     return
-                seq = self._read_seq
+                span = self._next_window()
             begin = time.perf_counter()
             try:
-                window = self._read_window(seq)
+                window = self._read_window(span.start)
             except Exception:  # noqa: BLE001 - a reader must not die silently
-                log.exception("source %r: reading at position %d failed; retrying in 1 s", self.name, seq)
+                log.exception("source %r: reading at position %d failed; retrying in 1 s", self.name, span.start)
                 with self._cond:
                     self._cond.wait(timeout=1.0)
                 continue
             self._metrics.read_seconds.labels(self.name).inc(time.perf_counter() - begin)
             with self._cond:
-                self._windows.append(window)
-                self._budget.add(window.nbytes)
-                self._read_seq = window.seq_end
+                if self._owns(span.number) and not self._holds(span.start):  # still ours after a reroute
+                    bisect.insort(self._windows, window, key=lambda w: w.seq_start)
+                    self._budget.add(window.nbytes)
                 self._evict()
                 self._cond.notify_all()
             # Decoding leaves freed buffers in Arrow's pool; hand them back to the OS so resident

@@ -397,10 +397,10 @@ class PlanBook:
                     break
                 if self._stopped:
                     return None
-                address = self._membership.loader_of(k)
+                group = self._job.loader_of(k)
                 self._waiting_on = (
                     f"waiting for summaries of source {self._job.sources[k].name!r} "
-                    f"(positions {start}..{start + count - 1}) from loader {self._job.loader_of(k)} at {address}"
+                    f"(positions {start}..{start + count - 1}) from loader {group} (replicas {self._membership.replicas(group)})"
                 )
             rows, lengths, features = got
             seq = np.arange(start, start + count, dtype=np.int64)

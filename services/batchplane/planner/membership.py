@@ -1,5 +1,11 @@
-"""Which loaders and constructors have joined the job, and whether they fit it. Pure
+"""Which loaders and constructors have joined the job, whether they fit it, and how each
+source's windows are routed over the replicas of its loader group (see `core.routing`). Pure
 bookkeeping; no I/O, no grpc.
+
+Replicas join and leave while the job runs. A change re-routes each of the group's sources from
+its *frontier*, the first window the planner has not asked any replica about, so no window ever
+changes owner once asked about (I1). A leaving replica learns where its windows end
+(`deregister_loader`) and serves them until they are consumed.
 """
 
 from __future__ import annotations
@@ -9,7 +15,9 @@ import threading
 from collections.abc import Sequence
 
 from batchplane.core.config import JobSettings
-from batchplane.core.errors import InvalidArgument
+from batchplane.core.errors import FailedPrecondition, InvalidArgument
+from batchplane.core.order import SampleOrder
+from batchplane.core.routing import Routing, window_of, window_span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +26,7 @@ class SourceFacts:
 
     name: str
     num_rows: int
+    row_group_sizes: tuple[int, ...] = ()
 
 
 class Membership:
@@ -30,17 +39,23 @@ class Membership:
     def __init__(self, job: JobSettings) -> None:
         self._job = job
         self._lock = threading.Lock()
-        self._loader_address: dict[int, str] = {}
+        self._replicas: dict[int, dict[str, str]] = {}  # loader group -> replica id -> address
         self._num_rows: dict[int, int] = {}
+        self._orders: dict[int, SampleOrder] = {}
+        self._routing: dict[int, Routing] = {}
+        self._frontier: dict[int, int] = {}  # source -> first window no replica was asked about
+        self._departed: dict[tuple[int, str], str] = {}  # (group, replica) -> address, while it drains
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
 
-    def register_loader(self, index: int, address: str, sources: Sequence[SourceFacts]) -> None:
-        """Records loader `index`; a loader registering again replaces its address.
+    def register_loader(self, index: int, address: str, sources: Sequence[SourceFacts], *, replica: str = "") -> None:
+        """Records replica `replica` of loader group `index` (default id: the index); a replica
+        registering again replaces its address, a new one gets windows from the frontier on.
 
         Raises:
             InvalidArgument: an index outside the job, sources other than the configuration
-                assigns it, an empty source, or a source whose row count changed.
+                assigns it, an empty source, or a source whose row count or row groups changed.
         """
+        replica = replica or str(index)
         job = self._job
         if not 0 <= index < job.loader_count:
             raise InvalidArgument(f"loader_index {index} is outside [0, {job.loader_count}) (loaders.count)")
@@ -58,9 +73,19 @@ class Membership:
                         f"source {facts.name!r} had {known} rows and now has {facts.num_rows}: "
                         "its files changed under a running job"
                     )
+                order = self._orders.get(k)
+                if order is not None and tuple(order.row_group_sizes.tolist()) != tuple(facts.row_group_sizes):
+                    raise InvalidArgument(f"source {facts.name!r}: replica {replica!r} found other row groups than the group's other replicas")
+                if sum(facts.row_group_sizes) != facts.num_rows:
+                    raise InvalidArgument(f"source {facts.name!r}: row groups of {sum(facts.row_group_sizes)} rows for {facts.num_rows} rows")
             for k, facts in zip(job.loader_sources(index), sources):
                 self._num_rows[k] = facts.num_rows
-            self._loader_address[index] = address
+                self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
+            replicas = self._replicas.setdefault(index, {})
+            joined = replica not in replicas
+            replicas[replica] = address
+            if joined:
+                self._reroute(index)
 
     def register_constructor(self, index: int, address: str, ranks: Sequence[int]) -> None:
         """Records constructor `index` serving `ranks`; registering again replaces its address.
@@ -87,10 +112,71 @@ class Membership:
         with self._lock:
             return self._constructor_ranks.get(index)
 
-    def loader_of(self, source: int) -> str | None:
-        """Address of the loader serving `source`, or None before it registered."""
+    def deregister_loader(self, index: int, replica: str) -> list[int]:
+        """Routes no more windows to replica `replica` of group `index`.
+
+        Returns:
+            Per source of the group: the stream position below which its windows lie (it serves
+            them until they are consumed, then may exit).
+        Raises:
+            InvalidArgument: no such replica. FailedPrecondition: it is the group's last one.
+        """
         with self._lock:
-            return self._loader_address.get(self._job.loader_of(source))
+            replicas = self._replicas.get(index, {})
+            if replica not in replicas:
+                raise InvalidArgument(f"loader {index} has no replica {replica!r}; replicas: {sorted(replicas)}")
+            if len(replicas) == 1:
+                raise FailedPrecondition(f"replica {replica!r} is the last of loader {index}: its sources would have no loader")
+            self._departed[(index, replica)] = replicas.pop(replica)
+            self._reroute(index)
+            return [window_span(self._orders[k], self._frontier[k]).start for k in self._job.loader_sources(index)]
+
+    def _reroute(self, index: int) -> None:
+        """Routes the group's windows from each source's frontier over its replicas (lock held)."""
+        replicas = sorted(self._replicas[index])
+        for k in self._job.loader_sources(index):
+            routing = self._routing.get(k)
+            frontier = self._frontier.setdefault(k, 0)
+            self._routing[k] = Routing.of(replicas) if routing is None else routing.switch(frontier, replicas)
+
+    def _order(self, source: int, row_group_sizes: Sequence[int]) -> SampleOrder:
+        job = self._job
+        return SampleOrder(
+            row_group_sizes,
+            seed=job.seed,
+            source_name=job.sources[source].name,
+            window_row_groups=job.loaders.shuffle.window_row_groups,
+            shuffle=job.loaders.shuffle.enabled,
+        )
+
+    def summary_target(self, source: int, from_seq: int) -> tuple[str, int, Routing] | None:
+        """Where to ask for the summary of `source` from `from_seq` on: (the address of the
+        replica owning its window, the window's end, the source's routing); None before the
+        group has a replica. Moves the source's frontier past that window."""
+        with self._lock:
+            routing = self._routing.get(source)
+            if routing is None:
+                return None
+            span = window_of(self._orders[source], from_seq)
+            self._frontier[source] = max(self._frontier[source], span.number + 1)
+            group = self._replicas[self._job.loader_of(source)]
+            return group[routing.owner(span.number)], span.end, routing
+
+    def holders(self, source: int, seqs: Sequence[int]) -> list[str]:
+        """The address of the replica holding each of `source`'s positions `seqs` (all asked
+        about already, so their owners are fixed)."""
+        with self._lock:
+            order, routing = self._orders[source], self._routing[source]
+            group = self._replicas[self._job.loader_of(source)]
+            out, span = [], None
+            for seq in seqs:
+                if span is None or not span.start <= seq < span.end:
+                    span = window_of(order, int(seq))
+                    owner = routing.owner(span.number)
+                    # A replica that left still serves the windows it was routed.
+                    address = group.get(owner) or self._departed.get((self._job.loader_of(source), owner), "")
+                out.append(address)
+            return out
 
     def num_rows(self, source: int) -> int | None:
         with self._lock:
@@ -103,6 +189,11 @@ class Membership:
             return len(self._num_rows) == len(self._job.sources)
 
     def missing_loaders(self) -> list[int]:
-        """Indices of loaders that have not registered."""
+        """Indices of loader groups without a replica."""
         with self._lock:
-            return [i for i in range(self._job.loader_count) if i not in self._loader_address]
+            return [i for i in range(self._job.loader_count) if not self._replicas.get(i)]
+
+    def replicas(self, index: int) -> dict[str, str]:
+        """Replica id -> address of loader group `index`."""
+        with self._lock:
+            return dict(self._replicas.get(index, {}))

@@ -59,7 +59,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     ledger = LocalStorage(run_dir / LEDGER_DIR)
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
     puller = SummaryPuller(
-        store, num_sources=len(job.sources), loader_of=membership.loader_of, max_message_bytes=job.network.max_message_bytes
+        store, num_sources=len(job.sources), target=membership.summary_target, max_message_bytes=job.network.max_message_bytes
     )
     server, port, health = create_grpc_server(
         host=process.listen or job.network.host,

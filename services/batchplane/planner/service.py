@@ -4,6 +4,7 @@ responses. No logic of its own."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
@@ -76,10 +77,14 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._fetchers = self._rules.fetchers([job.constructor_ranks(c) for c in range(job.constructor_count)])
 
     def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
-        facts = [SourceFacts(name=s.name, num_rows=s.num_rows) for s in request.sources]
-        self._membership.register_loader(request.loader_index, request.address, facts)
+        facts = [SourceFacts(name=s.name, num_rows=s.num_rows, row_group_sizes=tuple(s.row_group_sizes)) for s in request.sources]
+        self._membership.register_loader(request.loader_index, request.address, facts, replica=request.replica)
         self._book.notify_membership()
         return planner_pb2.RegisterLoaderResponse(job=self._info)
+
+    def DeregisterLoader(self, request: planner_pb2.DeregisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.DeregisterLoaderResponse:
+        drain = self._membership.deregister_loader(request.loader_index, request.replica)
+        return planner_pb2.DeregisterLoaderResponse(drain_through=drain)
 
     def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
         self._membership.register_constructor(request.constructor_index, request.address, list(request.ranks))
@@ -100,17 +105,22 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
         mesh = self._book.mesh
         rank_plans = []
+        addresses: dict[str, int] = {}
         for bucket in sorted({mesh.bucket_of(r, plan.axis) for r in ranks}):
             samples, offsets = plan.rank_samples(bucket)
             rank_plans.append(
                 planner_pb2.RankPlan(
-                    dp_rank=bucket, samples=sample_set(samples), microbatch_offsets=encode_array(offsets), fetchers=self._fetchers[bucket]
+                    dp_rank=bucket,
+                    samples=sample_set(samples),
+                    microbatch_offsets=encode_array(offsets),
+                    fetchers=self._fetchers[bucket],
+                    loaders=encode_array(self._holders(samples, addresses)),
                 )
             )
         return planner_pb2.GetPlanResponse(
             step=request.step,
             ranks=rank_plans,
-            source_loaders=[self._membership.loader_of(k) or "" for k in range(len(self._job.sources))],
+            loader_addresses=list(addresses),
             global_loss_tokens=plan.loss_tokens,
             axis=plan.axis,
             subplans=subplan_parts(plan, ranks, self._book),
@@ -119,6 +129,14 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
         accepted, reason = self._book.report(request.step, dict(request.losses))
         return common_pb2.ReportResponse(accepted=accepted, reason=reason)
+
+    def _holders(self, samples: SampleTable, addresses: dict[str, int]) -> np.ndarray:
+        """int32 [n]: per sample, its holder's index in `addresses` (filled as new ones appear)."""
+        out = np.zeros(len(samples.seq), np.int32)
+        for k in np.unique(samples.source):
+            mask = samples.source == k
+            out[mask] = [addresses.setdefault(a, len(addresses)) for a in self._membership.holders(int(k), samples.seq[mask])]
+        return out
 
     def GetStatus(self, request: planner_pb2.GetStatusRequest, context: grpc.ServicerContext) -> planner_pb2.GetStatusResponse:
         ledger = self._book.ledger

@@ -1,9 +1,10 @@
 """The planner's view of the loaders' buffers: per source, the rows and lengths of the samples
-from the planner's cursor on, pulled from the loader that serves the source.
+from the planner's cursor on, pulled window by window from the replica each window is routed to.
 
 `SummaryStore` holds what is known (no I/O). `SummaryPuller` keeps it filled a look-ahead past
-the cursor, one thread per source calling the loader's GetSummary; each call also tells the
-loader the cursor, which is what lets the loader read further ahead.
+the cursor, one thread per source calling GetSummary of the replica that owns the next window;
+each call also tells the replica the cursor and the source's routes, which is what lets it read
+its next windows ahead.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from batchplane.core.routing import Routing
 from batchplane.core.rpc import create_channel
-from batchplane.v1 import loader_pb2, loader_pb2_grpc
+from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
 from batchplane.wire import decode_array
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,8 @@ class SummaryPuller:
 
     Args:
         store: The store to fill.
-        loader_of: Address of the loader serving a source, or None before it registered.
+        target: (source, from_seq) -> (address of the replica owning the window of from_seq, the
+            window's end, the source's routing), or None before the source has a loader.
         max_message_bytes: Channel message limit.
         wait_ms: How long a loader may wait for data before answering empty.
     """
@@ -142,12 +145,12 @@ class SummaryPuller:
         store: SummaryStore,
         *,
         num_sources: int,
-        loader_of: Callable[[int], str | None],
+        target: Callable[[int, int], tuple[str, int, Routing] | None],
         max_message_bytes: int,
         wait_ms: int = 1000,
     ) -> None:
         self._store = store
-        self._loader_of = loader_of
+        self._target = target
         self._max_message_bytes = max_message_bytes
         self._wait_ms = wait_ms
         self._stopped = threading.Event()
@@ -170,21 +173,23 @@ class SummaryPuller:
         backoff = 0.05
         while not self._stopped.is_set():
             with self._store.cond:
-                self._store.cond.wait_for(
-                    lambda: self._stopped.is_set() or (self._store.wanted(source) is not None and self._loader_of(source)),
-                    timeout=1.0,
-                )
+                self._store.cond.wait_for(lambda: self._stopped.is_set() or self._store.wanted(source) is not None, timeout=1.0)
                 want = self._store.wanted(source)
-            address = self._loader_of(source)
-            if self._stopped.is_set() or want is None or address is None:
+            if self._stopped.is_set() or want is None:
                 continue
             from_seq, planned_seq = want
+            target = self._target(source, from_seq)
+            if target is None:
+                self._stopped.wait(0.05)
+                continue
+            address, window_end, routing = target
             request = loader_pb2.GetSummaryRequest(
                 source=source,
                 from_seq=from_seq,
                 planned_seq=planned_seq,
-                max_samples=self._store.lookahead,
+                max_samples=min(self._store.lookahead, window_end - from_seq),
                 wait_ms=self._wait_ms,
+                routes=[common_pb2.Route(from_window=r.from_window, replicas=r.replicas) for r in routing.routes],
             )
             try:
                 response = self._stub(address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
