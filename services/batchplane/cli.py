@@ -5,6 +5,10 @@
     batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency, mixture, ledger)
     batchplane ledger show --step N | find SOURCE:INDEX | stats [--from A --to B]
                                   lineage from a job's durable ledger
+    batchplane profile -c job.yaml [--samples N] [--out profiles.json] [--json]
+                                  measure each source: state memory, decode and transform time
+    batchplane partition --profiles profiles.json --pod-memory 32Gi --pod-cpus 8 [--out F]
+                                  loader groups, actors and workers per actor, as a DataPlane
 """
 
 from __future__ import annotations
@@ -58,10 +62,42 @@ def main(argv: list[str] | None = None) -> int:
         where.add_argument("--ledger", type=pathlib.Path, help="a ledger folder (<run_dir>/ledger)")
         query.add_argument("--json", action="store_true", help="print one JSON object")
 
+    profile = commands.add_parser("profile", help="measure each source of a job: file-access state memory, decode and transform time per sample")
+    profile.add_argument("-c", "--config", type=pathlib.Path, required=True, help="job configuration (YAML)")
+    profile.add_argument("--samples", type=_positive_int, default=256, metavar="N", help="rows profiled per source, from its first row groups (default 256)")
+    profile.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profiles.json"), metavar="FILE", help="profiles file to write (default profiles.json)")
+    profile.add_argument("--json", action="store_true", help="also print the profiles as one JSON object (default: a table)")
+
+    part = commands.add_parser(
+        "partition",
+        help="turn source profiles and pod limits into loader groups, actors and workers per actor (MegaScale-Data 5.1)",
+    )
+    part.add_argument("--profiles", type=pathlib.Path, required=True, metavar="FILE", help="a file written by `batchplane profile`")
+    part.add_argument("--pod-memory", required=True, metavar="QUANTITY", help="memory of one loader pod, e.g. 32Gi")
+    part.add_argument("--pod-cpus", required=True, metavar="QUANTITY", help="CPU cores of one loader pod, e.g. 8 or 7500m; a worker takes one")
+    part.add_argument("--max-workers-per-actor", type=_positive_int, metavar="W", help="W: workers per loader pod at most (default: the pod's whole cores)")
+    part.add_argument("--max-actors-per-source", type=_positive_int, default=8, metavar="A", help="A: loader pods per source at most (default 8)")
+    part.add_argument("--cost-levels", type=_positive_int, default=4, metavar="G", help="cost clusters of sources at most (default 4)")
+    part.add_argument("--samples-per-s", type=float, metavar="RATE", help="target rate of mixed samples per second: size workers absolutely (default: relative to the cheapest sources)")
+    part.add_argument("--weights", type=pathlib.Path, metavar="FILE", help="mixture weights: a job file (its mixture.weights) or a YAML mapping of source: weight (default: the weights in the profiles)")
+    part.add_argument("--actor-memory", default="256Mi", metavar="QUANTITY", help="memory of a loader process before sources (default 256Mi)")
+    part.add_argument("--buffer-memory", default="512Mi", metavar="QUANTITY", help="a loader's read-ahead buffer, the job's loaders.buffer_bytes (default 512Mi)")
+    part.add_argument("--worker-memory", default="64Mi", metavar="QUANTITY", help="memory of a worker besides file-access state (default 64Mi)")
+    part.add_argument("--memory-headroom", type=float, default=0.1, metavar="FRACTION", help="fraction of pod memory left unplanned for estimate error (default 0.1)")
+    part.add_argument("--state-per", choices=["worker", "actor"], default="worker", help="who holds a copy of the file-access state (default: every worker)")
+    part.add_argument("--one-source-per-group", action="store_true", help="a loader group per source (MegaScale-Data's default) instead of packing similar sources")
+    part.add_argument("--format", choices=["dataplane", "values"], default="dataplane", help="a DataPlane resource (default) or the chart's sourceGroups values")
+    part.add_argument("--name", help="the DataPlane's name (default: the profiled job's)")
+    part.add_argument("--out", type=pathlib.Path, metavar="FILE", help="YAML file to write (default: standard output); a summary goes to standard error")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "up":
         return _up(args)
+    if args.command == "profile":
+        return _profile(args)
+    if args.command == "partition":
+        return _partition(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "ledger":
@@ -218,6 +254,165 @@ def _ledger(args: argparse.Namespace) -> int:
         ]
     print(json.dumps(result) if args.json else "\n".join(text))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+class _ProgressLine:
+    """One line per source on standard error, redrawn in place on a terminal; elsewhere only
+    each source's final line is written."""
+
+    def __init__(self, stream=sys.stderr, width: int = 24) -> None:
+        self.stream = stream
+        self.width = width
+        self.tty = stream.isatty()
+        self._last = 0  # length of the line being redrawn
+
+    def __call__(self, name: str, stage: str, done: int, total: int) -> None:
+        if stage != "done" and not self.tty:
+            return
+        filled = self.width * done // max(total, 1)
+        line = f"profile {name:<20} [{'#' * filled}{'.' * (self.width - filled)}] {stage:<9} {done}/{total}".ljust(self._last)
+        self._last = 0 if stage == "done" else len(line)
+        self.stream.write(("\r" + line if self.tty else line) + ("\n" if stage == "done" else ""))
+        self.stream.flush()
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from batchplane.core.config import load_job
+    from batchplane.core.errors import SourceError
+    from batchplane.loader.profile import ProfileSettings, profile_job
+
+    try:
+        job = load_job(args.config)
+        result = profile_job(job, settings=ProfileSettings(samples=args.samples), progress=_ProgressLine())
+    except ConfigError as exc:
+        print(f"batchplane profile: bad configuration {args.config}: {exc}", file=sys.stderr)
+        return 2
+    except SourceError as exc:
+        print(f"batchplane profile: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=1, default=str)
+    try:
+        args.out.write_text(text + "\n")
+    except OSError as exc:
+        print(f"batchplane profile: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, default=str))
+        return 0
+    print(f"job {result['job']!r}: {len(result['sources'])} sources profiled on {result['samples']} rows each "
+          f"(state memory by {result['state_method']}); written to {args.out}")
+    print(f"  {'source':<20}{'files':>6}{'rows':>10}{'state':>12}{'read/sample':>13}{'transform':>11}{'p95':>11}{'bytes':>10}{'tokens':>8}")
+    for s in result["sources"]:
+        print(
+            f"  {s['name']:<20}{len(s['files']):>6}{s['rows']:>10}{s['state_bytes'] / 2**20:>9.2f}MiB"
+            f"{s['read_s_per_sample'] * 1e6:>11.1f}us{s['transform_s_per_sample'] * 1e6:>9.1f}us{s['transform_p95_s'] * 1e6:>9.1f}us"
+            f"{s['bytes_per_sample']:>10.0f}{s['tokens_per_sample']:>8.1f}"
+        )
+    return 0
+
+
+def _partition(args: argparse.Namespace) -> int:
+    import yaml
+
+    from batchplane.operator import partition as part
+
+    flags = {
+        "pod_memory_bytes": "--pod-memory", "pod_cpus": "--pod-cpus", "samples_per_s": "--samples-per-s",
+        "actor_base_bytes": "--actor-memory", "buffer_bytes": "--buffer-memory", "worker_base_bytes": "--worker-memory",
+        "memory_headroom": "--memory-headroom",
+    }
+    try:
+        try:
+            data = json.loads(args.profiles.read_text())
+        except OSError as exc:
+            raise ConfigError(str(args.profiles), "cannot read profiles file", exc.strerror) from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(str(args.profiles), "not a JSON file of profiles (batchplane profile writes one)", str(exc)) from exc
+        profiles = part.profiles_from_mapping(data)
+        settings = part.PartitionSettings(
+            pod_memory_bytes=part.parse_memory(args.pod_memory, field="--pod-memory"),
+            pod_cpus=part.parse_cpu(args.pod_cpus, field="--pod-cpus"),
+            max_workers_per_actor=args.max_workers_per_actor,
+            max_actors_per_source=args.max_actors_per_source,
+            cost_levels=args.cost_levels,
+            samples_per_s=args.samples_per_s,
+            actor_base_bytes=part.parse_memory(args.actor_memory, field="--actor-memory", allow_zero=True),
+            buffer_bytes=part.parse_memory(args.buffer_memory, field="--buffer-memory", allow_zero=True),
+            worker_base_bytes=part.parse_memory(args.worker_memory, field="--worker-memory", allow_zero=True),
+            memory_headroom=args.memory_headroom,
+            state_per=args.state_per,
+            one_source_per_group=args.one_source_per_group,
+        )
+        weights = _read_weights(args.weights) if args.weights is not None else None
+        result = part.partition(profiles.sources, settings, weights=weights)
+    except ConfigError as exc:
+        field = flags.get(exc.field, exc.field)
+        print(f"batchplane partition: {field}: {exc.problem}, got {exc.value!r}", file=sys.stderr)
+        return 2
+    except part.PartitionError as exc:
+        print(f"batchplane partition: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "values":
+        document = part.to_values(result)
+    else:
+        document = part.to_dataplane(result, name=args.name or profiles.job, profiles=profiles)
+    header = (
+        f"# Written by `batchplane partition` from {args.profiles.name} (job {profiles.job!r}): "
+        f"{len(result.groups)} loader groups, {result.actors} actors, {result.workers} workers; "
+        f"pod {args.pod_memory} / {args.pod_cpus} CPUs.\n"
+    )
+    text = header + yaml.safe_dump(document, sort_keys=False)
+    print(part.describe(result), file=sys.stderr)
+    if args.out is None:
+        print(text, end="")
+        return 0
+    try:
+        args.out.write_text(text)
+    except OSError as exc:
+        print(f"batchplane partition: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _read_weights(path: pathlib.Path) -> dict[str, float]:
+    """Mixture weights from a job file (its mixture.weights, 1 for a source it does not name)
+    or a YAML file holding `mixture: {weights: ...}`, `weights: ...` or `source: weight` pairs.
+
+    Raises:
+        ConfigError: unreadable, not YAML, or not a mapping of names to numbers.
+    """
+    import yaml
+
+    from batchplane.core.config import load_job
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(str(path), "cannot read weights file", exc.strerror) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "not valid YAML", str(exc).replace("\n", " ")) from exc
+    if isinstance(data, dict) and "sources" in data:
+        job = load_job(path)
+        return dict(zip(job.source_names, job.weights))
+    if isinstance(data, dict) and isinstance(data.get("mixture"), dict):
+        data = data["mixture"].get("weights", {})
+    elif isinstance(data, dict) and "weights" in data:
+        data = data["weights"]
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in data.items()
+    ):
+        raise ConfigError(str(path), "must map source names to weights (or be a job file)", data)
+    return {k: float(v) for k, v in data.items()}
 
 
 if __name__ == "__main__":

@@ -572,6 +572,10 @@ def test_job_yaml_loads_with_batchplane_config(docs: list[dict], case: str, tmp_
     dataplane = one(docs, "DataPlane")["spec"]
     assert list(job.source_names) == [s["name"] for g in dataplane["sourceGroups"] for s in g["sources"]]
     assert list(job.source_names) == [s["name"] for g in values["sourceGroups"] for s in g["sources"]]
+    # loader group g (the operator's --index g) serves exactly the sources of sourceGroups[g]
+    assert [[job.source_names[k] for k in job.loader_sources(g)] for g in range(job.loader_count)] == [
+        [s["name"] for s in group["sources"]] for group in dataplane["sourceGroups"]
+    ]
     assert dataclasses.asdict(job.mesh) | {"order": None} == {**dataplane["mesh"], "order": None}
     assert (job.batch.global_batch_size, job.batch.microbatches) == (dataplane["batch"]["globalBatchSize"], dataplane["batch"]["microbatches"])
     assert job.constructors.ranks_per_constructor == values["trainer"]["ranksPerPod"]
@@ -723,12 +727,11 @@ def test_operator_rbac_is_least_privilege(docs: list[dict], case: str) -> None:
     role = one(docs, "Role", "-operator")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
     assert rules == {
-        (("batchplane.dev",), ("dataplanes",), ("get", "list", "patch", "watch")),
-        (("batchplane.dev",), ("dataplanes/status",), ("get", "patch", "update")),
-        (("apps",), ("deployments",), ("create", "delete", "get", "list", "patch", "update", "watch")),
-        (("apps",), ("deployments/scale",), ("get", "patch", "update")),
-        (("",), ("configmaps",), ("get", "list", "watch")),
-        (("",), ("events",), ("create",)),
+        (("batchplane.dev",), ("dataplanes",), ("get", "list")),
+        (("batchplane.dev",), ("dataplanes/status",), ("patch",)),
+        (("batchplane.dev",), ("dataplanes/finalizers",), ("update",)),
+        (("apps",), ("deployments",), ("create", "delete", "get", "list", "patch")),
+        (("apps",), ("deployments/scale",), ("patch",)),
     }
     binding = one(docs, "RoleBinding", "-operator")
     account = one(docs, "ServiceAccount", "-operator")

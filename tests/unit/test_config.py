@@ -93,6 +93,11 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("list-for-transform-args", _source(0, transform_args=[1]), "sources[0].transform_args", [1]),
     ("string-weight", _with(**{"mixture.weights": {"web": "1"}}), "mixture.weights.web", "1"),
     ("negative-keep-detail", _with(**{"ledger.keep_detail_steps": -1}), "ledger.keep_detail_steps", -1),
+    ("group-unknown-source", _with(**{"loaders.groups": [["web", "wbe"]]}), "loaders.groups[0]", ["web", "wbe"]),
+    ("group-twice", _with(**{"loaders.groups": [["web"], ["code", "web"]]}), "loaders.groups[1]", ["code", "web"]),
+    ("group-missing", _with(**{"loaders.groups": [["web"]]}), "loaders.groups", [["web"]]),
+    ("group-empty", _with(**{"loaders.groups": [["web", "code"], []]}), "loaders.groups[1]", []),
+    ("groups-and-count", _with(**{"loaders.groups": [["web", "code"]], "loaders.count": 1}), "loaders.count", 1),
     # required fields
     ("missing-job", _drop("job"), "job", None),
     ("blank-job", _with(job="  "), "job", "  "),
@@ -610,3 +615,13 @@ def test_pad_and_ignore_ids_at_the_token_dtype_limits_are_accepted(token_dtype: 
     data["batch"] = {"token_dtype": token_dtype, "pad_id": pad_id, "ignore_id": ignore_id}
     job = job_from_mapping(data)
     assert (job.batch.pad_id, job.batch.ignore_id) == (pad_id, ignore_id)
+
+
+def test_loader_groups_assign_sources_by_name() -> None:
+    data = _base()
+    data["sources"].append({"name": "chat", "path": "data/chat"})
+    data["loaders"] = {"groups": [["chat", "web"], ["code"]]}
+    job = job_from_mapping(data)
+    assert job.loader_count == 2
+    assert [job.loader_of(k) for k in range(3)] == [0, 1, 0]
+    assert job.loader_sources(0) == (0, 2) and job.loader_sources(1) == (1,)

@@ -157,8 +157,13 @@ class ShuffleSettings:
 class LoaderSettings:
     """Source loader processes."""
 
-    #: Loader processes; source i is served by loader i % count. None: one per source.
+    #: Loader groups; source i is served by loader group i % count. None: one per source (or
+    #: one per entry of `groups`).
     count: int | None = None
+    #: Loader groups by source name, e.g. [[web, books], [code]]: group g serves the sources of
+    #: entry g (every source in exactly one). The Helm chart writes it from sourceGroups. Each
+    #: group runs as one or more replicas (processes) that share its windows.
+    groups: tuple[tuple[str, ...], ...] | None = None
     #: Samples a loader reads ahead of the planner's cursor, per source.
     read_ahead_samples: int = 4096
     #: Soft cap on a loader's buffered payload bytes; read-ahead pauses above it (samples the
@@ -243,10 +248,16 @@ class JobSettings:
 
     @property
     def loader_count(self) -> int:
+        """Loader groups."""
+        if self.loaders.groups is not None:
+            return len(self.loaders.groups)
         return self.loaders.count if self.loaders.count is not None else len(self.sources)
 
     def loader_of(self, source: int) -> int:
-        """Index of the loader serving source `source`."""
+        """Index of the loader group serving source `source`."""
+        if self.loaders.groups is not None:
+            name = self.sources[source].name
+            return next(g for g, names in enumerate(self.loaders.groups) if name in names)
         return source % self.loader_count
 
     def loader_sources(self, loader_index: int) -> tuple[int, ...]:
@@ -504,6 +515,22 @@ def _validate(job: JobSettings) -> None:
             raise ConfigError(f"balance.cost.{name}", "must be a finite number >= 0", v)
     if cost.kind == "quadratic" and cost.linear == 0 and cost.quadratic == 0:
         raise ConfigError("balance.cost", "linear and quadratic must not both be 0", dataclasses.asdict(cost))
+    if job.loaders.groups is not None:
+        if job.loaders.count is not None:
+            raise ConfigError("loaders.count", "cannot be combined with loaders.groups (the groups give the count)", job.loaders.count)
+        placed: dict[str, int] = {}
+        for g, names in enumerate(job.loaders.groups):
+            if not names:
+                raise ConfigError(f"loaders.groups[{g}]", "must name at least one source", list(names))
+            for name in names:
+                if name not in seen:
+                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} names no source; sources are {', '.join(seen)}", list(names))
+                if name in placed:
+                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} is already in loaders.groups[{placed[name]}]", list(names))
+                placed[name] = g
+        missing = [name for name in seen if name not in placed]
+        if missing:
+            raise ConfigError("loaders.groups", f"must place every source in a group; missing: {', '.join(missing)}", [list(n) for n in job.loaders.groups])
     if job.loaders.count is not None:
         _positive("loaders.count", job.loaders.count)
         if job.loaders.count > len(job.sources):

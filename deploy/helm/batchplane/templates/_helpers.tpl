@@ -242,7 +242,11 @@ say (cross-field rules).
 {{- $v := .Values }}
 {{- $settings := deepCopy (default dict $v.job.settings) }}
 {{- $sources := list }}
+{{- $groups := list }}
 {{- range $g := $v.sourceGroups }}
+{{- $names := list }}
+{{- range $s := $g.sources }}{{ $names = append $names $s.name }}{{ end }}
+{{- $groups = append $groups $names }}
 {{- range $s := $g.sources }}
 {{- $src := dict "name" $s.name "path" $s.path }}
 {{- if $s.tokenColumn }}{{ $_ := set $src "token_column" $s.tokenColumn }}{{ end }}
@@ -262,6 +266,7 @@ say (cross-field rules).
   "batch" (dict "global_batch_size" (int $v.batch.globalBatchSize) "microbatches" (int $v.batch.microbatches))
   "constructors" (dict "ranks_per_constructor" (int $v.trainer.ranksPerPod))
   "network" (dict "host" "0.0.0.0")
+  "loaders" (dict "groups" $groups)
 }}
 {{- $_ := set $job "epochs" (ternary $v.job.epochs (int $v.job.epochs) (kindIs "string" $v.job.epochs)) }}
 {{- if $v.strategy }}{{ $_ := set $job "strategy" $v.strategy }}{{ end }}

@@ -1,0 +1,147 @@
+"""`python -m batchplane.operator --namespace NS --prometheus URL`: the Kubernetes operator.
+
+    python -m batchplane.operator --namespace NS --prometheus URL [--interval-s N]
+        [--metrics-port 9100] [--kube-api URL --token-file F --ca-file F] [--once]
+
+In a pod it talks to the API with its ServiceAccount (in-cluster configuration); --kube-api
+(with optional --token-file and --ca-file) points it elsewhere, e.g. at `kubectl proxy`. It
+serves its metrics on --metrics-port and stops on SIGTERM/SIGINT; --once runs one pass and exits
+(0 when nothing failed, 1 otherwise). See `batchplane.operator.loop` for what a pass does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from batchplane.core.process import configure_logging
+from batchplane.operator.kubernetes import KubeConfig, KubernetesClient, KubernetesError, in_cluster_config, in_cluster_namespace
+from batchplane.operator.loop import Operator, PrometheusObservations
+from batchplane.operator.metrics import OperatorMetrics
+from batchplane.operator.prometheus import PrometheusReader
+
+log = logging.getLogger(__name__)
+
+#: Exit status for bad flags or configuration.
+EXIT_BAD_INPUT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorSettings:
+    """The operator's command line."""
+
+    #: The namespace whose DataPlanes it reconciles.
+    namespace: str
+    #: Prometheus's base URL.
+    prometheus: str
+    #: Seconds between passes; None: the smallest spec.scaling.intervalSeconds of the DataPlanes.
+    interval_s: float | None = None
+    #: Port of the metrics endpoint (0: any free port).
+    metrics_port: int = 9100
+    #: Address the metrics endpoint binds.
+    metrics_host: str = "0.0.0.0"
+    #: The API's URL; None: in-cluster configuration.
+    kube_api: str | None = None
+    #: Bearer token file and CA bundle for --kube-api.
+    token_file: pathlib.Path | None = None
+    ca_file: pathlib.Path | None = None
+    #: Deadline of one Kubernetes API request, in seconds.
+    kube_timeout_s: float = 10.0
+    #: Deadline of one Prometheus query, in seconds.
+    prometheus_timeout_s: float = 5.0
+    #: Window of the rates read from Prometheus, in seconds.
+    rate_window_s: float = 120.0
+    #: Run one pass and exit.
+    once: bool = False
+    #: Log level name.
+    log_level: str = "INFO"
+
+
+def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSettings:
+    """The settings from the command line, falling back to POD_NAMESPACE or the pod's
+    ServiceAccount namespace for --namespace. Exits with status 2 on bad flags."""
+    parser = argparse.ArgumentParser(prog="python -m batchplane.operator", description="batchplane operator: loader Deployments scaled from the mixture")
+    parser.add_argument("--namespace", default=env.get("POD_NAMESPACE") or in_cluster_namespace(), help="namespace to reconcile (default: $POD_NAMESPACE, or the pod's own)")
+    parser.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://prometheus-operated.monitoring.svc:9090")
+    parser.add_argument("--interval-s", type=_positive, help="seconds between passes (default: the smallest spec.scaling.intervalSeconds, 30 without DataPlanes)")
+    parser.add_argument("--metrics-port", type=int, default=9100, help="metrics port (default 9100; 0: any free port)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="metrics address to bind (default 0.0.0.0)")
+    parser.add_argument("--kube-api", help="Kubernetes API URL (default: in-cluster, from the ServiceAccount)")
+    parser.add_argument("--token-file", type=pathlib.Path, help="bearer token file for --kube-api")
+    parser.add_argument("--ca-file", type=pathlib.Path, help="CA bundle verifying --kube-api")
+    parser.add_argument("--kube-timeout-s", type=_positive, default=10.0, help="deadline of one API request (default 10)")
+    parser.add_argument("--prometheus-timeout-s", type=_positive, default=5.0, help="deadline of one Prometheus query (default 5)")
+    parser.add_argument("--rate-window-s", type=_positive, default=120.0, help="window of the rates read from Prometheus (default 120; at least two scrape intervals)")
+    parser.add_argument("--once", action="store_true", help="run one pass and exit (0: nothing failed)")
+    parser.add_argument("--log-level", default=env.get("BATCHPLANE_LOG_LEVEL", "INFO"))
+    ns = parser.parse_args(argv)
+    if not ns.namespace:
+        parser.error("--namespace is required outside a pod (or set POD_NAMESPACE)")
+    if (ns.token_file or ns.ca_file) and not ns.kube_api:
+        parser.error("--token-file and --ca-file go with --kube-api (in a pod the ServiceAccount's are used)")
+    if not 0 <= ns.metrics_port <= 65535:
+        parser.error(f"--metrics-port: must be a port number, got {ns.metrics_port}")
+    return OperatorSettings(**vars(ns))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv, os.environ)
+    configure_logging(settings.log_level, "operator")
+    try:
+        if settings.kube_api:
+            config = KubeConfig(settings.kube_api, settings.token_file, settings.ca_file, settings.kube_timeout_s)
+        else:
+            config = in_cluster_config(os.environ, timeout_s=settings.kube_timeout_s)
+        api = KubernetesClient(config)
+        reader = PrometheusReader(settings.prometheus, settings.prometheus_timeout_s)
+        observations = PrometheusObservations(reader, rate_window_s=settings.rate_window_s)
+    except (KubernetesError, ValueError) as exc:
+        log.error("cannot start the operator: %s", exc)
+        return EXIT_BAD_INPUT
+    registry = CollectorRegistry()
+    operator = Operator(api, observations, OperatorMetrics(registry), namespace=settings.namespace, interval_s=settings.interval_s)
+    if settings.once:
+        result = operator.run_once(time.monotonic())
+        log.info("one pass over %d DataPlanes, %d failed steps", result.dataplanes, result.errors)
+        return 0 if result.errors == 0 else 1
+    server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info(
+        "operator for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics",
+        settings.namespace, config.api_url, settings.prometheus, settings.metrics_host, server.server_port,
+    )
+    operator.run(stop)
+    server.shutdown()
+    log.info("operator stopped")
+    return 0
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""The DataPlane custom resource as the operator reads it (deploy/helm/batchplane/crds).
+
+Pure: no I/O, no clock, no Kubernetes client. `parse_dataplane` turns a DataPlane object (the
+JSON the API server returns) into a typed, validated `DataPlaneSpec`, or raises `SpecError`
+naming the field in the resource's own spelling (e.g. `spec.sourceGroups[1].maxReplicas`).
+Fields the resource leaves out get the chart's values: the planner at
+`<name>-planner.<namespace>.svc:50051`, the job ConfigMap `<name>-job`, ports 50052 and 9100,
+UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. `declared_schedule`
+reads spec.mixture's staged or curriculum schedule, for scaling ahead of a declared change.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from batchplane.core.errors import ConfigError
+from batchplane.operator.policy import GroupSpec, ScalingSettings, ScheduleFn
+
+#: The DataPlane custom resource.
+GROUP = "batchplane.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DataPlane"
+PLURAL = "dataplanes"
+
+#: Defaults of spec.loader and spec.scaling fields the resource leaves out (the chart's values).
+DEFAULT_GRPC_PORT = 50052
+DEFAULT_METRICS_PORT = 9100
+DEFAULT_PLANNER_PORT = 50051
+DEFAULT_RUN_AS = 10001
+DEFAULT_INTERVAL_S = 30.0
+#: The weight of a source a schedule's weights mapping leaves out (as the planner reads it).
+DEFAULT_WEIGHT = 1.0
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+#: spec.scaling field -> ScalingSettings field, for messages in the resource's spelling.
+_SCALING_FIELDS = {
+    "windowIntervals": "window_intervals",
+    "consecutiveIntervals": "consecutive_intervals",
+    "upThreshold": "up_threshold",
+    "downThreshold": "down_threshold",
+    "cooldownSeconds": "cooldown_s",
+    "headroom": "headroom",
+    "leadSeconds": "lead_s",
+}
+
+
+class SpecError(ConfigError):
+    """A DataPlane the operator cannot act on; `field` is the path in the resource, e.g.
+    "spec.sourceGroups[0].maxReplicas"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderTemplate:
+    """How loader pods look (spec.loader, spec.planner.address)."""
+
+    #: The batchplane image.
+    image: str
+    #: The planner's gRPC address host:port, passed as --planner.
+    planner_address: str
+    #: ConfigMap holding job.yaml, mounted at /etc/batchplane.
+    job_config_map: str
+    #: Kubernetes imagePullPolicy; None: the cluster's default.
+    image_pull_policy: str | None = None
+    #: Names of image pull secrets.
+    image_pull_secrets: tuple[str, ...] = ()
+    #: The loaders' gRPC port (--port; advertised as $(POD_IP):port).
+    grpc_port: int = DEFAULT_GRPC_PORT
+    #: The loaders' metrics port (--metrics-port).
+    metrics_port: int = DEFAULT_METRICS_PORT
+    #: UID and GID the loader runs as (never 0).
+    run_as_user: int = DEFAULT_RUN_AS
+    run_as_group: int = DEFAULT_RUN_AS
+    #: Labels and annotations every loader pod carries.
+    pod_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceGroup:
+    """One entry of spec.sourceGroups."""
+
+    #: The group's name (a DNS label).
+    name: str
+    #: Its position in spec.sourceGroups: the loader's --index.
+    index: int
+    #: Names of its sources, in order.
+    sources: tuple[str, ...]
+    #: Profiled loader work per sample per source, in worker-seconds (costSecondsPerSample).
+    cost_s: Mapping[str, float]
+    #: Replica bounds.
+    min_replicas: int
+    max_replicas: int
+    #: Transform workers per replica: the capacity of one replica, in worker-seconds per second.
+    workers_per_actor: int
+    #: Resources of one loader pod ({requests, limits}), as given.
+    resources: Mapping[str, Any]
+
+    def clamp(self, replicas: int) -> int:
+        """`replicas` within [min_replicas, max_replicas]."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPlaneSpec:
+    """A validated DataPlane: what the operator reconciles and scales."""
+
+    #: metadata.name, metadata.namespace, metadata.uid, metadata.generation.
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    #: spec.sourceGroups, in order.
+    groups: tuple[SourceGroup, ...]
+    #: spec.loader and spec.planner.address.
+    loader: LoaderTemplate
+    #: spec.scaling as the policy's settings.
+    scaling: ScalingSettings
+    #: spec.scaling.intervalSeconds: seconds between two scaling decisions.
+    interval_s: float = DEFAULT_INTERVAL_S
+    #: The declared schedule (spec.mixture), for scaling ahead; None: none that changes.
+    schedule: ScheduleFn | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(s for g in self.groups for s in g.sources)
+
+    def group_spec(self, group: SourceGroup) -> GroupSpec:
+        """The scaling policy's view of `group`."""
+        return GroupSpec(
+            name=group.name,
+            sources=group.sources,
+            cost_s=dict(group.cost_s),
+            capacity=float(group.workers_per_actor),
+            min_replicas=group.min_replicas,
+            max_replicas=group.max_replicas,
+            scaling=self.scaling,
+        )
+
+# ---- reading a DataPlane ----------------------------------------------------------------------
+
+
+def parse_dataplane(obj: Mapping[str, Any]) -> DataPlaneSpec:
+    """A DataPlane object, validated.
+
+    Args:
+        obj: The DataPlane as the API server returns it (apiVersion, kind, metadata, spec).
+    Returns:
+        The typed spec.
+    Raises:
+        SpecError: a field the operator cannot act on; its message names the field and value.
+    """
+    meta = _mapping(obj.get("metadata"), "metadata")
+    name = meta.get("name")
+    if not (isinstance(name, str) and _DNS_LABEL.fullmatch(name) and len(name) <= 63):
+        raise SpecError("metadata.name", "must be a DNS label of at most 63 characters (it is a label value)", name)
+    namespace = meta.get("namespace")
+    if not (isinstance(namespace, str) and namespace):
+        raise SpecError("metadata.namespace", "is required", namespace)
+    uid = meta.get("uid")
+    if not (isinstance(uid, str) and uid):
+        raise SpecError("metadata.uid", "is required (the loader Deployments' ownerReference)", uid)
+    generation = meta.get("generation", 0)
+    generation = generation if _is_int(generation) else 0
+    spec = _mapping(obj.get("spec"), "spec")
+
+    raw_groups = spec.get("sourceGroups")
+    if not (isinstance(raw_groups, list) and raw_groups):
+        raise SpecError("spec.sourceGroups", "must be a non-empty list", raw_groups)
+    groups, seen_groups, seen_sources = [], set(), set()
+    for i, raw in enumerate(raw_groups):
+        group = _parse_group(raw, i, name)
+        if group.name in seen_groups:
+            raise SpecError(f"spec.sourceGroups[{i}].name", "is used by another group", group.name)
+        seen_groups.add(group.name)
+        for j, source in enumerate(group.sources):
+            if source in seen_sources:
+                raise SpecError(f"spec.sourceGroups[{i}].sources[{j}].name", "is listed in another group too", source)
+            seen_sources.add(source)
+        groups.append(group)
+
+    scaling_raw = _mapping(spec.get("scaling", {}), "spec.scaling")
+    scaling = _parse_scaling(scaling_raw)
+    interval_s = scaling_raw.get("intervalSeconds", DEFAULT_INTERVAL_S)
+    if not (_is_number(interval_s) and interval_s >= 1):
+        raise SpecError("spec.scaling.intervalSeconds", "must be a number >= 1", interval_s)
+    mixture = _mapping(spec.get("mixture", {}), "spec.mixture")
+    schedule = declared_schedule(mixture, [s for g in groups for s in g.sources])
+    return DataPlaneSpec(
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        generation=generation,
+        groups=tuple(groups),
+        loader=_parse_loader(spec, name, namespace),
+        scaling=scaling,
+        interval_s=float(interval_s),
+        schedule=schedule,
+    )
+
+
+def _parse_group(raw: object, i: int, dataplane: str) -> SourceGroup:
+    at = f"spec.sourceGroups[{i}]"
+    raw = _mapping(raw, at)
+    name = raw.get("name")
+    if not (isinstance(name, str) and _DNS_LABEL.fullmatch(name) and len(name) <= 63):
+        raise SpecError(f"{at}.name", "must be a DNS label (lowercase letters, digits, '-') of at most 63 characters", name)
+    if len(deployment_name(dataplane, name)) > 253:
+        raise SpecError(f"{at}.name", f"makes the Deployment name {deployment_name(dataplane, name)!r} longer than 253 characters", name)
+    sources_raw = raw.get("sources")
+    if not (isinstance(sources_raw, list) and sources_raw):
+        raise SpecError(f"{at}.sources", "must be a non-empty list", sources_raw)
+    sources, cost_s = [], {}
+    for j, source in enumerate(sources_raw):
+        source = _mapping(source, f"{at}.sources[{j}]")
+        source_name = source.get("name")
+        if not (isinstance(source_name, str) and _SOURCE_NAME.fullmatch(source_name)):
+            raise SpecError(f"{at}.sources[{j}].name", "must be a source name (letters, digits, _ - .)", source_name)
+        if source_name in sources:
+            raise SpecError(f"{at}.sources[{j}].name", "is listed twice", source_name)
+        sources.append(source_name)
+        if "costSecondsPerSample" in source:
+            cost = source["costSecondsPerSample"]
+            if not (_is_number(cost) and cost >= 0):
+                raise SpecError(f"{at}.sources[{j}].costSecondsPerSample", "must be a finite number >= 0", cost)
+            cost_s[source_name] = float(cost)
+    low, high = raw.get("minReplicas"), raw.get("maxReplicas")
+    for field, value in (("minReplicas", low), ("maxReplicas", high)):
+        if not (_is_int(value) and value >= 1):
+            raise SpecError(f"{at}.{field}", "must be an integer >= 1", value)
+    if high < low:
+        raise SpecError(f"{at}.maxReplicas", f"must be >= minReplicas ({low})", high)
+    workers = raw.get("workersPerActor", 1)
+    if not (_is_int(workers) and workers >= 1):
+        raise SpecError(f"{at}.workersPerActor", "must be an integer >= 1", workers)
+    resources = _mapping(raw.get("resources", {}), f"{at}.resources")
+    for key, quantities in resources.items():
+        if key not in ("requests", "limits"):
+            raise SpecError(f"{at}.resources.{key}", "unknown key; known keys: requests, limits", quantities)
+        for resource, quantity in _mapping(quantities, f"{at}.resources.{key}").items():
+            if not (isinstance(quantity, str) and quantity or _is_int(quantity) or _is_number(quantity)):
+                raise SpecError(f"{at}.resources.{key}.{resource}", "must be a quantity (a string or a number)", quantity)
+    return SourceGroup(
+        name=name,
+        index=i,
+        sources=tuple(sources),
+        cost_s=cost_s,
+        min_replicas=low,
+        max_replicas=high,
+        workers_per_actor=workers,
+        resources=copy.deepcopy(dict(resources)),
+    )
+
+
+def _parse_scaling(raw: Mapping[str, Any]) -> ScalingSettings:
+    kwargs: dict[str, float | int] = {}
+    threshold = raw.get("threshold")
+    if threshold is not None:
+        if not (_is_number(threshold) and 0 <= threshold < 1):
+            raise SpecError("spec.scaling.threshold", "must be a number in [0, 1)", threshold)
+        kwargs["up_threshold"] = kwargs["down_threshold"] = float(threshold)
+    for field, name in _SCALING_FIELDS.items():
+        if field not in raw:
+            continue
+        value = raw[field]
+        integer = field in ("windowIntervals", "consecutiveIntervals")
+        if not (_is_int(value) if integer else _is_number(value)):
+            raise SpecError(f"spec.scaling.{field}", "must be an integer" if integer else "must be a finite number", value)
+        kwargs[name] = value if integer else float(value)
+    try:
+        return ScalingSettings(**kwargs)
+    except ConfigError as exc:
+        field = {v: k for k, v in _SCALING_FIELDS.items()}.get(exc.field.removeprefix("scaling."), exc.field)
+        raise SpecError(f"spec.scaling.{field}", exc.problem, exc.value) from None
+
+
+def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderTemplate:
+    raw = _mapping(spec.get("loader", {}), "spec.loader")
+    image = raw.get("image")
+    if not (isinstance(image, str) and image):
+        raise SpecError("spec.loader.image", "is required (the batchplane image loaders run)", image)
+    planner = _mapping(spec.get("planner", {}), "spec.planner")
+    address = planner.get("address", f"{name}-planner.{namespace}.svc:{DEFAULT_PLANNER_PORT}")
+    if not (isinstance(address, str) and re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", address)):
+        raise SpecError("spec.planner.address", "must be host:port", address)
+    config_map = raw.get("jobConfigMap", f"{name}-job")
+    if not (isinstance(config_map, str) and config_map):
+        raise SpecError("spec.loader.jobConfigMap", "must be a ConfigMap name", config_map)
+    policy = raw.get("imagePullPolicy")
+    if policy is not None and policy not in _PULL_POLICIES:
+        raise SpecError("spec.loader.imagePullPolicy", f"must be one of {', '.join(_PULL_POLICIES)}", policy)
+    secrets = raw.get("imagePullSecrets", [])
+    if not (isinstance(secrets, list) and all(isinstance(s, Mapping) and isinstance(s.get("name"), str) for s in secrets)):
+        raise SpecError("spec.loader.imagePullSecrets", "must be a list of {name: <secret>}", secrets)
+    ports = {}
+    for field, default in (("grpcPort", DEFAULT_GRPC_PORT), ("metricsPort", DEFAULT_METRICS_PORT)):
+        port = raw.get(field, default)
+        if not (_is_int(port) and 1 <= port <= 65535):
+            raise SpecError(f"spec.loader.{field}", "must be a port number (1..65535)", port)
+        ports[field] = port
+    if ports["grpcPort"] == ports["metricsPort"]:
+        raise SpecError("spec.loader.metricsPort", "must differ from grpcPort", ports["metricsPort"])
+    ids = {}
+    for field in ("runAsUser", "runAsGroup"):
+        value = raw.get(field, DEFAULT_RUN_AS)
+        if not (_is_int(value) and value >= 1):
+            raise SpecError(f"spec.loader.{field}", "must be an integer >= 1 (never root)", value)
+        ids[field] = value
+    maps = {}
+    for field in ("podLabels", "podAnnotations"):
+        value = _mapping(raw.get(field, {}), f"spec.loader.{field}")
+        for key, text in value.items():
+            if not isinstance(text, str):
+                raise SpecError(f"spec.loader.{field}.{key}", "must be a string", text)
+        maps[field] = dict(value)
+    return LoaderTemplate(
+        image=image,
+        planner_address=address,
+        job_config_map=config_map,
+        image_pull_policy=policy,
+        image_pull_secrets=tuple(s["name"] for s in secrets),
+        grpc_port=ports["grpcPort"],
+        metrics_port=ports["metricsPort"],
+        run_as_user=ids["runAsUser"],
+        run_as_group=ids["runAsGroup"],
+        pod_labels=maps["podLabels"],
+        pod_annotations=maps["podAnnotations"],
+    )
+
+# ---- the declared schedule ----------------------------------------------------------------------
+
+
+def declared_schedule(mixture: Mapping[str, Any], source_names: Sequence[str]) -> ScheduleFn | None:
+    """The weights spec.mixture declares per step, for scaling ahead of a change.
+
+    Staged (piecewise constant) and curriculum (piecewise linear) schedules are read as the
+    planner reads them: a source a weights mapping leaves out gets weight 1. Static weights, and
+    the kinds whose weights are not known in advance (callable, adaptive), give None.
+
+    Raises:
+        SpecError: a staged or curriculum schedule that is malformed.
+    """
+    schedule = mixture.get("schedule")
+    if schedule is None:
+        return None
+    schedule = _mapping(schedule, "spec.mixture.schedule")
+    kind = schedule.get("kind")
+    key = {"staged": ("stages", "start"), "curriculum": ("anchors", "step")}.get(kind)
+    if key is None:
+        return None
+    field, at = key
+    raw = schedule.get(field)
+    if not (isinstance(raw, list) and raw):
+        raise SpecError(f"spec.mixture.schedule.{field}", f"must be a non-empty list for kind {kind!r}", raw)
+    points: list[tuple[float, dict[str, float]]] = []
+    for i, point in enumerate(raw):
+        point = _mapping(point, f"spec.mixture.schedule.{field}[{i}]")
+        step = point.get(at)
+        if not (_is_number(step) and step >= 0) or (points and step <= points[-1][0]):
+            raise SpecError(f"spec.mixture.schedule.{field}[{i}].{at}", "must be a number >= 0, increasing", step)
+        weights = _mapping(point.get("weights", {}), f"spec.mixture.schedule.{field}[{i}].weights")
+        for source, w in weights.items():
+            if not (_is_number(w) and w >= 0):
+                raise SpecError(f"spec.mixture.schedule.{field}[{i}].weights.{source}", "must be a finite number >= 0", w)
+        points.append((float(step), {s: float(weights.get(s, DEFAULT_WEIGHT)) for s in source_names}))
+    steps = [p[0] for p in points]
+    linear = kind == "curriculum"
+
+    def at_step(t: float) -> dict[str, float]:
+        i = bisect.bisect_right(steps, t)
+        if i == 0:
+            return dict(points[0][1])
+        if i == len(points) or not linear:
+            return dict(points[i - 1][1])
+        (a, wa), (b, wb) = points[i - 1], points[i]
+        f = (t - a) / (b - a)
+        return {s: wa[s] * (1 - f) + wb[s] * f for s in wa}
+
+    return at_step
+
+
+# ---- names --------------------------------------------------------------------------------------
+
+
+def deployment_name(dataplane: str, group: str) -> str:
+    """`<DataPlane>-loader-<group>`."""
+    return f"{dataplane}-loader-{group}"
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def _mapping(value: object, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SpecError(field, "must be a mapping", value)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

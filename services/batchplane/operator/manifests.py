@@ -1,0 +1,217 @@
+"""The loader Deployment the operator builds for each source group of a DataPlane
+(deploy/helm/README.md, "The operator contract").
+
+Pure: no I/O, no clock, no Kubernetes client. `loader_deployment` builds the apps/v1 Deployment
+of one group of a `dataplane.DataPlaneSpec` as a plain dict.
+
+A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D:
+
+- name `<D>-loader-<G>`; labels `spec.loader.podLabels` plus `batchplane.dev/dataplane: D`,
+  `batchplane.dev/group: G`, `app.kubernetes.io/component: loader` and
+  `app.kubernetes.io/managed-by: batchplane-operator` (the label the operator selects its own
+  Deployments by; it never touches one without it);
+- an ownerReference to D (controller, blockOwnerDeletion), so deleting D deletes it;
+- selector {batchplane.dev/dataplane, batchplane.dev/group} (immutable once created);
+- `replicas` as the operator decides (the scaling policy); `spec.replicas` is never part of a
+  spec update, only of the scale subresource;
+- pods running `spec.loader.image` with args `loader -c /etc/batchplane/job.yaml --index I
+  --replica $(POD_NAME) --planner <spec.planner.address> --port <grpcPort> --advertise
+  $(POD_IP):<grpcPort> --metrics-port <metricsPort>` (POD_NAME and POD_IP from the downward
+  API); a preStop hook that asks the loader to leave its group (SIGUSR1) and waits while it serves
+  the windows routed to it, within a termination grace period longer than its drain timeout;
+  ports `grpc` and `metrics`,
+  gRPC health probes, the group's resources, the job ConfigMap at /etc/batchplane and an
+  emptyDir at /tmp, no ServiceAccount token, non-root with a read-only root filesystem, no
+  privilege escalation, all capabilities dropped and the RuntimeDefault seccomp profile;
+- annotation `batchplane.dev/spec-hash`: a digest of everything above but `replicas`, which
+  tells the operator whether a live Deployment still matches its DataPlane (the API server adds
+  defaults, so live specs are not compared field by field).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from batchplane.operator.dataplane import API_VERSION, KIND, DataPlaneSpec, SourceGroup, deployment_name
+
+#: Labels the operator sets on every loader Deployment and pod.
+LABEL_DATAPLANE = "batchplane.dev/dataplane"
+LABEL_GROUP = "batchplane.dev/group"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+#: The value of app.kubernetes.io/managed-by on what the operator creates.
+MANAGER = "batchplane-operator"
+#: Digest of a Deployment's desired state without its replicas.
+ANNOTATION_SPEC_HASH = "batchplane.dev/spec-hash"
+
+#: Where the job ConfigMap is mounted in loader pods, and the job file in it.
+CONFIG_DIR = "/etc/batchplane"
+JOB_FILE = f"{CONFIG_DIR}/job.yaml"
+#: The loader container's name.
+CONTAINER = "loader"
+
+
+# ---- building a loader Deployment ---------------------------------------------------------------
+
+
+#: How long a leaving loader replica serves its windows at most (batchplane.loader.server).
+DRAIN_TIMEOUT_S = 300
+#: The preStop hook: SIGUSR1 to the loader (PID 1), then wait for it to finish leaving.
+LEAVE_COMMAND = "import os, signal, time; os.kill(1, signal.SIGUSR1); time.sleep(3600)"
+
+def selector_labels(spec: DataPlaneSpec, group: SourceGroup) -> dict[str, str]:
+    """The Deployment's selector: what tells its pods from every other group's."""
+    return {LABEL_DATAPLANE: spec.name, LABEL_GROUP: group.name}
+
+
+def managed_selector() -> str:
+    """A label selector for every Deployment the operator made, in the API's syntax."""
+    return f"{LABEL_MANAGED_BY}={MANAGER}"
+
+
+def owner_reference(spec: DataPlaneSpec) -> dict[str, Any]:
+    """The ownerReference that ties a loader Deployment to its DataPlane."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": spec.name,
+        "uid": spec.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def loader_args(spec: DataPlaneSpec, group: SourceGroup) -> list[str]:
+    """The loader container's args (the image's entrypoint runs `python -m batchplane.loader`)."""
+    port = spec.loader.grpc_port
+    return [
+        "loader",
+        "-c",
+        JOB_FILE,
+        "--index",
+        str(group.index),
+        "--replica",
+        "$(POD_NAME)",
+        "--planner",
+        spec.loader.planner_address,
+        "--port",
+        str(port),
+        "--advertise",
+        f"$(POD_IP):{port}",
+        "--metrics-port",
+        str(spec.loader.metrics_port),
+    ]
+
+
+def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int) -> dict[str, Any]:
+    """The apps/v1 Deployment of `group`, with `replicas` pods and its spec-hash annotation.
+
+    Args:
+        spec: The DataPlane.
+        group: One of `spec.groups`.
+        replicas: Pods to run (the caller keeps it within the group's bounds).
+    Returns:
+        The Deployment as a dict, ready to POST.
+    """
+    loader = spec.loader
+    labels = {**loader.pod_labels, LABEL_COMPONENT: "loader", **selector_labels(spec, group), LABEL_MANAGED_BY: MANAGER}
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": loader.image,
+        "args": loader_args(spec, group),
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [
+            {"name": "grpc", "containerPort": loader.grpc_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": loader.metrics_port, "protocol": "TCP"},
+        ],
+        # grpc.health.v1 turns SERVING once the loader has registered with the planner.
+        "startupProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 2, "failureThreshold": 150},
+        "readinessProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 10},
+        "livenessProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 6},
+        # Scaled in: leave the group and serve the windows routed here first (the loader exits
+        # when done, which ends this hook; the grace period bounds it).
+        "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", LEAVE_COMMAND]}}},
+        "resources": copy.deepcopy(dict(group.resources)),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": loader.run_as_user,
+            "runAsGroup": loader.run_as_group,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "batchplane-job", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if loader.image_pull_policy is not None:
+        container["imagePullPolicy"] = loader.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": loader.run_as_user,
+            "runAsGroup": loader.run_as_group,
+            "fsGroup": loader.run_as_group,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": int(DRAIN_TIMEOUT_S) + 30,
+        "containers": [container],
+        "volumes": [
+            {"name": "batchplane-job", "configMap": {"name": loader.job_config_map}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if loader.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in loader.image_pull_secrets]
+    deployment: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(spec.name, group.name),
+            "namespace": spec.namespace,
+            "labels": dict(labels),
+            "annotations": {},
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "spec": {
+            "replicas": int(replicas),
+            "selector": {"matchLabels": selector_labels(spec, group)},
+            # Loader replicas of a group are interchangeable: keep them all up during a rollout.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": dict(labels), "annotations": dict(loader.pod_annotations)},
+                "spec": pod_spec,
+            },
+        },
+    }
+    deployment["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = spec_hash(deployment)
+    return deployment
+
+
+def spec_hash(deployment: Mapping[str, Any]) -> str:
+    """A digest of a Deployment's labels, owner, selector, strategy and pod template: what the
+    operator sets, without `replicas` (the scaling policy's) and its own annotation."""
+    meta = deployment.get("metadata", {})
+    spec = deployment.get("spec", {})
+    content = {
+        "labels": meta.get("labels", {}),
+        "annotations": {k: v for k, v in meta.get("annotations", {}).items() if k != ANNOTATION_SPEC_HASH},
+        "ownerReferences": meta.get("ownerReferences", []),
+        "spec": {k: v for k, v in spec.items() if k != "replicas"},
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

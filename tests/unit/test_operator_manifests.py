@@ -1,0 +1,323 @@
+"""The operator's reading of a DataPlane (batchplane.operator.dataplane) and the loader
+Deployment it builds per source group (batchplane.operator.manifests)
+(deploy/helm/README.md, "The operator contract"): the contract's fields, strict validation with
+kubernetes-validate for Kubernetes 1.30 and the newest version it knows, the spec hash, the
+declared schedule, and bad specs refused with the field named."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Any
+
+import pytest
+
+from batchplane.core.process import parse_process_args
+from batchplane.operator.dataplane import SpecError, declared_schedule, parse_dataplane
+from batchplane.operator.manifests import ANNOTATION_SPEC_HASH, LABEL_DATAPLANE, LABEL_GROUP, LABEL_MANAGED_BY, MANAGER, loader_deployment, spec_hash
+from batchplane.operator.policy import ScalingSettings
+
+NAMESPACE = "training"
+UID = "6f1c0a52-0d1e-4c55-9b1e-2a8c0f3d4e5f"
+POD_LABELS = {
+    "app.kubernetes.io/name": "batchplane",
+    "app.kubernetes.io/instance": "demo",
+    "app.kubernetes.io/component": "loader",
+    "app.kubernetes.io/part-of": "batchplane",
+    "batchplane.dev/dataplane": "text-and-code",
+    "batchplane.dev/scrape": "text-and-code",
+}
+POD_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": "9100", "prometheus.io/path": "/metrics", "checksum/job-config": "5ea0a5ef"}
+
+#: The DataPlane the chart renders for ci/two-groups-values.yaml, as the API server returns it.
+DATAPLANE: dict[str, Any] = {
+    "apiVersion": "batchplane.dev/v1alpha1",
+    "kind": "DataPlane",
+    "metadata": {"name": "text-and-code", "namespace": NAMESPACE, "uid": UID, "generation": 3},
+    "spec": {
+        "sourceGroups": [
+            {
+                "name": "text",
+                "sources": [
+                    {"name": "web", "path": "s3://datasets/web/*.parquet", "costSecondsPerSample": 0.00025},
+                    {"name": "books", "path": "s3://datasets/books/", "tokenColumn": "ids", "costSecondsPerSample": 0.0004},
+                ],
+                "minReplicas": 2,
+                "maxReplicas": 8,
+                "workersPerActor": 1,
+                "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}},
+            },
+            {
+                "name": "code",
+                "sources": [{"name": "code", "path": "/mnt/datasets/code", "transform": "batchplane.loader.transforms:token_ids"}],
+                "minReplicas": 1,
+                "maxReplicas": 3,
+                "workersPerActor": 2,
+                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}},
+            },
+        ],
+        "mixture": {
+            "schedule": {
+                "kind": "staged",
+                "granularity": "step",
+                "stages": [
+                    {"start": 0, "weights": {"web": 6, "books": 2, "code": 2}},
+                    {"start": 500, "weights": {"web": 4, "books": 2, "code": 4}},
+                ],
+            },
+            "weights": {},
+        },
+        "mesh": {"dp": 2, "cp": 1, "tp": 1, "pp": 1},
+        "batch": {"globalBatchSize": 16, "microbatches": 2},
+        "planner": {"address": "text-and-code-planner.training.svc:50051"},
+        "scaling": {
+            "intervalSeconds": 15,
+            "windowIntervals": 3,
+            "consecutiveIntervals": 4,
+            "cooldownSeconds": 120,
+            "leadSeconds": 120,
+            "upThreshold": 0.05,
+            "downThreshold": 0.15,
+            "headroom": 0.2,
+        },
+        "loader": {
+            "image": "registry.example.com/ml/batchplane:0.1.0-rc1",
+            "imagePullPolicy": "Always",
+            "imagePullSecrets": [{"name": "registry-credentials"}],
+            "jobConfigMap": "text-and-code-job",
+            "grpcPort": 50052,
+            "metricsPort": 9100,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "podLabels": POD_LABELS,
+            "podAnnotations": POD_ANNOTATIONS,
+        },
+    },
+}
+
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "readOnlyRootFilesystem": True,
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def dataplane(**changes: Any) -> dict[str, Any]:
+    """A deep copy of DATAPLANE with dotted-path changes, e.g. {"spec.loader.image": "x"}."""
+    obj = copy.deepcopy(DATAPLANE)
+    for path, value in changes.items():
+        *parents, last = path.split(".")
+        node = obj
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        elif value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return obj
+
+
+_DELETE = object()
+
+
+@pytest.fixture(scope="module")
+def kubernetes_validate() -> Any:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.fail(
+            "kubernetes-validate is missing: it is a test dependency (pyproject's dev extra); "
+            "install it with `.venv/bin/pip install -c constraints.txt kubernetes-validate`",
+            pytrace=False,
+        )
+    return kubernetes_validate
+
+
+# ---- reading the DataPlane -------------------------------------------------------------------------
+
+
+def test_the_charts_dataplane_is_read_as_written() -> None:
+    spec = parse_dataplane(DATAPLANE)
+    assert (spec.name, spec.namespace, spec.uid, spec.generation, spec.interval_s) == ("text-and-code", NAMESPACE, UID, 3, 15.0)
+    assert [(g.name, g.index, g.sources, g.min_replicas, g.max_replicas, g.workers_per_actor) for g in spec.groups] == [
+        ("text", 0, ("web", "books"), 2, 8, 1),
+        ("code", 1, ("code",), 1, 3, 2),
+    ]
+    assert spec.source_names == ("web", "books", "code")
+    assert spec.scaling == ScalingSettings(
+        window_intervals=3, consecutive_intervals=4, up_threshold=0.05, down_threshold=0.15, cooldown_s=120.0, headroom=0.2, lead_s=120.0
+    )
+    text, code = (spec.group_spec(g) for g in spec.groups)
+    assert text.cost_s == {"web": 0.00025, "books": 0.0004} and text.capacity == 1.0
+    assert code.cost_s == {} and code.capacity == 2.0 and (code.min_replicas, code.max_replicas) == (1, 3)
+    loader = spec.loader
+    assert (loader.image, loader.planner_address, loader.job_config_map) == (
+        "registry.example.com/ml/batchplane:0.1.0-rc1",
+        "text-and-code-planner.training.svc:50051",
+        "text-and-code-job",
+    )
+    assert (loader.grpc_port, loader.metrics_port, loader.image_pull_policy, loader.image_pull_secrets) == (50052, 9100, "Always", ("registry-credentials",))
+
+
+def test_a_minimal_dataplane_gets_the_charts_defaults() -> None:
+    obj = {
+        "metadata": {"name": "mini", "namespace": "ns", "uid": "u"},
+        "spec": {
+            "sourceGroups": [{"name": "all", "sources": [{"name": "a", "path": "/a"}], "minReplicas": 1, "maxReplicas": 1}],
+            "loader": {"image": "batchplane:0.1.0"},
+        },
+    }
+    spec = parse_dataplane(obj)
+    assert spec.loader.planner_address == "mini-planner.ns.svc:50051" and spec.loader.job_config_map == "mini-job"
+    assert (spec.loader.grpc_port, spec.loader.metrics_port, spec.loader.run_as_user, spec.interval_s) == (50052, 9100, 10001, 30.0)
+    assert spec.scaling == ScalingSettings() and spec.schedule is None and spec.generation == 0
+    deployment = loader_deployment(spec, spec.groups[0], replicas=1)
+    assert "imagePullPolicy" not in deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "imagePullSecrets" not in deployment["spec"]["template"]["spec"]
+
+
+def test_threshold_sets_both_directions_unless_one_is_given() -> None:
+    both = parse_dataplane(dataplane(**{"spec.scaling": {"threshold": 0.1}})).scaling
+    assert (both.up_threshold, both.down_threshold) == (0.1, 0.1)
+    one = parse_dataplane(dataplane(**{"spec.scaling": {"threshold": 0.1, "downThreshold": 0.3}})).scaling
+    assert (one.up_threshold, one.down_threshold) == (0.1, 0.3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"spec.sourceGroups.0.minReplicas": 9}, "spec.sourceGroups[0].maxReplicas"),
+        ({"spec.sourceGroups.1.maxReplicas": 0}, "spec.sourceGroups[1].maxReplicas"),
+        ({"spec.sourceGroups.1.minReplicas": "2"}, "spec.sourceGroups[1].minReplicas"),
+        ({"spec.sourceGroups.1.name": "text"}, "spec.sourceGroups[1].name"),
+        ({"spec.sourceGroups.1.name": "Code_Group"}, "spec.sourceGroups[1].name"),
+        ({"spec.sourceGroups.1.sources": [{"name": "web", "path": "/w"}]}, "spec.sourceGroups[1].sources[0].name"),
+        ({"spec.sourceGroups.1.sources": []}, "spec.sourceGroups[1].sources"),
+        ({"spec.sourceGroups.0.sources.0.costSecondsPerSample": -1}, "spec.sourceGroups[0].sources[0].costSecondsPerSample"),
+        ({"spec.sourceGroups.1.workersPerActor": 0}, "spec.sourceGroups[1].workersPerActor"),
+        ({"spec.sourceGroups.1.resources": {"requests": {"cpu": None}}}, "spec.sourceGroups[1].resources.requests.cpu"),
+        ({"spec.sourceGroups": []}, "spec.sourceGroups"),
+        ({"spec.loader.image": ""}, "spec.loader.image"),
+        ({"spec.loader.metricsPort": 50052}, "spec.loader.metricsPort"),
+        ({"spec.loader.runAsUser": 0}, "spec.loader.runAsUser"),
+        ({"spec.loader.imagePullPolicy": "Sometimes"}, "spec.loader.imagePullPolicy"),
+        ({"spec.planner.address": "no-port"}, "spec.planner.address"),
+        ({"spec.scaling.windowIntervals": 0}, "spec.scaling.windowIntervals"),
+        ({"spec.scaling.downThreshold": 1.5}, "spec.scaling.downThreshold"),
+        ({"spec.scaling.intervalSeconds": 0}, "spec.scaling.intervalSeconds"),
+        ({"spec.mixture.schedule.stages": [{"start": 5, "weights": {}}, {"start": 5, "weights": {}}]}, "spec.mixture.schedule.stages[1].start"),
+        ({"metadata.uid": _DELETE}, "metadata.uid"),
+        ({"metadata.name": "x" * 64}, "metadata.name"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(dataplane(**changes))
+    assert info.value.field == field and str(info.value).startswith(field + ":")
+
+
+def test_the_declared_schedule_reads_as_the_planner_reads_it() -> None:
+    stages = {"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {"a": 1, "b": 3}}, {"start": 100, "weights": {"a": 4}}]}}
+    staged = declared_schedule(stages, ["a", "b"])
+    assert staged(0) == {"a": 1, "b": 3} and staged(99.5) == {"a": 1, "b": 3}
+    assert staged(100) == {"a": 4, "b": 1.0}  # a source a stage leaves out weighs 1
+    anchors = {"schedule": {"kind": "curriculum", "anchors": [{"step": 10, "weights": {"a": 0, "b": 2}}, {"step": 20, "weights": {"a": 2, "b": 0}}]}}
+    curriculum = declared_schedule(anchors, ["a", "b"])
+    assert curriculum(0) == {"a": 0, "b": 2} and curriculum(15) == {"a": 1, "b": 1} and curriculum(30) == {"a": 2, "b": 0}
+    for mixture in ({}, {"weights": {"a": 2}}, {"schedule": {"kind": "static"}}, {"schedule": {"kind": "callable", "callable": "m:f"}}):
+        assert declared_schedule(mixture, ["a", "b"]) is None
+    assert parse_dataplane(DATAPLANE).schedule(600) == {"web": 4, "books": 2, "code": 4}
+
+
+# ---- the loader Deployment ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathlib.Path) -> None:
+    spec = parse_dataplane(DATAPLANE)
+    group = spec.groups[index]
+    d = loader_deployment(spec, group, replicas=3)
+    meta, dspec = d["metadata"], d["spec"]
+    assert (d["apiVersion"], d["kind"], meta["name"], meta["namespace"]) == ("apps/v1", "Deployment", f"text-and-code-loader-{group.name}", NAMESPACE)
+    assert meta["ownerReferences"] == [
+        {"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane", "name": "text-and-code", "uid": UID, "controller": True, "blockOwnerDeletion": True}
+    ]
+    assert meta["labels"] == {**POD_LABELS, LABEL_GROUP: group.name, LABEL_MANAGED_BY: MANAGER}
+    assert meta["annotations"] == {ANNOTATION_SPEC_HASH: spec_hash(d)}
+    assert dspec["replicas"] == 3
+    assert dspec["selector"]["matchLabels"] == {LABEL_DATAPLANE: "text-and-code", LABEL_GROUP: group.name}
+    template = dspec["template"]
+    assert template["metadata"]["labels"] == meta["labels"] and template["metadata"]["annotations"] == POD_ANNOTATIONS
+    assert all(template["metadata"]["labels"][k] == v for k, v in dspec["selector"]["matchLabels"].items())
+    pod = template["spec"]
+    assert pod["automountServiceAccountToken"] is False and pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+    (c,) = pod["containers"]
+    assert "command" not in c and c["image"] == "registry.example.com/ml/batchplane:0.1.0-rc1" and c["imagePullPolicy"] == "Always"
+    assert c["args"] == [
+        "loader", "-c", "/etc/batchplane/job.yaml", "--index", str(index), "--replica", "$(POD_NAME)",
+        "--planner", "text-and-code-planner.training.svc:50051",
+        "--port", "50052", "--advertise", "$(POD_IP):50052", "--metrics-port", "9100",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert env["POD_NAME"] == {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    assert env["HOME"]["value"] == "/tmp"
+    # the kubelet expands $(POD_IP) and $(POD_NAME) from the container's env; the loader's own parser reads the rest
+    expanded = [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "loader-abc") for a in c["args"][1:]]
+    settings = parse_process_args("loader", expanded)
+    assert (settings.index, settings.replica, settings.planner, settings.port, settings.advertise, settings.metrics_port) == (
+        index, "loader-abc", "text-and-code-planner.training.svc:50051", 50052, "10.0.0.7:50052", 9100
+    )  # fmt: skip
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"] and "SIGUSR1" in c["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert pod["terminationGracePeriodSeconds"] > 300, "longer than a leaving loader's drain"
+    assert settings.config == pathlib.Path("/etc/batchplane/job.yaml") and settings.listen is None
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50052, "metrics": 9100}
+    assert POD_ANNOTATIONS["prometheus.io/port"] == str(settings.metrics_port)
+    assert all(c[probe]["grpc"]["port"] == 50052 for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert c["resources"] == DATAPLANE["spec"]["sourceGroups"][index]["resources"]
+    assert c["securityContext"] == CONTAINER_SECURITY
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/etc/batchplane"]]["configMap"] == {"name": "text-and-code-job"}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    # the pod name (Deployment name + ReplicaSet hash + pod suffix) fits
+    assert len(meta["name"]) + len("-0123456789-abcde") <= 253
+
+
+@pytest.mark.parametrize("kube_version", ["1.30.0", "latest"])
+def test_the_loader_deployment_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
+    version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
+    spec = parse_dataplane(DATAPLANE)
+    for group in spec.groups:
+        d = loader_deployment(spec, group, replicas=group.min_replicas)
+        kubernetes_validate.validate(d, version, strict=True)
+    minimal = parse_dataplane(dataplane(**{"spec.loader": {"image": "batchplane:0.1.0"}, "spec.sourceGroups.0.resources": {}}))
+    kubernetes_validate.validate(loader_deployment(minimal, minimal.groups[0], replicas=1), version, strict=True)
+    typo = loader_deployment(spec, spec.groups[0], replicas=1)
+    typo["spec"]["template"]["spec"]["containers"][0]["securityContxt"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, version, strict=True)
+
+
+def test_the_spec_hash_follows_everything_but_the_replicas() -> None:
+    spec = parse_dataplane(DATAPLANE)
+    base = loader_deployment(spec, spec.groups[0], replicas=2)
+    assert loader_deployment(spec, spec.groups[0], replicas=7)["metadata"]["annotations"] == base["metadata"]["annotations"]
+    assert spec_hash(base) == spec_hash(copy.deepcopy(base))
+    for change in (
+        {"spec.loader.image": "batchplane:0.2.0"},
+        {"spec.sourceGroups.0.resources": {"limits": {"cpu": "8"}}},
+        {"spec.planner.address": "elsewhere:50051"},
+        {"spec.loader.podAnnotations": {**POD_ANNOTATIONS, "checksum/job-config": "other"}},
+        {"metadata.uid": "another-uid"},
+    ):
+        other = parse_dataplane(dataplane(**change))
+        assert spec_hash(loader_deployment(other, other.groups[0], replicas=2)) != spec_hash(base), change
