@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("-c", "--config", type=pathlib.Path, required=True, help="job configuration (YAML)")
     up.add_argument("--run-dir", type=pathlib.Path, help="folder for logs and endpoints (default: the job's run_dir)")
     up.add_argument("--log-level", default="INFO")
+    up.add_argument(
+        "--autoscale", type=pathlib.Path, metavar="DATAPLANE",
+        help="scale the loader groups from Prometheus as the operator does, with the groups, costs, bounds and scaling of "
+        "this DataPlane file (e.g. from `batchplane partition`); its sourceGroups must be the job's loaders.groups",
+    )
+    up.add_argument("--prometheus", help="Prometheus URL for --autoscale, e.g. http://127.0.0.1:9090")
+    up.add_argument("--prometheus-job", help="the scrape job the planner is scraped under (default: any)")
 
     demo = commands.add_parser("demo", help="train a tiny model on two data-parallel ranks against a demo dataset")
     demo.add_argument("--dir", type=pathlib.Path, default=pathlib.Path(".batchplane/demo"), help="working folder")
@@ -112,8 +119,9 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         cluster = LocalCluster(args.config, run_dir=args.run_dir, log_level=args.log_level)
+        scaling = _autoscaling(args, cluster.job) if args.autoscale else None
     except ConfigError as exc:
-        print(f"batchplane up: bad configuration {args.config}: {exc}", file=sys.stderr)
+        print(f"batchplane up: bad configuration: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -128,6 +136,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"batchplane up: {exc}", file=sys.stderr)
         return 1
     print(describe(cluster), flush=True)
+    if scaling is not None:
+        _start_autoscaler(cluster, args, *scaling, stop=stop)
     code = 0
     try:
         while not stop.wait(0.5):
@@ -142,6 +152,56 @@ def _up(args: argparse.Namespace) -> int:
         print("batchplane up: stopping", flush=True)
         cluster.stop()
     return code
+
+
+def _autoscaling(args: argparse.Namespace, job):
+    """(group specs by loader group, interval, declared schedule) from the --autoscale DataPlane.
+
+    Raises:
+        ConfigError: an unreadable or invalid file, no --prometheus, or source groups other than
+            the job's loader groups.
+    """
+    import yaml
+
+    from batchplane.operator.dataplane import SpecError, parse_dataplane
+
+    if not args.prometheus:
+        raise ConfigError("--prometheus", "is required with --autoscale", None)
+    try:
+        obj = yaml.safe_load(args.autoscale.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(str(args.autoscale), f"cannot read the DataPlane: {exc}", None) from exc
+    if not isinstance(obj, dict):
+        raise ConfigError(str(args.autoscale), "must hold a DataPlane object", obj)
+    # Local processes need no namespace, owner or image; the rest is the operator's reading.
+    metadata = {"name": "local", "namespace": "local", "uid": "local", **(obj.get("metadata") or {})}
+    body = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+    body = {**body, "loader": {"image": "local", **(body.get("loader") or {})}}
+    try:
+        spec = parse_dataplane({**obj, "metadata": metadata, "spec": body})
+    except SpecError as exc:
+        raise ConfigError(f"{args.autoscale}: {exc.field}", exc.problem, exc.value) from exc
+    groups = [list(g.sources) for g in spec.groups]
+    loaders = [[job.source_names[k] for k in job.loader_sources(g)] for g in range(job.loader_count)]
+    if sorted(map(sorted, groups)) != sorted(map(sorted, loaders)):
+        raise ConfigError("loaders.groups", f"must be the DataPlane's sourceGroups {groups} to autoscale them", loaders)
+    by_index = {g: spec.group_spec(next(x for x in spec.groups if sorted(x.sources) == sorted(names))) for g, names in enumerate(loaders)}
+    return by_index, spec.interval_s, spec.schedule
+
+
+def _start_autoscaler(cluster, args: argparse.Namespace, specs, interval_s: float, schedule, *, stop: threading.Event) -> None:
+    from batchplane.launcher.autoscale import LocalAutoscaler
+    from batchplane.operator.prometheus import PrometheusReader
+
+    autoscaler = LocalAutoscaler(cluster, PrometheusReader(args.prometheus), specs, job=args.prometheus_job, schedule=schedule)
+
+    def report(row) -> None:
+        changes = {g: f"{before}->{after}" for g, (before, after, _) in row.groups.items() if before != after}
+        if changes:
+            print(f"batchplane up: t={row.t:.0f}s loader replicas {changes} (weights {row.weights})", flush=True)
+
+    threading.Thread(target=autoscaler.run, args=(stop,), kwargs={"interval_s": interval_s, "on_interval": report}, name="autoscale", daemon=True).start()
+    print(f"batchplane up: autoscaling loader groups {sorted(specs)} every {interval_s:.0f} s from {args.prometheus}", flush=True)
 
 
 def describe(cluster) -> str:

@@ -94,3 +94,27 @@ def test_services_exit_when_their_launcher_is_killed(tmp_path: pathlib.Path) -> 
     up.kill()
     up.wait()
     wait_until(lambda: not any(_alive(p) for p in pids), timeout_s=15, what="orphaned services to exit")
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "message"),
+    [
+        ([["a"], ["b"]], ["--prometheus", "http://127.0.0.1:9"], "loaders.groups: must be the DataPlane's sourceGroups [['a', 'b']]"),
+        ([["a", "b"]], [], "--prometheus: is required with --autoscale"),
+    ],
+    ids=["groups-differ", "no-prometheus"],
+)
+def test_up_refuses_an_autoscale_dataplane_that_does_not_fit_the_job(tmp_path: pathlib.Path, groups, extra, message) -> None:
+    sources = [write_source(tmp_path / "data", n, [5] * 20) for n in "ab"]
+    config = write_job(tmp_path / "job.yaml", sources, loaders={"groups": groups})
+    dataplane = tmp_path / "dataplane.yaml"
+    dataplane.write_text(json.dumps({"metadata": {"name": "local"}, "spec": {"sourceGroups": [
+        {"name": "text", "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}], "minReplicas": 1, "maxReplicas": 2},
+    ]}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "batchplane.cli", "up", "-c", str(config), "--autoscale", str(dataplane), *extra],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert _service_pids(tmp_path / "run") == [], "nothing started"
