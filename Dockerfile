@@ -17,7 +17,20 @@ COPY client ./client
 RUN python -m pip wheel --no-cache-dir --disable-pip-version-check -c constraints.txt \
         --wheel-dir /wheels ".[services]"
 
-# ---- runtime: the wheels installed, nothing else -------------------------------------------
+# ---- e2e: an example trainer for `make e2e-kind` (torch CPU, the client, the demo dataset in
+# /data); never the service image. Build it with --target e2e.
+FROM ${BASE_IMAGE} AS e2e
+ARG UID=10001
+COPY --from=build /wheels /wheels
+RUN python -m pip install --no-cache-dir --disable-pip-version-check --find-links /wheels \
+        --extra-index-url https://download.pytorch.org/whl/cpu "batchplane[services,client]" \
+ && python -c "from batchplane.demo.dataset import write_demo_dataset; import pathlib; write_demo_dataset(pathlib.Path('/data'))" \
+ && rm -rf /wheels && chmod -R a+rX /data
+USER ${UID}:${UID}
+WORKDIR /tmp
+ENTRYPOINT ["python", "-m", "batchplane.entrypoint"]
+
+# ---- runtime: the wheels installed, nothing else (the default target) ---------------------
 FROM ${BASE_IMAGE} AS runtime
 ARG UID=10001
 RUN groupadd --gid ${UID} batchplane \

@@ -21,7 +21,7 @@ PROMETHEUS_BIN ?= /usr/bin/prometheus
 IMAGE      ?= batchplane:dev
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: venv run test test-unit test-integration test-helm helm prometheus image proto clean
+.PHONY: venv run test test-unit test-integration test-helm helm prometheus image e2e-kind proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,7 +75,13 @@ prometheus:
 image:
 	@engine=$$(command -v docker || command -v podman); \
 	if [ -z "$$engine" ]; then echo "make image: needs docker or podman, and neither is installed" >&2; exit 1; fi; \
-	$$engine build --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) .
+	$$engine build --build-arg BASE_IMAGE=$(BASE_IMAGE) --target runtime -t $(IMAGE) .
+
+# End to end on a kind cluster (not part of `make test`): builds the images, installs the chart,
+# runs the example trainer Job and checks exactly-once delivery; where docker and kind are
+# missing it says so and fails.
+e2e-kind: $(STAMP) $(HELM)
+	BATCHPLANE_HELM=$(abspath $(HELM)) deploy/e2e_kind.sh
 
 # Regenerates the wire contract's Python code; tests fail while it is stale.
 proto: $(STAMP)
