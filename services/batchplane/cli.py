@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    import grpc
+
     from batchplane.launcher.local import LaunchError, LocalCluster
 
     try:
@@ -141,8 +143,16 @@ def _up(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stop.wait(0.5):
+            code_of_planner = cluster.planner.popen.poll()
+            if code_of_planner is not None:  # it resumes from its ledger; the trainers keep going
+                print(f"batchplane up: the planner exited with status {code_of_planner}; restarting it", flush=True)
+                cluster.restart_planner()
             cluster.check_alive()
-            if cluster.status().finished:
+            try:
+                finished = cluster.status().finished
+            except grpc.RpcError:  # the planner went down since: restarted on the next round
+                continue
+            if finished:
                 print("batchplane up: every rank reached the end of the data; stopping", flush=True)
                 break
     except LaunchError as exc:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import collect, skewed_lengths, wait_until, write_job, write_source
+from harness import collect, sample_ids, skewed_lengths, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +118,27 @@ def test_up_refuses_an_autoscale_dataplane_that_does_not_fit_the_job(tmp_path: p
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert _service_pids(tmp_path / "run") == [], "nothing started"
+
+
+def test_up_restarts_a_planner_that_died_and_the_trainers_finish(tmp_path: pathlib.Path) -> None:
+    sources = [write_source(tmp_path / "data", "s", skewed_lengths(60, seed=3))]
+    config = write_job(tmp_path / "job.yaml", sources, loaders={"count": 1})
+    up, _ = _start_up(config)
+    endpoints_path = tmp_path / "run" / "endpoints.json"
+    try:
+        address = json.loads(endpoints_path.read_text())["planner"]
+        planner = next(p for p in _service_pids(tmp_path / "run") if b"batchplane.planner" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes())
+        first, states = collect(endpoints_path, [0, 1], stop_after=2)
+        os.kill(planner, signal.SIGKILL)
+        line = ""
+        while "restarting it" not in line:
+            line = up.stdout.readline()
+            assert line, "batchplane up ended without restarting the planner"
+        assert "status -9" in line
+        rest, _ = collect(endpoints_path, [0, 1], states=states)
+        assert json.loads(endpoints_path.read_text())["planner"] == address, "the planner keeps its address"
+        assert up.wait(timeout=60) == 0, "up stops by itself at the end of the data"
+    finally:
+        up.kill()
+    delivered = [s for rank in (0, 1) for batch in (*first[rank], *rest[rank]) for mb in sample_ids([batch])[0] for s in mb]
+    assert sorted(delivered) == [(0, r) for r in range(60)], "every sample exactly once across the restart"

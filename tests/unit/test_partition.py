@@ -192,7 +192,7 @@ def test_constraints_hold_or_the_source_that_cannot_fit_is_named(profiles, s) ->
         requests, limits = entry["resources"]["requests"], entry["resources"]["limits"]
         assert parse_memory(requests["memory"], allow_zero=True) <= parse_memory(limits["memory"]) == s.pod_memory_bytes
         assert 1 <= entry["minReplicas"] <= entry["maxReplicas"] == s.max_actors_per_source
-        assert parse_cpu(requests["cpu"]) == entry["workersPerActor"] <= s.pod_cpus
+        assert parse_cpu(requests["cpu"]) == entry["workersPerActor"] <= s.pod_cpus + 1e-9
 
 
 @PROPERTY

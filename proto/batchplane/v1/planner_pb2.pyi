@@ -40,14 +40,18 @@ class RegisterLoaderResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterConstructorRequest(_message.Message):
-    __slots__ = ("constructor_index", "address", "ranks")
+    __slots__ = ("constructor_index", "address", "ranks", "rejoin", "next_step")
     CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     address: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    rejoin: bool
+    next_step: int
+    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., rejoin: _Optional[bool] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class RegisterConstructorResponse(_message.Message):
     __slots__ = ("job",)

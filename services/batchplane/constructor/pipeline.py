@@ -77,6 +77,7 @@ class StepPipeline:
         metrics: The constructor's metrics.
         info: The job as the planner describes it (its mesh says what the trainer broadcasts).
         hook: The strategy's constructor_do_plan hook, run on every microbatch built.
+        rejoin: Registers again with a restarted planner, saying the step needed next.
     """
 
     def __init__(
@@ -89,8 +90,10 @@ class StepPipeline:
         metrics: ConstructorMetrics,
         info: common_pb2.JobInfo | None = None,
         hook: Callable | None = None,
+        rejoin: Callable[[int], None] | None = None,
     ) -> None:
         self._job = job
+        self._rejoin = rejoin
         m = job.mesh
         self.mesh = ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
         self._broadcast = frozenset(info.mesh.broadcast_at) if info is not None else frozenset()
@@ -309,7 +312,18 @@ class StepPipeline:
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         resume = self._resume if step == self._start else {}
         request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume)
-        return self._call_planner(lambda: self._planner.GetPlan(request, timeout=10), f"GetPlan(step {step}) from")
+
+        def get_plan() -> planner_pb2.GetPlanResponse:
+            try:
+                return self._planner.GetPlan(request, timeout=10)
+            except grpc.RpcError as exc:
+                if self._rejoin is None or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "has not registered" not in (exc.details() or ""):
+                    raise
+            log.warning("the planner does not know this constructor (it restarted): rejoining at step %d", step)
+            self._rejoin(step)
+            return self._planner.GetPlan(request, timeout=10)
+
+        return self._call_planner(get_plan, f"GetPlan(step {step}) from")
 
     def _call_planner(self, call: Callable[[], T], what: str) -> T:
         """`call` retried while the planner is unavailable, within the job's RPC timeout."""

@@ -56,7 +56,10 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
     info = _register(job, process, address, ranks)
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
-    pipeline = StepPipeline(job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook)
+    pipeline = StepPipeline(
+        job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
+        rejoin=lambda step: _register(job, process, address, ranks, next_step=step),
+    )
     constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
     server.start()
     set_serving(health, "batchplane.v1.Constructor")
@@ -64,6 +67,8 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     return RunningConstructor(address, server, pipeline)
 
 
-def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...]) -> common_pb2.JobInfo:
-    request = planner_pb2.RegisterConstructorRequest(constructor_index=process.index, address=address, ranks=ranks)
+def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> common_pb2.JobInfo:
+    request = planner_pb2.RegisterConstructorRequest(
+        constructor_index=process.index, address=address, ranks=ranks, rejoin=next_step is not None, next_step=next_step or 0
+    )
     return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")

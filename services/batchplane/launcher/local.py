@@ -174,6 +174,24 @@ class LocalCluster:
         tmp.write_text(json.dumps(table, indent=2))
         os.replace(tmp, self.endpoints_path)
 
+    def restart_planner(self, *, timeout_s: float = 60.0) -> ServiceProcess:
+        """Starts the planner again on its address (killing it first if it still runs): loaders
+        register again within a second, constructors rejoin at the steps they need, and it resumes
+        the plan sequence from its ledger exactly where it was.
+
+        Raises:
+            LaunchError: it exited or did not become ready in time.
+        """
+        old = self.planner
+        if old.popen.poll() is None:
+            old.popen.kill()
+        old.popen.wait()
+        port = old.address.rsplit(":", 1)[1]
+        self.planner = self._spawn("planner", "batchplane.planner", ["--port", port])
+        self._wait_ready([self.planner], timeout_s)
+        self._write_endpoints()
+        return self.planner
+
     def add_loader(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
         """Starts another replica of loader group `index` (scale out); the planner routes it
         windows from the next one it has not asked about.

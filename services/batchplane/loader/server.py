@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import grpc
@@ -66,6 +67,10 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
 DRAIN_TIMEOUT_S = 300.0
 
 
+#: How often a loader registers again, so that a restarted planner knows it within that time.
+REREGISTER_S = 1.0
+
+
 @dataclasses.dataclass
 class RunningLoader:
     address: str
@@ -73,12 +78,34 @@ class RunningLoader:
     streams: dict[int, SourceStream]
     job: JobSettings | None = None
     process: ProcessSettings | None = None
+    _done_registering: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def keep_registered(self) -> None:
+        """Registers again every REREGISTER_S (idempotent), so that a restarted planner, which
+        knows no loader, learns of this replica at once; runs on a thread of its own."""
+        job, process = self.job, self.process
+        request = _registration(process, self.address, self.streams)
+        with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+            stub = planner_pb2_grpc.PlannerStub(channel)
+            known = True
+            while not self._done_registering.wait(REREGISTER_S):
+                try:
+                    stub.RegisterLoader(request, timeout=REREGISTER_S * 2)
+                except grpc.RpcError as exc:
+                    if known:
+                        log.warning("the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name)
+                    known = False
+                    continue
+                if not known:
+                    log.info("registered again with the planner at %s", process.planner)
+                known = True
 
     def leave(self) -> None:
         """Leaves the loader group (scaled down): the planner routes no more windows here; this
         replica serves the windows it was routed until they are consumed (at most
         DRAIN_TIMEOUT_S), then returns. The group's last replica does not leave."""
         job, process = self.job, self.process
+        self._done_registering.set()  # a replica that leaves must not register again
         request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
         try:
             with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
@@ -97,6 +124,7 @@ class RunningLoader:
         log.info("every window routed here was served")
 
     def stop(self, grace_s: float) -> None:
+        self._done_registering.set()
         for stream in self.streams.values():
             stream.close()  # first: wakes requests waiting for data
         self.server.stop(grace_s).wait()
@@ -126,8 +154,9 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
         running = RunningLoader(address, server, streams, job, process)
-        info = _register(job, process, address, streams)
+        info = register_with_planner(job, process, rpc="RegisterLoader", request=_registration(process, address, streams), who=f"loader {process.index}")
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))
+        threading.Thread(target=running.keep_registered, name="register", daemon=True).start()
     except BaseException:
         for stream in streams.values():
             stream.close()
@@ -136,7 +165,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     return running
 
 
-def _register(job: JobSettings, process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> common_pb2.JobInfo:
+def _registration(process: ProcessSettings, address: str, streams: dict[int, SourceStream]) -> planner_pb2.RegisterLoaderRequest:
     request = planner_pb2.RegisterLoaderRequest(
         loader_index=process.index,
         replica=replica_id(process),
@@ -152,7 +181,7 @@ def _register(job: JobSettings, process: ProcessSettings, address: str, streams:
             for s in streams.values()
         ],
     )
-    return register_with_planner(job, process, rpc="RegisterLoader", request=request, who=f"loader {process.index}")
+    return request
 
 
 def replica_id(process: ProcessSettings) -> str:

@@ -166,6 +166,18 @@ class PlanBook:
             raise Unavailable(f"waiting for loaders {self._membership.missing_loaders()} to register")
         if self.start_step is not None:  # another request started the job while we waited
             return
+        if self._membership.rejoined():  # a restarted planner: start where the slowest constructor is
+            everyone = lambda: len(self._membership.rejoined()) == self._job.constructor_count or self._stopped  # noqa: E731
+            if not self._cond.wait_for(everyone, timeout=timeout_s):
+                waiting = sorted(set(range(self._job.constructor_count)) - set(self._membership.rejoined()))
+                raise Unavailable(f"restarted: waiting for constructors {waiting} to rejoin")
+            if self._stopped:
+                raise Unavailable("the planner is stopping")
+            if self.start_step is not None:
+                return
+            step = min(self._membership.rejoined().values())
+            self._progress.update(self._membership.rejoined())
+            log.info("restarted: the constructors need steps %s; resuming at step %d", self._membership.rejoined(), step)
         ends = [
             None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
             for k in range(len(self._job.sources))

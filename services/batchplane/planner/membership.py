@@ -46,6 +46,7 @@ class Membership:
         self._frontier: dict[int, int] = {}  # source -> first window no replica was asked about
         self._departed: dict[tuple[int, str], str] = {}  # (group, replica) -> address, while it drains
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
+        self._rejoined: dict[int, int] = {}
 
     def register_loader(self, index: int, address: str, sources: Sequence[SourceFacts], *, replica: str = "") -> None:
         """Records replica `replica` of loader group `index` (default id: the index); a replica
@@ -87,13 +88,14 @@ class Membership:
             if joined:
                 self._reroute(index)
 
-    def register_constructor(self, index: int, address: str, ranks: Sequence[int]) -> None:
+    def register_constructor(self, index: int, address: str, ranks: Sequence[int], *, next_step: int | None = None) -> None:
         """Records constructor `index` serving `ranks`; registering again replaces its address.
 
         Raises:
             InvalidArgument: an index outside the configuration, or ranks other than those the
                 configuration assigns the index (`constructors.ranks_per_constructor`
                 consecutive global ranks): loaders count fetches by that layout.
+        `next_step`: the step it needs next, when it rejoins a restarted planner mid-job.
         """
         job = self._job
         if not 0 <= index < job.constructor_count:
@@ -106,6 +108,14 @@ class Membership:
             )
         with self._lock:
             self._constructor_ranks[index] = tuple(ranks)
+            if next_step is not None:
+                self._rejoined[index] = next_step
+
+    def rejoined(self) -> dict[int, int]:
+        """Constructor -> the step it needs next, for constructors that registered again with
+        this (restarted) planner while their trainers were mid-job."""
+        with self._lock:
+            return dict(self._rejoined)
 
     def constructor_ranks(self, index: int) -> tuple[int, ...] | None:
         """The ranks of constructor `index`, or None if it has not registered."""

@@ -87,7 +87,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return planner_pb2.DeregisterLoaderResponse(drain_through=drain)
 
     def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
-        self._membership.register_constructor(request.constructor_index, request.address, list(request.ranks))
+        self._membership.register_constructor(
+            request.constructor_index, request.address, list(request.ranks), next_step=request.next_step if request.rejoin else None
+        )
+        self._book.notify_membership()
         return planner_pb2.RegisterConstructorResponse(job=self._info)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
