@@ -72,7 +72,7 @@ class GetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "wait_ms", "resume")
+    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,11 +84,13 @@ class GetPlanRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     wait_ms: int
     resume: _containers.ScalarMap[str, str]
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    delivered_below: int
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders")

@@ -311,7 +311,9 @@ class StepPipeline:
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         resume = self._resume if step == self._start else {}
-        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume)
+        with self._cond:
+            delivered = min(self._progress.get(r, self._start) for r in self.ranks)
+        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume, delivered_below=delivered)
 
         def get_plan() -> planner_pb2.GetPlanResponse:
             try:

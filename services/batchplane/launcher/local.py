@@ -182,15 +182,30 @@ class LocalCluster:
         Raises:
             LaunchError: it exited or did not become ready in time.
         """
-        old = self.planner
+        self.planner = self._respawn(self.planner, "batchplane.planner", [], timeout_s)
+        self._write_endpoints()
+        return self.planner
+
+    def restart_constructor(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
+        """Starts constructor `index` again on its address (killing it first if it still runs):
+        it registers anew, builds its ranks' steps again from the plans, and their clients'
+        retries reach it.
+
+        Raises:
+            LaunchError: it exited or did not become ready in time.
+        """
+        old = self.constructors[index]
+        self.constructors[index] = self._respawn(old, "batchplane.constructor", ["--index", str(index), "--planner", self.planner.address], timeout_s)
+        self._write_endpoints()
+        return self.constructors[index]
+
+    def _respawn(self, old: ServiceProcess, module: str, args: Sequence[str], timeout_s: float) -> ServiceProcess:
         if old.popen.poll() is None:
             old.popen.kill()
         old.popen.wait()
-        port = old.address.rsplit(":", 1)[1]
-        self.planner = self._spawn("planner", "batchplane.planner", ["--port", port])
-        self._wait_ready([self.planner], timeout_s)
-        self._write_endpoints()
-        return self.planner
+        process = self._spawn(old.name, module, [*args, "--port", old.address.rsplit(":", 1)[1]])
+        self._wait_ready([process], timeout_s)
+        return process
 
     def add_loader(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
         """Starts another replica of loader group `index` (scale out); the planner routes it

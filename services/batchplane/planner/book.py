@@ -96,6 +96,7 @@ class PlanBook:
         self._cond = threading.Condition()
         self._plans: dict[int, StepPlan] = {}
         self._progress: dict[int, int] = {}  # constructor -> latest step it asked for
+        self._delivered: dict[int, int] = {}  # constructor -> every step below reached its ranks
         self._mixture: Mixture | None = None
         self._state: MixtureState | None = None
         self.start_step: int | None = None
@@ -112,12 +113,16 @@ class PlanBook:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def plan_for(self, constructor: int, step: int, *, timeout_s: float, resume: Mapping[str, str] | None = None) -> StepPlan | None:
+    def plan_for(
+        self, constructor: int, step: int, *, timeout_s: float, resume: Mapping[str, str] | None = None, delivered_below: int = 0
+    ) -> StepPlan | None:
         """The plan of `step` for constructor `constructor`; None (END_OF_DATA) past the end.
 
         Args:
             resume: The settings fingerprints of the checkpoint a trainer resumes from, if any
                 (what `_start` checks a resume without a ledger record against).
+            delivered_below: Every step below it reached all of the constructor's ranks; plans
+                are kept from the slowest constructor's on (a restarted one builds them again).
 
         Raises:
             FailedPrecondition: the step is before the job's start, was consumed by the
@@ -135,6 +140,7 @@ class PlanBook:
             if latest > step:
                 raise FailedPrecondition(f"step {step} was already consumed: constructor {constructor} asked for step {latest} since")
             self._progress[constructor] = step
+            self._delivered[constructor] = max(self._delivered.get(constructor, self.start_step), delivered_below)
             self._forget_consumed()
             if self.end_step is not None and step >= self.end_step:
                 return END_OF_DATA
@@ -307,8 +313,14 @@ class PlanBook:
                 self._cond.notify_all()
         return True, ""
 
+    def constructor_restarted(self, constructor: int) -> None:
+        """A constructor registered anew (restarted): it may ask again for the steps from the
+        last one its ranks were handed."""
+        with self._cond:
+            self._progress.pop(constructor, None)
+
     def _forget_consumed(self) -> None:
-        low = min(self._progress.get(c, self.start_step) for c in range(self._job.constructor_count))
+        low = min(self._delivered.get(c, self.start_step) for c in range(self._job.constructor_count))
         self._consumed_below = low
         for s in [s for s in self._plans if s < low]:
             del self._plans[s]

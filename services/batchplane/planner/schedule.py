@@ -170,7 +170,8 @@ class Curriculum(Schedule):
         return len(self.anchors[0][1])
 
     def weights_at(self, t: float) -> Weights:
-        """Between anchors (a, wa) and (b, wb): wa * (1 - f) + wb * f with f = (t - a) / (b - a).
+        """Between anchors (a, wa) and (b, wb): wa * (1 - f) + wb * f with f = (t - a) / (b - a)
+        (the anchors' shares, where subnormal weights would underflow to all 0).
 
         At an anchor's own step the result is exactly its weights, and it never goes below 0.
         """
@@ -181,7 +182,12 @@ class Curriculum(Schedule):
             return self.anchors[-1][1]
         (a, wa), (b, wb) = self.anchors[i - 1], self.anchors[i]
         f = (t - a) / (b - a)
-        return tuple(x * (1 - f) + y * f for x, y in zip(wa, wb))
+        out = tuple(x * (1 - f) + y * f for x, y in zip(wa, wb))
+        if sum(out) > 0:
+            return out
+        # Subnormal weights can underflow to all 0: interpolate the anchors' shares instead.
+        sa, sb = sum(wa), sum(wb)
+        return tuple(x / sa * (1 - f) + y / sb * f for x, y in zip(wa, wb))
 
     def describe(self) -> str:
         parts = "; ".join(f"step {step}: {_format(w, self.source_names)}" for step, w in self.anchors)

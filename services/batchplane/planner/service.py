@@ -90,6 +90,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._membership.register_constructor(
             request.constructor_index, request.address, list(request.ranks), next_step=request.next_step if request.rejoin else None
         )
+        if not request.rejoin:
+            self._book.constructor_restarted(request.constructor_index)
         self._book.notify_membership()
         return planner_pb2.RegisterConstructorResponse(job=self._info)
 
@@ -103,7 +105,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
         wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
-        plan = self._book.plan_for(request.constructor_index, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume))
+        plan = self._book.plan_for(
+            request.constructor_index, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume), delivered_below=request.delivered_below
+        )
         if plan is None:
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
         mesh = self._book.mesh

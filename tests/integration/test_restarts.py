@@ -1,11 +1,13 @@
-"""The planner killed with SIGKILL mid-job and restarted on its address: loaders register again,
-constructors rejoin at the steps they need, the planner resumes from its ledger, and the trainers
-receive exactly what an undisturbed run delivers: the same steps, the same samples, byte-identical
-tensors (I1, I2, I4)."""
+"""A planner or a constructor killed with SIGKILL mid-job and restarted on its address: for the
+planner, loaders register again, constructors rejoin at the steps they need and it resumes from
+its ledger; a constructor registers anew, builds its ranks' steps again from the kept plans and
+the clients' retries reach it. Either way the trainers receive exactly what an undisturbed run
+delivers: the same steps, the same samples, byte-identical tensors (I1, I2, I4)."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import signal
 import threading
 import time
@@ -23,8 +25,8 @@ def _job(root: pathlib.Path, sources, run: str) -> pathlib.Path:
     return write_job(root / f"{run}.yaml", sources, run_dir=str(root / run), batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"})
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_planner_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, seed: int) -> None:
+@pytest.mark.parametrize(("part", "seed"), [("planner", 0), ("planner", 1), ("constructor", 0), ("constructor", 1)])
+def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int) -> None:
     sources = [
         write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), seed=seed),
         write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), seed=seed + 7),
@@ -49,12 +51,14 @@ def test_a_planner_killed_and_restarted_changes_nothing_the_trainers_receive(tmp
     def kill_and_restart() -> None:
         with reached:
             reached.wait_for(lambda: min(progress.values()) >= KILL_AT + seed, timeout=60)
-        planner = cluster.planner
-        planner.popen.send_signal(signal.SIGKILL)
-        planner.popen.wait()
+        victim = cluster.planner if part == "planner" else cluster.constructors[1]
+        victim.popen.send_signal(signal.SIGKILL)
+        victim.popen.wait()
         restarted["at"] = dict(progress)
-        cluster.restart_planner()
-        restarted["log"] = cluster.planner.log_path
+        if part == "planner":
+            restarted["log"] = cluster.restart_planner().log_path
+        else:
+            restarted["log"] = cluster.restart_constructor(1).log_path
 
     killer = threading.Thread(target=kill_and_restart)
     try:
@@ -64,7 +68,10 @@ def test_a_planner_killed_and_restarted_changes_nothing_the_trainers_receive(tmp
         log = restarted["log"].read_text()
     finally:
         cluster.stop()
-    assert "resuming at step" in log, "the restarted planner did not resume mid-job"
+    if part == "planner":
+        assert "resuming at step" in log, "the restarted planner did not resume mid-job"
+    else:
+        assert re.search(r"starting at step [1-9]", log), "the restarted constructor did not start mid-job"
     assert min(restarted["at"].values()) < len(expected[0]) - 1, "the kill came after the last step"
     for rank in (0, 1):
         assert [b["step"] for b in got[rank]] == [b["step"] for b in expected[rank]]
