@@ -22,14 +22,19 @@ KILL_AT = 6
 
 
 def _job(root: pathlib.Path, sources, run: str) -> pathlib.Path:
-    return write_job(root / f"{run}.yaml", sources, run_dir=str(root / run), batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"})
+    # Windows of one 10-row group: loaders free them soon after a step is fetched, so a restarted
+    # constructor finds its steps' samples only if nothing was released before its trainers had them.
+    return write_job(
+        root / f"{run}.yaml", sources, run_dir=str(root / run), batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+        loaders={"read_ahead_samples": 20, "shuffle": {"window_row_groups": 1}},
+    )
 
 
 @pytest.mark.parametrize(("part", "seed"), [("planner", 0), ("planner", 1), ("constructor", 0), ("constructor", 1)])
 def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int) -> None:
     sources = [
-        write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), seed=seed),
-        write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), seed=seed + 7),
+        write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
+        write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
     ]
     cluster = start_cluster(_job(tmp_path, sources, "undisturbed"))
     try:

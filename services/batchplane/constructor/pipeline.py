@@ -108,7 +108,7 @@ class StepPipeline:
         self._loader_channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
-        self._holding: set[str] = set()  # loader replicas holding samples this constructor fetched
+        self._holding: dict[str, int] = {}  # loader replica -> the last step fetched there, until released
         self._cond = threading.Condition()
         self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
@@ -166,6 +166,12 @@ class StepPipeline:
             self._metrics.batch_wait.observe(time.perf_counter() - begin)
             self._metrics.prefetched_steps.set(max(self._next - 1 - min(self._progress.values()), 0))
             return self._ready.get((rank, step))
+
+    def _delivered(self) -> int:
+        """Every step below it was handed to all of this constructor's ranks (each has asked for a
+        later one)."""
+        with self._cond:
+            return min(self._progress.get(r, self._start) for r in self.ranks)
 
     def _past_end(self, step: int) -> bool:
         return self._end is not None and step >= self._end
@@ -311,9 +317,9 @@ class StepPipeline:
 
     def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
         resume = self._resume if step == self._start else {}
-        with self._cond:
-            delivered = min(self._progress.get(r, self._start) for r in self.ranks)
-        request = planner_pb2.GetPlanRequest(constructor_index=self._index, step=step, wait_ms=5000, resume=resume, delivered_below=delivered)
+        request = planner_pb2.GetPlanRequest(
+            constructor_index=self._index, step=step, wait_ms=5000, resume=resume, delivered_below=self._delivered()
+        )
 
         def get_plan() -> planner_pb2.GetPlanResponse:
             try:
@@ -356,11 +362,17 @@ class StepPipeline:
             address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask], copies[mask])
             for address, mask in by_loader.items()
         }
-        # Loaders that served earlier steps but not this one release what they hold for us too
-        # (a replica that left its group waits for that before it exits).
+        # Loaders that served earlier steps but not this one release what they hold for us too,
+        # until every step they served was handed to our ranks (a replica that left its group
+        # waits for that before it exits).
         none = np.zeros(0, np.int64)
-        releases = [self._fetchers.submit(self._fetch_from, a, step, none.astype(np.int32), none, none.astype(np.int32)) for a in self._holding - set(jobs)]
-        self._holding = set(jobs)
+        releases = [
+            self._fetchers.submit(self._fetch_from, a, step, none.astype(np.int32), none, none.astype(np.int32))
+            for a in set(self._holding) - set(jobs)
+        ]
+        delivered = self._delivered()
+        self._holding = {a: last for a, last in self._holding.items() if last >= delivered}
+        self._holding.update((a, step) for a in jobs)
         for release in releases:
             try:
                 release.result()
@@ -388,7 +400,8 @@ class StepPipeline:
             constructor_index=self._index,
             step=step,
             samples=common_pb2.SampleSet(source=encode_array(sources), seq=encode_array(seqs)),
-            release_below_step=step,
+            # only what every rank was handed: a restarted constructor fetches the rest again
+            release_below_step=self._delivered(),
             copies=encode_array(copies) if np.any(copies != 1) else None,
         )
         stub = self._loader(address)

@@ -60,7 +60,7 @@ class ProcessSettings:
 
 
 class Running(Protocol):
-    """A started service (a loader also has `leave()`, run on SIGUSR1 before it stops)."""
+    """A started service (a loader also has `leave() -> bool`, run on SIGUSR1; it stops once left)."""
 
     address: str
 
@@ -140,9 +140,7 @@ def run_service(
     if leave is not None:  # SIGUSR1: leave gracefully (a scaled-down loader replica), then stop
 
         def leave_then_stop() -> None:
-            try:
-                leave()
-            finally:
+            if leave():  # False: it cannot leave (e.g. the group's last replica) and serves on
                 stop_event.set()
 
         def on_leave(signum: int, _frame: object) -> None:

@@ -89,6 +89,7 @@ class LocalCluster:
         self.planner: ServiceProcess | None = None
         self.loaders: list[ServiceProcess] = []
         self.constructors: list[ServiceProcess] = []
+        self._replicas_started = 0
 
     @property
     def processes(self) -> list[ServiceProcess]:
@@ -216,10 +217,8 @@ class LocalCluster:
         """
         if not 0 <= index < self.job.loader_count:
             raise ValueError(f"loader group {index} is outside [0, {self.job.loader_count})")
-        taken = {p.name for p in self.processes}
-        n = 1
-        while f"loader-{index}-{n}" in taken:
-            n += 1
+        self._replicas_started += 1  # ids are never reused: the planner remembers those that left
+        n = self._replicas_started
         name = f"loader-{index}-{n}"
         process = self._spawn(name, "batchplane.loader", ["--index", str(index), "--replica", f"{index}-{n}", "--planner", self.planner.address])
         self.loaders.append(process)

@@ -100,28 +100,30 @@ class RunningLoader:
                     log.info("registered again with the planner at %s", process.planner)
                 known = True
 
-    def leave(self) -> None:
+    def leave(self) -> bool:
         """Leaves the loader group (scaled down): the planner routes no more windows here; this
         replica serves the windows it was routed until they are consumed (at most
-        DRAIN_TIMEOUT_S), then returns. The group's last replica does not leave."""
+        DRAIN_TIMEOUT_S). Returns False, and keeps serving, when it cannot leave: it is the
+        group's last replica, or the planner did not answer."""
         job, process = self.job, self.process
-        self._done_registering.set()  # a replica that leaves must not register again
         request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
         try:
             with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
                 response = planner_pb2_grpc.PlannerStub(channel).DeregisterLoader(request, timeout=job.network.rpc_timeout_s)
         except grpc.RpcError as exc:
-            log.warning("cannot leave loader group %d: %s: %s", process.index, exc.code().name, exc.details())
-            return
+            log.error("cannot leave loader group %d, serving on: %s: %s", process.index, exc.code().name, exc.details())
+            return False
+        self._done_registering.set()  # a replica that left must not register again
         below = dict(zip(job.loader_sources(process.index), response.drain_through))
         log.info("left loader group %d; serving the windows routed here below %s", process.index, below)
         give_up = time.monotonic() + DRAIN_TIMEOUT_S
         while not all(stream.drained(below[k]) for k, stream in self.streams.items()):
             if time.monotonic() > give_up:
                 log.error("windows routed here are still unserved after %.0f s; leaving anyway", DRAIN_TIMEOUT_S)
-                return
+                return True
             time.sleep(0.1)
         log.info("every window routed here was served")
+        return True
 
     def stop(self, grace_s: float) -> None:
         self._done_registering.set()

@@ -82,6 +82,8 @@ class Membership:
             for k, facts in zip(job.loader_sources(index), sources):
                 self._num_rows[k] = facts.num_rows
                 self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
+            if (index, replica) in self._departed:
+                raise FailedPrecondition(f"replica {replica!r} left loader group {index}; it cannot join again under that id")
             replicas = self._replicas.setdefault(index, {})
             joined = replica not in replicas
             replicas[replica] = address
@@ -169,8 +171,10 @@ class Membership:
                 return None
             span = window_of(self._orders[source], from_seq)
             self._frontier[source] = max(self._frontier[source], span.number + 1)
-            group = self._replicas[self._job.loader_of(source)]
-            return group[routing.owner(span.number)], span.end, routing
+            index = self._job.loader_of(source)
+            owner = routing.owner(span.number)
+            # A replica that left still serves the windows it was routed.
+            return self._replicas[index].get(owner) or self._departed[(index, owner)], span.end, routing
 
     def holders(self, source: int, seqs: Sequence[int]) -> list[str]:
         """The address of the replica holding each of `source`'s positions `seqs` (all asked

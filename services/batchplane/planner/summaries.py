@@ -178,7 +178,12 @@ class SummaryPuller:
             if self._stopped.is_set() or want is None:
                 continue
             from_seq, planned_seq = want
-            target = self._target(source, from_seq)
+            try:
+                target = self._target(source, from_seq)
+            except Exception:  # noqa: BLE001 - a bug here must not silently end this source's pulling
+                log.exception("source %d: cannot route the summary request from %d; retrying", source, from_seq)
+                self._stopped.wait(1.0)
+                continue
             if target is None:
                 self._stopped.wait(0.05)
                 continue
