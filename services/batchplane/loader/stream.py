@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -226,37 +227,32 @@ class SourceStream:
                 return True  # never asked about anything: it holds nothing the planner counts on
             if any((w.unreleased > 0 or not w.summarized) and w.seq_start < below for w in self._windows):
                 return False
-            seq = max(self._planned_seq, self._start_seq)
-            if self._is_end(seq) or seq >= below:
-                return True
-            starts = {w.seq_start for w in self._windows}
-            span = window_of(self.order, seq)
-            while span.start < below and not self._is_end(span.start):
-                if self._owns(span.number) and span.start not in starts:
-                    return False  # not read yet: the planner will ask for it
-                span = window_span(self.order, span.number + 1)
-            return True
+            return next(self._unread(until=below), None) is None  # one not read yet: the planner will ask
 
     def _next_window(self) -> WindowSpan | None:
-        """The first window of this replica not read yet that is due: it holds a position the
-        planner waits for, or starts within the read-ahead of the planner's cursor while the
-        byte budget allows (lock held)."""
+        """The first window of this replica not read yet that is due: it lies at or before a
+        position the planner waits for, or starts within the read-ahead of the planner's cursor
+        while the byte budget allows (lock held)."""
         if self._closed or self._start_seq is None:
             return None
+        horizon = self._planned_seq + self.read_ahead_samples
+        for span in self._unread(until=max(horizon, self._wanted_seq + 1)):
+            if span.start <= self._wanted_seq or (span.start < horizon and not self._budget.exceeded):
+                return span
+        return None
+
+    def _unread(self, *, until: int) -> Iterator[WindowSpan]:
+        """This replica's windows not read yet, from the planner's cursor to position `until`, in
+        order (lock held)."""
         seq = max(self._planned_seq, self._start_seq)
         if self._is_end(seq):
-            return None
-        span = window_of(self.order, seq)
+            return
         starts = {w.seq_start for w in self._windows}
-        horizon = self._planned_seq + self.read_ahead_samples
-        while not self._is_end(span.start):
-            wanted = span.start <= self._wanted_seq < span.end
-            if not wanted and (span.start >= horizon or self._budget.exceeded) and span.end > self._wanted_seq:
-                return None
+        span = window_of(self.order, seq)
+        while span.start < until and not self._is_end(span.start):
             if self._owns(span.number) and span.start not in starts:
-                return span
+                yield span
             span = window_span(self.order, span.number + 1)
-        return None
 
     # ---- constructor side ----------------------------------------------------------------
 

@@ -242,11 +242,7 @@ class LedgerWriter:
         below_step = min(below_step, self._appended_through + 1)  # only steps this run wrote
         while _segment_end(self._next_segment) < below_step:
             lo, hi = self._next_segment, _segment_end(self._next_segment)
-            keys = [f"{self._prefix}steps/{s:012d}.json" for s in range(lo, hi + 1)]
-            lines = b"\n".join(self.storage.get(k) for k in keys)  # records are one line of JSON each
-            self.storage.put_if_absent(f"{self._prefix}segments/{lo:012d}-{hi:012d}.json.gz", gzip.compress(lines, compresslevel=_GZIP_LEVEL))
-            for key in keys:
-                self.storage.delete(key)
+            _fold(self.storage, self._prefix, lo, hi)
             self._next_segment = hi + 1
             written += 1
         if self._keep_detail_steps is not None:
@@ -257,7 +253,6 @@ class LedgerWriter:
                 if m and int(m.group(1)) + report_delay < self._next_segment:
                     self.storage.delete(key)
         return written
-
 
     def _fold_earlier(self) -> None:
         """Folds the step records earlier generations left loose (the steps they planned past
@@ -273,11 +268,7 @@ class LedgerWriter:
                 else:
                     runs.append([step])
             for run in runs:
-                keys = [f"{prefix}steps/{s:012d}.json" for s in run]
-                lines = b"\n".join(self.storage.get(k) for k in keys)
-                self.storage.put_if_absent(f"{prefix}segments/{run[0]:012d}-{run[-1]:012d}.json.gz", gzip.compress(lines, compresslevel=_GZIP_LEVEL))
-                for key in keys:
-                    self.storage.delete(key)
+                _fold(self.storage, prefix, run[0], run[-1])
         self._earlier = []
 
     def _thin(self, below_step: int) -> None:
@@ -292,6 +283,16 @@ class LedgerWriter:
             self.storage.put_if_absent(whole.replace(".json.gz", ".thin.json.gz"), gzip.compress(thin, compresslevel=_GZIP_LEVEL))
             self.storage.delete(whole)
             self._next_thin = hi + 1
+
+
+def _fold(storage: Storage, prefix: str, lo: int, hi: int) -> None:
+    """Folds the step records lo..hi of the generation at `prefix` into one gzip segment of JSON
+    lines (a record is one line), then deletes them: a crash between leaves identical copies."""
+    keys = [f"{prefix}steps/{s:012d}.json" for s in range(lo, hi + 1)]
+    lines = b"\n".join(storage.get(k) for k in keys)
+    storage.put_if_absent(f"{prefix}segments/{lo:012d}-{hi:012d}.json.gz", gzip.compress(lines, compresslevel=_GZIP_LEVEL))
+    for key in keys:
+        storage.delete(key)
 
 
 def ledger_size(storage: Storage) -> int:
