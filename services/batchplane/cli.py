@@ -143,11 +143,11 @@ def _up(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stop.wait(0.5):
-            code_of_planner = cluster.planner.popen.poll()
-            if code_of_planner is not None:  # it resumes from its ledger; the trainers keep going
-                print(f"batchplane up: the planner exited with status {code_of_planner}; restarting it", flush=True)
-                cluster.restart_planner()
-            cluster.check_alive()
+            for p in cluster.processes:  # each rebuilds its state; the trainers keep going
+                code_of = p.popen.poll()
+                if code_of is not None and not p.leaving:
+                    print(f"batchplane up: {p.name} exited with status {code_of}; restarting it", flush=True)
+                    cluster.restart(p)
             try:
                 finished = cluster.status().finished
             except grpc.RpcError:  # the planner went down since: restarted on the next round

@@ -159,6 +159,20 @@ def sample_ids(batches: list[Batch]) -> list[list[list[tuple[int, int]]]]:
     ]
 
 
+def assert_same_batches(got: dict[int, list[Batch]], expected: dict[int, list[Batch]]) -> None:
+    """Every rank received the same steps as in `expected`, with byte-identical tensors (I2, I4)."""
+    assert got.keys() == expected.keys()
+    for rank in expected:
+        assert [b["step"] for b in got[rank]] == [b["step"] for b in expected[rank]], f"rank {rank} took other steps"
+        for mine, theirs in zip(got[rank], expected[rank]):
+            assert len(mine["microbatches"]) == len(theirs["microbatches"])
+            for a, b in zip(mine["microbatches"], theirs["microbatches"]):
+                assert a.keys() == b.keys()
+                for name in a:
+                    if isinstance(a[name], np.ndarray):
+                        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), (rank, mine["step"], name)
+
+
 def scrape(url: str) -> dict[str, float]:
     """A Prometheus text page as {'name{labels}': value}."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -1,8 +1,9 @@
-"""A planner or a constructor killed with SIGKILL mid-job and restarted on its address: for the
-planner, loaders register again, constructors rejoin at the steps they need and it resumes from
-its ledger; a constructor registers anew, builds its ranks' steps again from the kept plans and
-the clients' retries reach it. Either way the trainers receive exactly what an undisturbed run
-delivers: the same steps, the same samples, byte-identical tensors (I1, I2, I4)."""
+"""A planner, a constructor or a loader killed with SIGKILL mid-job and restarted on its address:
+for the planner, loaders register again, constructors rejoin at the steps they need and it
+resumes from its ledger; a constructor registers anew, builds its ranks' steps again from the
+kept plans and the clients' retries reach it; a loader reads again, at once, the windows the
+planner says constructors may still fetch. Either way the trainers receive exactly what an
+undisturbed run delivers: the same steps, the same samples, byte-identical tensors (I1, I2, I4)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
-from harness import collect, skewed_lengths, start_cluster, write_job, write_source
+from harness import assert_same_batches, collect, skewed_lengths, start_cluster, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def _job(root: pathlib.Path, sources, run: str) -> pathlib.Path:
     )
 
 
-@pytest.mark.parametrize(("part", "seed"), [("planner", 0), ("planner", 1), ("constructor", 0), ("constructor", 1)])
+@pytest.mark.parametrize(("part", "seed"), [("planner", 0), ("planner", 1), ("constructor", 0), ("constructor", 1), ("loader", 0), ("loader", 1)])
 def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int) -> None:
     sources = [
         write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
@@ -56,14 +56,11 @@ def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_pa
     def kill_and_restart() -> None:
         with reached:
             reached.wait_for(lambda: min(progress.values()) >= KILL_AT + seed, timeout=60)
-        victim = cluster.planner if part == "planner" else cluster.constructors[1]
+        victim = {"planner": cluster.planner, "constructor": cluster.constructors[1], "loader": cluster.loaders[0]}[part]
         victim.popen.send_signal(signal.SIGKILL)
         victim.popen.wait()
         restarted["at"] = dict(progress)
-        if part == "planner":
-            restarted["log"] = cluster.restart_planner().log_path
-        else:
-            restarted["log"] = cluster.restart_constructor(1).log_path
+        restarted["log"] = cluster.restart(victim).log_path
 
     killer = threading.Thread(target=kill_and_restart)
     try:
@@ -75,15 +72,9 @@ def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_pa
         cluster.stop()
     if part == "planner":
         assert "resuming at step" in log, "the restarted planner did not resume mid-job"
-    else:
+    elif part == "constructor":
         assert re.search(r"starting at step [1-9]", log), "the restarted constructor did not start mid-job"
+    else:
+        assert "joined mid-job" in log, "the restarted loader did not restore its position"
     assert min(restarted["at"].values()) < len(expected[0]) - 1, "the kill came after the last step"
-    for rank in (0, 1):
-        assert [b["step"] for b in got[rank]] == [b["step"] for b in expected[rank]]
-        for mine, theirs in zip(got[rank], expected[rank]):
-            assert len(mine["microbatches"]) == len(theirs["microbatches"])
-            for a, b in zip(mine["microbatches"], theirs["microbatches"]):
-                assert a.keys() == b.keys()
-                for name in a:
-                    if isinstance(a[name], np.ndarray):
-                        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), (rank, mine["step"], name)
+    assert_same_batches(got, expected)

@@ -69,6 +69,7 @@ PURE = (
     "batchplane.planner.lineage",
     "batchplane.planner.schedule",
     "batchplane.planner.adaptive",
+    "batchplane.planner.failover",
     "batchplane.operator.policy",
     "batchplane.operator.partition",
     "batchplane.operator.dataplane",

@@ -57,9 +57,10 @@ class ConstructorConnection:
         `resume`: the fingerprints of the checkpoint the rank resumed from (first request)."""
 
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
-            wait_ms = int(min(remaining, 30.0) * 1000)
+            # The constructor answers before the call's deadline: a batch, or what it waits for.
+            wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
             request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms, resume=resume or {})
-            stream = self._stub.GetBatch(request, timeout=wait_ms / 1000 + 30)
+            stream = self._stub.GetBatch(request, timeout=remaining)
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":
                 raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
@@ -82,17 +83,21 @@ class ConstructorConnection:
         return self._call(lambda remaining: self._stub.Report(request, timeout=remaining), f"Report(step {step})")
 
     def _call(self, attempt: Callable[[float], T], what: str) -> T:
-        give_up = time.monotonic() + self.timeout_s
+        begin = time.monotonic()
+        give_up = begin + self.timeout_s
         backoff = 0.05
+        attempts = 0
         while True:
             remaining = give_up - time.monotonic()
+            attempts += 1
             try:
                 return attempt(max(remaining, 0.1))
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code not in RETRYABLE or time.monotonic() + backoff >= give_up:
+                    tried = f"gave up after {attempts} attempts in {time.monotonic() - begin:.1f} s: " if code in RETRYABLE else ""
                     raise ERROR_OF.get(code, errors.DataPlaneError)(
-                        f"{what} at constructor {self.address}: {code.name}: {exc.details()}"
+                        f"{what} at constructor {self.address}: {tried}{code.name}: {exc.details()}"
                     ) from None
             time.sleep(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, 2.0)

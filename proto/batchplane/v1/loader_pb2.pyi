@@ -8,20 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetSummaryRequest(_message.Message):
-    __slots__ = ("source", "from_seq", "planned_seq", "max_samples", "wait_ms", "routes")
+    __slots__ = ("source", "from_seq", "planned_seq", "max_samples", "wait_ms", "routes", "planned_steps", "delivered_below", "follow")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     PLANNED_SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     source: int
     from_seq: int
     planned_seq: int
     max_samples: int
     wait_ms: int
     routes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Route]
-    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ...) -> None: ...
+    planned_steps: int
+    delivered_below: int
+    follow: bool
+    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ..., planned_steps: _Optional[int] = ..., delivered_below: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class GetSummaryResponse(_message.Message):
     __slots__ = ("start_seq", "row", "length", "end_of_stream", "features")

@@ -54,10 +54,9 @@ class LoaderServicer:
     def GetSummary(self, request, context):
         """Metadata of the samples of one source from `from_seq` on, as far as the loader has read.
         The planner calls it to learn sample lengths before planning. The first call for a source
-        sets where the loader starts reading (a resumed job starts mid-stream); later calls may
-        only move forward. Waits up to `wait_ms` for at least one sample, else returns none.
-        Errors: INVALID_ARGUMENT for an unknown source, FAILED_PRECONDITION for a `from_seq` the
-        loader has already dropped.
+        sets where the loader starts reading (a resumed job starts mid-stream). A window the
+        loader does not hold (dropped, or never read) is read again. Waits up to `wait_ms` for at
+        least one sample, else returns none. Errors: INVALID_ARGUMENT for an unknown source.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,8 +68,10 @@ class LoaderServicer:
         the stream ends. The payload is an Arrow IPC stream of one record batch with columns
         `source` (int32), `seq` (int64) and `input_ids` (list of int32), one row per requested
         sample. Safe to retry: the loader keeps a step's samples until the constructor
-        releases them (`release_below_step`). Errors: NOT_FOUND for a sample the loader does not
-        hold, INVALID_ARGUMENT for malformed arrays.
+        releases them (`release_below_step`), and reads again a window it does not hold (after a
+        restart), answering UNAVAILABLE while it reads. Errors: NOT_FOUND for a position the
+        planner never asked it about (no plan holds it) or a bad sample, INVALID_ARGUMENT for
+        malformed arrays.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

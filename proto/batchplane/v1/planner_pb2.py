@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from batchplane.v1 import common_pb2 as batchplane_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61tchplane/v1/planner.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\"{\n\x15RegisterLoaderRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x07sources\x18\x03 \x03(\x0b\x32\x19.batchplane.v1.SourceInfo\x12\x0f\n\x07replica\x18\x04 \x01(\t\"@\n\x17\x44\x65registerLoaderRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\x05\x12\x0f\n\x07replica\x18\x02 \x01(\t\"1\n\x18\x44\x65registerLoaderResponse\x12\x15\n\rdrain_through\x18\x01 \x03(\x03\"=\n\x16RegisterLoaderResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\"\x8a\x01\n\x1aRegisterConstructorRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12\x0e\n\x06rejoin\x18\x05 \x01(\x08\x12\x11\n\tnext_step\x18\x06 \x01(\x03J\x04\x08\x03\x10\x04R\x08\x64p_ranks\"B\n\x1bRegisterConstructorResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\"\x0f\n\rGetJobRequest\"D\n\x0eGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\"\xcd\x01\n\x0eGetPlanRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\x12\x39\n\x06resume\x18\x04 \x03(\x0b\x32).batchplane.v1.GetPlanRequest.ResumeEntry\x12\x17\n\x0f\x64\x65livered_below\x18\x05 \x01(\x03\x1a-\n\x0bResumeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x01\n\x08RankPlan\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12)\n\x07samples\x18\x02 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12\x30\n\x12microbatch_offsets\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12\x10\n\x08\x66\x65tchers\x18\x04 \x01(\x05\x12%\n\x07loaders\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\"\x9c\x01\n\x0bSubPlanPart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61xis\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12)\n\x07samples\x18\x05 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12$\n\x06values\x18\x06 \x01(\x0b\x32\x14.batchplane.v1.Array\"\xe4\x01\n\x0fGetPlanResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_of_data\x18\x02 \x01(\x08\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.batchplane.v1.RankPlan\x12\x1a\n\x12global_loss_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04\x61xis\x18\x06 \x01(\t\x12,\n\x08subplans\x18\x07 \x03(\x0b\x32\x1a.batchplane.v1.SubPlanPart\x12\x18\n\x10loader_addresses\x18\x08 \x03(\tJ\x04\x08\x04\x10\x05R\x0esource_loaders\"\x12\n\x10GetStatusRequest\"\x81\x01\n\x0cSourceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rtarget_weight\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x13\n\x0b\x62\x61\x64_samples\x18\x05 \x01(\x03\x12\x16\n\x0etarget_samples\x18\x06 \x01(\x01\"V\n\rBalanceFigure\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x19\n\x11mean_max_over_min\x18\x02 \x01(\x01\x12\x1a\n\x12mean_max_over_mean\x18\x03 \x01(\x01\"\xd0\x01\n\x11GetStatusResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\x15\n\rsteps_planned\x18\x02 \x01(\x03\x12\x10\n\x08\x65nd_step\x18\x03 \x01(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12,\n\x07sources\x18\x05 \x03(\x0b\x32\x1b.batchplane.v1.SourceStatus\x12-\n\x07\x62\x61lance\x18\x06 \x03(\x0b\x32\x1c.batchplane.v1.BalanceFigure2\xe3\x04\n\x07Planner\x12]\n\x0eRegisterLoader\x12$.batchplane.v1.RegisterLoaderRequest\x1a%.batchplane.v1.RegisterLoaderResponse\x12\x63\n\x10\x44\x65registerLoader\x12&.batchplane.v1.DeregisterLoaderRequest\x1a\'.batchplane.v1.DeregisterLoaderResponse\x12l\n\x13RegisterConstructor\x12).batchplane.v1.RegisterConstructorRequest\x1a*.batchplane.v1.RegisterConstructorResponse\x12\x45\n\x06GetJob\x12\x1c.batchplane.v1.GetJobRequest\x1a\x1d.batchplane.v1.GetJobResponse\x12H\n\x07GetPlan\x12\x1d.batchplane.v1.GetPlanRequest\x1a\x1e.batchplane.v1.GetPlanResponse\x12N\n\tGetStatus\x12\x1f.batchplane.v1.GetStatusRequest\x1a .batchplane.v1.GetStatusResponse\x12\x45\n\x06Report\x12\x1c.batchplane.v1.ReportRequest\x1a\x1d.batchplane.v1.ReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61tchplane/v1/planner.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\"\xa3\x01\n\x15RegisterLoaderRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x07sources\x18\x03 \x03(\x0b\x32\x19.batchplane.v1.SourceInfo\x12\x0f\n\x07replica\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x11\n\tshadow_of\x18\x06 \x01(\t\"@\n\x17\x44\x65registerLoaderRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\x05\x12\x0f\n\x07replica\x18\x02 \x01(\t\"1\n\x18\x44\x65registerLoaderResponse\x12\x15\n\rdrain_through\x18\x01 \x03(\x03\"|\n\x16RegisterLoaderResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12-\n\x07restore\x18\x02 \x03(\x0b\x32\x1c.batchplane.v1.SourceRestore\x12\x0e\n\x06shadow\x18\x03 \x01(\x08\"\xb1\x01\n\rSourceRestore\x12\x0e\n\x06source\x18\x01 \x01(\x05\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\x12\x13\n\x0bthrough_seq\x18\x03 \x01(\x03\x12$\n\x06routes\x18\x04 \x03(\x0b\x32\x14.batchplane.v1.Route\x12\x13\n\x0bplanned_seq\x18\x05 \x01(\x03\x12\x15\n\rplanned_steps\x18\x06 \x01(\x03\x12\x17\n\x0f\x64\x65livered_below\x18\x07 \x01(\x03\"\x8a\x01\n\x1aRegisterConstructorRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12\x0e\n\x06rejoin\x18\x05 \x01(\x08\x12\x11\n\tnext_step\x18\x06 \x01(\x03J\x04\x08\x03\x10\x04R\x08\x64p_ranks\"B\n\x1bRegisterConstructorResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\"\x0f\n\rGetJobRequest\"D\n\x0eGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\"\xcd\x01\n\x0eGetPlanRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\x12\x39\n\x06resume\x18\x04 \x03(\x0b\x32).batchplane.v1.GetPlanRequest.ResumeEntry\x12\x17\n\x0f\x64\x65livered_below\x18\x05 \x01(\x03\x1a-\n\x0bResumeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x01\n\x08RankPlan\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12)\n\x07samples\x18\x02 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12\x30\n\x12microbatch_offsets\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12\x10\n\x08\x66\x65tchers\x18\x04 \x01(\x05\x12%\n\x07loaders\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\"\x9c\x01\n\x0bSubPlanPart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61xis\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12)\n\x07samples\x18\x05 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12$\n\x06values\x18\x06 \x01(\x0b\x32\x14.batchplane.v1.Array\"\xe4\x01\n\x0fGetPlanResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_of_data\x18\x02 \x01(\x08\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.batchplane.v1.RankPlan\x12\x1a\n\x12global_loss_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04\x61xis\x18\x06 \x01(\t\x12,\n\x08subplans\x18\x07 \x03(\x0b\x32\x1a.batchplane.v1.SubPlanPart\x12\x18\n\x10loader_addresses\x18\x08 \x03(\tJ\x04\x08\x04\x10\x05R\x0esource_loaders\"\x12\n\x10GetStatusRequest\"\x81\x01\n\x0cSourceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rtarget_weight\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x13\n\x0b\x62\x61\x64_samples\x18\x05 \x01(\x03\x12\x16\n\x0etarget_samples\x18\x06 \x01(\x01\"V\n\rBalanceFigure\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x19\n\x11mean_max_over_min\x18\x02 \x01(\x01\x12\x1a\n\x12mean_max_over_mean\x18\x03 \x01(\x01\"\xd0\x01\n\x11GetStatusResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\x15\n\rsteps_planned\x18\x02 \x01(\x03\x12\x10\n\x08\x65nd_step\x18\x03 \x01(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12,\n\x07sources\x18\x05 \x03(\x0b\x32\x1b.batchplane.v1.SourceStatus\x12-\n\x07\x62\x61lance\x18\x06 \x03(\x0b\x32\x1c.batchplane.v1.BalanceFigure2\xe3\x04\n\x07Planner\x12]\n\x0eRegisterLoader\x12$.batchplane.v1.RegisterLoaderRequest\x1a%.batchplane.v1.RegisterLoaderResponse\x12\x63\n\x10\x44\x65registerLoader\x12&.batchplane.v1.DeregisterLoaderRequest\x1a\'.batchplane.v1.DeregisterLoaderResponse\x12l\n\x13RegisterConstructor\x12).batchplane.v1.RegisterConstructorRequest\x1a*.batchplane.v1.RegisterConstructorResponse\x12\x45\n\x06GetJob\x12\x1c.batchplane.v1.GetJobRequest\x1a\x1d.batchplane.v1.GetJobResponse\x12H\n\x07GetPlan\x12\x1d.batchplane.v1.GetPlanRequest\x1a\x1e.batchplane.v1.GetPlanResponse\x12N\n\tGetStatus\x12\x1f.batchplane.v1.GetStatusRequest\x1a .batchplane.v1.GetStatusResponse\x12\x45\n\x06Report\x12\x1c.batchplane.v1.ReportRequest\x1a\x1d.batchplane.v1.ReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,40 +34,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETPLANREQUEST_RESUMEENTRY']._loaded_options = None
   _globals['_GETPLANREQUEST_RESUMEENTRY']._serialized_options = b'8\001'
-  _globals['_REGISTERLOADERREQUEST']._serialized_start=74
-  _globals['_REGISTERLOADERREQUEST']._serialized_end=197
-  _globals['_DEREGISTERLOADERREQUEST']._serialized_start=199
-  _globals['_DEREGISTERLOADERREQUEST']._serialized_end=263
-  _globals['_DEREGISTERLOADERRESPONSE']._serialized_start=265
-  _globals['_DEREGISTERLOADERRESPONSE']._serialized_end=314
-  _globals['_REGISTERLOADERRESPONSE']._serialized_start=316
-  _globals['_REGISTERLOADERRESPONSE']._serialized_end=377
-  _globals['_REGISTERCONSTRUCTORREQUEST']._serialized_start=380
-  _globals['_REGISTERCONSTRUCTORREQUEST']._serialized_end=518
-  _globals['_REGISTERCONSTRUCTORRESPONSE']._serialized_start=520
-  _globals['_REGISTERCONSTRUCTORRESPONSE']._serialized_end=586
-  _globals['_GETJOBREQUEST']._serialized_start=588
-  _globals['_GETJOBREQUEST']._serialized_end=603
-  _globals['_GETJOBRESPONSE']._serialized_start=605
-  _globals['_GETJOBRESPONSE']._serialized_end=673
-  _globals['_GETPLANREQUEST']._serialized_start=676
-  _globals['_GETPLANREQUEST']._serialized_end=881
-  _globals['_GETPLANREQUEST_RESUMEENTRY']._serialized_start=836
-  _globals['_GETPLANREQUEST_RESUMEENTRY']._serialized_end=881
-  _globals['_RANKPLAN']._serialized_start=884
-  _globals['_RANKPLAN']._serialized_end=1061
-  _globals['_SUBPLANPART']._serialized_start=1064
-  _globals['_SUBPLANPART']._serialized_end=1220
-  _globals['_GETPLANRESPONSE']._serialized_start=1223
-  _globals['_GETPLANRESPONSE']._serialized_end=1451
-  _globals['_GETSTATUSREQUEST']._serialized_start=1453
-  _globals['_GETSTATUSREQUEST']._serialized_end=1471
-  _globals['_SOURCESTATUS']._serialized_start=1474
-  _globals['_SOURCESTATUS']._serialized_end=1603
-  _globals['_BALANCEFIGURE']._serialized_start=1605
-  _globals['_BALANCEFIGURE']._serialized_end=1691
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1694
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1902
-  _globals['_PLANNER']._serialized_start=1905
-  _globals['_PLANNER']._serialized_end=2516
+  _globals['_REGISTERLOADERREQUEST']._serialized_start=75
+  _globals['_REGISTERLOADERREQUEST']._serialized_end=238
+  _globals['_DEREGISTERLOADERREQUEST']._serialized_start=240
+  _globals['_DEREGISTERLOADERREQUEST']._serialized_end=304
+  _globals['_DEREGISTERLOADERRESPONSE']._serialized_start=306
+  _globals['_DEREGISTERLOADERRESPONSE']._serialized_end=355
+  _globals['_REGISTERLOADERRESPONSE']._serialized_start=357
+  _globals['_REGISTERLOADERRESPONSE']._serialized_end=481
+  _globals['_SOURCERESTORE']._serialized_start=484
+  _globals['_SOURCERESTORE']._serialized_end=661
+  _globals['_REGISTERCONSTRUCTORREQUEST']._serialized_start=664
+  _globals['_REGISTERCONSTRUCTORREQUEST']._serialized_end=802
+  _globals['_REGISTERCONSTRUCTORRESPONSE']._serialized_start=804
+  _globals['_REGISTERCONSTRUCTORRESPONSE']._serialized_end=870
+  _globals['_GETJOBREQUEST']._serialized_start=872
+  _globals['_GETJOBREQUEST']._serialized_end=887
+  _globals['_GETJOBRESPONSE']._serialized_start=889
+  _globals['_GETJOBRESPONSE']._serialized_end=957
+  _globals['_GETPLANREQUEST']._serialized_start=960
+  _globals['_GETPLANREQUEST']._serialized_end=1165
+  _globals['_GETPLANREQUEST_RESUMEENTRY']._serialized_start=1120
+  _globals['_GETPLANREQUEST_RESUMEENTRY']._serialized_end=1165
+  _globals['_RANKPLAN']._serialized_start=1168
+  _globals['_RANKPLAN']._serialized_end=1345
+  _globals['_SUBPLANPART']._serialized_start=1348
+  _globals['_SUBPLANPART']._serialized_end=1504
+  _globals['_GETPLANRESPONSE']._serialized_start=1507
+  _globals['_GETPLANRESPONSE']._serialized_end=1735
+  _globals['_GETSTATUSREQUEST']._serialized_start=1737
+  _globals['_GETSTATUSREQUEST']._serialized_end=1755
+  _globals['_SOURCESTATUS']._serialized_start=1758
+  _globals['_SOURCESTATUS']._serialized_end=1887
+  _globals['_BALANCEFIGURE']._serialized_start=1889
+  _globals['_BALANCEFIGURE']._serialized_end=1975
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1978
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2186
+  _globals['_PLANNER']._serialized_start=2189
+  _globals['_PLANNER']._serialized_end=2800
 # @@protoc_insertion_point(module_scope)

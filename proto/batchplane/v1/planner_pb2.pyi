@@ -8,16 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterLoaderRequest(_message.Message):
-    __slots__ = ("loader_index", "address", "sources", "replica")
+    __slots__ = ("loader_index", "address", "sources", "replica", "incarnation", "shadow_of")
     LOADER_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_OF_FIELD_NUMBER: _ClassVar[int]
     loader_index: int
     address: str
     sources: _containers.RepeatedCompositeFieldContainer[_common_pb2.SourceInfo]
     replica: str
-    def __init__(self, loader_index: _Optional[int] = ..., address: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.SourceInfo, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    shadow_of: str
+    def __init__(self, loader_index: _Optional[int] = ..., address: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[_common_pb2.SourceInfo, _Mapping]]] = ..., replica: _Optional[str] = ..., incarnation: _Optional[str] = ..., shadow_of: _Optional[str] = ...) -> None: ...
 
 class DeregisterLoaderRequest(_message.Message):
     __slots__ = ("loader_index", "replica")
@@ -34,10 +38,32 @@ class DeregisterLoaderResponse(_message.Message):
     def __init__(self, drain_through: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterLoaderResponse(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "restore", "shadow")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_FIELD_NUMBER: _ClassVar[int]
     job: _common_pb2.JobInfo
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ...) -> None: ...
+    restore: _containers.RepeatedCompositeFieldContainer[SourceRestore]
+    shadow: bool
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., restore: _Optional[_Iterable[_Union[SourceRestore, _Mapping]]] = ..., shadow: _Optional[bool] = ...) -> None: ...
+
+class SourceRestore(_message.Message):
+    __slots__ = ("source", "from_seq", "through_seq", "routes", "planned_seq", "planned_steps", "delivered_below")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    from_seq: int
+    through_seq: int
+    routes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Route]
+    planned_seq: int
+    planned_steps: int
+    delivered_below: int
+    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., through_seq: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ..., planned_seq: _Optional[int] = ..., planned_steps: _Optional[int] = ..., delivered_below: _Optional[int] = ...) -> None: ...
 
 class RegisterConstructorRequest(_message.Message):
     __slots__ = ("constructor_index", "address", "ranks", "rejoin", "next_step")

@@ -8,7 +8,9 @@ Each benchmark is a module of this package with:
   list `records` (one dict per measured configuration) beside whatever describes the run.
   `progress(message)` reports progress on long work (printed to stderr, never to stdout).
 
-Pure of services: benchmarks drive the planning and delivery logic in process; no sockets.
+Pure of services: benchmarks drive the planning and delivery logic in process; no sockets. The
+exception is `chaos`, which measures failures of the services themselves: it runs a job's
+processes on this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BENCHMARKS = {
     "plan-latency": "batchplane.bench.plan_latency",
     "mixture": "batchplane.bench.mixture",
     "ledger": "batchplane.bench.ledger",
+    "chaos": "batchplane.bench.chaos",
 }
 
 

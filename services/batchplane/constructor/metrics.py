@@ -49,6 +49,32 @@ class ConstructorMetrics:
             registry=registry,
             buckets=(0.0001, *_LATENCY_BUCKETS),
         )
+        self.rank_wait = Counter(
+            "batchplane_constructor_rank_data_wait_seconds_total",
+            "Time each rank's requests waited for their batches, by rank (global rank): the data wait its trainer saw.",
+            ["rank"],
+            registry=registry,
+        )
+        self.rank_longest_wait = Gauge(
+            "batchplane_constructor_rank_longest_data_wait_seconds",
+            "The longest a request of the rank waited for its batch so far, by rank (global rank).",
+            ["rank"],
+            registry=registry,
+        )
+        self.peer_failures = Counter(
+            "batchplane_constructor_peer_failures_total",
+            "Failures detected: times building a step began to fail because a part did not answer, by part "
+            "(planner or loader); each counts once until a step builds again.",
+            ["part"],
+            registry=registry,
+        )
+        self.recovery = Histogram(
+            "batchplane_constructor_recovery_seconds",
+            "Recovery time: from the first failed attempt at a step until it was built (the failed part restarted, "
+            "or another took over).",
+            registry=registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300),
+        )
         self.hook_failures = Counter(
             "batchplane_constructor_hook_failures_total",
             "Steps that could not be built because the strategy's constructor_do_plan hook raised or broke the delivery rules.",

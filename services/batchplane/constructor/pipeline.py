@@ -41,6 +41,10 @@ from batchplane.wire import PayloadReceiver, decode_array, encode_array
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: How long a fetch retries an unreachable loader before the step is built again from a fresh
+#: plan, which names the loader's shadow once the planner has promoted it.
+FETCH_RETRY_S = 0.25
+
 
 @dataclasses.dataclass(frozen=True)
 class SubBatch:
@@ -117,6 +121,10 @@ class StepPipeline:
         self._next = 0
         self._end: int | None = None
         self._failure: FailedPrecondition | None = None
+        self._planned = False  # the planner has answered a GetPlan: the job has started
+        self._blocked: tuple[str, float] | None = None  # why building fails, and since when (monotonic)
+        self._peer = "planner"  # the part the step being built waits on
+        self._longest_wait: dict[int, float] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._build_loop, name="build", daemon=True)
         self._thread.start()
@@ -162,8 +170,17 @@ class StepPipeline:
             if self._stopped:
                 raise Unavailable("the constructor is stopping")
             if not done:
-                raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s")
-            self._metrics.batch_wait.observe(time.perf_counter() - begin)
+                why = ""
+                if self._blocked is not None:
+                    reason, since = self._blocked
+                    why = f": the constructor has been retrying for {time.monotonic() - since:.1f} s: {reason}"
+                raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s{why}")
+            waited = time.perf_counter() - begin
+            self._metrics.batch_wait.observe(waited)
+            self._metrics.rank_wait.labels(str(rank)).inc(waited)
+            if waited > self._longest_wait.get(rank, 0.0):
+                self._longest_wait[rank] = waited
+                self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
             self._metrics.prefetched_steps.set(max(self._next - 1 - min(self._progress.values()), 0))
             return self._ready.get((rank, step))
 
@@ -172,6 +189,12 @@ class StepPipeline:
         later one)."""
         with self._cond:
             return min(self._progress.get(r, self._start) for r in self.ranks)
+
+    def rejoin_step(self) -> int | None:
+        """The oldest step this constructor may still need planned (its ranks have not all been
+        handed it; a restart would build it again); None until the planner has planned for it."""
+        with self._cond:
+            return min(self._progress.get(r, self._start) for r in self.ranks) if self._planned else None
 
     def _past_end(self, step: int) -> bool:
         return self._end is not None and step >= self._end
@@ -192,12 +215,18 @@ class StepPipeline:
                 if self._stopped:
                     return
                 step = self._next
+            began = time.monotonic()
             try:
                 built = self._build(step)
             except Unavailable as exc:  # a peer is slow or restarting: keep trying
                 if self._stopped:
                     return
                 log.warning("step %d: %s; retrying", step, exc)
+                with self._cond:
+                    if self._blocked is None:
+                        self._metrics.peer_failures.labels(self._peer).inc()
+                    since = self._blocked[1] if self._blocked is not None else began
+                    self._blocked = (" ".join(str(exc).splitlines()), since)
                 continue
             except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
                 log.exception("step %d cannot be built", step)
@@ -206,6 +235,10 @@ class StepPipeline:
                     self._cond.notify_all()
                 return
             with self._cond:
+                if self._blocked is not None:
+                    self._metrics.recovery.observe(time.monotonic() - self._blocked[1])
+                    log.info("step %d built after %.2f s of retrying", step, time.monotonic() - self._blocked[1])
+                self._blocked = None
                 if built is None:
                     self._end = step
                     log.info("end of data at step %d", step)
@@ -217,7 +250,9 @@ class StepPipeline:
                 self._cond.notify_all()
 
     def _build(self, step: int) -> list[Delivery] | None:
+        self._peer = "planner"
         plan = self._get_plan(step)
+        self._peer = "loader"
         if plan.end_of_data:
             return None
         rules = DeliveryRules(self.mesh, axis=plan.axis or "DP", broadcast=self._broadcast, middle_tensors=self._job.constructors.pp_middle_tensors)
@@ -327,11 +362,13 @@ class StepPipeline:
             except grpc.RpcError as exc:
                 if self._rejoin is None or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "has not registered" not in (exc.details() or ""):
                     raise
-            log.warning("the planner does not know this constructor (it restarted): rejoining at step %d", step)
-            self._rejoin(step)
+            log.warning("the planner does not know this constructor (it restarted): rejoining; its ranks need steps from %d", self._delivered())
+            self._rejoin(self._delivered())
             return self._planner.GetPlan(request, timeout=10)
 
-        return self._call_planner(get_plan, f"GetPlan(step {step}) from")
+        plan = self._call_planner(get_plan, f"GetPlan(step {step}) from")
+        self._planned = True
+        return plan
 
     def _call_planner(self, call: Callable[[], T], what: str) -> T:
         """`call` retried while the planner is unavailable, within the job's RPC timeout."""
@@ -365,19 +402,11 @@ class StepPipeline:
         # Loaders that served earlier steps but not this one release what they hold for us too,
         # until every step they served was handed to our ranks (a replica that left its group
         # waits for that before it exits).
-        none = np.zeros(0, np.int64)
-        releases = [
-            self._fetchers.submit(self._fetch_from, a, step, none.astype(np.int32), none, none.astype(np.int32))
-            for a in set(self._holding) - set(jobs)
-        ]
+        for address in set(self._holding) - set(jobs):
+            self._fetchers.submit(self._release_at, address, step)
         delivered = self._delivered()
         self._holding = {a: last for a, last in self._holding.items() if last >= delivered}
         self._holding.update((a, step) for a in jobs)
-        for release in releases:
-            try:
-                release.result()
-            except Exception as exc:  # noqa: BLE001 - a replica that has left is gone: nothing to release
-                log.debug("release at a loader that served earlier steps failed: %s", exc)
         tokens: dict[tuple[int, int], np.ndarray] = {}
         for address, job in jobs.items():
             table = job.result()
@@ -387,6 +416,22 @@ class StepPipeline:
             for i, (k, s) in enumerate(zip(table.column("source").to_numpy(), table.column("seq").to_numpy())):
                 tokens[(int(k), int(s))] = flat[offsets[i] : offsets[i + 1]]
         return tokens
+
+    def _release_at(self, address: str, step: int) -> None:
+        """Tells a loader that served earlier steps what this constructor's ranks were handed
+        (a fetch of nothing), once: one that is gone (it left, or failed and was replaced) holds
+        nothing to release."""
+        request = loader_pb2.FetchSamplesRequest(
+            constructor_index=self._index,
+            step=step,
+            samples=common_pb2.SampleSet(source=encode_array(np.zeros(0, np.int32)), seq=encode_array(np.zeros(0, np.int64))),
+            release_below_step=self._delivered(),
+        )
+        try:
+            for _ in self._loader(address).FetchSamples(request, timeout=min(self._job.network.rpc_timeout_s, FETCH_RETRY_S)):
+                pass
+        except grpc.RpcError as exc:
+            log.debug("release at loader %s, which served earlier steps: %s", address, exc.code().name)
 
     def _loader(self, address: str) -> loader_pb2_grpc.LoaderStub:
         with self._channels_lock:
@@ -427,7 +472,7 @@ class StepPipeline:
             return call_with_retry(
                 attempt,
                 what=f"FetchSamples(step {step}) from loader at {address}",
-                deadline_s=self._job.network.rpc_timeout_s,
+                deadline_s=min(self._job.network.rpc_timeout_s, FETCH_RETRY_S),
                 should_stop=lambda: self._stopped,
             )
         except grpc.RpcError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -16,11 +17,16 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
-from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, set_serving
 from batchplane.core.userfile import job_hook
-from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2
+from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+#: How often a constructor tells the planner the oldest step it may still need, so that a
+#: restarted planner learns within that time where every constructor stands.
+REREGISTER_S = 1.0
 
 
 @dataclasses.dataclass
@@ -28,8 +34,26 @@ class RunningConstructor:
     address: str
     server: grpc.Server
     pipeline: StepPipeline
+    _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def keep_registered(self, job: JobSettings, process: ProcessSettings, ranks: tuple[int, ...]) -> None:
+        """Registers again every REREGISTER_S (rejoin, idempotent) once its ranks have started,
+        saying the oldest step it may still need: a restarted planner resumes there even when
+        this constructor asks for no plan for a while (its ranks are busy, or past the end of
+        data). Runs on a thread of its own."""
+        with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+            stub = planner_pb2_grpc.PlannerStub(channel)
+            while not self._stopped.wait(REREGISTER_S):
+                step = self.pipeline.rejoin_step()
+                if step is None:
+                    continue
+                try:
+                    stub.RegisterConstructor(_request(process, self.address, ranks, next_step=step), timeout=REREGISTER_S * 2)
+                except grpc.RpcError:
+                    continue  # the planner is restarting: the next round tells it
 
     def stop(self, grace_s: float) -> None:
+        self._stopped.set()
         self.pipeline.stop()  # first: wakes requests waiting for batches
         self.server.stop(grace_s).wait()
 
@@ -64,11 +88,17 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     server.start()
     set_serving(health, "batchplane.v1.Constructor")
     log.info("serving ranks %s", list(ranks))
-    return RunningConstructor(address, server, pipeline)
+    running = RunningConstructor(address, server, pipeline)
+    threading.Thread(target=running.keep_registered, args=(job, process, ranks), name="register", daemon=True).start()
+    return running
+
+
+def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> planner_pb2.RegisterConstructorRequest:
+    return planner_pb2.RegisterConstructorRequest(
+        constructor_index=process.index, address=address, ranks=ranks, rejoin=next_step is not None, next_step=next_step or 0
+    )
 
 
 def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> common_pb2.JobInfo:
-    request = planner_pb2.RegisterConstructorRequest(
-        constructor_index=process.index, address=address, ranks=ranks, rejoin=next_step is not None, next_step=next_step or 0
-    )
-    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")
+    request = _request(process, address, ranks, next_step=next_step)
+    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}").job

@@ -154,6 +154,18 @@ class ShuffleSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class FailoverSettings:
+    """How the planner decides that a loader replica with a shadow has failed."""
+
+    #: Seconds between health probes of each replica that has a shadow.
+    probe_interval_s: float = 0.1
+    #: Consecutive failed observations (health probes or summary requests) that declare a
+    #: replica failed and promote its shadow: a dead replica is replaced within about
+    #: failures * probe_interval_s.
+    failures: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
 class LoaderSettings:
     """Source loader processes."""
 
@@ -171,6 +183,13 @@ class LoaderSettings:
     buffer_bytes: int = 512 * MiB
     #: Sample order.
     shuffle: ShuffleSettings = dataclasses.field(default_factory=ShuffleSettings)
+    #: Run a shadow (hot standby) beside every loader: it reads the same windows and takes over
+    #: within `failover` when its loader fails, so constructors hardly wait; it costs a second
+    #: loader's memory and reading. Without it, a failed loader is restarted and reads again what
+    #: constructors may still fetch.
+    shadow: bool = False
+    #: Failure detection for loaders with a shadow.
+    failover: FailoverSettings = dataclasses.field(default_factory=FailoverSettings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,6 +557,9 @@ def _validate(job: JobSettings) -> None:
     _positive("loaders.read_ahead_samples", job.loaders.read_ahead_samples)
     _positive("loaders.buffer_bytes", job.loaders.buffer_bytes)
     _positive("loaders.shuffle.window_row_groups", job.loaders.shuffle.window_row_groups)
+    if not (math.isfinite(job.loaders.failover.probe_interval_s) and job.loaders.failover.probe_interval_s > 0):
+        raise ConfigError("loaders.failover.probe_interval_s", "must be a finite number > 0", job.loaders.failover.probe_interval_s)
+    _positive("loaders.failover.failures", job.loaders.failover.failures)
     _positive("constructors.ranks_per_constructor", job.constructors.ranks_per_constructor)
     _positive("constructors.prefetch_steps", job.constructors.prefetch_steps)
     if job.ledger.keep_detail_steps is not None and job.ledger.keep_detail_steps < 0:

@@ -40,6 +40,8 @@ class ProcessSettings:
     index: int = 0
     #: A loader's replica id within its group (unique, e.g. its pod name); None: the index.
     replica: str | None = None
+    #: A loader that runs as the shadow (hot standby) of this replica id of its group.
+    shadow_of: str | None = None
     #: The planner's address, for loaders and constructors.
     planner: str | None = None
     #: gRPC port; 0 picks a free one.
@@ -72,6 +74,7 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--config", "-c", type=pathlib.Path, required=True, help="job configuration (YAML)")
     parser.add_argument("--index", type=int, default=0, help=f"this {part}'s index in the job (default 0)")
     parser.add_argument("--replica", help="a loader's replica id in its group, unique (default: its index), e.g. $(POD_NAME)")
+    parser.add_argument("--shadow-of", help="run a loader as the shadow (hot standby) of this replica id of its group, e.g. 0")
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
     parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/x.sock")
@@ -117,7 +120,7 @@ def run_service(
         The process exit status.
     """
     settings = parse_process_args(part, argv)
-    name = part if part == "planner" else f"{part}-{settings.replica or settings.index}"
+    name = part if part == "planner" else f"{part}-{settings.replica or settings.index}" + ("-shadow" if settings.shadow_of else "")
     configure_logging(settings.log_level, name)
     registry = CollectorRegistry()
     try:

@@ -12,13 +12,14 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.rpc import call_with_retry, create_channel, reraise
-from batchplane.v1 import common_pb2, planner_pb2_grpc
+from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def register_with_planner(job: JobSettings, process: ProcessSettings, *, rpc: str, request: Message, who: str) -> common_pb2.JobInfo:
-    """Calls Planner.<rpc>(request) until the planner answers, and returns the job it serves.
+def register_with_planner(job: JobSettings, process: ProcessSettings, *, rpc: str, request: Message, who: str) -> Message:
+    """Calls Planner.<rpc>(request) until the planner answers, and returns its response (whose
+    `job` is the job it serves).
 
     Args:
         job: The job as this process read it.
@@ -48,4 +49,4 @@ def register_with_planner(job: JobSettings, process: ProcessSettings, *, rpc: st
             str(process.config),
         )
     log.info("registered with planner at %s as %s", process.planner, who)
-    return response.job
+    return response

@@ -44,8 +44,12 @@ class ServiceProcess:
     popen: subprocess.Popen
     log_path: pathlib.Path
     ready_path: pathlib.Path
+    module: str = ""
+    args: tuple[str, ...] = ()
     address: str = ""
     metrics_port: int = 0
+    #: Asked to leave (scale in): its exit is expected, not a failure.
+    leaving: bool = False
 
     @property
     def pid(self) -> int:
@@ -115,6 +119,11 @@ class LocalCluster:
                 self._spawn(f"loader-{i}", "batchplane.loader", ["--index", str(i), *planner_args])
                 for i in range(self.job.loader_count)
             ]
+            if self.job.loaders.shadow:  # a hot standby of each loader
+                self.loaders += [
+                    self._spawn(f"loader-{i}-shadow", "batchplane.loader", ["--index", str(i), "--shadow-of", str(i), *planner_args])
+                    for i in range(self.job.loader_count)
+                ]
             self.constructors = [
                 self._spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *planner_args])
                 for i in range(self.job.constructor_count)
@@ -141,7 +150,7 @@ class LocalCluster:
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.debug("started %s (pid %d): %s", name, popen.pid, " ".join(command))
-        return ServiceProcess(name, popen, log_path, ready_path)
+        return ServiceProcess(name, popen, log_path, ready_path, module, tuple(args))
 
     def _wait_ready(self, processes: Sequence[ServiceProcess], timeout_s: float) -> None:
         give_up = time.monotonic() + timeout_s
@@ -183,9 +192,7 @@ class LocalCluster:
         Raises:
             LaunchError: it exited or did not become ready in time.
         """
-        self.planner = self._respawn(self.planner, "batchplane.planner", [], timeout_s)
-        self._write_endpoints()
-        return self.planner
+        return self.restart(self.planner, timeout_s=timeout_s)
 
     def restart_constructor(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
         """Starts constructor `index` again on its address (killing it first if it still runs):
@@ -195,17 +202,28 @@ class LocalCluster:
         Raises:
             LaunchError: it exited or did not become ready in time.
         """
-        old = self.constructors[index]
-        self.constructors[index] = self._respawn(old, "batchplane.constructor", ["--index", str(index), "--planner", self.planner.address], timeout_s)
-        self._write_endpoints()
-        return self.constructors[index]
+        return self.restart(self.constructors[index], timeout_s=timeout_s)
 
-    def _respawn(self, old: ServiceProcess, module: str, args: Sequence[str], timeout_s: float) -> ServiceProcess:
+    def restart(self, old: ServiceProcess, *, timeout_s: float = 60.0) -> ServiceProcess:
+        """Starts process `old` again with its arguments on its address, killing it first if it
+        still runs. A loader replica restarts under its id and reads again the windows
+        constructors may still fetch (the planner's replay of its ledger); see `restart_planner`
+        and `restart_constructor` for the others.
+
+        Raises:
+            LaunchError: it exited or did not become ready in time.
+        """
         if old.popen.poll() is None:
             old.popen.kill()
         old.popen.wait()
-        process = self._spawn(old.name, module, [*args, "--port", old.address.rsplit(":", 1)[1]])
+        process = self._spawn(old.name, old.module, [*_without_port(old.args), "--port", old.address.rsplit(":", 1)[1]])
         self._wait_ready([process], timeout_s)
+        if old is self.planner:
+            self.planner = process
+        for group in (self.loaders, self.constructors):
+            if old in group:
+                group[group.index(old)] = process
+        self._write_endpoints()
         return process
 
     def add_loader(self, index: int, *, timeout_s: float = 60.0) -> ServiceProcess:
@@ -239,6 +257,7 @@ class LocalCluster:
         Raises:
             LaunchError: it did not exit within `timeout_s` (it is killed), or exited with an error.
         """
+        process.leaving = True
         process.popen.send_signal(signal.SIGUSR1)
         try:
             code = process.popen.wait(timeout=timeout_s)
@@ -287,6 +306,15 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _without_port(args: Sequence[str]) -> list[str]:
+    """Process arguments without a --port (a restart passes the one it had)."""
+    out = list(args)
+    if "--port" in out:
+        i = out.index("--port")
+        del out[i : i + 2]
+    return out
 
 
 def _check_strategy(job: JobSettings) -> None:

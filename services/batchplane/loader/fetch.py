@@ -15,14 +15,17 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.core.errors import InvalidArgument
-from batchplane.loader.stream import TOKEN_TYPE, SourceStream
+from batchplane.loader.stream import TOKEN_TYPE, BufferedWindow, SourceStream
 
 PAYLOAD_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input_ids", TOKEN_TYPE)])
 
-#: (source index, window seq_start, samples fetched from it)
-Hold = tuple[int, int, int]
-#: (source index, window seq_start, seq, copies) of a sample several constructors fetch
-Shared = tuple[int, int, int, int]
+#: How long a fetch waits for windows the loader reads again (after a restart) before UNAVAILABLE.
+REREAD_WAIT_S = 10.0
+
+#: (source index, window, samples fetched from it)
+Hold = tuple[int, BufferedWindow, int]
+#: (source index, window, seq, copies) of a sample several constructors fetch
+Shared = tuple[int, BufferedWindow, int, int]
 
 
 class FetchBook:
@@ -46,7 +49,8 @@ class FetchBook:
 
         Raises:
             InvalidArgument: a source this loader does not serve, or mismatched arrays.
-            NotFound: a sample that is not buffered.
+            NotFound: a position past the end of its stream, or a bad sample.
+            Unavailable: samples the loader is still reading again (retry).
         """
         if len(sources) != len(seqs):
             raise InvalidArgument(f"samples.source has {len(sources)} entries but samples.seq has {len(seqs)}")
@@ -64,17 +68,15 @@ class FetchBook:
             stream = self._streams[int(source)]
             mine = sources == source
             wanted, wanted_copies = seqs[mine], copies[mine]
-            starts, index = stream.locate(wanted)
-            for start in np.unique(starts):
-                in_window = starts == start
-                ids, _ = stream.take(int(start), index[in_window])
+            for window, in_window, index in stream.locate(wanted, wait_s=REREAD_WAIT_S):
+                ids, _ = stream.take(window, index)
                 columns["source"].append(np.full(int(in_window.sum()), source, np.int32))
                 columns["seq"].append(wanted[in_window])
                 columns["input_ids"].append(ids)
                 single = in_window & (wanted_copies == 1)
-                holds.append((int(source), int(start), int(single.sum())))
+                holds.append((int(source), window, int(single.sum())))
                 for seq, n in zip(wanted[in_window & ~single].tolist(), wanted_copies[in_window & ~single].tolist()):
-                    shared.append((int(source), int(start), seq, n))
+                    shared.append((int(source), window, seq, n))
         with self._lock:
             if (constructor, step) not in self._held:  # a retry keeps the first record
                 self._held[(constructor, step)] = (holds, shared)
@@ -98,16 +100,16 @@ class FetchBook:
             records = [self._held.pop(key) for key in done]
             holds = [h for singles, _ in records for h in singles]
             for _, shared in records:
-                for source, start, seq, _ in shared:
+                for source, window, seq, _ in shared:
                     left = self._copies_left[(source, seq)] - 1
                     if left:
                         self._copies_left[(source, seq)] = left
                     else:
                         del self._copies_left[(source, seq)]
-                        holds.append((source, start, 1))
-        for source, start, count in holds:
+                        holds.append((source, window, 1))
+        for source, window, count in holds:
             if count:
-                self._streams[source].release(start, count)
+                self._streams[source].release(window, count)
         return sum(count for _, _, count in holds)
 
 

@@ -22,6 +22,14 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.samples_replayed = Counter(
+            "batchplane_loader_samples_replayed_total",
+            "Samples read again because the planner or a constructor needed a window this loader did not hold: "
+            "after the loader restarted (its replay of the planner's ledger), or after the planner's restart routed it "
+            "other windows, by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
         self.samples_sent = Counter(
             "batchplane_loader_samples_sent_total",
             "Samples sent to constructors, by source (the source's name).",

@@ -4,9 +4,11 @@ registers it with the planner."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 import logging
 import threading
 import time
+import uuid
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -20,7 +22,7 @@ from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_serve
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.core.order import SampleOrder
-from batchplane.loader.service import LoaderServicer
+from batchplane.loader.service import LoaderServicer, routing_of
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import bind_transform
@@ -78,13 +80,13 @@ class RunningLoader:
     streams: dict[int, SourceStream]
     job: JobSettings | None = None
     process: ProcessSettings | None = None
+    registration: planner_pb2.RegisterLoaderRequest | None = None
     _done_registering: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self) -> None:
         """Registers again every REREGISTER_S (idempotent), so that a restarted planner, which
         knows no loader, learns of this replica at once; runs on a thread of its own."""
-        job, process = self.job, self.process
-        request = _registration(process, self.address, self.streams)
+        job, process, request = self.job, self.process, self.registration
         with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             known = True
@@ -106,6 +108,9 @@ class RunningLoader:
         DRAIN_TIMEOUT_S). Returns False, and keeps serving, when it cannot leave: it is the
         group's last replica, or the planner did not answer."""
         job, process = self.job, self.process
+        if process.shadow_of:
+            log.info("a shadow leaves at once: it serves nothing the planner counts on")
+            return True
         request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
         try:
             with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
@@ -143,7 +148,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     if not process.planner:
         raise ConfigError("--planner", "is required for a loader", None)
     metrics = LoaderMetrics(registry)
-    streams = open_streams(job, process.index, metrics, replica=replica_id(process))
+    streams = open_streams(job, process.index, metrics, replica=process.shadow_of or replica_id(process))
     try:
         servicer = LoaderServicer(streams, FetchBook(streams), metrics)
         server, port, health = create_grpc_server(
@@ -155,8 +160,13 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
-        running = RunningLoader(address, server, streams, job, process)
-        info = register_with_planner(job, process, rpc="RegisterLoader", request=_registration(process, address, streams), who=f"loader {process.index}")
+        running = RunningLoader(address, server, streams, job, process, registration=_registration(process, address, streams))
+        who = f"loader {process.index}" + (f" (shadow of replica {process.shadow_of!r})" if process.shadow_of else "")
+        registered = register_with_planner(job, process, rpc="RegisterLoader", request=running.registration, who=who)
+        if registered.shadow:
+            log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", process.shadow_of or replica_id(process))
+        restore(streams, registered.restore)
+        info = registered.job
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))
         threading.Thread(target=running.keep_registered, name="register", daemon=True).start()
     except BaseException:
@@ -171,6 +181,8 @@ def _registration(process: ProcessSettings, address: str, streams: dict[int, Sou
     request = planner_pb2.RegisterLoaderRequest(
         loader_index=process.index,
         replica=replica_id(process),
+        incarnation=uuid.uuid4().hex,
+        shadow_of=process.shadow_of or "",
         address=address,
         sources=[
             common_pb2.SourceInfo(
@@ -184,6 +196,25 @@ def _registration(process: ProcessSettings, address: str, streams: dict[int, Sou
         ],
     )
     return request
+
+
+def restore(streams: dict[int, SourceStream], sources: Sequence[planner_pb2.SourceRestore]) -> None:
+    """Rebuilds a loader that (re)starts mid-job from the planner's replay of its ledger: each
+    stream reads again at once its windows that constructors may still fetch."""
+    for r in sources:
+        replay = streams[r.source].restore(
+            from_seq=r.from_seq,
+            through_seq=r.through_seq,
+            routes=routing_of(r.routes),
+            planned_seq=r.planned_seq,
+            planned_steps=r.planned_steps,
+            delivered_below=r.delivered_below,
+        )
+        if replay:
+            log.info(
+                "source %r: joined mid-job at step %d; reading again %d samples from position %d that constructors may still fetch",
+                streams[r.source].name, r.delivered_below, replay, r.from_seq,
+            )
 
 
 def replica_id(process: ProcessSettings) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -16,13 +16,18 @@ from batchplane.loader.fetch import FetchBook, encode_payload
 from batchplane.loader.hooks import HookError, LoaderPlan, apply_loader_hook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.stream import SourceStream
-from batchplane.v1 import loader_pb2, loader_pb2_grpc
+from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
 from batchplane.wire import decode_array, encode_array
 
 MAX_SUMMARY_SAMPLES = 65536
 JOIN_WAIT_S = 30.0
 
 log = logging.getLogger(__name__)
+
+
+def routing_of(routes: Sequence[common_pb2.Route]) -> Routing | None:
+    """The routes of a request; None when it names none."""
+    return Routing(tuple(Route(r.from_window, tuple(r.replicas)) for r in routes)) if routes else None
 
 
 class LoaderServicer(loader_pb2_grpc.LoaderServicer):
@@ -48,12 +53,22 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             raise InvalidArgument(f"source: this loader serves sources {sorted(self._streams)}, not {request.source}")
         if request.from_seq < 0 or request.planned_seq < 0 or request.max_samples < 0:
             raise InvalidArgument("from_seq, planned_seq and max_samples must be >= 0")
+        if not self._joined.wait(JOIN_WAIT_S):  # a restarted loader first rebuilds its position
+            raise Unavailable("this loader has not joined the planner's job yet")
+        if request.follow:
+            stream.follow(
+                from_seq=request.from_seq, count=request.max_samples, planned_seq=request.planned_seq,
+                planned_steps=request.planned_steps, delivered_below=request.delivered_below, routes=routing_of(request.routes),
+            )
+            return loader_pb2.GetSummaryResponse(start_seq=request.from_seq)
         rows, lengths, features, end = stream.summary(
             from_seq=request.from_seq,
             planned_seq=request.planned_seq,
             max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
             wait_s=max(request.wait_ms, 0) / 1000,
-            routes=Routing(tuple(Route(r.from_window, tuple(r.replicas)) for r in request.routes)) if request.routes else None,
+            routes=routing_of(request.routes),
+            planned_steps=request.planned_steps,
+            delivered_below=request.delivered_below,
         )
         return loader_pb2.GetSummaryResponse(
             start_seq=request.from_seq,

@@ -7,8 +7,19 @@ reader reads ahead of the planner's cursor up to `read_ahead_samples` while the 
 buffered bytes stay under `buffer_bytes`; it always reads when the planner waits for data, so
 the planner never deadlocks on a full buffer. A loader group may run as several replicas: each
 reads only the windows the planner routes to it (`core.routing`; the routes come with every
-summary request) and drops windows it read ahead that a new route gave to another replica. A window is freed once every position in it is
-planned and every good sample in it has been released by the constructor that fetched it.
+summary request) and drops windows it read ahead that a new route gave to another replica.
+
+A window is freed once every position in it is planned and either every good sample in it has
+been released by the constructors that fetched it, or every constructor has handed its ranks
+every step that planned from it (`delivered_below`, which the planner passes on with each
+summary request). The second rule frees what the first cannot count: windows read again after a
+restart, whose samples were partly fetched from the loader's earlier life.
+
+Nothing a loader has dropped is lost: its positions are a pure function of the seed and the
+files (`core.order`), so any window the planner or a constructor asks for and the loader does not
+hold is read again on demand. That is how a loader that restarts, and a replica the planner's
+restart routed other windows to, rebuild their exact state; a restarted loader also reads at once
+the windows the planner says are still needed (`restore`), so constructors seldom wait.
 
 Bad data is skipped, never silently: a row group that cannot be read or decoded, or whose
 transform fails, becomes a run of bad samples (length 0); so do null or empty token lists. Bad
@@ -28,7 +39,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from batchplane.core.errors import FailedPrecondition, NotFound
+from batchplane.core.errors import NotFound, Unavailable
 from batchplane.core.order import SampleOrder, Window
 from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
 from batchplane.loader.metrics import LoaderMetrics
@@ -75,6 +86,8 @@ class BufferedWindow:
     unreleased: int
     #: Whether the planner has seen it (then it is this replica's for good).
     summarized: bool = False
+    #: The last step that can plan from it, once every position in it is planned.
+    last_step: int | None = None
 
     @property
     def seq_end(self) -> int:
@@ -124,7 +137,10 @@ class SourceStream:
         self._start_seq: int | None = None  # set by the first summary request
         self._routes: Routing | None = None  # None: every window is this replica's
         self._planned_seq = 0
-        self._wanted_seq = -1  # a waiting summary request needs position wanted_seq
+        self._planned_steps = 0  # every position below _planned_seq is planned by an earlier step
+        self._delivered_below = 0  # every rank was handed every step below it
+        self._urgent: dict[int, bool] = {}  # window number -> replay: windows someone waits for
+        self._asked_through = 0  # the planner has asked about every position below it (no plan goes further)
         self._feature_names: tuple[str, ...] | None = None  # set by the first good row group
         self._closed = False
         self._thread = threading.Thread(target=self._read_loop, name=f"read-{source.name}", daemon=True)
@@ -137,34 +153,39 @@ class SourceStream:
     # ---- planner side --------------------------------------------------------------------
 
     def summary(
-        self, *, from_seq: int, planned_seq: int, max_samples: int, wait_s: float, routes: Routing | None = None
+        self,
+        *,
+        from_seq: int,
+        planned_seq: int,
+        max_samples: int,
+        wait_s: float,
+        routes: Routing | None = None,
+        planned_steps: int = 0,
+        delivered_below: int = 0,
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
-        """Rows, lengths and features of positions from `from_seq` on, as far as read.
+        """Rows, lengths and features of positions from `from_seq` on, as far as read. A window
+        not held (never read, or dropped) is read now.
 
         Args:
             routes: The source's current routes (None: keep the last ones); `from_seq` lies in
                 a window routed to this replica.
+            planned_steps: Steps planned so far: every position below `planned_seq` belongs to
+                an earlier one.
+            delivered_below: Every rank was handed every step below it.
         Returns:
             (rows int64 [n], lengths int32 [n], features {name: float64 [n]}, end_of_stream
             after them); n may be 0 after waiting `wait_s` for the reader.
-        Raises:
-            FailedPrecondition: `from_seq` was already dropped, or precedes the stream's start.
         """
         with self._cond:
             if self._start_seq is None:
                 self._seek(from_seq)
-            elif from_seq < self._start_seq or (self._windows and from_seq < self._windows[0].seq_start):
-                raise FailedPrecondition(
-                    f"source {self.name!r}: position {from_seq} is no longer buffered "
-                    f"(the stream started at {self._start_seq})"
-                )
+            elif from_seq < self._start_seq:
+                self._start_seq = from_seq  # a restarted planner resumes behind this stream
             if routes is not None and routes != self._routes:
                 self._reroute(routes)
-            self._planned_seq = max(self._planned_seq, planned_seq)
-            self._evict()
+            self._follow(planned_seq, planned_steps, delivered_below)
             if not self._is_end(from_seq) and not self._holds(from_seq):
-                self._wanted_seq = max(self._wanted_seq, from_seq)
-                self._cond.notify_all()
+                self._want(window_of(self.order, from_seq).number, replay=False)
                 self._cond.wait_for(lambda: self._holds(from_seq) or self._closed, timeout=wait_s)
             rows, lengths = [], []
             names = self._feature_names or ()
@@ -184,11 +205,64 @@ class SourceStream:
                 count += hi - lo
                 seq = w.seq_start + hi
                 i += 1
+            self._asked_through = max(self._asked_through, seq)
             self._cond.notify_all()  # the planner's cursor moved: read ahead
         rows_out = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         lengths_out = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
         features_out = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in features.items()}
         return rows_out, lengths_out, features_out, self._is_end(seq)
+
+    def follow(
+        self, *, from_seq: int, count: int, planned_seq: int, planned_steps: int, delivered_below: int, routes: Routing | None
+    ) -> None:
+        """A shadow's part of a summary request its replica answered with `count` samples from
+        `from_seq`: reads that window (without waiting for it) and takes the progress, so it
+        holds what the replica holds."""
+        with self._cond:
+            if self._start_seq is None:
+                self._seek(from_seq)
+            if routes is not None and routes != self._routes:
+                self._reroute(routes)
+            self._follow(planned_seq, planned_steps, delivered_below)
+            self._asked_through = max(self._asked_through, from_seq + count)
+            if count and not self._is_end(from_seq) and not self._holds(from_seq):
+                self._want(window_of(self.order, from_seq).number, replay=False)
+
+    def restore(
+        self, *, from_seq: int, through_seq: int, routes: Routing | None, planned_seq: int, planned_steps: int, delivered_below: int
+    ) -> int:
+        """Rebuilds a restarted replica's position: reads at once its windows of positions
+        [from_seq, through_seq), those the planner has asked about and constructors may still
+        fetch (the planner's replay of its ledger: `from_seq` is its cursor at the oldest step a
+        rank has not been handed). Returns the samples to read again."""
+        with self._cond:
+            self._seek(from_seq)
+            self._routes = routes
+            self._asked_through = through_seq
+            self._follow(planned_seq, planned_steps, delivered_below)
+            replay = 0
+            span = window_of(self.order, from_seq)
+            while span.start < through_seq and not self._is_end(span.start):
+                if self._owns(span.number):
+                    self._want(span.number, replay=True)
+                    replay += span.end - span.start
+                span = window_span(self.order, span.number + 1)
+            return replay
+
+    def _follow(self, planned_seq: int, planned_steps: int, delivered_below: int) -> None:
+        """Takes the planner's progress and frees what it makes unneeded (lock held)."""
+        self._planned_seq = max(self._planned_seq, planned_seq)
+        self._planned_steps = max(self._planned_steps, planned_steps)
+        self._delivered_below = max(self._delivered_below, delivered_below)
+        for w in self._windows:
+            if w.last_step is None and w.seq_end <= self._planned_seq:
+                w.last_step = self._planned_steps - 1
+        self._evict()
+
+    def _want(self, number: int, *, replay: bool) -> None:
+        """Asks the reader for window `number` before anything else (lock held)."""
+        self._urgent.setdefault(number, replay)
+        self._cond.notify_all()
 
     def _is_end(self, seq: int) -> bool:
         return self.end_seq is not None and seq >= self.end_seq
@@ -230,16 +304,20 @@ class SourceStream:
             return next(self._unread(until=below), None) is None  # one not read yet: the planner will ask
 
     def _next_window(self) -> WindowSpan | None:
-        """The first window of this replica not read yet that is due: it lies at or before a
-        position the planner waits for, or starts within the read-ahead of the planner's cursor
-        while the byte budget allows (lock held)."""
-        if self._closed or self._start_seq is None:
+        """The next window to read: one somebody waits for, else the first window of this
+        replica not read yet that starts within the read-ahead of the planner's cursor, while
+        the byte budget allows (lock held)."""
+        if self._closed:
+            return None
+        for number in sorted(self._urgent):
+            span = window_span(self.order, number)
+            if not self._holds(span.start):
+                return span
+            del self._urgent[number]
+        if self._start_seq is None or self._budget.exceeded:
             return None
         horizon = self._planned_seq + self.read_ahead_samples
-        for span in self._unread(until=max(horizon, self._wanted_seq + 1)):
-            if span.start <= self._wanted_seq or (span.start < horizon and not self._budget.exceeded):
-                return span
-        return None
+        return next(self._unread(until=horizon), None)
 
     def _unread(self, *, until: int) -> Iterator[WindowSpan]:
         """This replica's windows not read yet, from the planner's cursor to position `until`, in
@@ -256,38 +334,53 @@ class SourceStream:
 
     # ---- constructor side ----------------------------------------------------------------
 
-    def locate(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each seq, the window (its seq_start) and index in it.
+    def locate(self, seqs: np.ndarray, *, wait_s: float) -> list[tuple[BufferedWindow, np.ndarray, np.ndarray]]:
+        """The windows holding positions `seqs`: (window, which of `seqs` it holds as a mask,
+        their indices in it). Windows not held are read now, waiting up to `wait_s`.
 
         Raises:
-            NotFound: a seq this loader does not hold (not read yet, or already freed).
+            NotFound: a position no plan can hold yet: the planner never asked about it.
+            Unavailable: windows still being read after `wait_s` (retry).
         """
         with self._cond:
+            beyond = seqs[seqs >= self._asked_through]
+            if len(beyond):
+                raise NotFound(
+                    f"source {self.name!r}: positions {beyond[:5].tolist()} were never planned: the planner has asked about "
+                    f"positions below {self._asked_through} only"
+                )
+            missing = seqs[~self._held(seqs)]
+            if len(missing):
+                for number in {window_of(self.order, int(s)).number for s in missing}:
+                    self._want(number, replay=True)
+                if not self._cond.wait_for(lambda: self._held(missing).all() or self._closed, timeout=wait_s):
+                    raise Unavailable(f"source {self.name!r}: positions {missing[:5].tolist()} are being read again; retry")
             starts = np.array([w.seq_start for w in self._windows], np.int64)
-            ends = np.array([w.seq_end for w in self._windows], np.int64)
+            slot = np.searchsorted(starts, seqs, side="right") - 1
+            return [(self._windows[i], slot == i, seqs[slot == i] - starts[i]) for i in np.unique(slot).tolist()]
+
+    def _held(self, seqs: np.ndarray) -> np.ndarray:
+        """bool [n]: whether a buffered window holds each position (lock held)."""
+        if not self._windows:
+            return np.zeros(len(seqs), bool)
+        starts = np.array([w.seq_start for w in self._windows], np.int64)
+        ends = np.array([w.seq_end for w in self._windows], np.int64)
         slot = np.searchsorted(starts, seqs, side="right") - 1
-        held = (slot >= 0) & (seqs < ends[np.maximum(slot, 0)]) if len(starts) else np.zeros(len(seqs), bool)
-        if not held.all():
-            missing = seqs[~held][:5].tolist()
-            raise NotFound(f"source {self.name!r}: samples at positions {missing} are not buffered here")
-        return starts[slot], seqs - starts[slot]
+        return (slot >= 0) & (seqs < ends[np.maximum(slot, 0)])
 
-    def take(self, seq_start: int, index: np.ndarray) -> tuple[pa.ListArray, np.ndarray]:
-        """Token lists and lengths of samples `index` of the window starting at `seq_start`."""
-        with self._cond:
-            w = self._windows[self._window_index(seq_start)]
-        if (w.lengths[index] == 0).any():
+    def take(self, window: BufferedWindow, index: np.ndarray) -> tuple[pa.ListArray, np.ndarray]:
+        """Token lists and lengths of samples `index` of `window`."""
+        if (window.lengths[index] == 0).any():
             raise NotFound(f"source {self.name!r}: a requested sample is a bad sample, which is never delivered")
-        return w.ids.take(pa.array(index)), w.lengths[index]
+        return window.ids.take(pa.array(index)), window.lengths[index]
 
-    def release(self, seq_start: int, count: int) -> None:
-        """`count` good samples of the window starting at `seq_start` are no longer needed."""
+    def release(self, window: BufferedWindow, count: int) -> None:
+        """`count` good samples of `window` are no longer needed (a window dropped since, or read
+        again, is not affected)."""
         with self._cond:
-            i = bisect.bisect_left([w.seq_start for w in self._windows], seq_start)
-            if i < len(self._windows) and self._windows[i].seq_start == seq_start:
-                self._windows[i].unreleased -= count
-                self._evict()
-                self._cond.notify_all()
+            window.unreleased -= count
+            self._evict()
+            self._cond.notify_all()
 
     # ---- buffer --------------------------------------------------------------------------
 
@@ -298,10 +391,15 @@ class SourceStream:
         return i
 
     def _evict(self) -> None:
-        """Frees leading windows that are fully planned and fully released (lock held)."""
-        while self._windows and self._windows[0].unreleased <= 0 and self._windows[0].seq_end <= self._planned_seq:
-            w = self._windows.pop(0)
-            self._budget.add(-w.nbytes)
+        """Frees the windows that are fully planned and either fully released or planned only by
+        steps every rank has been handed (lock held)."""
+        kept = []
+        for w in self._windows:
+            if w.last_step is not None and (w.unreleased <= 0 or w.last_step < self._delivered_below):
+                self._budget.add(-w.nbytes)
+            else:
+                kept.append(w)
+        self._windows = kept
         self._metrics.buffer_samples.labels(self.name).set(sum(len(w.rows) for w in self._windows))
         self._metrics.buffer_bytes.set(self._budget.used)
 
@@ -322,9 +420,15 @@ class SourceStream:
                 continue
             self._metrics.read_seconds.labels(self.name).inc(time.perf_counter() - begin)
             with self._cond:
-                if self._owns(span.number) and not self._holds(span.start):  # still ours after a reroute
+                replay = self._urgent.pop(span.number, None)
+                if (replay is not None or self._owns(span.number)) and not self._holds(span.start):  # still ours after a reroute
+                    window.summarized = replay is not None  # somebody waits for it: keep it whatever the routes say
+                    if replay is None and window.seq_end <= self._planned_seq:
+                        window.last_step = self._planned_steps - 1  # (one waited for: at the next summary, once taken)
                     bisect.insort(self._windows, window, key=lambda w: w.seq_start)
                     self._budget.add(window.nbytes)
+                    if replay:
+                        self._metrics.samples_replayed.labels(self.name).inc(len(window.rows))
                 self._evict()
                 self._cond.notify_all()
             # Decoding leaves freed buffers in Arrow's pool; hand them back to the OS so resident
@@ -353,7 +457,10 @@ class SourceStream:
         lengths = lengths_of(ids)
         self._report_bad_samples(window, failed, ids, rows)
         seq_start = epoch * self.num_rows + window.start
-        first_counted = max(0, (self._start_seq or 0) - seq_start)
+        # Positions before the stream's start were consumed before it (a resumed job): never
+        # fetched, so not counted; a window wholly before it is one read again for a fetch.
+        start = self._start_seq or 0
+        first_counted = max(0, start - seq_start) if start < seq_start + len(rows) else 0
         self._metrics.samples_read.labels(self.name).inc(len(rows))
         return BufferedWindow(
             seq_start=seq_start,

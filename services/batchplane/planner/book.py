@@ -95,6 +95,7 @@ class PlanBook:
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
         self._cond = threading.Condition()
         self._plans: dict[int, StepPlan] = {}
+        self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
         self._progress: dict[int, int] = {}  # constructor -> latest step it asked for
         self._delivered: dict[int, int] = {}  # constructor -> every step below reached its ranks
         self._mixture: Mixture | None = None
@@ -209,7 +210,7 @@ class PlanBook:
         )
         self.start_step = step
         self._wanted = step
-        self._store.start(self._state.cursors)
+        self._store.start(self._state.cursors, step=step)
         self._cond.notify_all()
 
     def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> MixtureState:
@@ -324,6 +325,17 @@ class PlanBook:
         self._consumed_below = low
         for s in [s for s in self._plans if s < low]:
             del self._plans[s]
+            del self._cursors_before[s]
+        self._store.delivered(low)
+
+    def restore_point(self) -> tuple[int, ...] | None:
+        """Per source, the cursor before the oldest step not yet handed to every rank: what a
+        restarted loader must hold again starts there (None before the job starts)."""
+        with self._cond:
+            if self._state is None:
+                return None
+            kept = [s for s in self._cursors_before if s >= self._consumed_below]
+            return self._cursors_before[min(kept)] if kept else self._state.cursors
 
     def notify_membership(self) -> None:
         """Wakes requests waiting for loaders to register."""
@@ -371,9 +383,10 @@ class PlanBook:
         if self._adaptive is not None:
             record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
         self._writer.append(record)
-        self._store.advance(after.cursors)
+        self._store.advance(after.cursors, steps=after.step)
         with self._cond:
             self._plans[state.step] = plan
+            self._cursors_before[state.step] = state.cursors
             self._state = after
             self.shares = allocation.shares
             self._cond.notify_all()

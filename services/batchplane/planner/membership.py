@@ -6,6 +6,11 @@ Replicas join and leave while the job runs. A change re-routes each of the group
 its *frontier*, the first window the planner has not asked any replica about, so no window ever
 changes owner once asked about (I1). A leaving replica learns where its windows end
 (`deregister_loader`) and serves them until they are consumed.
+
+A replica may have a *shadow*: a hot standby that reads the same windows (the planner mirrors the
+replica's summary requests to it) but serves nothing. When the replica fails, `promote` makes the
+shadow serve under the replica's id: plans name its address from then on. The failed replica,
+restarted, registers again and becomes the new shadow.
 """
 
 from __future__ import annotations
@@ -13,11 +18,37 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing, window_of, window_span
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """What a loader's registration meant."""
+
+    #: A process registered again under a new incarnation: it restarted (a failure survived).
+    restarted: bool = False
+    #: It serves as the shadow of its replica id (it reads, the planner routes nothing to it).
+    shadow: bool = False
+
+
+class SummaryTarget(NamedTuple):
+    """Where the planner asks for a summary."""
+
+    #: Address of the replica owning the window.
+    address: str
+    #: The window's end.
+    window_end: int
+    #: The source's routing.
+    routing: Routing
+    #: The owning replica: (loader group, replica id).
+    owner: tuple[int, str]
+    #: Address of the owner's shadow, which follows the same requests ("" for none).
+    shadow: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +76,20 @@ class Membership:
         self._routing: dict[int, Routing] = {}
         self._frontier: dict[int, int] = {}  # source -> first window no replica was asked about
         self._departed: dict[tuple[int, str], str] = {}  # (group, replica) -> address, while it drains
+        self._incarnations: dict[tuple[int, str, bool], str] = {}  # (group, replica, shadow) -> the process's incarnation
+        self._shadows: dict[tuple[int, str], str] = {}  # (group, replica) -> its shadow's address
+        self._promoted: set[tuple[int, str]] = set()  # replicas a shadow took over
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
         self._rejoined: dict[int, int] = {}
 
-    def register_loader(self, index: int, address: str, sources: Sequence[SourceFacts], *, replica: str = "") -> None:
+    def register_loader(
+        self, index: int, address: str, sources: Sequence[SourceFacts], *, replica: str = "", incarnation: str = "", shadow_of: str = ""
+    ) -> Joined:
         """Records replica `replica` of loader group `index` (default id: the index); a replica
         registering again replaces its address, a new one gets windows from the frontier on.
+        `shadow_of`: it registers as the shadow of that replica id. A replica's process that
+        comes back after its shadow took over becomes the shadow; a promoted shadow is the
+        replica.
 
         Raises:
             InvalidArgument: an index outside the job, sources other than the configuration
@@ -82,13 +121,51 @@ class Membership:
             for k, facts in zip(job.loader_sources(index), sources):
                 self._num_rows[k] = facts.num_rows
                 self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
+            replica = shadow_of or replica
             if (index, replica) in self._departed:
                 raise FailedPrecondition(f"replica {replica!r} left loader group {index}; it cannot join again under that id")
             replicas = self._replicas.setdefault(index, {})
-            joined = replica not in replicas
-            replicas[replica] = address
-            if joined:
-                self._reroute(index)
+            current = replicas.get(replica)
+            shadow = current != address and (bool(shadow_of) or ((index, replica) in self._promoted and current is not None))
+            if shadow:
+                self._shadows[(index, replica)] = address
+            else:
+                replicas[replica] = address
+                if current is None:
+                    self._reroute(index)
+            before = self._incarnations.get((index, replica, shadow))
+            self._incarnations[(index, replica, shadow)] = incarnation
+            return Joined(restarted=before is not None and before != incarnation, shadow=shadow)
+
+    def promote(self, index: int, replica: str) -> str | None:
+        """The shadow of replica `replica` of group `index` takes over: plans name its address
+        from now on. Returns that address; None when the replica has no shadow."""
+        with self._lock:
+            address = self._shadows.pop((index, replica), None)
+            if address is None or replica not in self._replicas.get(index, {}):
+                return None
+            self._replicas[index][replica] = address
+            self._promoted.add((index, replica))
+            return address
+
+    def shadowed(self) -> list[tuple[tuple[int, str], str, str]]:
+        """((group, replica), its address, its shadow's address) of every replica with a shadow."""
+        with self._lock:
+            return [
+                ((g, r), self._replicas[g][r], shadow)
+                for (g, r), shadow in self._shadows.items()
+                if r in self._replicas.get(g, {})
+            ]
+
+    def restore_targets(self, index: int) -> list[tuple[int, int, Routing]]:
+        """Per source of loader group `index` that has routes: (source, the first position of the
+        first window no replica was asked about, the source's routing)."""
+        with self._lock:
+            return [
+                (k, window_span(self._orders[k], self._frontier[k]).start, self._routing[k])
+                for k in self._job.loader_sources(index)
+                if k in self._routing
+            ]
 
     def register_constructor(self, index: int, address: str, ranks: Sequence[int], *, next_step: int | None = None) -> None:
         """Records constructor `index` serving `ranks`; registering again replaces its address.
@@ -161,10 +238,10 @@ class Membership:
             shuffle=job.loaders.shuffle.enabled,
         )
 
-    def summary_target(self, source: int, from_seq: int) -> tuple[str, int, Routing] | None:
-        """Where to ask for the summary of `source` from `from_seq` on: (the address of the
-        replica owning its window, the window's end, the source's routing); None before the
-        group has a replica. Moves the source's frontier past that window."""
+    def summary_target(self, source: int, from_seq: int) -> SummaryTarget | None:
+        """Where to ask for the summary of `source` from `from_seq` on (the replica owning its
+        window, and its shadow); None before the group has a replica. Moves the source's
+        frontier past that window."""
         with self._lock:
             routing = self._routing.get(source)
             if routing is None:
@@ -174,7 +251,8 @@ class Membership:
             index = self._job.loader_of(source)
             owner = routing.owner(span.number)
             # A replica that left still serves the windows it was routed.
-            return self._replicas[index].get(owner) or self._departed[(index, owner)], span.end, routing
+            address = self._replicas[index].get(owner) or self._departed[(index, owner)]
+            return SummaryTarget(address, span.end, routing, (index, owner), self._shadows.get((index, owner), ""))
 
     def holders(self, source: int, seqs: Sequence[int]) -> list[str]:
         """The address of the replica holding each of `source`'s positions `seqs` (all asked

@@ -30,6 +30,30 @@ class PlannerMetrics:
             "The latest planned step of the job (absolute: it continues across planner restarts and resumes).",
             registry=registry,
         )
+        self.loader_restarts = Counter(
+            "batchplane_planner_loader_restarts_total",
+            "Loader replicas that registered again as a new process (a failure recovered from), by loader group.",
+            ["group"],
+            registry=registry,
+        )
+        self.loader_failures = Counter(
+            "batchplane_planner_loader_failures_total",
+            "Loader replicas declared failed (consecutive failed health probes or summary requests), by loader group.",
+            ["group"],
+            registry=registry,
+        )
+        self.promotions = Counter(
+            "batchplane_planner_shadow_promotions_total",
+            "Shadow loaders promoted to serve in place of a failed replica, by loader group.",
+            ["group"],
+            registry=registry,
+        )
+        self.failover_seconds = Histogram(
+            "batchplane_planner_failover_seconds",
+            "Recovery time of a failover: from a replica's first failed observation until its shadow was promoted.",
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30),
+        )
         self.plan_latency = Histogram(
             "batchplane_planner_plan_duration_seconds",
             "Time to plan one step once its sample metadata is known (mixing, costing, balancing, ledger).",

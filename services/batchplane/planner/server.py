@@ -18,6 +18,7 @@ from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.service import PlannerServicer
 from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryPuller, SummaryStore
+from batchplane.planner.watch import ReplicaWatch
 from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,10 @@ class RunningPlanner:
     server: grpc.Server
     book: PlanBook
     puller: SummaryPuller
+    watch: ReplicaWatch
 
     def stop(self, grace_s: float) -> None:
+        self.watch.stop()
         self.puller.stop()
         self.book.stop()  # first: wakes requests waiting for plans
         self.server.stop(grace_s).wait()
@@ -58,8 +61,10 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
     ledger = LocalStorage(run_dir / LEDGER_DIR)
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
+    watch = ReplicaWatch(membership, job.loaders.failover, metrics)
     puller = SummaryPuller(
-        store, num_sources=len(job.sources), target=membership.summary_target, max_message_bytes=job.network.max_message_bytes
+        store, num_sources=len(job.sources), target=membership.summary_target, max_message_bytes=job.network.max_message_bytes,
+        observe=watch.observe,
     )
     server, port, health = create_grpc_server(
         host=process.listen or job.network.host,
@@ -67,9 +72,9 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
         metrics=ServerMetrics("planner", registry),
         max_message_bytes=job.network.max_message_bytes,
     )
-    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book), server)
+    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book, store, metrics), server)
     server.start()
     set_serving(health, "batchplane.v1.Planner")
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
     log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe())
-    return RunningPlanner(address, server, book, puller)
+    return RunningPlanner(address, server, book, puller, watch)

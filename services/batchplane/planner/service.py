@@ -12,7 +12,9 @@ from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.planner.book import PlanBook
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
+from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.plan import SampleTable, StepPlan
+from batchplane.planner.summaries import SummaryStore, route_messages
 from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
@@ -66,8 +68,10 @@ def subplan_parts(plan: StepPlan, ranks: tuple[int, ...], book: PlanBook) -> lis
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
-    def __init__(self, job: JobSettings, membership: Membership, book: PlanBook) -> None:
+    def __init__(self, job: JobSettings, membership: Membership, book: PlanBook, store: SummaryStore, metrics: PlannerMetrics) -> None:
         self._job = job
+        self._store = store
+        self._metrics = metrics
         self._info = job_info(job, book.strategy)
         self._membership = membership
         self._book = book
@@ -78,9 +82,32 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
         facts = [SourceFacts(name=s.name, num_rows=s.num_rows, row_group_sizes=tuple(s.row_group_sizes)) for s in request.sources]
-        self._membership.register_loader(request.loader_index, request.address, facts, replica=request.replica)
+        joined = self._membership.register_loader(
+            request.loader_index, request.address, facts, replica=request.replica, incarnation=request.incarnation, shadow_of=request.shadow_of
+        )
+        if joined.restarted:
+            self._metrics.loader_restarts.labels(str(request.loader_index)).inc()
         self._book.notify_membership()
-        return planner_pb2.RegisterLoaderResponse(job=self._info)
+        return planner_pb2.RegisterLoaderResponse(job=self._info, restore=self._restore(request.loader_index), shadow=joined.shadow)
+
+    def _restore(self, index: int) -> list[planner_pb2.SourceRestore]:
+        """Where loader group `index`'s sources stand, for a replica that (re)starts mid-job."""
+        cursors = self._book.restore_point()
+        if cursors is None:
+            return []
+        store = self._store
+        return [
+            planner_pb2.SourceRestore(
+                source=k,
+                from_seq=cursors[k],
+                through_seq=max(through, cursors[k]),
+                routes=route_messages(routing),
+                planned_seq=store.cursor(k),
+                planned_steps=store.planned_steps,
+                delivered_below=store.delivered_below,
+            )
+            for k, through, routing in self._membership.restore_targets(index)
+        ]
 
     def DeregisterLoader(self, request: planner_pb2.DeregisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.DeregisterLoaderResponse:
         drain = self._membership.deregister_loader(request.loader_index, request.replica)

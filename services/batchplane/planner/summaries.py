@@ -4,7 +4,9 @@ from the planner's cursor on, pulled window by window from the replica each wind
 `SummaryStore` holds what is known (no I/O). `SummaryPuller` keeps it filled a look-ahead past
 the cursor, one thread per source calling GetSummary of the replica that owns the next window;
 each call also tells the replica the cursor and the source's routes, which is what lets it read
-its next windows ahead.
+its next windows ahead. The call, once answered, is passed on to the replica's shadow, if it has
+one (`follow`), so the shadow holds the same windows; every call's outcome is an observation of
+the replica's health for the failure detector.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
 import numpy as np
 
 from batchplane.core.routing import Routing
+from batchplane.planner.membership import SummaryTarget
 from batchplane.core.rpc import create_channel
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
 from batchplane.wire import decode_array
@@ -52,19 +56,38 @@ class SummaryStore:
         self.lookahead = lookahead
         self._known = [_Known() for _ in range(num_sources)]
         self._started = False
+        #: Steps planned so far: every position below a cursor belongs to an earlier step.
+        self.planned_steps = 0
+        #: Every rank has been handed every step below it.
+        self.delivered_below = 0
         self.cond = threading.Condition()
 
-    def start(self, cursors: tuple[int, ...]) -> None:
-        """Sets the cursors the job starts (or resumes) at; pulling begins."""
+    def start(self, cursors: tuple[int, ...], *, step: int = 0) -> None:
+        """Sets the cursors the job starts (or resumes) at, before step `step`; pulling begins."""
         with self.cond:
             for known, cursor in zip(self._known, cursors):
                 known.base = known.cursor = cursor
+            self.planned_steps = self.delivered_below = step
             self._started = True
             self.cond.notify_all()
 
-    def advance(self, cursors: tuple[int, ...]) -> None:
-        """Moves the cursors after a step is planned and forgets what lies before them."""
+    def delivered(self, below: int) -> None:
+        """Every rank has been handed every step below `below` (the loaders learn it with the
+        next pull and free what only those steps planned from)."""
         with self.cond:
+            self.delivered_below = max(self.delivered_below, below)
+
+    def cursor(self, source: int) -> int:
+        """The planner's cursor of `source`: every position below it belongs to a planned step."""
+        with self.cond:
+            return self._known[source].cursor
+
+    def advance(self, cursors: tuple[int, ...], *, steps: int | None = None) -> None:
+        """Moves the cursors after a step is planned (`steps` planned so far) and forgets what
+        lies before them."""
+        with self.cond:
+            if steps is not None:
+                self.planned_steps = steps
             for known, cursor in zip(self._known, cursors):
                 drop = min(cursor - known.base, len(known.rows))
                 if drop > 0:
@@ -129,13 +152,18 @@ class SummaryStore:
             return known.rows[lo : lo + count], known.lengths[lo : lo + count], features
 
 
+def route_messages(routing: Routing) -> list[common_pb2.Route]:
+    """A source's routes as messages."""
+    return [common_pb2.Route(from_window=r.from_window, replicas=r.replicas) for r in routing.routes]
+
+
 class SummaryPuller:
     """One thread per source pulling summaries from its loader into the store.
 
     Args:
         store: The store to fill.
-        target: (source, from_seq) -> (address of the replica owning the window of from_seq, the
-            window's end, the source's routing), or None before the source has a loader.
+        target: (source, from_seq) -> where to ask (`membership.SummaryTarget`), or None before
+            the source has a loader.
         max_message_bytes: Channel message limit.
         wait_ms: How long a loader may wait for data before answering empty.
     """
@@ -145,12 +173,15 @@ class SummaryPuller:
         store: SummaryStore,
         *,
         num_sources: int,
-        target: Callable[[int, int], tuple[str, int, Routing] | None],
+        target: Callable[[int, int], SummaryTarget | None],
         max_message_bytes: int,
         wait_ms: int = 1000,
+        observe: Callable[[tuple[int, str], bool], None] | None = None,
     ) -> None:
         self._store = store
         self._target = target
+        self._observe = observe or (lambda owner, ok: None)
+        self._followers = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="follow")
         self._max_message_bytes = max_message_bytes
         self._wait_ms = wait_ms
         self._stopped = threading.Event()
@@ -175,6 +206,7 @@ class SummaryPuller:
             with self._store.cond:
                 self._store.cond.wait_for(lambda: self._stopped.is_set() or self._store.wanted(source) is not None, timeout=1.0)
                 want = self._store.wanted(source)
+                planned_steps, delivered_below = self._store.planned_steps, self._store.delivered_below
             if self._stopped.is_set() or want is None:
                 continue
             from_seq, planned_seq = want
@@ -187,22 +219,26 @@ class SummaryPuller:
             if target is None:
                 self._stopped.wait(0.05)
                 continue
-            address, window_end, routing = target
             request = loader_pb2.GetSummaryRequest(
                 source=source,
                 from_seq=from_seq,
                 planned_seq=planned_seq,
-                max_samples=min(self._store.lookahead, window_end - from_seq),
+                max_samples=min(self._store.lookahead, target.window_end - from_seq),
                 wait_ms=self._wait_ms,
-                routes=[common_pb2.Route(from_window=r.from_window, replicas=r.replicas) for r in routing.routes],
+                routes=route_messages(target.routing),
+                planned_steps=planned_steps,
+                delivered_below=delivered_below,
             )
             try:
-                response = self._stub(address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
+                response = self._stub(target.address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
             except grpc.RpcError as exc:
-                log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, address, exc.code().name, exc.details())
+                log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details())
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._observe(target.owner, False)
                 self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 0.5 if target.shadow else 2.0)
                 continue
+            self._observe(target.owner, True)
             backoff = 0.05
             rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
             lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
@@ -211,6 +247,17 @@ class SummaryPuller:
                 for name, array in response.features.items()
             }
             self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
+            if target.shadow and len(rows):
+                request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
+                self._followers.submit(self._follow, target.shadow, request)
+
+    def _follow(self, address: str, request: loader_pb2.GetSummaryRequest) -> None:
+        """Passes an answered summary request on to the replica's shadow; a shadow that does not
+        answer only falls behind (it reads what it misses when promoted)."""
+        try:
+            self._stub(address).GetSummary(request, timeout=5)
+        except grpc.RpcError as exc:
+            log.debug("shadow at %s did not follow: %s", address, exc.code().name)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -218,6 +265,7 @@ class SummaryPuller:
             self._store.cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
+        self._followers.shutdown(wait=False, cancel_futures=True)
         with self._channels_lock:
             for channel in self._channels.values():
                 channel.close()

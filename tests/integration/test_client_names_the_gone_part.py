@@ -1,0 +1,43 @@
+"""A part the constructor depends on killed with SIGKILL and not restarted: once the prefetched
+batches are used up, the trainer's next batch raises DataPlaneUnavailable within the client's
+timeout, and the message names the part that is gone and its address."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+
+import pytest
+from harness import skewed_lengths, start_cluster, write_job, write_source
+
+from batchplane.client import Client
+from batchplane.client.errors import DataPlaneUnavailable
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("part", ["loader", "planner"])
+def test_the_trainer_is_told_which_part_is_gone(tmp_path: pathlib.Path, part: str) -> None:
+    source = write_source(tmp_path / "data", "a", skewed_lengths(400, seed=0), row_group_size=20)
+    config = write_job(
+        tmp_path / "job.yaml", [source],
+        mesh={"dp": 1},
+        batch={"global_batch_size": 4, "microbatches": 1, "token_dtype": "int32"},
+        constructors={"prefetch_steps": 1},
+        network={"rpc_timeout_s": 1.0},
+    )
+    cluster = start_cluster(config)
+    try:
+        victim = cluster.loaders[0] if part == "loader" else cluster.planner
+        with Client(cluster.constructors[0].address, rank=0, timeout_s=5.0) as client:
+            batches = iter(client)
+            for _ in range(2):
+                next(batches)
+            victim.popen.send_signal(signal.SIGKILL)
+            victim.popen.wait()
+            with pytest.raises(DataPlaneUnavailable) as raised:
+                for _ in range(10):  # the prefetched steps, then the one that cannot be built
+                    next(batches)
+    finally:
+        cluster.stop()
+    assert f"{part} at {victim.address}" in str(raised.value)

@@ -1,0 +1,85 @@
+"""The failure detector and the promotion of shadows (pure logic): a replica is declared failed
+after exactly `failures` consecutive failed observations, once per run of failures, and a success
+resets it; promotion hands a replica's id to its shadow, and the replica's process, back again,
+becomes the shadow."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.core.config import JobSettings, SourceSettings, LoaderSettings
+from batchplane.planner.failover import FailureDetector
+from batchplane.planner.membership import Membership, SourceFacts
+
+
+@settings(max_examples=300, deadline=None)
+@given(threshold=st.integers(1, 6), observations=st.lists(st.booleans(), max_size=60))
+def test_declared_failed_exactly_when_a_run_of_failures_reaches_the_threshold(threshold: int, observations: list[bool]) -> None:
+    detector = FailureDetector(failures=threshold)
+    run = 0
+    for t, ok in enumerate(observations):
+        if ok:
+            detector.ok("r")
+            run = 0
+            assert detector.failing_since("r") is None
+            continue
+        run += 1
+        assert detector.failed("r", float(t)) == (run == threshold)
+        assert detector.failing_since("r") == float(t - run + 1)
+
+
+def test_keys_are_independent_and_forgotten_keys_start_afresh() -> None:
+    detector = FailureDetector(failures=2)
+    assert not detector.failed("a", 0.0)
+    assert not detector.failed("b", 0.0)
+    assert detector.failed("a", 1.0)
+    assert not detector.failed("a", 2.0), "declared once per run of failures"
+    detector.forget("a")
+    assert not detector.failed("a", 3.0)
+    assert detector.failed("a", 4.0)
+
+
+def test_a_threshold_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="failures must be >= 1"):
+        FailureDetector(failures=0)
+
+
+def _membership() -> Membership:
+    job = JobSettings(job="j", sources=(SourceSettings(name="a", path="a"),), loaders=LoaderSettings(shadow=True))
+    return Membership(job)
+
+
+FACTS = [SourceFacts("a", 100, (50, 50))]
+
+
+def test_a_shadow_serves_nothing_until_promoted_then_the_old_replica_is_its_shadow() -> None:
+    m = _membership()
+    assert m.register_loader(0, "host:shadow", FACTS, shadow_of="0").shadow  # before its replica: kept
+    assert not m.register_loader(0, "host:primary", FACTS, incarnation="p1").shadow
+    assert m.summary_target(0, 0).address == "host:primary"
+    assert m.summary_target(0, 0).shadow == "host:shadow"
+    assert m.holders(0, [0]) == ["host:primary"]
+    assert m.shadowed() == [((0, "0"), "host:primary", "host:shadow")]
+
+    assert m.promote(0, "0") == "host:shadow"
+    assert m.holders(0, [0, 60]) == ["host:shadow", "host:shadow"]
+    assert m.summary_target(0, 50).shadow == ""
+    assert m.promote(0, "0") is None, "no shadow left"
+    # The promoted shadow's heartbeats keep it the replica.
+    assert not m.register_loader(0, "host:shadow", FACTS, shadow_of="0").shadow
+    # The failed process, restarted, comes back as the shadow.
+    back = m.register_loader(0, "host:primary", FACTS, incarnation="p2")
+    assert back.shadow and back.restarted
+    assert m.shadowed() == [((0, "0"), "host:shadow", "host:primary")]
+    assert m.promote(0, "0") == "host:primary"
+    assert m.holders(0, [0]) == ["host:primary"]
+
+
+def test_a_replica_without_a_shadow_that_moves_keeps_its_id() -> None:
+    m = _membership()
+    m.register_loader(0, "host:1", FACTS, incarnation="x")
+    again = m.register_loader(0, "host:2", FACTS, incarnation="y")  # e.g. a pod restarted with a new IP
+    assert not again.shadow and again.restarted
+    assert m.holders(0, [0]) == ["host:2"]
