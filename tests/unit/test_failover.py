@@ -52,6 +52,7 @@ def _membership() -> Membership:
 
 
 FACTS = [SourceFacts("a", 100, (50, 50))]
+SMALL_GROUPS = [SourceFacts("a", 100, (10,) * 10)]  # windows of 4 row groups: 40 rows
 
 
 def test_a_shadow_serves_nothing_until_promoted_then_the_old_replica_is_its_shadow() -> None:
@@ -83,3 +84,34 @@ def test_a_replica_without_a_shadow_that_moves_keeps_its_id() -> None:
     again = m.register_loader(0, "host:2", FACTS, incarnation="y")  # e.g. a pod restarted with a new IP
     assert not again.shadow and again.restarted
     assert m.holders(0, [0]) == ["host:2"]
+
+
+def test_a_failed_replica_without_a_shadow_is_adopted_by_a_live_one() -> None:
+    m = _membership()
+    m.register_loader(0, "host:a", SMALL_GROUPS, replica="a")
+    m.register_loader(0, "host:b", SMALL_GROUPS, replica="b")
+    # Windows of 40 rows, routed over a and b; windows 0 and 1 asked about.
+    assert [m.summary_target(0, seq).address for seq in (0, 40)] == ["host:a", "host:b"]
+    assert m.holders(0, [0, 40]) == ["host:a", "host:b"]
+    assert m.adopt(0, "a") == "b"
+    assert m.holders(0, [0, 40]) == ["host:b", "host:b"], "b serves a's windows too"
+    assert m.summary_target(0, 80).address == "host:b", "new windows go to the live replica"
+    assert [owner for owner, _ in m.watched()] == [(0, "b")]
+    assert m.adopt(0, "a") is None, "already failed"
+    # b fails too: nobody is live; a replacement joining under a new name adopts both.
+    assert m.adopt(0, "b") is None
+    m.register_loader(0, "host:c", SMALL_GROUPS, replica="c")
+    assert m.holders(0, [0, 40]) == ["host:c", "host:c"]
+    # a comes back under its id (a local restart): it serves its windows again.
+    m.register_loader(0, "host:a2", SMALL_GROUPS, replica="a", incarnation="again")
+    assert m.holders(0, [0]) == ["host:a2"]
+    assert sorted(owner for owner, _ in m.watched()) == [(0, "a"), (0, "c")]
+
+
+def test_a_lone_failed_replica_keeps_its_address_until_it_restarts() -> None:
+    m = _membership()
+    m.register_loader(0, "host:a", SMALL_GROUPS)
+    assert m.adopt(0, "0") is None
+    assert m.holders(0, [0]) == ["host:a"], "constructors retry it: it restarts on its address"
+    m.register_loader(0, "host:a", SMALL_GROUPS, incarnation="restarted")
+    assert m.watched() == [((0, "0"), "host:a")]

@@ -11,6 +11,12 @@ A replica may have a *shadow*: a hot standby that reads the same windows (the pl
 replica's summary requests to it) but serves nothing. When the replica fails, `promote` makes the
 shadow serve under the replica's id: plans name its address from then on. The failed replica,
 restarted, registers again and becomes the new shadow.
+
+A replica that fails without a shadow is *adopted* (`adopt`): since a loader reads any window it
+is asked for, a live replica of its group serves the failed one's windows under its own address,
+and windows from the frontier on are routed over the live replicas only. With none live, the next
+replica to join adopts them (a cluster's replacement pod, which comes back under a new name). A
+failed replica that registers again (a local restart, under its id) serves its windows again.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class Membership:
         self._incarnations: dict[tuple[int, str, bool], str] = {}  # (group, replica, shadow) -> the process's incarnation
         self._shadows: dict[tuple[int, str], str] = {}  # (group, replica) -> its shadow's address
         self._promoted: set[tuple[int, str]] = set()  # replicas a shadow took over
+        self._failed: dict[tuple[int, str], str | None] = {}  # (group, failed replica) -> its adopter (None: none yet)
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
         self._rejoined: dict[int, int] = {}
 
@@ -131,7 +138,12 @@ class Membership:
                 self._shadows[(index, replica)] = address
             else:
                 replicas[replica] = address
-                if current is None:
+                back = self._failed.pop((index, replica), False) is not False
+                if current is None:  # a new replica adopts the failed ones nobody adopted
+                    for key, adopter in self._failed.items():
+                        if key[0] == index and adopter is None:
+                            self._failed[key] = replica
+                if current is None or back:
                     self._reroute(index)
             before = self._incarnations.get((index, replica, shadow))
             self._incarnations[(index, replica, shadow)] = incarnation
@@ -147,6 +159,36 @@ class Membership:
             self._replicas[index][replica] = address
             self._promoted.add((index, replica))
             return address
+
+    def adopt(self, index: int, replica: str) -> str | None:
+        """Replica `replica` of group `index` failed and has no shadow: a live replica of the group
+        serves its windows, including those it had adopted, and new windows go to the live ones.
+        Returns the adopter's id; None when no replica is live (the next to join adopts them)."""
+        with self._lock:
+            replicas = self._replicas.get(index, {})
+            if replica not in replicas or (index, replica) in self._failed:
+                return None
+            live = sorted(r for r in replicas if r != replica and (index, r) not in self._failed)
+            adopter = live[0] if live else None
+            for key, by in self._failed.items():
+                if by == replica:
+                    self._failed[key] = adopter
+            self._failed[(index, replica)] = adopter
+            self._reroute(index)
+            return adopter
+
+    def watched(self) -> list[tuple[tuple[int, str], str]]:
+        """((group, replica), its address) of every replica not known to have failed: what the
+        planner probes."""
+        with self._lock:
+            return [((g, r), a) for g, replicas in self._replicas.items() for r, a in replicas.items() if (g, r) not in self._failed]
+
+    def _address(self, index: int, replica: str) -> str:
+        """Where replica `replica`'s windows are served: its address, its adopter's, or (one that
+        left) the leaver's while it drains; "" when unknown (lock held)."""
+        adopter = self._failed.get((index, replica))
+        serving = adopter if adopter is not None else replica
+        return self._replicas.get(index, {}).get(serving) or self._departed.get((index, serving), "")
 
     def shadowed(self) -> list[tuple[tuple[int, str], str, str]]:
         """((group, replica), its address, its shadow's address) of every replica with a shadow."""
@@ -221,8 +263,11 @@ class Membership:
             return [window_span(self._orders[k], self._frontier[k]).start for k in self._job.loader_sources(index)]
 
     def _reroute(self, index: int) -> None:
-        """Routes the group's windows from each source's frontier over its replicas (lock held)."""
-        replicas = sorted(self._replicas[index])
+        """Routes the group's windows from each source's frontier over its live replicas (lock
+        held); with none live, the routes stay."""
+        replicas = sorted(r for r in self._replicas[index] if (index, r) not in self._failed)
+        if not replicas:
+            return
         for k in self._job.loader_sources(index):
             routing = self._routing.get(k)
             frontier = self._frontier.setdefault(k, 0)
@@ -250,8 +295,7 @@ class Membership:
             self._frontier[source] = max(self._frontier[source], span.number + 1)
             index = self._job.loader_of(source)
             owner = routing.owner(span.number)
-            # A replica that left still serves the windows it was routed.
-            address = self._replicas[index].get(owner) or self._departed[(index, owner)]
+            address = self._address(index, owner)
             return SummaryTarget(address, span.end, routing, (index, owner), self._shadows.get((index, owner), ""))
 
     def holders(self, source: int, seqs: Sequence[int]) -> list[str]:
@@ -259,14 +303,12 @@ class Membership:
         about already, so their owners are fixed)."""
         with self._lock:
             order, routing = self._orders[source], self._routing[source]
-            group = self._replicas[self._job.loader_of(source)]
+            index = self._job.loader_of(source)
             out, span = [], None
             for seq in seqs:
                 if span is None or not span.start <= seq < span.end:
                     span = window_of(order, int(seq))
-                    owner = routing.owner(span.number)
-                    # A replica that left still serves the windows it was routed.
-                    address = group.get(owner) or self._departed.get((self._job.loader_of(source), owner), "")
+                    address = self._address(index, routing.owner(span.number))
                 out.append(address)
             return out
 

@@ -48,6 +48,12 @@ class PlannerMetrics:
             ["group"],
             registry=registry,
         )
+        self.adoptions = Counter(
+            "batchplane_planner_loader_adoptions_total",
+            "Failed loader replicas without a shadow whose windows another replica of the group took over, by loader group.",
+            ["group"],
+            registry=registry,
+        )
         self.failover_seconds = Histogram(
             "batchplane_planner_failover_seconds",
             "Recovery time of a failover: from a replica's first failed observation until its shadow was promoted.",

@@ -216,7 +216,7 @@ class SummaryPuller:
                 log.exception("source %d: cannot route the summary request from %d; retrying", source, from_seq)
                 self._stopped.wait(1.0)
                 continue
-            if target is None:
+            if target is None or not target.address:  # no loader yet, or a replica that has not registered again
                 self._stopped.wait(0.05)
                 continue
             request = loader_pb2.GetSummaryRequest(

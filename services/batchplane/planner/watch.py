@@ -1,10 +1,12 @@
-"""Watching loader replicas and promoting a shadow when its replica fails.
+"""Watching loader replicas and replacing the ones that fail.
 
-Every replica that has a shadow is probed (grpc.health.v1 Check) every
-`loaders.failover.probe_interval_s`; the summary puller reports the outcome of every request
-too. `failover.FailureDetector` turns the observations into a verdict, and a failed replica's
-shadow is promoted (`Membership.promote`): from then on plans name the shadow, and constructors,
-whose fetches from the dead replica fail, ask for the plan again and fetch from it.
+Every replica is probed (grpc.health.v1 Check) every `loaders.failover.probe_interval_s`; the
+summary puller reports the outcome of every request too. `failover.FailureDetector` turns the
+observations into a verdict. A failed replica's shadow is promoted (`Membership.promote`); one
+without a shadow is adopted by a live replica of its group (`Membership.adopt`), or by the next
+to join. From then on plans name the new server, and constructors, whose fetches from the dead
+replica fail, ask for the plan again and fetch from it. A replica restarted under its id (the
+local launcher's way) serves its windows again as soon as it registers.
 """
 
 from __future__ import annotations
@@ -58,17 +60,22 @@ class ReplicaWatch:
             self._metrics.loader_failures.labels(str(group)).inc()
             since = self._detector.failing_since(owner)
             address = self._membership.promote(group, replica)
-            if address is None:
-                log.error("loader replica %r of group %d failed %.2f s ago and has no shadow: waiting for it to restart", replica, group, now - since)
-                return
             self._detector.forget(owner)
+            if address is None:
+                adopter = self._membership.adopt(group, replica)
+                if adopter is None:
+                    log.error("loader replica %r of group %d failed and the group has no other live replica: its windows wait for one to join or for it to restart", replica, group)
+                else:
+                    self._metrics.adoptions.labels(str(group)).inc()
+                    log.warning("loader replica %r of group %d failed: replica %r serves its windows, %.2f s after the first failure", replica, group, adopter, now - since)
+                return
         self._metrics.promotions.labels(str(group)).inc()
         self._metrics.failover_seconds.observe(now - since)
         log.warning("loader replica %r of group %d failed: promoted its shadow at %s, %.2f s after the first failure", replica, group, address, now - since)
 
     def _probe_loop(self) -> None:
         while not self._stopped.wait(self._interval):
-            for owner, address, _ in self._membership.shadowed():
+            for owner, address in self._membership.watched():
                 self.observe(owner, self._healthy(address))
 
     def _healthy(self, address: str) -> bool:
@@ -76,7 +83,8 @@ class ReplicaWatch:
         if channel is None:
             channel = self._channels[address] = grpc.insecure_channel(address)
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=self._interval)
+            # A busy replica may answer late; a dead one is refused at once.
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=max(4 * self._interval, 0.5))
         except grpc.RpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
