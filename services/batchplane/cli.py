@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     return run_demo(workdir=args.dir, steps=args.steps, log_every=args.log_every)
 
 
+#: Consecutive failed restarts of one process after which `batchplane up` gives up and stops.
+MAX_FAILED_RESTARTS = 5
+
+
 def _up(args: argparse.Namespace) -> int:
     import grpc
 
@@ -141,13 +145,22 @@ def _up(args: argparse.Namespace) -> int:
     if scaling is not None:
         _start_autoscaler(cluster, args, *scaling, stop=stop)
     code = 0
+    failed_restarts: dict[str, int] = {}
     try:
         while not stop.wait(0.5):
-            for p in cluster.processes:  # each rebuilds its state; the trainers keep going
+            for p in cluster.processes:  # the planner first; each rebuilds its state; the trainers keep going
                 code_of = p.popen.poll()
-                if code_of is not None and not p.leaving:
-                    print(f"batchplane up: {p.name} exited with status {code_of}; restarting it", flush=True)
+                if code_of is None or p.leaving:
+                    continue
+                print(f"batchplane up: {p.name} exited with status {code_of}; restarting it", flush=True)
+                try:
                     cluster.restart(p)
+                    failed_restarts.pop(p.name, None)
+                except LaunchError as exc:  # e.g. it needs a part that is down too: next round
+                    failed_restarts[p.name] = failed_restarts.get(p.name, 0) + 1
+                    if failed_restarts[p.name] >= MAX_FAILED_RESTARTS:
+                        raise
+                    print(f"batchplane up: restarting {p.name} failed ({exc}); trying again", flush=True)
             try:
                 finished = cluster.status().finished
             except grpc.RpcError:  # the planner went down since: restarted on the next round

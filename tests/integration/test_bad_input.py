@@ -169,10 +169,11 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
                 loader.GetSummary(loader_pb2.GetSummaryRequest(source=9, from_seq=0), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not 9" in info.value.details()
-            far = common_pb2.SampleSet(source=encode_array(np.zeros(1, np.int32)), seq=encode_array(np.array([10**9], np.int64)))
+            negative = common_pb2.SampleSet(source=encode_array(np.zeros(1, np.int32)), seq=encode_array(np.array([-1], np.int64)))
             with pytest.raises(grpc.RpcError) as info:
-                list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=7, step=0, samples=far), timeout=10))
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=7, step=0, samples=negative), timeout=10))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "samples.seq must be >= 0" in info.value.details()
             huge = common_pb2.SampleSet(
                 source=encode_array(np.zeros(700_000, np.int32)), seq=encode_array(np.zeros(700_000, np.int64))
             )

@@ -1,8 +1,8 @@
 """A loader's stream rebuilds what it does not hold (real Parquet files, no processes): windows a
 constructor or the planner asks for are read again on demand; a restarted replica reads at once
 what the planner's replay says constructors may still fetch; windows that only steps every rank
-was handed planned from are freed even when their release counts cannot reach zero; positions no
-plan can hold yet are refused."""
+was handed planned from are freed even when their release counts cannot reach zero; positions past
+the end of the stream are refused."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ def test_a_restarted_replica_reads_at_once_what_constructors_may_still_fetch(ope
     assert replay == 40
     assert _fetch(after, list(range(20, 50))) == expected
     wait_until(lambda: metrics.samples_replayed.labels("a")._value.get() == 40, timeout_s=10, what="the replay of windows up to 60")
-    with pytest.raises(NotFound, match="never planned"):
-        _fetch(after, [60])
+    with pytest.raises(NotFound, match="past the end of the stream"):
+        _fetch(after, [ROWS])
 
 
 def test_a_replica_reads_again_only_its_own_windows(open_stream) -> None:

@@ -19,6 +19,7 @@ from harness import assert_same_batches, collect, skewed_lengths, start_cluster,
 pytestmark = pytest.mark.integration
 
 KILL_AT = 6
+HOLD_AT = 6
 
 
 def _job(root: pathlib.Path, sources, run: str) -> pathlib.Path:
@@ -77,4 +78,60 @@ def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_pa
     else:
         assert "joined mid-job" in log, "the restarted loader did not restore its position"
     assert min(restarted["at"].values()) < len(expected[0]) - 1, "the kill came after the last step"
+    assert_same_batches(got, expected)
+
+
+def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: pathlib.Path) -> None:
+    """One constructor serves both ranks (ranks_per_constructor 2); rank 1 lags, so when the
+    constructor is killed its ranks want different steps, and rank 0 reaches the restarted one
+    first. Restarted, it starts at the oldest step either may ask for (the planner says), so the
+    lagging rank finds its step."""
+    sources = [write_source(tmp_path / "data", "a", skewed_lengths(160, seed=3), row_group_size=10, seed=3)]
+
+    def job(run: str) -> pathlib.Path:
+        return write_job(
+            tmp_path / f"{run}.yaml", sources, run_dir=str(tmp_path / run),
+            batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+            constructors={"ranks_per_constructor": 2, "prefetch_steps": 3},
+        )
+
+    cluster = start_cluster(job("undisturbed"))
+    try:
+        expected, _ = collect(cluster.endpoints_path, [0, 1])
+    finally:
+        cluster.stop()
+    cluster = start_cluster(job("restarted"))
+    progress = {0: -1, 1: -1}
+    restarted = {}
+    holding = threading.Event()  # rank 1 is between steps: it has not asked for its next one
+    restarted_event = threading.Event()
+
+    def uneven(rank: int, batch: dict) -> None:
+        progress[rank] = batch["step"]
+        if rank == 0:
+            time.sleep(0.01)
+        elif batch["step"] == HOLD_AT:  # hold while the constructor is killed and restarted,
+            holding.set()
+            assert restarted_event.wait(timeout=60)
+            time.sleep(2.5)  # and while rank 0's retries (backoff at most 2 s) reach it first
+
+    def kill_and_restart() -> None:
+        holding.wait(timeout=60)
+        time.sleep(0.3)  # rank 0 runs ahead to the constructor's prefetch horizon
+        victim = cluster.constructors[0]
+        victim.popen.send_signal(signal.SIGKILL)
+        victim.popen.wait()
+        restarted["at"] = dict(progress)
+        restarted["log"] = cluster.restart(victim).log_path
+        restarted_event.set()
+
+    killer = threading.Thread(target=kill_and_restart)
+    try:
+        killer.start()
+        got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=uneven)
+        killer.join(timeout=60)
+    finally:
+        cluster.stop()
+    assert restarted["at"][0] > restarted["at"][1] == HOLD_AT, "the ranks did not lag each other at the kill"
+    assert re.search(r"starting at step [1-9]", restarted["log"].read_text())
     assert_same_batches(got, expected)

@@ -16,7 +16,7 @@ from harness import assert_same_batches, collect, scrape, skewed_lengths, start_
 
 pytestmark = pytest.mark.integration
 
-FIRST_KILL, SECOND_KILL = 8, 24
+FIRST_KILL, SECOND_KILL = 8, 50
 
 
 def _job(root: pathlib.Path, sources, run: str, *, shadow: bool) -> pathlib.Path:
@@ -31,7 +31,7 @@ def _job(root: pathlib.Path, sources, run: str, *, shadow: bool) -> pathlib.Path
 def test_a_killed_loader_is_replaced_by_its_shadow_and_nothing_changes_for_the_trainers(tmp_path: pathlib.Path) -> None:
     sources = [
         write_source(tmp_path / "data", name, skewed_lengths(rows, seed=i), row_group_size=10, seed=i)
-        for i, (name, rows) in enumerate([("a", 150), ("b", 120), ("c", 90)])
+        for i, (name, rows) in enumerate([("a", 300), ("b", 240), ("c", 180)])
     ]
     cluster = start_cluster(_job(tmp_path, sources, "undisturbed", shadow=False))
     try:
@@ -47,7 +47,7 @@ def test_a_killed_loader_is_replaced_by_its_shadow_and_nothing_changes_for_the_t
     events: dict[str, object] = {}
 
     def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.02)
+        time.sleep(0.04)
         with reached:
             progress[rank] = batch["step"]
             reached.notify_all()

@@ -82,7 +82,7 @@ def write_until_killed(root: pathlib.Path, run: str, rng: random.Random) -> list
         time.sleep(rng.uniform(0, 0.004))
     finally:
         writer.send_signal(signal.SIGKILL)
-        lines += writer.communicate(timeout=30)[0].splitlines()
+        lines += writer.communicate(timeout=30)[0].split("\n")[:-1]  # the kill may cut the last line short
     assert writer.returncode == -signal.SIGKILL, f"the writer ended before the kill: {lines[-3:]}"
     stored = [int(line.split()[1]) for line in lines if line.startswith("stored")]
     return [f"{run}/{i % 7}/{i:06d}" for i in stored]

@@ -115,3 +115,51 @@ def test_a_lone_failed_replica_keeps_its_address_until_it_restarts() -> None:
     assert m.holders(0, [0]) == ["host:a"], "constructors retry it: it restarts on its address"
     m.register_loader(0, "host:a", SMALL_GROUPS, incarnation="restarted")
     assert m.watched() == [((0, "0"), "host:a")]
+
+
+def _watch(m: Membership):
+    from prometheus_client import CollectorRegistry
+
+    from batchplane.core.config import FailoverSettings
+    from batchplane.planner.metrics import PlannerMetrics
+    from batchplane.planner.watch import ReplicaWatch
+
+    metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
+    return ReplicaWatch(m, FailoverSettings(probe_interval_s=3600, failures=3), metrics), metrics  # no probe runs
+
+
+def test_late_failures_of_a_replaced_process_do_not_fail_its_successor() -> None:
+    m = _membership()
+    m.register_loader(0, "host:p", FACTS, incarnation="p")
+    m.register_loader(0, "host:s", FACTS, shadow_of="0", incarnation="s")
+    watch, metrics = _watch(m)
+    try:
+        for _ in range(2):
+            watch.observe((0, "0"), "host:p", False)
+        assert m.serving(0, "0") == "host:p", "two failures are not enough"
+        watch.observe((0, "0"), "host:p", False)
+        assert m.serving(0, "0") == "host:s"
+        for _ in range(5):  # answers of requests that were in flight to the dead one
+            watch.observe((0, "0"), "host:p", False)
+        assert m.serving(0, "0") == "host:s"
+        m.register_loader(0, "host:p", FACTS, incarnation="p2")  # back, as the shadow
+        watch.observe((0, "0"), "host:s", False)
+        watch.observe((0, "0"), "host:s", True)  # a success resets the count
+        for _ in range(2):
+            watch.observe((0, "0"), "host:s", False)
+        assert m.serving(0, "0") == "host:s"
+        watch.observe((0, "0"), "host:s", False)
+        assert m.serving(0, "0") == "host:p"
+        assert metrics.promotions.labels("0")._value.get() == 2
+    finally:
+        watch.stop()
+
+
+def test_a_shadow_whose_replica_never_comes_back_can_be_promoted() -> None:
+    m = _membership()
+    m.register_loader(0, "host:s", FACTS, shadow_of="0")  # e.g. after a planner restart
+    assert m.lone_shadows() == [(0, "0")]
+    assert m.summary_target(0, 0) is None, "nothing serves the group yet"
+    assert m.promote(0, "0") == "host:s"
+    assert m.lone_shadows() == []
+    assert m.summary_target(0, 0).address == "host:s"

@@ -69,9 +69,9 @@ class LoaderServicer:
         `source` (int32), `seq` (int64) and `input_ids` (list of int32), one row per requested
         sample. Safe to retry: the loader keeps a step's samples until the constructor
         releases them (`release_below_step`), and reads again a window it does not hold (after a
-        restart), answering UNAVAILABLE while it reads. Errors: NOT_FOUND for a position the
-        planner never asked it about (no plan holds it) or a bad sample, INVALID_ARGUMENT for
-        malformed arrays.
+        restart), answering UNAVAILABLE while it reads. Errors: NOT_FOUND for a position past the
+        end of its stream or a bad sample, INVALID_ARGUMENT for malformed arrays or a negative
+        position.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

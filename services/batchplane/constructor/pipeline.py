@@ -82,6 +82,8 @@ class StepPipeline:
         info: The job as the planner describes it (its mesh says what the trainer broadcasts).
         hook: The strategy's constructor_do_plan hook, run on every microbatch built.
         rejoin: Registers again with a restarted planner, saying the step needed next.
+        resume_step: Where a constructor restarted mid-job starts building: the oldest step its
+            ranks may still ask for (None: the first step a rank asks for).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class StepPipeline:
         info: common_pb2.JobInfo | None = None,
         hook: Callable | None = None,
         rejoin: Callable[[int], None] | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self._job = job
         self._rejoin = rejoin
@@ -117,6 +120,7 @@ class StepPipeline:
         self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
         self._start: int | None = None
+        self._resume_step = resume_step
         self._resume: dict[str, str] = {}
         self._next = 0
         self._end: int | None = None
@@ -148,10 +152,10 @@ class StepPipeline:
             )
         begin = time.perf_counter()
         with self._cond:
-            if self._start is None:
-                self._start = self._next = step
+            if self._start is None:  # a restarted constructor starts where its slowest rank may be
+                self._start = self._next = step if self._resume_step is None else min(step, self._resume_step)
                 self._resume = dict(resume or {})
-                log.info("starting at step %d", step)
+                log.info("starting at step %d", self._start)
             if step < self._start:
                 raise FailedPrecondition(f"step {step} is before step {self._start}, where this job started")
             latest = self._progress.get(rank, step)
@@ -214,7 +218,9 @@ class StepPipeline:
                 )
                 if self._stopped:
                     return
-                step = self._next
+                # No rank needs a step below its slowest rank's (a restarted constructor starts at
+                # the oldest step its ranks may ask for; once they have asked, the rest are skipped).
+                step = self._next = max(self._next, min(self._progress.get(r, self._start) for r in self.ranks))
             began = time.monotonic()
             try:
                 built = self._build(step)

@@ -19,7 +19,7 @@ from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, set_serving
 from batchplane.core.userfile import job_hook
-from batchplane.v1 import common_pb2, constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.v1 import constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,13 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         max_message_bytes=job.network.max_message_bytes,
     )
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
-    info = _register(job, process, address, ranks)
+    registered = _register(job, process, address, ranks)
+    info = registered.job
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
     pipeline = StepPipeline(
         job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
         rejoin=lambda step: _register(job, process, address, ranks, next_step=step),
+        resume_step=registered.resume_step if registered.resume_step >= 0 else None,
     )
     constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
     server.start()
@@ -99,6 +101,8 @@ def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, 
     )
 
 
-def _register(job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> common_pb2.JobInfo:
+def _register(
+    job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
+) -> planner_pb2.RegisterConstructorResponse:
     request = _request(process, address, ranks, next_step=next_step)
-    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}").job
+    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")

@@ -68,9 +68,10 @@ class LocalAutoscaler:
         self._states: dict[int, GroupState] = {g: initial_state(spec, replicas=len(self.replicas(g))) for g, spec in self._specs.items()}
 
     def replicas(self, group: int) -> list[ServiceProcess]:
-        """The running replicas of loader group `group`, oldest first."""
+        """The running replicas of loader group `group`, oldest first (shadows are not replicas:
+        they stand by for one)."""
         name = f"loader-{group}"
-        return [p for p in self._cluster.loaders if p.name == name or p.name.startswith(name + "-")]
+        return [p for p in self._cluster.loaders if (p.name == name or p.name.startswith(name + "-")) and not p.name.endswith("-shadow")]
 
     def step(self, now: float) -> Interval | None:
         """One interval: observe, decide, apply. None when Prometheus could not be read (the

@@ -54,6 +54,8 @@ class FetchBook:
         """
         if len(sources) != len(seqs):
             raise InvalidArgument(f"samples.source has {len(sources)} entries but samples.seq has {len(seqs)}")
+        if len(seqs) and seqs.min() < 0:
+            raise InvalidArgument(f"samples.seq must be >= 0, got {int(seqs.min())}")
         if copies is None or not len(copies):
             copies = np.ones(len(seqs), np.int32)
         if len(copies) != len(seqs) or np.any(copies < 1):

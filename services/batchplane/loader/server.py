@@ -92,7 +92,7 @@ class RunningLoader:
             known = True
             while not self._done_registering.wait(REREGISTER_S):
                 try:
-                    stub.RegisterLoader(request, timeout=REREGISTER_S * 2)
+                    self.took_role(stub.RegisterLoader(request, timeout=REREGISTER_S * 2).shadow)
                 except grpc.RpcError as exc:
                     if known:
                         log.warning("the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name)
@@ -102,13 +102,27 @@ class RunningLoader:
                     log.info("registered again with the planner at %s", process.planner)
                 known = True
 
+    def took_role(self, shadow: bool) -> None:
+        """Registers from now on in the role the planner gave: a promoted shadow as the replica,
+        a replica whose shadow took over as the shadow (so a restarted planner keeps the roles)."""
+        replica = self.streams_replica
+        role = replica if shadow else ""
+        if self.registration.shadow_of != role:
+            log.info("the planner %s", f"made this loader the shadow of replica {replica!r}" if shadow else f"promoted this shadow: it serves as replica {replica!r}")
+            self.registration.shadow_of = role
+
+    @property
+    def streams_replica(self) -> str:
+        """The replica id whose windows this process reads."""
+        return self.process.shadow_of or replica_id(self.process)
+
     def leave(self) -> bool:
         """Leaves the loader group (scaled down): the planner routes no more windows here; this
         replica serves the windows it was routed until they are consumed (at most
         DRAIN_TIMEOUT_S). Returns False, and keeps serving, when it cannot leave: it is the
         group's last replica, or the planner did not answer."""
         job, process = self.job, self.process
-        if process.shadow_of:
+        if self.registration.shadow_of:
             log.info("a shadow leaves at once: it serves nothing the planner counts on")
             return True
         request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
@@ -164,7 +178,8 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         who = f"loader {process.index}" + (f" (shadow of replica {process.shadow_of!r})" if process.shadow_of else "")
         registered = register_with_planner(job, process, rpc="RegisterLoader", request=running.registration, who=who)
         if registered.shadow:
-            log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", process.shadow_of or replica_id(process))
+            log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica)
+        running.registration.shadow_of = running.streams_replica if registered.shadow else ""
         restore(streams, registered.restore)
         info = registered.job
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))

@@ -140,7 +140,6 @@ class SourceStream:
         self._planned_steps = 0  # every position below _planned_seq is planned by an earlier step
         self._delivered_below = 0  # every rank was handed every step below it
         self._urgent: dict[int, bool] = {}  # window number -> replay: windows someone waits for
-        self._asked_through = 0  # the planner has asked about every position below it (no plan goes further)
         self._feature_names: tuple[str, ...] | None = None  # set by the first good row group
         self._closed = False
         self._thread = threading.Thread(target=self._read_loop, name=f"read-{source.name}", daemon=True)
@@ -205,7 +204,6 @@ class SourceStream:
                 count += hi - lo
                 seq = w.seq_start + hi
                 i += 1
-            self._asked_through = max(self._asked_through, seq)
             self._cond.notify_all()  # the planner's cursor moved: read ahead
         rows_out = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         lengths_out = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
@@ -224,7 +222,6 @@ class SourceStream:
             if routes is not None and routes != self._routes:
                 self._reroute(routes)
             self._follow(planned_seq, planned_steps, delivered_below)
-            self._asked_through = max(self._asked_through, from_seq + count)
             if count and not self._is_end(from_seq) and not self._holds(from_seq):
                 self._want(window_of(self.order, from_seq).number, replay=False)
 
@@ -238,7 +235,6 @@ class SourceStream:
         with self._cond:
             self._seek(from_seq)
             self._routes = routes
-            self._asked_through = through_seq
             self._follow(planned_seq, planned_steps, delivered_below)
             replay = 0
             span = window_of(self.order, from_seq)
@@ -339,22 +335,23 @@ class SourceStream:
         their indices in it). Windows not held are read now, waiting up to `wait_s`.
 
         Raises:
-            NotFound: a position no plan can hold yet: the planner never asked about it.
-            Unavailable: windows still being read after `wait_s` (retry).
+            NotFound: a position past the end of the stream (no plan holds it).
+            Unavailable: windows still being read after `wait_s`, or the loader is stopping (retry).
         """
+        give_up = time.monotonic() + wait_s
         with self._cond:
-            beyond = seqs[seqs >= self._asked_through]
+            beyond = seqs[seqs >= self.end_seq] if self.end_seq is not None else seqs[:0]
             if len(beyond):
-                raise NotFound(
-                    f"source {self.name!r}: positions {beyond[:5].tolist()} were never planned: the planner has asked about "
-                    f"positions below {self._asked_through} only"
-                )
-            missing = seqs[~self._held(seqs)]
-            if len(missing):
+                raise NotFound(f"source {self.name!r}: positions {beyond[:5].tolist()} lie past the end of the stream at {self.end_seq}")
+            while True:  # windows held before may be freed while others are read: check them all again
+                missing = seqs[~self._held(seqs)]
+                if not len(missing):
+                    break
+                if self._closed or time.monotonic() >= give_up:
+                    raise Unavailable(f"source {self.name!r}: positions {missing[:5].tolist()} are being read again; retry")
                 for number in {window_of(self.order, int(s)).number for s in missing}:
                     self._want(number, replay=True)
-                if not self._cond.wait_for(lambda: self._held(missing).all() or self._closed, timeout=wait_s):
-                    raise Unavailable(f"source {self.name!r}: positions {missing[:5].tolist()} are being read again; retry")
+                self._cond.wait(timeout=give_up - time.monotonic())
             starts = np.array([w.seq_start for w in self._windows], np.int64)
             slot = np.searchsorted(starts, seqs, side="right") - 1
             return [(self._windows[i], slot == i, seqs[slot == i] - starts[i]) for i in np.unique(slot).tolist()]

@@ -134,6 +134,8 @@ class PlanBook:
         """
         with self._cond:
             if self.start_step is None:
+                if self._membership.rejoined():  # a restarted planner: asking says where it stands too
+                    self._membership.rejoin_at(constructor, min(step, delivered_below))
                 self._start(step, timeout_s=timeout_s, resume=resume or {})
             if step < self.start_step:
                 raise FailedPrecondition(f"step {step} is before step {self.start_step}, where this job started")
@@ -314,11 +316,14 @@ class PlanBook:
                 self._cond.notify_all()
         return True, ""
 
-    def constructor_restarted(self, constructor: int) -> None:
+    def constructor_restarted(self, constructor: int) -> int:
         """A constructor registered anew (restarted): it may ask again for the steps from the
-        last one its ranks were handed."""
+        last one its ranks were handed. Returns that step (-1 before the job starts)."""
         with self._cond:
             self._progress.pop(constructor, None)
+            if self.start_step is None:
+                return -1
+            return self._delivered.get(constructor, self.start_step)
 
     def _forget_consumed(self) -> None:
         low = min(self._delivered.get(c, self.start_step) for c in range(self._job.constructor_count))

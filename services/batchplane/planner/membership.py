@@ -154,10 +154,15 @@ class Membership:
         from now on. Returns that address; None when the replica has no shadow."""
         with self._lock:
             address = self._shadows.pop((index, replica), None)
-            if address is None or replica not in self._replicas.get(index, {}):
+            if address is None:
                 return None
-            self._replicas[index][replica] = address
+            replicas = self._replicas.setdefault(index, {})
+            new = replica not in replicas  # a lone shadow: its replica never registered again
+            replicas[replica] = address
+            self._failed.pop((index, replica), None)
             self._promoted.add((index, replica))
+            if new:
+                self._reroute(index)
             return address
 
     def adopt(self, index: int, replica: str) -> str | None:
@@ -176,6 +181,16 @@ class Membership:
             self._failed[(index, replica)] = adopter
             self._reroute(index)
             return adopter
+
+    def serving(self, index: int, replica: str) -> str:
+        """The address serving replica `replica`'s windows ("" when none)."""
+        with self._lock:
+            return self._address(index, replica)
+
+    def lone_shadows(self) -> list[tuple[int, str]]:
+        """(group, replica) of shadows whose replica has not registered (with this planner)."""
+        with self._lock:
+            return [(g, r) for g, r in self._shadows if r not in self._replicas.get(g, {})]
 
     def watched(self) -> list[tuple[tuple[int, str], str]]:
         """((group, replica), its address) of every replica not known to have failed: what the
@@ -231,6 +246,12 @@ class Membership:
             self._constructor_ranks[index] = tuple(ranks)
             if next_step is not None:
                 self._rejoined[index] = next_step
+
+    def rejoin_at(self, index: int, step: int) -> None:
+        """Constructor `index`, restarted while the planner was down too, needs steps from `step`:
+        it counts as rejoined there (unless it said so already)."""
+        with self._lock:
+            self._rejoined.setdefault(index, step)
 
     def rejoined(self) -> dict[int, int]:
         """Constructor -> the step it needs next, for constructors that registered again with

@@ -117,10 +117,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._membership.register_constructor(
             request.constructor_index, request.address, list(request.ranks), next_step=request.next_step if request.rejoin else None
         )
+        resume_step = -1
         if not request.rejoin:
-            self._book.constructor_restarted(request.constructor_index)
+            resume_step = self._book.constructor_restarted(request.constructor_index)
         self._book.notify_membership()
-        return planner_pb2.RegisterConstructorResponse(job=self._info)
+        return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
         return planner_pb2.GetJobResponse(job=self._info, ready=self._membership.ready)

@@ -157,6 +157,10 @@ def route_messages(routing: Routing) -> list[common_pb2.Route]:
     return [common_pb2.Route(from_window=r.from_window, replicas=r.replicas) for r in routing.routes]
 
 
+#: Summary requests queued for one shadow at most.
+MAX_FOLLOW_QUEUE = 64
+
+
 class SummaryPuller:
     """One thread per source pulling summaries from its loader into the store.
 
@@ -176,12 +180,14 @@ class SummaryPuller:
         target: Callable[[int, int], SummaryTarget | None],
         max_message_bytes: int,
         wait_ms: int = 1000,
-        observe: Callable[[tuple[int, str], bool], None] | None = None,
+        observe: Callable[[tuple[int, str], str, bool], None] | None = None,
     ) -> None:
         self._store = store
         self._target = target
-        self._observe = observe or (lambda owner, ok: None)
-        self._followers = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="follow")
+        self._observe = observe or (lambda owner, address, ok: None)
+        self._followers: dict[str, futures.ThreadPoolExecutor] = {}  # shadow address -> its own ordered queue
+        self._following: dict[str, int] = {}  # shadow address -> requests queued
+        self._follow_lock = threading.Lock()
         self._max_message_bytes = max_message_bytes
         self._wait_ms = wait_ms
         self._stopped = threading.Event()
@@ -234,11 +240,11 @@ class SummaryPuller:
             except grpc.RpcError as exc:
                 log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details())
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self._observe(target.owner, False)
+                    self._observe(target.owner, target.address, False)
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 0.5 if target.shadow else 2.0)
                 continue
-            self._observe(target.owner, True)
+            self._observe(target.owner, target.address, True)
             backoff = 0.05
             rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
             lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
@@ -249,15 +255,28 @@ class SummaryPuller:
             self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
             if target.shadow and len(rows):
                 request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
-                self._followers.submit(self._follow, target.shadow, request)
+                self._pass_on(target.shadow, request)
+
+    def _pass_on(self, address: str, request: loader_pb2.GetSummaryRequest) -> None:
+        """Queues an answered summary request for the replica's shadow, in order; a shadow that
+        falls MAX_FOLLOW_QUEUE requests behind misses some (it reads them on demand if promoted)."""
+        with self._follow_lock:
+            if self._stopped.is_set() or self._following.get(address, 0) >= MAX_FOLLOW_QUEUE:
+                return
+            queue = self._followers.get(address)
+            if queue is None:
+                queue = self._followers[address] = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="follow")
+            self._following[address] = self._following.get(address, 0) + 1
+            queue.submit(self._follow, address, request)
 
     def _follow(self, address: str, request: loader_pb2.GetSummaryRequest) -> None:
-        """Passes an answered summary request on to the replica's shadow; a shadow that does not
-        answer only falls behind (it reads what it misses when promoted)."""
         try:
             self._stub(address).GetSummary(request, timeout=5)
-        except grpc.RpcError as exc:
-            log.debug("shadow at %s did not follow: %s", address, exc.code().name)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: a channel closed by stop()
+            log.debug("shadow at %s did not follow: %s", address, exc)
+        finally:
+            with self._follow_lock:
+                self._following[address] -= 1
 
     def stop(self) -> None:
         self._stopped.set()
@@ -265,7 +284,9 @@ class SummaryPuller:
             self._store.cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
-        self._followers.shutdown(wait=False, cancel_futures=True)
+        with self._follow_lock:
+            for queue in self._followers.values():
+                queue.shutdown(wait=False, cancel_futures=True)
         with self._channels_lock:
             for channel in self._channels.values():
                 channel.close()

@@ -25,6 +25,10 @@ from batchplane.planner.metrics import PlannerMetrics
 
 log = logging.getLogger(__name__)
 
+#: How long a shadow waits for its replica to register before it is promoted (its replica is
+#: gone for good: loaders register again every second).
+LONE_SHADOW_S = 3.0
+
 
 class ReplicaWatch:
     """The planner's failure detection and failover for loader replicas.
@@ -42,25 +46,31 @@ class ReplicaWatch:
         self._detector = FailureDetector(failures=settings.failures)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._lone: dict[tuple[int, str], float] = {}  # shadow without its replica -> since when
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="replica-watch", daemon=True)
         self._thread.start()
 
-    def observe(self, owner: tuple[int, str], ok: bool) -> None:
-        """One observation of replica `owner` = (group, replica id): a request it answered or
-        failed to answer (an RPC deadline, a broken stream, a refused connection)."""
+    def observe(self, owner: tuple[int, str], address: str, ok: bool) -> None:
+        """One observation of replica `owner` = (group, replica id) at `address`: a request it
+        answered or failed to answer (an RPC deadline, a broken stream, a refused connection).
+        Observations of an address that no longer serves the replica (late answers from a
+        replaced process) do not count."""
         with self._lock:
+            if self._membership.serving(*owner) != address:
+                return
+            key = (owner, address)
             if ok:
-                self._detector.ok(owner)
+                self._detector.ok(key)
                 return
             now = time.monotonic()
-            if not self._detector.failed(owner, now):
+            if not self._detector.failed(key, now):
                 return
             group, replica = owner
             self._metrics.loader_failures.labels(str(group)).inc()
-            since = self._detector.failing_since(owner)
+            since = self._detector.failing_since(key)
+            self._detector.forget(key)
             address = self._membership.promote(group, replica)
-            self._detector.forget(owner)
             if address is None:
                 adopter = self._membership.adopt(group, replica)
                 if adopter is None:
@@ -76,7 +86,21 @@ class ReplicaWatch:
     def _probe_loop(self) -> None:
         while not self._stopped.wait(self._interval):
             for owner, address in self._membership.watched():
-                self.observe(owner, self._healthy(address))
+                self.observe(owner, address, self._healthy(address))
+            self._promote_lone_shadows(time.monotonic())
+
+    def _promote_lone_shadows(self, now: float) -> None:
+        """Promotes a shadow whose replica has not registered for LONE_SHADOW_S (after a planner
+        restart, the replica may be the process that failed for good)."""
+        lone = set(self._membership.lone_shadows())
+        for key in set(self._lone) - lone:
+            del self._lone[key]
+        for key in lone:
+            first = self._lone.setdefault(key, now)
+            if now - first >= LONE_SHADOW_S and self._membership.promote(*key) is not None:
+                del self._lone[key]
+                self._metrics.promotions.labels(str(key[0])).inc()
+                log.warning("loader replica %r of group %d has not registered for %.0f s: promoted its shadow", key[1], key[0], LONE_SHADOW_S)
 
     def _healthy(self, address: str) -> bool:
         channel = self._channels.get(address)
