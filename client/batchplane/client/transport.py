@@ -30,6 +30,8 @@ ERROR_OF = {
 }
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 MAX_MESSAGE_BYTES = 64 << 20
+#: The longest pause between retries: a restarted constructor is reached within it.
+MAX_BACKOFF_S = 0.25
 
 
 class ConstructorConnection:
@@ -100,7 +102,7 @@ class ConstructorConnection:
                         f"{what} at constructor {self.address}: {tried}{code.name}: {exc.details()}"
                     ) from None
             time.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def close(self) -> None:
         self._channel.close()

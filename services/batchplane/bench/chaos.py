@@ -35,6 +35,9 @@ Record fields:
 - lost: samples of the epoch no rank received; duplicated: deliveries beyond the first of a
   sample (both must be 0);
 - promoted: the planner promoted a shadow (loader failures with a shadow);
+- replayed_samples: samples the restarted loader and the shadows read again because they did
+  not hold them (`batchplane_loader_samples_replayed_total`): the cost of rebuilding a loader's
+  position from the planner's ledger instead of a checkpoint of its own;
 - seconds: the run's wall time.
 
 Beside the records, `shadow_memory`: the resident memory of loader 0 and of its shadow just
@@ -53,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 
@@ -172,6 +176,7 @@ def _run(
             if trainer.returncode:
                 raise RuntimeError(f"the trainer failed after the {failure} was killed: {output[-2000:]}")
             promoted = "promoted its shadow" in cluster.planner.log_path.read_text()
+            replayed = sum(_replayed(p) for p in cluster.loaders)
         finally:
             if trainer.poll() is None:
                 trainer.kill()
@@ -195,8 +200,15 @@ def _run(
         "lost": expected - len(delivered),
         "duplicated": sum(delivered.values()) - len(delivered),
         "promoted": promoted,
+        "replayed_samples": replayed,
         "seconds": round(time.monotonic() - begin, 2),
     }, rss
+
+
+def _replayed(process: ServiceProcess) -> int:
+    """batchplane_loader_samples_replayed_total of a loader, over its sources."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
+    return int(sum(float(line.rpartition(" ")[2]) for line in page.splitlines() if line.startswith("batchplane_loader_samples_replayed_total{")))
 
 
 def victim_rss(cluster: LocalCluster, name: str) -> int:

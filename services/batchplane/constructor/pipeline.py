@@ -41,6 +41,9 @@ from batchplane.wire import PayloadReceiver, decode_array, encode_array
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The longest pause between retries of the planner: a restarted one is reached within it.
+PLANNER_RETRY_BACKOFF_S = 0.25
+
 #: How long a fetch retries an unreachable loader before the step is built again from a fresh
 #: plan, which names the loader's shadow once the planner has promoted it.
 FETCH_RETRY_S = 0.25
@@ -384,6 +387,7 @@ class StepPipeline:
                 what=f"{what} planner at {self._planner_address}",
                 deadline_s=self._job.network.rpc_timeout_s,
                 should_stop=lambda: self._stopped,
+                max_backoff_s=PLANNER_RETRY_BACKOFF_S,
             )
         except grpc.RpcError as exc:
             raise reraise(exc, f"planner at {self._planner_address}") from exc

@@ -24,11 +24,6 @@ from batchplane.v1 import constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-#: How often a constructor tells the planner the oldest step it may still need, so that a
-#: restarted planner learns within that time where every constructor stands.
-REREGISTER_S = 1.0
-
-
 @dataclasses.dataclass
 class RunningConstructor:
     address: str
@@ -37,18 +32,18 @@ class RunningConstructor:
     _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self, job: JobSettings, process: ProcessSettings, ranks: tuple[int, ...]) -> None:
-        """Registers again every REREGISTER_S (rejoin, idempotent) once its ranks have started,
+        """Registers again every `network.heartbeat_s` (rejoin, idempotent) once its ranks have started,
         saying the oldest step it may still need: a restarted planner resumes there even when
         this constructor asks for no plan for a while (its ranks are busy, or past the end of
         data). Runs on a thread of its own."""
         with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
-            while not self._stopped.wait(REREGISTER_S):
+            while not self._stopped.wait(job.network.heartbeat_s):
                 step = self.pipeline.rejoin_step()
                 if step is None:
                     continue
                 try:
-                    stub.RegisterConstructor(_request(process, self.address, ranks, next_step=step), timeout=REREGISTER_S * 2)
+                    stub.RegisterConstructor(_request(process, self.address, ranks, next_step=step), timeout=max(job.network.heartbeat_s * 2, 1.0))
                 except grpc.RpcError:
                     continue  # the planner is restarting: the next round tells it
 

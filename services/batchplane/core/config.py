@@ -218,6 +218,9 @@ class NetworkSettings:
     max_message_bytes: int = 4 * MiB
     #: Deadline of one service-to-service call, and of a wait for data.
     rpc_timeout_s: float = 30.0
+    #: How often loaders and constructors register again with the planner (idempotent): a
+    #: restarted planner knows where every one stands within it.
+    heartbeat_s: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,6 +571,8 @@ def _validate(job: JobSettings) -> None:
         raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", job.network.max_message_bytes)
     if not (math.isfinite(job.network.rpc_timeout_s) and job.network.rpc_timeout_s > 0):
         raise ConfigError("network.rpc_timeout_s", "must be a finite number > 0", job.network.rpc_timeout_s)
+    if not (math.isfinite(job.network.heartbeat_s) and job.network.heartbeat_s > 0):
+        raise ConfigError("network.heartbeat_s", "must be a finite number > 0", job.network.heartbeat_s)
 
 
 def _positive(path: str, value: int) -> None:

@@ -186,7 +186,7 @@ class LocalCluster:
 
     def restart_planner(self, *, timeout_s: float = 60.0) -> ServiceProcess:
         """Starts the planner again on its address (killing it first if it still runs): loaders
-        register again within a second, constructors rejoin at the steps they need, and it resumes
+        register again within `network.heartbeat_s`, constructors rejoin at the steps they need, and it resumes
         the plan sequence from its ledger exactly where it was.
 
         Raises:

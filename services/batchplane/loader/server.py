@@ -69,10 +69,6 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
 DRAIN_TIMEOUT_S = 300.0
 
 
-#: How often a loader registers again, so that a restarted planner knows it within that time.
-REREGISTER_S = 1.0
-
-
 @dataclasses.dataclass
 class RunningLoader:
     address: str
@@ -84,15 +80,15 @@ class RunningLoader:
     _done_registering: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self) -> None:
-        """Registers again every REREGISTER_S (idempotent), so that a restarted planner, which
+        """Registers again every `network.heartbeat_s` (idempotent), so that a restarted planner, which
         knows no loader, learns of this replica at once; runs on a thread of its own."""
         job, process, request = self.job, self.process, self.registration
         with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             known = True
-            while not self._done_registering.wait(REREGISTER_S):
+            while not self._done_registering.wait(job.network.heartbeat_s):
                 try:
-                    self.took_role(stub.RegisterLoader(request, timeout=REREGISTER_S * 2).shadow)
+                    self.took_role(stub.RegisterLoader(request, timeout=max(job.network.heartbeat_s * 2, 1.0)).shadow)
                 except grpc.RpcError as exc:
                     if known:
                         log.warning("the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name)

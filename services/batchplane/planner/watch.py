@@ -26,7 +26,7 @@ from batchplane.planner.metrics import PlannerMetrics
 log = logging.getLogger(__name__)
 
 #: How long a shadow waits for its replica to register before it is promoted (its replica is
-#: gone for good: loaders register again every second).
+#: gone for good: loaders register again every `network.heartbeat_s`).
 LONE_SHADOW_S = 3.0
 
 
