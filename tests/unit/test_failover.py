@@ -163,3 +163,22 @@ def test_a_shadow_whose_replica_never_comes_back_can_be_promoted() -> None:
     assert m.promote(0, "0") == "host:s"
     assert m.lone_shadows() == []
     assert m.summary_target(0, 0).address == "host:s"
+
+
+def test_with_shadows_on_a_replica_running_without_one_is_warned_about_once(caplog) -> None:
+    from batchplane.planner import watch as watch_module
+
+    m = _membership()
+    m.register_loader(0, "host:p", FACTS)
+    watch, _ = _watch(m)
+    watch._shadows = True
+    try:
+        watch._warn_unshadowed([(0, "0")], 0.0)
+        watch._warn_unshadowed([(0, "0")], watch_module.UNSHADOWED_WARN_S - 1)
+        assert "has had no shadow" not in caplog.text
+        watch._warn_unshadowed([(0, "0")], watch_module.UNSHADOWED_WARN_S)
+        watch._warn_unshadowed([(0, "0")], watch_module.UNSHADOWED_WARN_S + 5)
+        assert caplog.text.count("has had no shadow") == 1
+        assert "--shadow-of 0" in caplog.text
+    finally:
+        watch.stop()

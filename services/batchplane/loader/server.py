@@ -221,11 +221,10 @@ def restore(streams: dict[int, SourceStream], sources: Sequence[planner_pb2.Sour
             planned_steps=r.planned_steps,
             delivered_below=r.delivered_below,
         )
-        if replay:
-            log.info(
-                "source %r: joined mid-job at step %d; reading again %d samples from position %d that constructors may still fetch",
-                streams[r.source].name, r.delivered_below, replay, r.from_seq,
-            )
+        log.info(
+            "source %r: joined mid-job at step %d; reading again %d samples from position %d that constructors may still fetch",
+            streams[r.source].name, r.delivered_below, replay, r.from_seq,
+        )
 
 
 def replica_id(process: ProcessSettings) -> str:

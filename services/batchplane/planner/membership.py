@@ -182,6 +182,11 @@ class Membership:
             self._reroute(index)
             return adopter
 
+    def failed(self, index: int, replica: str) -> bool:
+        """Whether replica `replica` of group `index` was declared failed and has not registered again."""
+        with self._lock:
+            return (index, replica) in self._failed
+
     def serving(self, index: int, replica: str) -> str:
         """The address serving replica `replica`'s windows ("" when none)."""
         with self._lock:

@@ -61,7 +61,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
     ledger = LocalStorage(run_dir / LEDGER_DIR)
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
-    watch = ReplicaWatch(membership, job.loaders.failover, metrics)
+    watch = ReplicaWatch(membership, job.loaders.failover, metrics, shadows=job.loaders.shadow)
     puller = SummaryPuller(
         store, num_sources=len(job.sources), target=membership.summary_target, max_message_bytes=job.network.max_message_bytes,
         observe=watch.observe,

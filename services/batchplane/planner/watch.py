@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 #: gone for good: loaders register again every `network.heartbeat_s`).
 LONE_SHADOW_S = 3.0
 
+#: How long a replica may run without a shadow, with `loaders.shadow` set, before a warning.
+UNSHADOWED_WARN_S = 10.0
+
 
 class ReplicaWatch:
     """The planner's failure detection and failover for loader replicas.
@@ -37,10 +40,13 @@ class ReplicaWatch:
         membership: The job's membership (replicas and shadows).
         settings: `loaders.failover`.
         metrics: The planner's metrics.
+        shadows: `loaders.shadow`: every replica should have a shadow (warns when one has none).
     """
 
-    def __init__(self, membership: Membership, settings: FailoverSettings, metrics: PlannerMetrics) -> None:
+    def __init__(self, membership: Membership, settings: FailoverSettings, metrics: PlannerMetrics, *, shadows: bool = False) -> None:
         self._membership = membership
+        self._shadows = shadows
+        self._unshadowed: dict[tuple[int, str], float | None] = {}  # replica -> since when it has no shadow (None: warned)
         self._interval = settings.probe_interval_s
         self._metrics = metrics
         self._detector = FailureDetector(failures=settings.failures)
@@ -57,8 +63,8 @@ class ReplicaWatch:
         Observations of an address that no longer serves the replica (late answers from a
         replaced process) do not count."""
         with self._lock:
-            if self._membership.serving(*owner) != address:
-                return
+            if self._membership.failed(*owner) or self._membership.serving(*owner) != address:
+                return  # known to have failed, or replaced: nothing more to decide
             key = (owner, address)
             if ok:
                 self._detector.ok(key)
@@ -74,7 +80,7 @@ class ReplicaWatch:
             if address is None:
                 adopter = self._membership.adopt(group, replica)
                 if adopter is None:
-                    log.error("loader replica %r of group %d failed and the group has no other live replica: its windows wait for one to join or for it to restart", replica, group)
+                    log.warning("loader replica %r of group %d failed and the group has no other live replica: its windows wait for it to restart or for one to join", replica, group)
                 else:
                     self._metrics.adoptions.labels(str(group)).inc()
                     log.warning("loader replica %r of group %d failed: replica %r serves its windows, %.2f s after the first failure", replica, group, adopter, now - since)
@@ -85,9 +91,29 @@ class ReplicaWatch:
 
     def _probe_loop(self) -> None:
         while not self._stopped.wait(self._interval):
-            for owner, address in self._membership.watched():
+            watched = self._membership.watched()
+            for owner, address in watched:
                 self.observe(owner, address, self._healthy(address))
             self._promote_lone_shadows(time.monotonic())
+            if self._shadows:
+                self._warn_unshadowed([owner for owner, _ in watched], time.monotonic())
+
+    def _warn_unshadowed(self, replicas: list[tuple[int, str]], now: float) -> None:
+        """With `loaders.shadow`, warns once about a replica that has run without a shadow for
+        UNSHADOWED_WARN_S (nobody started one: e.g. the Kubernetes operator does not yet)."""
+        shadowed = {owner for owner, _, _ in self._membership.shadowed()}
+        for owner in replicas:
+            if owner in shadowed:
+                self._unshadowed.pop(owner, None)
+                continue
+            since = self._unshadowed.setdefault(owner, now)
+            if since is not None and now - since >= UNSHADOWED_WARN_S:
+                self._unshadowed[owner] = None
+                log.warning(
+                    "loaders.shadow is set but loader replica %r of group %d has had no shadow for %.0f s: start one with "
+                    "--shadow-of %s; until then a failure is recovered by restarting it or by another replica of its group",
+                    owner[1], owner[0], UNSHADOWED_WARN_S, owner[1],
+                )
 
     def _promote_lone_shadows(self, now: float) -> None:
         """Promotes a shadow whose replica has not registered for LONE_SHADOW_S (after a planner
