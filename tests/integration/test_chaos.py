@@ -22,8 +22,8 @@ from batchplane.launcher.local import LocalCluster
 
 pytestmark = pytest.mark.integration
 
-#: (seed, loaders.shadow)
-RUNS = ((5, False), (17, False), (23, True))
+#: (seed, loaders.shadow); seed 210 kills the planner, then a constructor before it rejoined
+RUNS = ((5, False), (17, False), (23, True), (210, True))
 RANKS = (0, 1)
 
 

@@ -175,7 +175,17 @@ class PlanBook:
             raise Unavailable(f"waiting for loaders {self._membership.missing_loaders()} to register")
         if self.start_step is not None:  # another request started the job while we waited
             return
-        if self._membership.rejoined():  # a restarted planner: start where the slowest constructor is
+        reader = LedgerReader(self._ledger_storage)
+        floor = self._delivered_floor(reader) if self._membership.rejoined() or (step > 0 and not resume) else None
+        if floor is not None:  # a restarted planner: no rank needs a step below the ledger's floor
+            rejoined = self._membership.rejoined()
+            step = min([step, floor, *rejoined.values()])
+            self._progress.update(rejoined)
+            log.info(
+                "restarted: every rank had been handed the steps below %d (the ledger), the constructors that rejoined need %s; "
+                "resuming at step %d", floor, rejoined, step,
+            )
+        elif self._membership.rejoined():  # restarted, but the ledger does not say: start where the slowest constructor is
             everyone = lambda: len(self._membership.rejoined()) == self._job.constructor_count or self._stopped  # noqa: E731
             if not self._cond.wait_for(everyone, timeout=timeout_s):
                 waiting = sorted(set(range(self._job.constructor_count)) - set(self._membership.rejoined()))
@@ -199,7 +209,6 @@ class PlanBook:
             microbatches=self._job.batch.microbatches,
         )
         log.info("mixture: %s", self._mixture.describe())
-        reader = LedgerReader(self._ledger_storage)
         self._state = self._restore(step, resume, reader)
         if self._adaptive is not None:
             self._restore_adaptive(step, reader)
@@ -214,6 +223,14 @@ class PlanBook:
         self._wanted = step
         self._store.start(self._state.cursors, step=step)
         self._cond.notify_all()
+
+    def _delivered_floor(self, reader: LedgerReader) -> int | None:
+        """For a planner restarted mid-run (constructors rejoined, or one asks for a step > 0
+        without a checkpoint): every rank had been handed every step below this, as the ledger's
+        latest record says; None when it does not say."""
+        last = reader.last_step()
+        record = reader.record(last) if last is not None else None
+        return None if record is None or "delivered_below" not in record else int(record["delivered_below"])
 
     def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> MixtureState:
         """The mixture state before `step`: from the ledger's record of step - 1, else by
@@ -385,6 +402,7 @@ class PlanBook:
         waited = time.perf_counter() - begin
         plan = self.strategy.run(state.step, table, self.mesh, default_cost=self._cost_fn)
         record = self.ledger.record(allocation, plan, after)
+        record["delivered_below"] = self._consumed_below  # where a restarted planner may resume
         if self._adaptive is not None:
             record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
         self._writer.append(record)
