@@ -19,7 +19,7 @@ import yaml
 from batchplane.client import Client
 from batchplane.core.storage import LocalStorage
 from batchplane.launcher.local import LocalCluster
-from batchplane.planner.journal import LedgerReader
+from batchplane.planner.journal import RUNTIME_FIELDS, LedgerReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,5 +198,9 @@ def start_cluster(config: pathlib.Path) -> LocalCluster:
 
 
 def ledger_records(run_dir: pathlib.Path) -> list[dict]:
-    """The authoritative record of every step in a run folder's durable ledger, in step order."""
-    return list(LedgerReader(LocalStorage(run_dir / "ledger")).records())
+    """The authoritative record of every step in a run folder's durable ledger, in step order:
+    what was planned (without the fields that depend on the run's timing, RUNTIME_FIELDS)."""
+    return [
+        {k: v for k, v in record.items() if k not in RUNTIME_FIELDS}
+        for record in LedgerReader(LocalStorage(run_dir / "ledger")).records()
+    ]

@@ -106,8 +106,8 @@ def test_killing_any_part_at_random_steps_changes_nothing_the_trainers_receive(t
         assert re.search(recovered, log_path.read_text()), f"{name} killed at step {at} did not recover mid-job; see {log_path}"
 
     # The same plan sequence, step by step.
-    planned = {r["step"]: r["ranks"] for r in ledger_records(tmp_path / "chaos")}
-    undisturbed = {r["step"]: r["ranks"] for r in ledger_records(tmp_path / "undisturbed")}
+    planned = {r["step"]: r for r in ledger_records(tmp_path / "chaos")}
+    undisturbed = {r["step"]: r for r in ledger_records(tmp_path / "undisturbed")}
     assert planned == undisturbed
 
     # Exactly once (I1), the same steps everywhere (I2), byte-identical tensors (I4).

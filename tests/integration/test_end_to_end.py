@@ -10,7 +10,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from harness import collect, ledger_records, sample_ids, skewed_lengths, start_cluster, write_job, write_source
+from harness import collect, ledger_records, sample_ids, skewed_lengths, start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, dataset):
     cluster = start_cluster(job_file(folder, dataset))
     try:
         batches, _ = collect(cluster.endpoints_path, range(DP))
+        # Constructors tell the planner what their ranks were handed with their heartbeats.
+        wait_until(lambda: cluster.status().finished, timeout_s=10, what="the planner to see every rank finished")
         status = cluster.status()
     finally:
         cluster.stop()

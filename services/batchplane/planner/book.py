@@ -333,6 +333,16 @@ class PlanBook:
                 self._cond.notify_all()
         return True, ""
 
+    def constructor_delivered(self, constructor: int, below: int) -> None:
+        """Constructor `constructor` says (it registers again every heartbeat) that every rank it
+        serves was handed every step below `below`."""
+        with self._cond:
+            if self.start_step is None:
+                return
+            self._delivered[constructor] = max(self._delivered.get(constructor, self.start_step), below)
+            self._forget_consumed()
+            self._cond.notify_all()
+
     def constructor_restarted(self, constructor: int) -> int:
         """A constructor registered anew (restarted): it may ask again for the steps from the
         last one its ranks were handed. Returns that step (-1 before the job starts)."""
@@ -485,11 +495,12 @@ class PlanBook:
 
     @property
     def finished(self) -> bool:
-        """True once every constructor has asked for the end-of-data step."""
+        """True once every rank has been handed every step and asked for the end-of-data step
+        (its constructor says so with its requests and heartbeats)."""
         with self._cond:
             if self.end_step is None:
                 return False
-            return all(self._progress.get(c, -1) >= self.end_step for c in range(self._job.constructor_count))
+            return all(self._delivered.get(c, -1) >= self.end_step for c in range(self._job.constructor_count))
 
     def stop(self) -> None:
         with self._cond:

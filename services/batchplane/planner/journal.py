@@ -65,6 +65,10 @@ _GZIP_LEVEL = 6
 _CACHED_SEGMENTS = 4
 #: Record fields a thinned segment drops.
 DETAIL_FIELDS = ("ranks",)
+#: Record fields that say how the run went, not what was planned: two runs of the same job
+#: differ in them ("delivered_below": every rank had been handed the steps below it when the
+#: step was planned; where a restarted planner resumes).
+RUNTIME_FIELDS = ("delivered_below",)
 _REPORT = re.compile(r"/reports/(\d{12})\.json$")
 
 

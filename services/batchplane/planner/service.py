@@ -120,6 +120,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         resume_step = -1
         if not request.rejoin:
             resume_step = self._book.constructor_restarted(request.constructor_index)
+        else:
+            self._book.constructor_delivered(request.constructor_index, request.next_step)
         self._book.notify_membership()
         return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step)
 
