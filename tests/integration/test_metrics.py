@@ -38,7 +38,8 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     assert 0 < planner['batchplane_planner_mixture_realized_ratio{source="y"}'] < 1
     assert planner["batchplane_planner_plan_duration_seconds_count"] == steps
     assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * steps
-    assert planner['batchplane_planner_requests_total{code="OK",method="RegisterLoader"}'] == 2
+    # Both loaders registered; they register again every network.heartbeat_s.
+    assert planner['batchplane_planner_requests_total{code="OK",method="RegisterLoader"}'] >= 2
     for name, source in (("loader-0", "x"), ("loader-1", "y")):
         loader = pages[name]
         assert loader[f'batchplane_loader_samples_read_total{{source="{source}"}}'] == 90

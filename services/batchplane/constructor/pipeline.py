@@ -44,6 +44,9 @@ T = TypeVar("T")
 #: The longest pause between retries of the planner: a restarted one is reached within it.
 PLANNER_RETRY_BACKOFF_S = 0.25
 
+#: Failed releases in a row at a loader that served earlier steps after which it counts as gone.
+RELEASE_GIVE_UP = 20
+
 #: How long a fetch retries an unreachable loader before the step is built again from a fresh
 #: plan, which names the loader's shadow once the planner has promoted it.
 FETCH_RETRY_S = 0.25
@@ -119,6 +122,8 @@ class StepPipeline:
         self._channels_lock = threading.Lock()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
         self._holding: dict[str, int] = {}  # loader replica -> the last step fetched there, until released
+        self._release_failures: dict[str, int] = {}  # loader replica -> releases there that failed in a row
+        self._holding_lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready: dict[tuple[int, int], Delivery] = {}
         self._progress: dict[int, int] = {}
@@ -412,11 +417,10 @@ class StepPipeline:
         # Loaders that served earlier steps but not this one release what they hold for us too,
         # until every step they served was handed to our ranks (a replica that left its group
         # waits for that before it exits).
-        for address in set(self._holding) - set(jobs):
-            self._fetchers.submit(self._release_at, address, step)
-        delivered = self._delivered()
-        self._holding = {a: last for a, last in self._holding.items() if last >= delivered}
-        self._holding.update((a, step) for a in jobs)
+        with self._holding_lock:
+            for address in set(self._holding) - set(jobs):
+                self._fetchers.submit(self._release_at, address, step)
+            self._holding.update((a, step) for a in jobs)
         tokens: dict[tuple[int, int], np.ndarray] = {}
         for address, job in jobs.items():
             table = job.result()
@@ -429,19 +433,34 @@ class StepPipeline:
 
     def _release_at(self, address: str, step: int) -> None:
         """Tells a loader that served earlier steps what this constructor's ranks were handed
-        (a fetch of nothing), once: one that is gone (it left, or failed and was replaced) holds
-        nothing to release."""
+        (a fetch of nothing), once per step built, until it is told every step it served was
+        handed (then it is dropped), or RELEASE_GIVE_UP attempts in a row failed (it is gone: it
+        left, or failed and was replaced)."""
+        below = self._delivered()
         request = loader_pb2.FetchSamplesRequest(
             constructor_index=self._index,
             step=step,
             samples=common_pb2.SampleSet(source=encode_array(np.zeros(0, np.int32)), seq=encode_array(np.zeros(0, np.int64))),
-            release_below_step=self._delivered(),
+            release_below_step=below,
         )
         try:
-            for _ in self._loader(address).FetchSamples(request, timeout=min(self._job.network.rpc_timeout_s, FETCH_RETRY_S)):
+            for _ in self._loader(address).FetchSamples(request, timeout=min(self._job.network.rpc_timeout_s, 5.0)):
                 pass
+            failed = False
         except grpc.RpcError as exc:
             log.debug("release at loader %s, which served earlier steps: %s", address, exc.code().name)
+            failed = True
+        with self._holding_lock:
+            if address not in self._holding:
+                return
+            if not failed:
+                self._release_failures.pop(address, None)
+                if below > self._holding[address]:  # it was told every step it served was handed
+                    del self._holding[address]
+                return
+            self._release_failures[address] = self._release_failures.get(address, 0) + 1
+            if self._release_failures[address] >= RELEASE_GIVE_UP:
+                del self._holding[address], self._release_failures[address]
 
     def _loader(self, address: str) -> loader_pb2_grpc.LoaderStub:
         with self._channels_lock:
