@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from harness import assert_same_batches, collect, skewed_lengths, start_cluster, write_job, write_source
+from harness import assert_same_batches, collect, skewed_lengths, start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -113,11 +113,12 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
         elif batch["step"] == HOLD_AT:  # hold while the constructor is killed and restarted,
             holding.set()
             assert restarted_event.wait(timeout=60)
-            time.sleep(2.5)  # and while rank 0's retries (backoff at most 2 s) reach it first
+            # and until rank 0's retries have reached the restarted one first
+            wait_until(lambda: restarted["log"].read_text().count("starting at step") >= 2, timeout_s=30, what="rank 0 to reach it")
 
     def kill_and_restart() -> None:
         holding.wait(timeout=60)
-        time.sleep(0.3)  # rank 0 runs ahead to the constructor's prefetch horizon
+        wait_until(lambda: progress[0] > HOLD_AT, timeout_s=30, what="rank 0 to run ahead of rank 1")
         victim = cluster.constructors[0]
         victim.popen.send_signal(signal.SIGKILL)
         victim.popen.wait()

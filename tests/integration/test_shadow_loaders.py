@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from harness import assert_same_batches, collect, scrape, skewed_lengths, start_cluster, write_job, write_source
+from harness import assert_same_batches, collect, scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -64,10 +64,7 @@ def test_a_killed_loader_is_replaced_by_its_shadow_and_nothing_changes_for_the_t
             kill("loader-0")  # not restarted until the shadow has taken over
             events["first"] = min(progress.values())
             planner_log = cluster.planner.log_path
-            deadline = time.monotonic() + 30
-            while "promoted its shadow" not in planner_log.read_text():
-                assert time.monotonic() < deadline, "the shadow of loader 0 was not promoted"
-                time.sleep(0.05)
+            wait_until(lambda: "promoted its shadow" in planner_log.read_text(), timeout_s=30, what="the shadow of loader 0 to be promoted")
             original = next(p for p in cluster.loaders if p.name == "loader-0")
             events["restarted_log"] = cluster.restart(original).log_path  # comes back as the shadow
             with reached:

@@ -165,7 +165,7 @@ def _run(
                     raise RuntimeError(f"the trainer ended before step {args.kill_at}: {trainer.stdout.read().decode()[-2000:]}")
                 time.sleep(0.005)
             victim = _victim(cluster, failure)
-            rss = (victim_rss(cluster, "loader-0"), victim_rss(cluster, "loader-0-shadow")) if shadow else None
+            rss = (_rss(cluster, "loader-0"), _rss(cluster, "loader-0-shadow")) if shadow else None
             killed = time.time()
             killed_at = _slowest(steps_path)
             victim.popen.send_signal(signal.SIGKILL)
@@ -211,7 +211,7 @@ def _replayed(process: ServiceProcess) -> int:
     return int(sum(float(line.rpartition(" ")[2]) for line in page.splitlines() if line.startswith("batchplane_loader_samples_replayed_total{")))
 
 
-def victim_rss(cluster: LocalCluster, name: str) -> int:
+def _rss(cluster: LocalCluster, name: str) -> int:
     """Resident bytes of process `name` of the cluster."""
     return next(p for p in cluster.processes if p.name == name).rss_bytes() or 0
 

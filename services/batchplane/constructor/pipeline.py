@@ -196,17 +196,22 @@ class StepPipeline:
             self._metrics.prefetched_steps.set(max(self._next - 1 - min(self._progress.values()), 0))
             return self._ready.get((rank, step))
 
+    def _slowest(self) -> int:
+        """The step the slowest rank asked for last (a rank that has not asked: the start); every
+        step below it was handed to all of this constructor's ranks (lock held)."""
+        return min(self._progress.get(r, self._start) for r in self.ranks)
+
     def _delivered(self) -> int:
         """Every step below it was handed to all of this constructor's ranks (each has asked for a
         later one)."""
         with self._cond:
-            return min(self._progress.get(r, self._start) for r in self.ranks)
+            return self._slowest()
 
     def rejoin_step(self) -> int | None:
         """The oldest step this constructor may still need planned (its ranks have not all been
         handed it; a restart would build it again); None until the planner has planned for it."""
         with self._cond:
-            return min(self._progress.get(r, self._start) for r in self.ranks) if self._planned else None
+            return self._slowest() if self._planned else None
 
     def _past_end(self, step: int) -> bool:
         return self._end is not None and step >= self._end
@@ -215,8 +220,7 @@ class StepPipeline:
 
     def _horizon(self) -> int:
         """The last step to build now (lock held)."""
-        slowest = min(self._progress.get(r, self._start) for r in self.ranks)
-        return slowest + self._job.constructors.prefetch_steps
+        return self._slowest() + self._job.constructors.prefetch_steps
 
     def _build_loop(self) -> None:
         while True:
@@ -228,7 +232,7 @@ class StepPipeline:
                     return
                 # No rank needs a step below its slowest rank's (a restarted constructor starts at
                 # the oldest step its ranks may ask for; once they have asked, the rest are skipped).
-                step = self._next = max(self._next, min(self._progress.get(r, self._start) for r in self.ranks))
+                step = self._next = max(self._next, self._slowest())
             began = time.monotonic()
             try:
                 built = self._build(step)

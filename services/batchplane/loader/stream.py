@@ -272,8 +272,7 @@ class SourceStream:
 
     def _holds(self, seq: int) -> bool:
         """Whether a buffered window holds position `seq` (lock held)."""
-        i = bisect.bisect_right([w.seq_start for w in self._windows], seq) - 1
-        return i >= 0 and seq < self._windows[i].seq_end
+        return bool(self._held(np.array([seq], np.int64))[0])
 
     def _owns(self, window: int) -> bool:
         return self._routes is None or self._routes.owner(window) == self.replica
