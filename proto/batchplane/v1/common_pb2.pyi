@@ -77,7 +77,7 @@ class Mesh(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., cp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., order: _Optional[str] = ..., cp_slicing: _Optional[str] = ..., broadcast_at: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches", "hooks", "fingerprints")
+    __slots__ = ("job_id", "fingerprint", "sources", "mesh", "global_batch_size", "microbatches", "hooks", "fingerprints", "format")
     class FingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class JobInfo(_message.Message):
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     HOOKS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fingerprint: str
     sources: _containers.RepeatedScalarFieldContainer[str]
@@ -101,7 +102,36 @@ class JobInfo(_message.Message):
     microbatches: int
     hooks: Hooks
     fingerprints: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ..., fingerprints: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    format: BatchFormat
+    def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ..., fingerprints: _Optional[_Mapping[str, str]] = ..., format: _Optional[_Union[BatchFormat, _Mapping]] = ...) -> None: ...
+
+class BatchFormat(_message.Message):
+    __slots__ = ("pad_id", "ignore_id", "labels", "packing", "pack_length", "max_length", "length_policy")
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PACKING_FIELD_NUMBER: _ClassVar[int]
+    PACK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_POLICY_FIELD_NUMBER: _ClassVar[int]
+    pad_id: int
+    ignore_id: int
+    labels: str
+    packing: bool
+    pack_length: int
+    max_length: int
+    length_policy: str
+    def __init__(self, pad_id: _Optional[int] = ..., ignore_id: _Optional[int] = ..., labels: _Optional[str] = ..., packing: _Optional[bool] = ..., pack_length: _Optional[int] = ..., max_length: _Optional[int] = ..., length_policy: _Optional[str] = ...) -> None: ...
+
+class JobLength(_message.Message):
+    __slots__ = ("num_steps", "infinite", "unknown")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INFINITE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    infinite: bool
+    unknown: str
+    def __init__(self, num_steps: _Optional[int] = ..., infinite: _Optional[bool] = ..., unknown: _Optional[str] = ...) -> None: ...
 
 class Hooks(_message.Message):
     __slots__ = ("loader_do_plan", "constructor_do_plan")

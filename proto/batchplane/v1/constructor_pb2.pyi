@@ -20,7 +20,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank", "resume")
+    __slots__ = ("step", "wait_ms", "rank", "resume", "restart")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,11 +32,25 @@ class GetBatchRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
     resume: _containers.ScalarMap[str, str]
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    restart: bool
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: _Optional[bool] = ...) -> None: ...
+
+class GetLengthRequest(_message.Message):
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: int
+    def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetLengthResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: _common_pb2.JobLength
+    def __init__(self, length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")

@@ -51,6 +51,11 @@ class ConstructorStub:
                 request_serializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.GetLength = channel.unary_unary(
+                '/batchplane.v1.Constructor/GetLength',
+                request_serializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.FromString,
+                _registered_method=True)
 
 
 class ConstructorServicer:
@@ -68,9 +73,11 @@ class ConstructorServicer:
         """One rank's batch for one step. The first message is a BatchHeader; then Chunks follow
         until `BatchHeader.payload_bytes` bytes have arrived, and the stream ends. Asking for step
         s tells the constructor the rank is done with every earlier step; the current step can be
-        asked for again (a retry). Waits up to `wait_ms` for the batch, then answers UNAVAILABLE
+        asked for again (a retry), an earlier one only with `restart` (a trainer restarted from an
+        older checkpoint: a rewind). Waits up to `wait_ms` for the batch, then answers UNAVAILABLE
         (retry). Errors: INVALID_ARGUMENT for a rank outside the mesh or not served here,
-        FAILED_PRECONDITION for a step the rank has already moved past or before the job's start.
+        FAILED_PRECONDITION for a step the rank has already moved past (without `restart`), or one
+        before the oldest step the planner's ledger can re-plan (the message names it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,6 +85,14 @@ class ConstructorServicer:
 
     def Report(self, request, context):
         """Forwards a training report to the planner (see Planner.Report).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLength(self, request, context):
+        """How many steps the job has, from the planner (for len(), LR schedules and progress bars).
+        Errors: UNAVAILABLE when the planner cannot be reached (retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +115,11 @@ def add_ConstructorServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=batchplane_dot_v1_dot_common__pb2.ReportRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_common__pb2.ReportResponse.SerializeToString,
+            ),
+            'GetLength': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLength,
+                    request_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +204,33 @@ class Constructor:
             '/batchplane.v1.Constructor/Report',
             batchplane_dot_v1_dot_common__pb2.ReportRequest.SerializeToString,
             batchplane_dot_v1_dot_common__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLength(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchplane.v1.Constructor/GetLength',
+            batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.SerializeToString,
+            batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,19 +88,23 @@ class RegisterConstructorResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: int
+    def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetJobResponse(_message.Message):
-    __slots__ = ("job", "ready")
+    __slots__ = ("job", "ready", "length")
     JOB_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     job: _common_pb2.JobInfo
     ready: bool
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    length: _common_pb2.JobLength
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below")
+    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,12 +117,14 @@ class GetPlanRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     wait_ms: int
     resume: _containers.ScalarMap[str, str]
     delivered_below: int
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ...) -> None: ...
+    rewind: bool
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders")

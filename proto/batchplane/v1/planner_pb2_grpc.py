@@ -103,7 +103,7 @@ class PlannerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """The job's description.
+        """The job's description, whether plans can be built yet and how many steps the job has.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,9 +113,9 @@ class PlannerServicer:
         """One constructor's part of plan(step): the samples of each rank it serves, split into
         microbatches, and where to fetch them. Plans are built in step order on demand. The first
         step any constructor asks for is the step the job starts (or resumes) at; asking for an
-        earlier step, or for a step every rank has moved past, is FAILED_PRECONDITION. Waits up to
-        `wait_ms` for the loaders' buffer summaries, then answers UNAVAILABLE (retry with backoff).
-        Retrying the same step returns the same plan.
+        earlier step than one asked before is FAILED_PRECONDITION unless `rewind` says a trainer
+        restarted from an older checkpoint. Waits up to `wait_ms` for the loaders' buffer summaries,
+        then answers UNAVAILABLE (retry with backoff). Retrying the same step returns the same plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

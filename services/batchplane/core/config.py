@@ -26,6 +26,8 @@ from batchplane.core.errors import ConfigError
 BALANCE_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
 COST_KINDS = ("quadratic", "linear")
 CP_SLICING = ("zigzag", "contiguous")
+LENGTH_POLICIES = ("split", "truncate", "reject")
+PULLING_RANKS = ("all", "megatron")
 TOKEN_DTYPES = ("int32", "int64")
 MiB = 1 << 20
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -95,6 +97,14 @@ class BatchSettings:
     #: Longest packed row in tokens; None: `balance.max_tokens` when set, else the longest
     #: microbatch (one row per microbatch).
     pack_length: int | None = None
+    #: Longest sample delivered, in tokens (after the source's transform); a longer one follows
+    #: `length_policy`. None: `pack_length` when packing with one, else no limit.
+    max_length: int | None = None
+    #: What happens to a sample longer than `max_length`: "split" into consecutive chunks of at
+    #: most max_length tokens, each its own sequence (own positions, no label across chunks;
+    #: nothing is lost), "truncate" to its first max_length tokens, or "reject" (skipped as a
+    #: bad sample: counted, logged with file and row, never delivered).
+    length_policy: str = "split"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +216,10 @@ class ConstructorSettings:
     cp_slicing: str = "zigzag"
     #: Tensors the middle pipeline stages receive (by default none; e.g. ["position_ids"]).
     pp_middle_tensors: tuple[str, ...] = ()
+    #: Which ranks ask for batches: "all", or "megatron": only tensor-parallel rank 0 of the
+    #: first and last pipeline stages (Megatron-LM's get_batch; it broadcasts to the others). A
+    #: constructor waits only for the ranks that ask; the others may still ask and are served.
+    pulling_ranks: str = "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +299,15 @@ class JobSettings:
     def loader_sources(self, loader_index: int) -> tuple[int, ...]:
         """Indices of the sources loader `loader_index` serves."""
         return tuple(i for i in range(len(self.sources)) if self.loader_of(i) == loader_index)
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sample delivered (`batch.max_length`, else `batch.pack_length` when
+        packing), or None for no limit."""
+        b = self.batch
+        if b.max_length is not None:
+            return b.max_length
+        return b.pack_length if b.packing else None
 
     @property
     def world(self) -> int:
@@ -505,6 +528,12 @@ def _validate(job: JobSettings) -> None:
     _positive("batch.global_batch_size", job.batch.global_batch_size)
     if job.batch.pack_length is not None:
         _positive("batch.pack_length", job.batch.pack_length)
+    if job.batch.max_length is not None:
+        _positive("batch.max_length", job.batch.max_length)
+    if job.batch.length_policy not in LENGTH_POLICIES:
+        raise ConfigError("batch.length_policy", f"must be one of {LENGTH_POLICIES}", job.batch.length_policy)
+    if job.constructors.pulling_ranks not in PULLING_RANKS:
+        raise ConfigError("constructors.pulling_ranks", f"must be one of {PULLING_RANKS}", job.constructors.pulling_ranks)
     per_step = job.mesh.dp * job.batch.microbatches
     if job.batch.global_batch_size < per_step:
         raise ConfigError(
