@@ -1,18 +1,28 @@
 """`batchplane up` starts every part as a local process, prints where each listens, keeps a log
-per process and stops them all on SIGTERM or at the end of the job."""
+per process and stops them all on SIGTERM or at the end of the job; started again on the same run
+folder it keeps every address, and moves only a process whose port another program took."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
+from concurrent import futures
+from urllib.parse import urlsplit
 
+import grpc
 import pytest
-from harness import collect, sample_ids, skewed_lengths, wait_until, write_job, write_source
+from harness import collect, sample_ids, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from prometheus_client import CollectorRegistry
+
+from batchplane.core.rpc import PortUnavailable, ServerMetrics, create_grpc_server
+from batchplane.launcher.local import LocalCluster, Ports
 
 pytestmark = pytest.mark.integration
 
@@ -142,3 +152,166 @@ def test_up_restarts_a_planner_that_died_and_the_trainers_finish(tmp_path: pathl
         up.kill()
     delivered = [s for rank in (0, 1) for batch in (*first[rank], *rest[rank]) for mb in sample_ids([batch])[0] for s in mb]
     assert sorted(delivered) == [(0, r) for r in range(60)], "every sample exactly once across the restart"
+
+
+def _endpoints(run_dir: pathlib.Path) -> dict:
+    return json.loads((run_dir / "endpoints.json").read_text())
+
+
+def _port(address_or_url: str) -> int:
+    return urlsplit(address_or_url if "//" in address_or_url else f"//{address_or_url}").port
+
+
+def _listener(port: int) -> socket.socket:
+    """A program that is not batchplane, listening on 127.0.0.1:`port`."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_up_started_again_on_its_run_folder_keeps_every_address(tmp_path: pathlib.Path) -> None:
+    sources = [write_source(tmp_path / "data", "s", [5] * 30)]
+    config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1, "shadow": True})
+    start_cluster(config).stop()
+    before = _endpoints(tmp_path / "run")
+    assert set(before["metrics"]) == {"planner", "loader-0", "loader-0-shadow", "constructor-0", "constructor-1"}
+    cluster = start_cluster(config)
+    try:
+        assert _endpoints(tmp_path / "run") == before, "every gRPC address and metrics URL is the same"
+        assert cluster.status().job.job_id == "test", "and the processes serve there"
+    finally:
+        cluster.stop()
+
+
+def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    sources = [write_source(tmp_path / "data", "s", [5] * 30)]
+    config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1})
+    start_cluster(config).stop()
+    before = _endpoints(tmp_path / "run")
+    taken = {
+        "planner": _port(before["planner"]),
+        "constructor-1": _port(before["constructors"]["1"]),
+        "loader-0 metrics": _port(before["metrics"]["loader-0"]),
+    }
+    holders = [_listener(port) for port in taken.values()]
+    caplog.set_level(logging.INFO, logger="batchplane.launcher.local")
+    try:
+        cluster = start_cluster(config)
+        try:
+            after = _endpoints(tmp_path / "run")
+            assert cluster.status().job.job_id == "test", "the planner serves on its new address, and the loaders found it"
+        finally:
+            cluster.stop()
+    finally:
+        for sock in holders:
+            sock.close()
+    moved = {
+        "planner": _port(after["planner"]),
+        "constructor-1": _port(after["constructors"]["1"]),
+        "loader-0 metrics": _port(after["metrics"]["loader-0"]),
+    }
+    assert all(moved[k] != taken[k] for k in taken), (taken, moved)
+    assert after["loaders"] == before["loaders"] and after["constructors"]["0"] == before["constructors"]["0"]
+    assert {k: v for k, v in after["metrics"].items() if k != "loader-0"} == {k: v for k, v in before["metrics"].items() if k != "loader-0"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name, what in (("planner", "gRPC"), ("constructor-1", "gRPC"), ("loader-0 metrics", "metrics")):
+        process = name.removesuffix(" metrics")
+        assert any(
+            w.startswith(f"{process}: its {what} port {taken[name]} ") and f"port {moved[name]} instead" in w for w in warnings
+        ), (name, warnings)
+
+
+def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(tmp_path: pathlib.Path) -> None:
+    sources = [write_source(tmp_path / "data", "s", [5] * 30)]
+    config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1})
+    up, _ = _start_up(config)
+    before = _endpoints(tmp_path / "run")
+    up.kill()  # its services are still stopping, and hold their ports, while the next one starts
+    up.wait()
+    cluster = LocalCluster(config).start()
+    try:
+        assert _endpoints(tmp_path / "run") == before
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ('{"job": "another", "planner": "127.0.0.1:5000", "loaders": {}, "constructors": {}, "metrics": {}}', "job 'another'"),
+        ("{not json", "cannot read it"),
+        ('{"job": "test", "planner": "127.0.0.1:99999", "loaders": {}, "constructors": {}, "metrics": {}}', "out of range"),
+        ('{"job": "test", "planner": "127.0.0.1:5000"}', "cannot read it"),
+        ('{"job": "test", "planner": "unix:///run/p.sock", "loaders": {}, "constructors": {}, "metrics": {}}', "cannot read it"),
+        ('{"job": "test", "planner": "nohost", "loaders": {}, "constructors": {}, "metrics": {}}', "cannot read it"),
+    ],
+    ids=["another-job", "not-json", "bad-port", "not-an-endpoints-file", "a-socket", "no-port"],
+)
+def test_an_endpoints_file_of_another_job_or_unreadable_is_ignored(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, content: str, reason: str
+) -> None:
+    config = write_job(tmp_path / "job.yaml", [write_source(tmp_path / "data", "s", [5] * 10)])
+    cluster = LocalCluster(config)
+    cluster.run_dir.mkdir(parents=True)
+    cluster.endpoints_path.write_text(content)
+    caplog.set_level(logging.INFO, logger="batchplane.launcher.local")
+    assert cluster._earlier_ports() == {}
+    assert any(r.levelno == logging.INFO and "not keeping the addresses" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_the_ports_of_an_earlier_run_are_read_by_process_name(tmp_path: pathlib.Path) -> None:
+    config = write_job(tmp_path / "job.yaml", [write_source(tmp_path / "data", "s", [5] * 10)], mesh={"dp": 4}, constructors={"ranks_per_constructor": 2})
+    cluster = LocalCluster(config)
+    cluster.run_dir.mkdir(parents=True)
+    cluster.endpoints_path.write_text(json.dumps({
+        "job": "test",
+        "planner": "127.0.0.1:5000",
+        "loaders": {"0": "127.0.0.1:5001", "0-1": "127.0.0.1:5002"},
+        "constructors": {"0": "127.0.0.1:5003", "1": "127.0.0.1:5003", "2": "127.0.0.1:5004", "3": "127.0.0.1:5004"},
+        "metrics": {"planner": "http://127.0.0.1:6000/metrics", "constructor-1": "http://127.0.0.1:6004/metrics"},
+    }))
+    assert cluster._earlier_ports() == {
+        "planner": Ports(5000, 6000), "loader-0": Ports(5001, 0), "loader-0-1": Ports(5002, 0),
+        "constructor-0": Ports(5003, 0), "constructor-1": Ports(5004, 6004),
+    }
+
+
+def _server(port: int = 0) -> tuple[grpc.Server, int]:
+    server, bound, _ = create_grpc_server(host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry()), max_message_bytes=1 << 20)
+    return server, bound
+
+
+def test_a_second_server_on_a_live_port_fails_rather_than_sharing_it() -> None:
+    first, port = _server()
+    first.start()
+    # A plain grpc server sets SO_REUSEPORT on Linux: two of them would split one port's connections.
+    foreign = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    foreign_port = foreign.add_insecure_port("127.0.0.1:0")
+    foreign.start()
+    try:
+        with pytest.raises(PortUnavailable):
+            _server(port)
+        with pytest.raises(PortUnavailable):
+            _server(foreign_port)
+        with pytest.raises(RuntimeError):  # nor can a foreign grpc server join ours
+            grpc.server(futures.ThreadPoolExecutor(max_workers=1)).add_insecure_port(f"127.0.0.1:{port}")
+    finally:
+        first.stop(0)
+        foreign.stop(0)
+
+
+def test_a_port_left_in_time_wait_binds_again() -> None:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server side closes first: its port stays in TIME_WAIT
+    listener.close()
+    client.close()
+    server, bound = _server(port)
+    server.stop(0)
+    assert bound == port

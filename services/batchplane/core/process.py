@@ -2,6 +2,10 @@
 metrics HTTP endpoint, the ready file that tells a launcher where it listens, graceful stop on
 SIGTERM/SIGINT, and exiting when its launcher dies.
 
+A port asked for (--port, --metrics-port) that cannot be bound ends the process with an exit
+status of its own (EXIT_PORT_UNAVAILABLE, EXIT_METRICS_PORT_UNAVAILABLE), never on another port:
+a launcher that can move the process (`batchplane up`) starts it again on a free one.
+
 Only `run_service` reads flags and the environment; it passes settings down.
 """
 
@@ -14,6 +18,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +33,10 @@ log = logging.getLogger(__name__)
 
 #: Exit status of a process that could not start because of bad configuration or data.
 EXIT_BAD_INPUT = 2
+#: Exit status of a process that could not bind the gRPC port it was given (--port).
+EXIT_PORT_UNAVAILABLE = 3
+#: Exit status of a process that could not bind the metrics port it was given (--metrics-port).
+EXIT_METRICS_PORT_UNAVAILABLE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,21 +124,40 @@ def run_service(
         part: "planner", "loader" or "constructor".
         argv: Command-line arguments (None: sys.argv).
         start: Builds and starts the service; raises BatchplaneError for bad configuration or
-            data, which ends the process with exit status 2 and the error in the log.
+            data, which ends the process with exit status 2 and the error in the log, and
+            PortUnavailable when it cannot bind its --port (exit status 3).
     Returns:
-        The process exit status.
+        The process exit status: 0 after a stop, EXIT_BAD_INPUT, EXIT_PORT_UNAVAILABLE or
+        EXIT_METRICS_PORT_UNAVAILABLE (--metrics-port cannot be bound).
     """
+    from batchplane.core.rpc import PortUnavailable  # here: the operator logs through this module without grpc
+
     settings = parse_process_args(part, argv)
     name = part if part == "planner" else f"{part}-{settings.replica or settings.index}" + ("-shadow" if settings.shadow_of else "")
     configure_logging(settings.log_level, name)
     registry = CollectorRegistry()
     try:
         job = load_job(settings.config)
+        # The metrics endpoint opens only once the service serves (a pod's startup probe reads
+        # it), so its port is checked first: a taken one fails before registering anywhere.
+        if settings.metrics_port and not _can_bind(job.network.host, settings.metrics_port):
+            log.error("cannot start %s: metrics port %d on %s is taken", name, settings.metrics_port, job.network.host)
+            return EXIT_METRICS_PORT_UNAVAILABLE
         running = start(job, settings, registry)
+    except PortUnavailable as exc:
+        log.error("cannot start %s: %s", name, exc)
+        return EXIT_PORT_UNAVAILABLE
     except BatchplaneError as exc:
         log.error("cannot start %s: %s", name, exc)
         return EXIT_BAD_INPUT
-    metrics_server, _ = start_http_server(settings.metrics_port, addr=job.network.host, registry=registry)
+    try:
+        metrics_server, _ = start_http_server(settings.metrics_port, addr=job.network.host, registry=registry)
+    except OSError as exc:
+        if not settings.metrics_port:
+            raise
+        log.error("cannot start %s: metrics port %d on %s: %s", name, settings.metrics_port, job.network.host, exc)
+        running.stop(grace_s=0)  # taken since the check above
+        return EXIT_METRICS_PORT_UNAVAILABLE
     metrics_port = metrics_server.server_port
     stop_event = threading.Event()
 
@@ -166,6 +194,19 @@ def run_service(
     metrics_server.shutdown()
     log.info("%s stopped", name)
     return 0
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """True when TCP `port` on `host` can be bound now, as the metrics server binds it
+    (SO_REUSEADDR: a port left in TIME_WAIT counts as free, one a live process listens on not)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError:
+        return False
+    return True
 
 
 def _watch_parent(stop_event: threading.Event) -> None:

@@ -143,6 +143,26 @@ def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+class PortUnavailable(OSError):
+    """A server cannot bind the TCP port it was asked for (typically: another process listens
+    on it). Raised only for a port other than 0, so that a launcher may try again on a free one.
+
+    Args:
+        address: The host:port that could not be bound.
+    """
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"cannot bind gRPC server to {address}: the port is taken or not allowed")
+        self.address = address
+
+
+#: Server options on top of the message limits. grpc sets SO_REUSEADDR on its listening sockets
+#: (a port an exited server left in TIME_WAIT binds again at once) and, on Linux, SO_REUSEPORT
+#: unless told not to: two servers, even of two jobs, could then bind one port and split its
+#: connections between them. A port held by a live process must fail to bind instead.
+SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
+
+
 def create_grpc_server(
     *,
     host: str,
@@ -161,17 +181,27 @@ def create_grpc_server(
         max_workers: Threads serving RPCs.
     Returns:
         (server, bound port (0 for a Unix socket), health servicer to set statuses on).
+    Raises:
+        PortUnavailable: `port` (not 0) cannot be bound, e.g. a live process listens on it.
+        OSError: no free port could be bound.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         interceptors=[_ErrorsAndMetrics(metrics)],
-        options=message_options(max_message_bytes),
+        options=[*message_options(max_message_bytes), *SERVER_OPTIONS],
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = host if host.startswith("unix:") else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises here; older versions returned 0
+        if host.startswith("unix:"):
+            raise
+        bound = 0
     if not host.startswith("unix:") and bound == 0:
+        if port:
+            raise PortUnavailable(address)
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, bound, health_servicer
 

@@ -1,10 +1,17 @@
 """Runs a whole job on one machine: the planner, the loaders and the constructors as local
 processes on 127.0.0.1, each with its own log file.
 
-Each process binds a free port and writes its address to a ready file; the launcher waits for
+Each process binds its ports and writes its address to a ready file; the launcher waits for
 that file and a SERVING health check, then writes `endpoints.json` (what clients read through
 BATCHPLANE_ENDPOINTS). Stopping sends SIGTERM, then SIGKILL to whatever is left; every process
 also exits by itself if the launcher dies.
+
+Addresses are stable, as a Kubernetes Service's are: started again on a run folder whose
+`endpoints.json` is from an earlier run of the same job, every process asks for the gRPC and
+metrics ports it had there (a restarted process too), so trainers that keep running reach the
+data plane where they cached it. A process whose port another program holds exits with
+EXIT_PORT_UNAVAILABLE (or EXIT_METRICS_PORT_UNAVAILABLE) and is started again on a free port,
+with a warning; `endpoints.json` then names the new address.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 
 import grpc
 
 from batchplane.core.config import JobSettings, load_job
+from batchplane.core.process import EXIT_METRICS_PORT_UNAVAILABLE, EXIT_PORT_UNAVAILABLE
 from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.core.rpc import is_serving
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
@@ -31,9 +40,21 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS_FILE = "endpoints.json"
 
+#: How long `start` waits at most for processes that a launcher of the same run folder left
+#: behind (it died without stopping them) to exit by themselves and free their ports.
+LEFTOVER_EXIT_S = 10.0
+
 
 class LaunchError(RuntimeError):
     """A process could not start or died; the message carries the end of its log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    """The TCP ports of one process; 0: any free one."""
+
+    grpc: int = 0
+    metrics: int = 0
 
 
 @dataclasses.dataclass
@@ -45,7 +66,13 @@ class ServiceProcess:
     log_path: pathlib.Path
     ready_path: pathlib.Path
     module: str = ""
+    #: Its arguments, without the ports.
     args: tuple[str, ...] = ()
+    #: The ports it was started with (--port, --metrics-port).
+    ports: Ports = Ports()
+    #: The ports it had before (an earlier run, or before a restart): the ones it keeps unless
+    #: another program holds them.
+    kept: Ports = Ports()
     address: str = ""
     metrics_port: int = 0
     #: Asked to leave (scale in): its exit is expected, not a failure.
@@ -54,6 +81,11 @@ class ServiceProcess:
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def port(self) -> int:
+        """The gRPC port it serves on (0 before it is ready)."""
+        return int(self.address.rsplit(":", 1)[1]) if self.address else 0
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -104,28 +136,37 @@ class LocalCluster:
         return self.run_dir / ENDPOINTS_FILE
 
     def start(self, *, timeout_s: float = 60.0) -> LocalCluster:
-        """Starts every process and waits until each is serving.
+        """Starts every process and waits until each is serving. Where the run folder's endpoints
+        file is from an earlier run of this job, each process asks for the ports it had there,
+        and takes free ones only when another program holds them (logged as a warning).
 
         Raises:
             LaunchError: a process exited or did not become ready in time; everything started is
                 stopped again.
         """
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        earlier = self._earlier_ports()
+        if earlier:
+            self._wait_for_leftovers(min(LEFTOVER_EXIT_S, timeout_s))
+
+        def spawn(name: str, module: str, args: Sequence[str]) -> ServiceProcess:
+            return self._spawn(name, module, args, ports=earlier.get(name, Ports()))
+
         try:
-            self.planner = self._spawn("planner", "batchplane.planner", [])
+            self.planner = spawn("planner", "batchplane.planner", [])
             self._wait_ready([self.planner], timeout_s)
             planner_args = ["--planner", self.planner.address]
             self.loaders = [
-                self._spawn(f"loader-{i}", "batchplane.loader", ["--index", str(i), *planner_args])
+                spawn(f"loader-{i}", "batchplane.loader", ["--index", str(i), *planner_args])
                 for i in range(self.job.loader_count)
             ]
             if self.job.loaders.shadow:  # a hot standby of each loader
                 self.loaders += [
-                    self._spawn(f"loader-{i}-shadow", "batchplane.loader", ["--index", str(i), "--shadow-of", str(i), *planner_args])
+                    spawn(f"loader-{i}-shadow", "batchplane.loader", ["--index", str(i), "--shadow-of", str(i), *planner_args])
                     for i in range(self.job.loader_count)
                 ]
             self.constructors = [
-                self._spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *planner_args])
+                spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *planner_args])
                 for i in range(self.job.constructor_count)
             ]
             self._wait_ready(self.loaders + self.constructors, timeout_s)
@@ -135,7 +176,55 @@ class LocalCluster:
         self._write_endpoints()
         return self
 
-    def _spawn(self, name: str, module: str, args: Sequence[str]) -> ServiceProcess:
+    def _earlier_ports(self) -> dict[str, Ports]:
+        """The ports each process had in the earlier run of this job in the run folder, by
+        process name, read from its endpoints file; empty where there is none, or it is another
+        job's or cannot be read (logged)."""
+        path = self.endpoints_path
+        try:
+            table = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.info("not keeping the addresses in %s: cannot read it (%s); every process takes a free port", path, exc)
+            return {}
+        job = table.get("job") if isinstance(table, dict) else None
+        if job != self.job.job:
+            log.info("not keeping the addresses in %s: they are job %r's, not %r's; every process takes a free port", path, job, self.job.job)
+            return {}
+        try:
+            ports = _ports_in(table, self.job)
+        except (AttributeError, LookupError, TypeError, ValueError) as exc:
+            log.info("not keeping the addresses in %s: cannot read it (%s: %s); every process takes a free port", path, type(exc).__name__, exc)
+            return {}
+        log.info("keeping the addresses of the earlier run of job %r in %s", self.job.job, path)
+        return ports
+
+    def _wait_for_leftovers(self, timeout_s: float) -> None:
+        """Waits (at most `timeout_s`) for processes that an earlier launcher of this run folder
+        left running to exit: it died without stopping them, and they stop by themselves once
+        they see it gone (--exit-with-parent), freeing the ports this run keeps."""
+        leftovers = {ready: pid for ready in sorted(self.run_dir.glob(".*.ready")) if (pid := _service_pid(ready))}
+        if not leftovers:
+            return
+        log.info("waiting up to %.0f s for %d process(es) an earlier launcher left running to exit", timeout_s, len(leftovers))
+        give_up = time.monotonic() + timeout_s
+        while leftovers and time.monotonic() < give_up:
+            time.sleep(0.1)
+            leftovers = {ready: pid for ready, pid in leftovers.items() if _service_pid(ready, pid)}
+        if leftovers:
+            log.warning(
+                "processes %s of an earlier launcher of %s still run; the ports they hold are replaced by free ones",
+                sorted(leftovers.values()), self.run_dir,
+            )
+
+    def _spawn(self, name: str, module: str, args: Sequence[str], *, ports: Ports = Ports(), kept: Ports | None = None) -> ServiceProcess:
+        """Starts one process.
+
+        Args:
+            ports: The ports it asks for; 0: any free one.
+            kept: The ports it had before, which it keeps unless taken; default: `ports`.
+        """
         log_path = self.run_dir / "logs" / f"{name}.log"
         ready_path = self.run_dir / f".{name}.ready"
         ready_path.unlink(missing_ok=True)
@@ -147,28 +236,71 @@ class LocalCluster:
             "--log-level", self.log_level,
             *args,
         ]
+        if ports.grpc:
+            command += ["--port", str(ports.grpc)]
+        if ports.metrics:
+            command += ["--metrics-port", str(ports.metrics)]
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.debug("started %s (pid %d): %s", name, popen.pid, " ".join(command))
-        return ServiceProcess(name, popen, log_path, ready_path, module, tuple(args))
+        return ServiceProcess(name, popen, log_path, ready_path, module, tuple(args), ports, ports if kept is None else kept)
 
-    def _wait_ready(self, processes: Sequence[ServiceProcess], timeout_s: float) -> None:
+    def _wait_ready(self, processes: Sequence[ServiceProcess], timeout_s: float, *, fixed_address: bool = False) -> list[ServiceProcess]:
+        """Waits until every process serves. One that exits because another program holds a
+        port it asked for is started again on a free one in its place (in this cluster's lists
+        too); its gRPC port stays fixed with `fixed_address` (others were given its address).
+
+        Returns:
+            The processes, each one started again in place of the one it replaces.
+        Raises:
+            LaunchError: a process exited otherwise, or did not become ready in time.
+        """
         give_up = time.monotonic() + timeout_s
+        processes = list(processes)
         pending = list(processes)
         while pending:
             for p in list(pending):
                 code = p.popen.poll()
                 if code is not None:
-                    raise LaunchError(f"{p.name} exited with status {code} while starting; end of {p.log_path}:\n{p.log_tail()}")
+                    again = self._again_on_free_port(p, code, fixed_address=fixed_address)
+                    if again is None:
+                        raise LaunchError(f"{p.name} exited with status {code} while starting; end of {p.log_path}:\n{p.log_tail()}")
+                    processes[processes.index(p)] = again
+                    pending[pending.index(p)] = again
+                    continue
                 if p.ready_path.exists():
                     info = json.loads(p.ready_path.read_text())
                     p.address, p.metrics_port = info["address"], info["metrics_port"]
                     if is_serving(p.address):
                         pending.remove(p)
+                        _warn_if_moved(p)
             if pending and time.monotonic() > give_up:
                 names = ", ".join(p.name for p in pending)
                 raise LaunchError(f"{names} not serving after {timeout_s:.0f} s; see {self.run_dir / 'logs'}")
             time.sleep(0.05)
+        return processes
+
+    def _again_on_free_port(self, p: ServiceProcess, code: int, *, fixed_address: bool) -> ServiceProcess | None:
+        """Starts `p` again with a free port in place of the one it could not bind (exit status
+        `code`); None where its exit has another cause or that port must stay."""
+        if code == EXIT_PORT_UNAVAILABLE and p.ports.grpc and not fixed_address:
+            ports, what = dataclasses.replace(p.ports, grpc=0), f"gRPC port {p.ports.grpc}"
+        elif code == EXIT_METRICS_PORT_UNAVAILABLE and p.ports.metrics:
+            ports, what = dataclasses.replace(p.ports, metrics=0), f"metrics port {p.ports.metrics}"
+        else:
+            return None
+        log.info("%s cannot bind its %s (another process holds it); starting it again on a free one", p.name, what)
+        again = self._spawn(p.name, p.module, p.args, ports=ports, kept=p.kept)
+        self._replace(p, again)
+        return again
+
+    def _replace(self, old: ServiceProcess, new: ServiceProcess) -> None:
+        """Puts `new` in the place of `old` in this cluster's processes (if it is there)."""
+        if old is self.planner:
+            self.planner = new
+        for group in (self.loaders, self.constructors):
+            if old in group:
+                group[group.index(old)] = new
 
     def _write_endpoints(self) -> None:
         table = {
@@ -205,10 +337,11 @@ class LocalCluster:
         return self.restart(self.constructors[index], timeout_s=timeout_s)
 
     def restart(self, old: ServiceProcess, *, timeout_s: float = 60.0) -> ServiceProcess:
-        """Starts process `old` again with its arguments on its address, killing it first if it
-        still runs. A loader replica restarts under its id and reads again the windows
-        constructors may still fetch (the planner's replay of its ledger); see `restart_planner`
-        and `restart_constructor` for the others.
+        """Starts process `old` again with its arguments on its address and metrics port,
+        killing it first if it still runs. A loader replica restarts under its id and reads again
+        the windows constructors may still fetch (the planner's replay of its ledger); see
+        `restart_planner` and `restart_constructor` for the others. A loader or constructor whose
+        port another program took meanwhile moves to a free one (a warning); the planner does not.
 
         Raises:
             LaunchError: it exited or did not become ready in time.
@@ -216,13 +349,10 @@ class LocalCluster:
         if old.popen.poll() is None:
             old.popen.kill()
         old.popen.wait()
-        process = self._spawn(old.name, old.module, [*_without_port(old.args), "--port", old.address.rsplit(":", 1)[1]])
-        self._wait_ready([process], timeout_s)
-        if old is self.planner:
-            self.planner = process
-        for group in (self.loaders, self.constructors):
-            if old in group:
-                group[group.index(old)] = process
+        process = self._spawn(old.name, old.module, old.args, ports=Ports(old.port, old.metrics_port))
+        # Loaders and constructors were given the planner's address: it must not move.
+        (process,) = self._wait_ready([process], timeout_s, fixed_address=old is self.planner)
+        self._replace(old, process)
         self._write_endpoints()
         return process
 
@@ -308,13 +438,55 @@ class LocalCluster:
         self.stop()
 
 
-def _without_port(args: Sequence[str]) -> list[str]:
-    """Process arguments without a --port (a restart passes the one it had)."""
-    out = list(args)
-    if "--port" in out:
-        i = out.index("--port")
-        del out[i : i + 2]
-    return out
+def _ports_in(table: dict, job: JobSettings) -> dict[str, Ports]:
+    """The ports of each process named in an endpoints file of `job`, by process name.
+
+    Raises:
+        AttributeError, LookupError, TypeError, ValueError: the table is not an endpoints file.
+    """
+    addresses = {"planner": table["planner"], **{f"loader-{k}": a for k, a in table["loaders"].items()}}
+    for i in range(job.constructor_count):  # the file names constructors by the ranks they serve
+        rank = str(job.constructor_ranks(i)[0])
+        if rank in table["constructors"]:
+            addresses[f"constructor-{i}"] = table["constructors"][rank]
+    metrics = {name: urllib.parse.urlsplit(url).port or 0 for name, url in table["metrics"].items()}
+    return {name: Ports(_port_of(addresses.get(name)), metrics.get(name, 0)) for name in addresses.keys() | metrics.keys()}
+
+
+def _port_of(address: str | None) -> int:
+    """The port of a host:port address (0 for None).
+
+    Raises:
+        ValueError: no port in 1..65535.
+    """
+    if address is None:
+        return 0
+    port = int(address.rsplit(":", 1)[1])
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} of {address!r} is out of range")
+    return port
+
+
+def _service_pid(ready_path: pathlib.Path, pid: int | None = None) -> int | None:
+    """The process that was started with `ready_path` as its ready file (pid: the one it
+    names, or `pid`) where it still runs; None otherwise, or where /proc cannot tell."""
+    try:
+        pid = pid or int(json.loads(ready_path.read_text())["pid"])
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if str(ready_path).encode() in argv else None  # not a pid reused since
+
+
+def _warn_if_moved(p: ServiceProcess) -> None:
+    """Warns where a process that just became ready does not serve on a port it kept."""
+    if p.kept.grpc and p.port != p.kept.grpc:
+        log.warning(
+            "%s: its gRPC port %d is held by another process; it serves on port %d instead (%s names it)",
+            p.name, p.kept.grpc, p.port, ENDPOINTS_FILE,
+        )
+    if p.kept.metrics and p.metrics_port != p.kept.metrics:
+        log.warning("%s: its metrics port %d is held by another process; metrics on port %d instead", p.name, p.kept.metrics, p.metrics_port)
 
 
 def _check_strategy(job: JobSettings) -> None:
