@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble
+from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble, metadata_only
+from batchplane.core.lengths import loss_tokens
 
 TENSOR_NAMES = (
     "input_ids",
@@ -215,3 +216,112 @@ def test_payload_views_are_writable_and_not_shared_with_the_inputs() -> None:
     batch = assemble(samples, step=0, rank=0, pad_id=0, ignore_id=-100, token_dtype="int64", global_loss_tokens=2)
     _views(batch, 0)["input_ids"][0, 0] = 99  # the payload is a bytearray, so views are writable
     assert tokens[0].tolist() == [1, 2, 3]
+
+
+# ---- batch.max_length with length_policy "split" ---------------------------------------------
+
+
+@st.composite
+def long_samples(draw):
+    sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
+    n = sum(sizes)
+    tokens = [np.array(t, np.int64) for t in draw(st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30), min_size=n, max_size=n))]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    samples = RankSamples(
+        tokens=tokens,
+        source=np.arange(n, dtype=np.int32) % 3,
+        row=np.arange(n, dtype=np.int64) * 7,
+        epoch=np.zeros(n, np.int32),
+        offsets=offsets,
+    )
+    return samples
+
+
+@settings(max_examples=100, deadline=None)
+@given(samples=long_samples(), max_length=st.integers(1, 12), packed=st.booleans(), policy=st.sampled_from(["split", "truncate", "reject"]))
+def test_split_samples_become_chunk_rows_with_one_identity_entry_per_sample(samples, max_length: int, packed: bool, policy: str) -> None:
+    ignore_id = -100
+    limit = {"max_length": max_length, "length_policy": policy}
+    batch = assemble(
+        samples, step=1, rank=0, pad_id=0, ignore_id=ignore_id, token_dtype="int64", global_loss_tokens=10**6,
+        pack_length=16 if packed else None, **limit,
+    )
+    _check_layout_of_split(batch, split=policy == "split")
+    lengths = np.array([len(t) for t in samples.tokens], np.int32)
+    meta = metadata_only(step=1, rank=0, lengths=lengths, offsets=samples.offsets, global_loss_tokens=10**6, **limit)
+    for m, mb in enumerate(batch.microbatches):
+        lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
+        got = _views(batch, m)
+        # One identity entry per sample, whatever the rows.
+        assert got["sample_row"].tolist() == samples.row[lo:hi].tolist()
+        assert got["sample_source"].tolist() == samples.source[lo:hi].tolist()
+        assert got["sample_length"].tolist() == lengths[lo:hi].tolist()
+        # The loss tokens counted three ways agree: labels, the layout, the planned lengths.
+        assert int(np.count_nonzero(got["labels"] != ignore_id)) == mb.loss_tokens == meta.microbatches[m].loss_tokens
+        assert mb.loss_tokens == loss_tokens(lengths[lo:hi], max_length=max_length, policy=policy)
+        assert mb.num_tokens == int(got["attention_mask"].sum()) == int(lengths[lo:hi].sum())
+        assert mb.loss_weight == meta.microbatches[m].loss_weight
+        if packed or hi == lo:
+            continue
+        # Padded: row r is chunk r; each sample's chunks are consecutive rows.
+        chunks = [len(range(0, n, max_length)) if policy == "split" else 1 for n in lengths[lo:hi]]
+        if policy == "split":
+            assert got["sample_chunks"].tolist() == chunks
+        assert got["input_ids"].shape[0] == sum(chunks)
+        assert got["input_ids"].shape[1] == max(min(n, max_length) if policy == "split" else n for n in lengths[lo:hi])
+        r = 0
+        for b in range(hi - lo):
+            tokens = samples.tokens[lo + b].tolist()
+            joined = []
+            for _ in range(chunks[b]):
+                n = int(got["attention_mask"][r].sum())
+                assert got["attention_mask"][r, :n].all()
+                assert policy != "split" or n <= max_length
+                assert got["position_ids"][r, :n].tolist() == list(range(n))
+                row = got["input_ids"][r, :n].tolist()
+                assert got["labels"][r, : n - 1].tolist() == row[1:] and (got["labels"][r, n - 1 :] == ignore_id).all()
+                joined += row
+                r += 1
+            assert joined == tokens  # every token, in order
+
+
+def _check_layout_of_split(batch: BuiltBatch, *, split: bool) -> None:
+    for mb in batch.microbatches:
+        names = [t.name for t in mb.tensors]
+        assert ("sample_chunks" in names) == split
+        assert names[-1 - split : len(names) - split] == ["sample_length"]
+
+
+def test_padded_split_by_hand() -> None:
+    samples = RankSamples(
+        tokens=[np.array([1, 2, 3, 4, 5], np.int64), np.array([6, 7], np.int64)],
+        source=np.array([0, 1], np.int32),
+        row=np.array([10, 11], np.int64),
+        epoch=np.zeros(2, np.int32),
+        offsets=np.array([0, 2]),
+    )
+    batch = assemble(samples, step=0, rank=0, pad_id=0, ignore_id=-100, token_dtype="int64", global_loss_tokens=4, max_length=2)
+    got = _views(batch, 0)
+    assert got["input_ids"].tolist() == [[1, 2], [3, 4], [5, 0], [6, 7]]
+    assert got["labels"].tolist() == [[2, -100], [4, -100], [-100, -100], [7, -100]]
+    assert got["position_ids"].tolist() == [[0, 1], [0, 1], [0, 0], [0, 1]]
+    assert got["attention_mask"].tolist() == [[True, True], [True, True], [True, False], [True, True]]
+    assert got["sample_row"].tolist() == [10, 11] and got["sample_length"].tolist() == [5, 2]
+    assert got["sample_chunks"].tolist() == [3, 1]
+    assert batch.microbatches[0].loss_tokens == 3 and batch.microbatches[0].loss_weight == 0.75
+
+
+def test_no_limit_or_no_long_sample_changes_nothing() -> None:
+    samples = RankSamples(
+        tokens=[np.array([5, 6, 7], np.int64), np.array([8], np.int64)],
+        source=np.array([0, 1], np.int32),
+        row=np.array([10, 11], np.int64),
+        epoch=np.zeros(2, np.int32),
+        offsets=np.array([0, 2]),
+    )
+    base = dict(step=0, rank=0, pad_id=0, ignore_id=-100, token_dtype="int64", global_loss_tokens=2)
+    for pack_length in (None, 4):
+        plain = assemble(samples, **base, pack_length=pack_length)
+        for limit in ({"max_length": None}, {"max_length": 3, "length_policy": "truncate"}, {"max_length": 3, "length_policy": "reject"}):
+            other = assemble(samples, **base, pack_length=pack_length, **limit)
+            assert other.microbatches == plain.microbatches and other.payload == plain.payload

@@ -25,7 +25,8 @@ def test_pure_numpy() -> None:
     tree = ast.parse(pathlib.Path(parallel.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported <= {"__future__", "collections.abc", "types", "numpy"}, imported
+    # batchplane.core.lengths is pure numpy too (tests/unit/test_lengths.py checks it).
+    assert imported <= {"__future__", "collections.abc", "types", "numpy", "batchplane.core.lengths"}, imported
 
 
 # --- CP ---------------------------------------------------------------------------------------
@@ -319,6 +320,93 @@ def test_pack_refuses_empty_or_non_1d_samples() -> None:
         pack([np.array([1]), np.array([], np.int64)], max_length=4, pad_id=0, ignore_id=-1, dtype="int32")
     with pytest.raises(ValueError, match=r"tokens\[0\]"):
         pack([np.ones((2, 2), np.int64)], max_length=4, pad_id=0, ignore_id=-1, dtype="int32")
+
+
+# --- packing split samples (batch.length_policy "split") ----------------------------------------
+
+
+@FAST
+@given(
+    raw=st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), max_size=8),
+    max_length=st.integers(1, 30),
+    max_sample_length=st.integers(1, 12),
+    policy=st.sampled_from(["split", "truncate", "reject"]),
+    dtype=st.sampled_from(["int32", "int64"]),
+)
+def test_pack_split_chunks_are_sequences_of_their_own(raw, max_length: int, max_sample_length: int, policy: str, dtype: str) -> None:
+    ignore_id = -100
+    samples = [np.array(s, np.int64) for s in raw]
+    out = pack(samples, max_length=max_length, pad_id=0, ignore_id=ignore_id, dtype=dtype, max_sample_length=max_sample_length, length_policy=policy)
+    if not samples:
+        assert out["sample_chunks"].tolist() == [] and out["cu_seqlens"].tolist() == [0]
+        return
+    ids, labels, pos, seg, mask = (out[n] for n in ("input_ids", "labels", "position_ids", "segment_ids", "attention_mask"))
+    # The sequences: every sample's chunks of max_sample_length (under split), in order.
+    step = max_sample_length if policy == "split" else None
+    expected = [s[i : i + step] if step else s for s in raw for i in (range(0, len(s), step) if step else [0])]
+    chunks = [len(range(0, len(s), step)) if step else 1 for s in raw]
+    assert out["sample_chunks"].tolist() == chunks
+    cu = out["cu_seqlens"]
+    assert cu.tolist() == np.concatenate([[0], np.cumsum([len(e) for e in expected])]).tolist()
+    flat_ids, flat_labels, flat_pos, flat_seg = ids[mask], labels[mask], pos[mask], seg[mask]
+    row_of_token = np.nonzero(mask)[0]
+    for q, e in enumerate(expected):
+        lo, hi = cu[q], cu[q + 1]
+        assert flat_ids[lo:hi].tolist() == e  # the chunk's tokens, in order
+        assert flat_pos[lo:hi].tolist() == list(range(len(e)))  # positions restart per chunk
+        assert flat_labels[lo : hi - 1].tolist() == e[1:]  # the next token within the chunk
+        assert flat_labels[hi - 1] == ignore_id  # never across a chunk's end
+        assert len(set(flat_seg[lo:hi].tolist())) == 1 and len(set(row_of_token[lo:hi].tolist())) == 1  # one segment, one row
+        if q + 1 < len(expected) and row_of_token[hi - 1] == row_of_token[hi]:
+            assert flat_seg[hi] != flat_seg[hi - 1]  # chunks sharing a row never share a segment
+        if step:
+            assert len(e) <= step
+    assert int(out["max_seqlen"]) == max(len(e) for e in expected)
+    assert int(np.count_nonzero(labels != ignore_id)) == sum(len(e) - 1 for e in expected)
+    first_chunk = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(int)
+    assert out["sample_rows"].tolist() == row_of_token[cu[first_chunk]].tolist()
+    rows = mask.sum(axis=1)
+    assert all(n <= max_length or len(set(seg[r, : n].tolist())) == 1 for r, n in enumerate(rows))  # over max_length only alone
+
+
+def test_pack_split_by_hand() -> None:
+    samples = [np.array([1, 2, 3, 4, 5, 6, 7]), np.array([8, 9])]
+    out = pack(samples, max_length=6, pad_id=0, ignore_id=-100, dtype="int64", max_sample_length=3)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
+    assert out["labels"].tolist() == [[2, 3, -100, 5, 6, -100], [-100, 9, -100, -100, -100, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 0, 1, 0, 0, 0]]
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2], [1, 2, 2, 0, 0, 0]]
+    assert out["cu_seqlens"].tolist() == [0, 3, 6, 7, 9]
+    assert out["sample_rows"].tolist() == [0, 1]
+    assert out["sample_chunks"].tolist() == [3, 1]
+    assert int(out["max_seqlen"]) == 3
+
+
+def test_pack_without_a_limit_is_unchanged_by_the_policy() -> None:
+    samples = [np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8, 9, 10, 11])]
+    plain = pack(samples, max_length=5, pad_id=0, ignore_id=-100, dtype="int64")
+    for policy in ("split", "truncate", "reject"):
+        for limit in (None, 2):
+            if limit is not None and policy == "split":
+                continue
+            out = pack(samples, max_length=5, pad_id=0, ignore_id=-100, dtype="int64", max_sample_length=limit, length_policy=policy)
+            assert out.keys() == plain.keys()
+            assert all(np.array_equal(out[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"max_sample_length": 0}, "max_length"), ({"length_policy": "drop"}, "length policy")])
+def test_pack_bad_length_limit(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pack([np.array([1, 2])], max_length=4, pad_id=0, ignore_id=-1, dtype="int32", **kwargs)
+
+
+def test_sample_chunks_passes_cp_slicing_and_every_pipeline_stage() -> None:
+    out = pack([np.arange(1, 8)], max_length=4, pad_id=0, ignore_id=-100, dtype="int64", max_sample_length=4)
+    out.pop("sample_rows")
+    sliced = cp_slice(out, cp=2, rank=1, mode="zigzag", pad_values={"input_ids": 0, "labels": -100, "attention_mask": False, "position_ids": 0, "segment_ids": 0})
+    assert sliced["sample_chunks"] is out["sample_chunks"] and sliced["cu_seqlens"] is out["cu_seqlens"]
+    for stage in range(3):
+        assert "sample_chunks" in stage_filter(sliced, stage=stage, stages=3, ignore_id=-100)
 
 
 # --- PP ---------------------------------------------------------------------------------------

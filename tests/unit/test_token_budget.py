@@ -121,6 +121,46 @@ def test_deterministic_and_input_not_modified(lengths, ranks, min_mb, budget, mo
 
 
 @_settings
+@given(
+    lengths=lengths_st,
+    ranks=ranks_st,
+    min_mb=min_mb_st,
+    budget=st.integers(1, 4096),
+    max_length=st.integers(1, 700),
+    policy=st.sampled_from(["split", "truncate", "reject"]),
+)
+def test_split_samples_count_as_their_chunk_rows_under_a_padded_budget(lengths, ranks, min_mb, budget, max_length, policy) -> None:
+    """Under "split" a microbatch of two or more samples fits rows * widest row <= max_tokens,
+    rows counting each split sample's ceil(l / max_length) chunks; other policies (whose
+    samples the loader already limited) and samples within the limit plan as without one."""
+    costs = lengths.astype(np.float64) ** 2
+    plan = token_budget(lengths, costs, ranks=ranks, max_tokens=budget, min_microbatches=min_mb, max_length=max_length, length_policy=policy)
+    flat = np.concatenate([b for rank in plan for b in rank])
+    assert np.array_equal(np.sort(flat), np.arange(len(lengths)))  # I1
+    assert len({len(rank) for rank in plan}) == 1  # I2
+    split = policy == "split"
+    rows = np.array([-(-int(n) // max_length) if split else 1 for n in lengths], np.int64)
+    widths = np.minimum(lengths, max_length) if split else lengths
+    for rank in plan:
+        for b in rank:
+            if len(b) >= 2:
+                assert int(rows[b].sum()) * int(widths[b].max()) <= budget
+    if not split or (lengths <= max_length).all():
+        plain = token_budget(lengths, costs, ranks=ranks, max_tokens=budget, min_microbatches=min_mb)
+        assert [[b.tolist() for b in rank] for rank in plan] == [[b.tolist() for b in rank] for rank in plain]
+
+
+def test_a_split_sample_fills_a_padded_budget_with_its_chunks() -> None:
+    # 10 tokens at max_length 4: 3 rows of width 4 = 12 padded tokens; with a budget of 16 one
+    # more row of width <= 4 fits beside it, not two.
+    lengths = np.array([10, 4, 3])
+    plan = token_budget(lengths, np.ones(3), ranks=1, max_tokens=16, max_length=4)
+    assert sorted(b.tolist() for b in plan[0]) == [[0, 1], [2]]
+    unsplit = token_budget(lengths, np.ones(3), ranks=1, max_tokens=16)
+    assert sorted(b.tolist() for b in unsplit[0]) == [[0], [1, 2]]
+
+
+@_settings
 @given(lengths=lengths_st, ranks=ranks_st, budget=st.integers(1, 4096))
 def test_microbatch_count_is_the_fewest_the_padded_grouping_allows(lengths, ranks, budget) -> None:
     """M = ceil(G / ranks) for the next-fit grouping's G (ODB's B(l) rule on the group's

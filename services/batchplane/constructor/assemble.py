@@ -5,18 +5,29 @@ Every tensor of every microbatch is laid out at a 64-byte aligned offset of one 
 written in place, so the payload is built once and streamed as it is; the client turns each
 slice into a tensor without a copy.
 
-Per microbatch of B samples padded on the right to the longest, L tokens:
-- input_ids [B, L]: the tokens, `pad_id` after each sample's end;
-- labels [B, L]: the next token (labels[b, t] = input_ids[b, t + 1]); `ignore_id` on each
-  sample's last token and on padding, so a label never crosses a sample's end;
-- attention_mask [B, L] (bool): True on real tokens;
-- position_ids [B, L]: 0 .. length - 1 per sample, 0 on padding;
-- sample_source, sample_row, sample_epoch, sample_length [B]: which sample each row is.
+Per microbatch of B samples laid out as R rows padded on the right to the longest, L tokens:
+- input_ids [R, L]: the tokens, `pad_id` after each row's end;
+- labels [R, L]: the next token (labels[r, t] = input_ids[r, t + 1]); `ignore_id` on each
+  row's last token and on padding, so a label never crosses a sample's (or chunk's) end;
+- attention_mask [R, L] (bool): True on real tokens;
+- position_ids [R, L]: 0 .. length - 1 per row, 0 on padding;
+- sample_source, sample_row, sample_epoch, sample_length [B]: which sample each is, one entry
+  per sample (sample_length is the sample's whole length, split or not);
+- sample_chunks [B] (int32, only when the job splits: `max_length` set and `length_policy`
+  "split"): the rows (packed: the sequences) each sample is laid out as.
+Each sample is one row (R == B, row b is sample b), except under `length_policy` "split": a
+sample longer than `max_length` is cut into ceil(length / max_length) consecutive chunks of at
+most max_length tokens (`batchplane.core.lengths.chunks`), each a row of its own with positions
+from 0 and no label across its end, so R == sample_chunks.sum() and sample b's rows start at
+row sample_chunks[:b].sum(). Under "truncate" and "reject" the loader already made every sample
+at most max_length tokens long: nothing is split here.
 A microbatch with no samples (a filler, only in a finite job's last step) is one row of one
-padding token with no label. With packing (`pack_length`), a microbatch's samples are
+padding token with no label. With packing (`pack_length`), a microbatch's sequences are
 concatenated into rows instead (see `parallel.pack`: segment_ids, cu_seqlens, max_seqlen).
 
-Each microbatch carries its loss weight t / T: its loss tokens over the step's.
+Each microbatch carries its loss weight t / T: its loss tokens over the step's. A sample's loss
+tokens are its length minus its rows (`batchplane.core.lengths.loss_tokens`), which is what the
+planner's `StepPlan.loss_tokens` (T) counts too, so the weights of a step sum to 1.
 
 `derive` makes a rank's variant of a built batch (its CP slice, its pipeline stage's part) as a
 new payload; ranks whose variant is the whole batch share the built one (TP peers, I3).
@@ -30,9 +41,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchplane.constructor.parallel import cp_slice, pack, stage_filter
+from batchplane.core.lengths import Chunks, chunks, loss_tokens, splits
 from batchplane.wire import align
 
 SAMPLE_FIELDS = (("sample_source", "int32"), ("sample_row", "int64"), ("sample_epoch", "int32"), ("sample_length", "int32"))
+#: The per-sample field a job that splits samples gets besides SAMPLE_FIELDS.
+CHUNKS_FIELD = ("sample_chunks", "int32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,83 +111,113 @@ def assemble(
     token_dtype: str,
     global_loss_tokens: int,
     pack_length: int | None = None,
+    max_length: int | None = None,
+    length_policy: str = "split",
 ) -> BuiltBatch:
     """Builds one rank's (bucket's) microbatches of one step (see the module docstring).
 
     Args:
         pack_length: Pack samples into rows of at most this many tokens; None pads each
             sample to the microbatch's longest.
+        max_length: The job's `batch.max_length` (`JobSettings.max_length`); None: no limit.
+        length_policy: The job's `batch.length_policy`; only "split" changes what is built
+            here (a sample longer than max_length becomes several rows or sequences).
     Returns:
         The batch with its payload.
+    Raises:
+        ValueError: max_length < 1 or an unknown length_policy.
     """
+    limit = {"max_length": max_length, "policy": length_policy}
     if pack_length is not None:
-        return _assemble_packed(samples, step=step, rank=rank, pad_id=pad_id, ignore_id=ignore_id, token_dtype=token_dtype, global_loss_tokens=global_loss_tokens, pack_length=pack_length)
+        return _assemble_packed(
+            samples, step=step, rank=rank, pad_id=pad_id, ignore_id=ignore_id, token_dtype=token_dtype,
+            global_loss_tokens=global_loss_tokens, pack_length=pack_length, **limit,
+        )
+    fields = (*SAMPLE_FIELDS, CHUNKS_FIELD) if splits(**limit) else SAMPLE_FIELDS
     lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
     layouts: list[MicrobatchLayout] = []
+    pieces: list[Chunks] = []
     offset = 0
     for m in range(len(samples.offsets) - 1):
         lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
-        rows = max(hi - lo, 1)
-        width = max(int(lengths[lo:hi].max()) if hi > lo else 1, 1)
+        seqs = chunks(lengths[lo:hi], **limit)
+        rows = max(len(seqs), 1)
+        width = max(int(seqs.lengths.max()) if hi > lo else 1, 1)
         tensors = []
         for name, dtype, shape in (
             ("input_ids", token_dtype, (rows, width)),
             ("labels", token_dtype, (rows, width)),
             ("attention_mask", "bool", (rows, width)),
             ("position_ids", token_dtype, (rows, width)),
-            *((field, dtype, (hi - lo,)) for field, dtype in SAMPLE_FIELDS),
+            *((field, dtype, (hi - lo,)) for field, dtype in fields),
         ):
             layout = TensorLayout(name, dtype, shape, offset)
             tensors.append(layout)
             offset += align(layout.nbytes)
+        loss = loss_tokens(lengths[lo:hi], **limit)
         layouts.append(
             MicrobatchLayout(
                 tensors=tuple(tensors),
                 num_tokens=int(lengths[lo:hi].sum()),
-                loss_tokens=int(np.maximum(lengths[lo:hi] - 1, 0).sum()),
+                loss_tokens=loss,
                 filler=hi == lo,
-                loss_weight=_weight(int(np.maximum(lengths[lo:hi] - 1, 0).sum()), global_loss_tokens),
+                loss_weight=_weight(loss, global_loss_tokens),
             )
         )
+        pieces.append(seqs)
     payload = bytearray(offset)
-    for m, layout in enumerate(layouts):
+    for m, (layout, seqs) in enumerate(zip(layouts, pieces)):
         lo = int(samples.offsets[m])
         views = {t.name: np.frombuffer(payload, t.dtype, int(np.prod(t.shape)), t.offset).reshape(t.shape) for t in layout.tensors}
-        _fill(views, samples, lo, lengths, pad_id=pad_id, ignore_id=ignore_id)
+        _fill(views, samples, lo, lengths, seqs, pad_id=pad_id, ignore_id=ignore_id)
     return BuiltBatch(step, rank, tuple(layouts), payload, global_loss_tokens)
 
 
-def _fill(views: dict[str, np.ndarray], samples: RankSamples, lo: int, lengths: np.ndarray, *, pad_id: int, ignore_id: int) -> None:
+def _fill(views: dict[str, np.ndarray], samples: RankSamples, lo: int, lengths: np.ndarray, seqs: Chunks, *, pad_id: int, ignore_id: int) -> None:
+    """Writes one padded microbatch: row r is chunk r of `seqs` (the samples themselves when
+    nothing is split)."""
     ids, labels, mask, positions = views["input_ids"], views["labels"], views["attention_mask"], views["position_ids"]
     rows, width = ids.shape
     n = len(views["sample_row"])
     ids.fill(pad_id)
     labels.fill(ignore_id)
-    length = lengths[lo : lo + n]
     arange = np.arange(width)
-    mask[...] = arange[None, :] < length[:, None] if n else False
+    mask[...] = arange[None, :] < seqs.lengths[:, None] if n else False
     positions[...] = np.where(mask, arange[None, :], 0)
-    for b in range(n):
-        tokens = samples.tokens[lo + b]
-        ids[b, : len(tokens)] = tokens
-        labels[b, : len(tokens) - 1] = tokens[1:]
+    for r, (b, start, size) in enumerate(zip(seqs.sample.tolist(), seqs.start.tolist(), seqs.lengths.tolist())):
+        tokens = samples.tokens[lo + b][start : start + size]
+        ids[r, :size] = tokens
+        if size:
+            labels[r, : size - 1] = tokens[1:]
     views["sample_source"][:] = samples.source[lo : lo + n]
     views["sample_row"][:] = samples.row[lo : lo + n]
     views["sample_epoch"][:] = samples.epoch[lo : lo + n]
-    views["sample_length"][:] = length
+    views["sample_length"][:] = lengths[lo : lo + n]
+    if "sample_chunks" in views:
+        views["sample_chunks"][:] = np.bincount(seqs.sample, minlength=n)
 
 
 def _weight(loss_tokens: int, global_loss_tokens: int) -> float:
     return loss_tokens / global_loss_tokens if global_loss_tokens > 0 else 0.0
 
 
-def metadata_only(*, step: int, rank: int, lengths: np.ndarray, offsets: np.ndarray, global_loss_tokens: int) -> BuiltBatch:
+def metadata_only(
+    *,
+    step: int,
+    rank: int,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    global_loss_tokens: int,
+    max_length: int | None = None,
+    length_policy: str = "split",
+) -> BuiltBatch:
     """A bucket's microbatches without tensors (none of a pod's ranks gets its data): token
-    counts and loss weights from the planned lengths alone."""
+    counts and loss weights from the planned lengths alone, `max_length` and `length_policy`
+    as in `assemble`."""
     layouts = []
     for m in range(len(offsets) - 1):
         part = lengths[int(offsets[m]) : int(offsets[m + 1])].astype(np.int64)
-        loss = int(np.maximum(part - 1, 0).sum())
+        loss = loss_tokens(part, max_length=max_length, policy=length_policy)
         layouts.append(MicrobatchLayout((), int(part.sum()), loss, len(part) == 0, _weight(loss, global_loss_tokens)))
     return BuiltBatch(step, rank, tuple(layouts), bytearray(), global_loss_tokens)
 
@@ -187,16 +231,35 @@ def _sample_fields(samples: RankSamples, lo: int, hi: int, lengths: np.ndarray) 
     }
 
 
-def _assemble_packed(samples: RankSamples, *, step: int, rank: int, pad_id: int, ignore_id: int, token_dtype: str, global_loss_tokens: int, pack_length: int) -> BuiltBatch:
+def _assemble_packed(
+    samples: RankSamples,
+    *,
+    step: int,
+    rank: int,
+    pad_id: int,
+    ignore_id: int,
+    token_dtype: str,
+    global_loss_tokens: int,
+    pack_length: int,
+    max_length: int | None,
+    policy: str,
+) -> BuiltBatch:
     lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
+    split = splits(max_length=max_length, policy=policy)
     microbatches = []
     for m in range(len(samples.offsets) - 1):
         lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
-        tensors = pack(samples.tokens[lo:hi], max_length=pack_length, pad_id=pad_id, ignore_id=ignore_id, dtype=token_dtype)
+        tensors = pack(
+            samples.tokens[lo:hi], max_length=pack_length, pad_id=pad_id, ignore_id=ignore_id, dtype=token_dtype,
+            max_sample_length=max_length, length_policy=policy,
+        )
         tensors.pop("sample_rows")
+        sample_chunks = tensors.pop("sample_chunks")
         tensors.update(_sample_fields(samples, lo, hi, lengths))
-        loss_tokens = int(np.maximum(lengths[lo:hi] - 1, 0).sum())
-        meta = MicrobatchLayout((), int(lengths[lo:hi].sum()), loss_tokens, hi == lo, _weight(loss_tokens, global_loss_tokens))
+        if split:
+            tensors["sample_chunks"] = sample_chunks
+        loss = loss_tokens(lengths[lo:hi], max_length=max_length, policy=policy)
+        meta = MicrobatchLayout((), int(lengths[lo:hi].sum()), loss, hi == lo, _weight(loss, global_loss_tokens))
         microbatches.append((tensors, meta))
     return lay_out(microbatches, step=step, rank=rank, global_loss_tokens=global_loss_tokens)
 

@@ -3,10 +3,16 @@ sequence packing and the pipeline-parallel (PP) stage filter. Pure numpy; no I/O
 torch. They run for every microbatch of every step, so the per-token work is vectorized.
 
 A microbatch is a mapping of tensor name to array: 2-D [rows, width] tensors (input_ids,
-labels, attention_mask, position_ids, segment_ids), 1-D per-sample metadata (sample_*,
-cu_seqlens) and 0-d scalars (max_seqlen). Labels are the next token *within a sample*
-(`ignore_id` on each sample's last token and on padding); they are computed before any slicing,
-so cutting the columns never changes a label.
+labels, attention_mask, position_ids, segment_ids), 1-D per-sample metadata (sample_*, one entry
+per sample), 1-D per-sequence cu_seqlens and 0-d scalars (max_seqlen). Labels are the next token
+*within a sequence* (`ignore_id` on each sequence's last token and on padding); they are
+computed before any slicing, so cutting the columns never changes a label.
+
+A sequence is a sample, or under `batch.length_policy` "split" one chunk of a sample longer than
+`batch.max_length` (see `batchplane.core.lengths`): the sample's consecutive chunks of at most
+max_length tokens are sequences of their own (own segment, own cu_seqlens entry, positions from
+0, no label across a chunk's end), while the sample_* tensors still hold one entry per sample;
+`sample_chunks` says how many sequences each sample is.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
+
+from batchplane.core.lengths import chunks as chunks_of
 
 CP_MODES = ("contiguous", "zigzag")
 TOKEN_DTYPES = ("int32", "int64")
@@ -191,9 +199,9 @@ def cp_slice(
 
 
 def _pack_rows(lengths: list[int], max_length: int) -> np.ndarray:
-    """Next-fit in order: a sample opens a new row when it does not fit in the current one."""
+    """Next-fit in order: a sequence opens a new row when it does not fit in the current one."""
     rows = np.empty(len(lengths), dtype=np.int32)
-    row, used = -1, max_length + 1  # no open row: the first sample opens one
+    row, used = -1, max_length + 1  # no open row: the first sequence opens one
     for i, n in enumerate(lengths):
         if used + n > max_length:
             row, used = row + 1, 0
@@ -209,33 +217,44 @@ def pack(
     pad_id: int,
     ignore_id: int,
     dtype: str,
+    max_sample_length: int | None = None,
+    length_policy: str = "split",
 ) -> dict[str, np.ndarray]:
-    """Packs a microbatch's samples, in order, into rows of at most `max_length` tokens.
+    """Packs a microbatch's sequences, in order, into rows of at most `max_length` tokens.
 
-    Going through the samples in order, a sample starts a new row when it does not fit in the
-    current one; a sample longer than max_length gets a row of its own (never truncated, never
-    split). Rows are right-padded to the longest row, W. With no samples (a filler microbatch),
-    the result is one row of one padding token: no label, segment 0, mask False, cu_seqlens [0].
+    The sequences are the samples, except that under `length_policy` "split" a sample longer
+    than `max_sample_length` is cut into ceil(L / max_sample_length) consecutive chunks of at
+    most max_sample_length tokens, each a sequence of its own (`batchplane.core.lengths.chunks`).
+    Going through the sequences in order, a sequence starts a new row when it does not fit in
+    the current one; a sequence longer than max_length gets a row of its own (never truncated;
+    only split as said). Rows are right-padded to the longest row, W. With no samples (a filler
+    microbatch), the result is one row of one padding token: no label, segment 0, mask False,
+    cu_seqlens [0].
 
     Args:
         tokens: The samples' token ids, each a non-empty 1-D integer array.
-        max_length: The most tokens of a row holding more than one sample, >= 1.
+        max_length: The most tokens of a row holding more than one sequence, >= 1.
         pad_id: The token id of padding.
         ignore_id: The label of positions without a target.
         dtype: The dtype of input_ids, labels and position_ids: "int32" or "int64".
+        max_sample_length: `batch.max_length`: with policy "split", longer samples are split;
+            None (or another policy, which the loader applied already) splits nothing.
+        length_policy: `batch.length_policy`: "split", "truncate" or "reject".
 
     Returns:
-        input_ids [R, W]; labels [R, W]: the next token within the same sample, ignore_id on
-        each sample's last token and on padding; position_ids [R, W]: 0.. per sample, 0 on
-        padding; segment_ids [R, W] int32: 1, 2, ... per sample within its row, 0 on padding;
-        attention_mask [R, W] bool: True on real tokens; cu_seqlens int32 [S + 1]: the samples'
-        offsets into input_ids[attention_mask] (the unpadded tokens, row-major), as varlen
-        attention kernels take them; max_seqlen: 0-d int32, the longest sample (0 with none);
-        sample_rows int32 [S]: the row of each sample.
+        input_ids [R, W]; labels [R, W]: the next token within the same sequence, ignore_id on
+        each sequence's last token and on padding; position_ids [R, W]: 0.. per sequence, 0 on
+        padding; segment_ids [R, W] int32: 1, 2, ... per sequence within its row, 0 on padding;
+        attention_mask [R, W] bool: True on real tokens; cu_seqlens int32 [Q + 1]: the Q
+        sequences' offsets into input_ids[attention_mask] (the unpadded tokens, row-major), as
+        varlen attention kernels take them; max_seqlen: 0-d int32, the longest sequence (0 with
+        none); sample_rows int32 [S]: the row of each sample (of its first sequence);
+        sample_chunks int32 [S]: the sequences of each sample (1 unless split). Without a split
+        sample, sequences are samples (Q == S).
 
     Raises:
-        ValueError: for max_length < 1, a dtype other than int32/int64, or a sample that is not
-            a non-empty 1-D array.
+        ValueError: for max_length < 1, a dtype other than int32/int64, a sample that is not
+            a non-empty 1-D array, max_sample_length < 1 or an unknown length_policy.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length!r}")
@@ -245,6 +264,8 @@ def pack(
         if t.ndim != 1 or len(t) == 0:
             raise ValueError(f"tokens[{i}] must be a non-empty 1-D array, got shape {t.shape}")
     count = len(tokens)
+    sample_lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=count)
+    seqs = chunks_of(sample_lengths, max_length=max_sample_length, policy=length_policy)
     if count == 0:
         return {
             "input_ids": np.full((1, 1), pad_id, dtype=dtype),
@@ -255,16 +276,19 @@ def pack(
             "cu_seqlens": np.zeros(1, dtype=np.int32),
             "max_seqlen": np.array(0, dtype=np.int32),
             "sample_rows": np.zeros(0, dtype=np.int32),
+            "sample_chunks": np.zeros(0, dtype=np.int32),
         }
-    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=count)
+    lengths = seqs.lengths  # per sequence
+    n_seqs = len(lengths)
     rows = _pack_rows(lengths.tolist(), max_length)
-    first = np.flatnonzero(np.diff(rows, prepend=-1))  # the first sample of each row
+    first = np.flatnonzero(np.diff(rows, prepend=-1))  # the first sequence of each row
     row_lengths = np.add.reduceat(lengths, first)
     width = int(row_lengths.max())
     mask = np.arange(width) < row_lengths[:, None]
-    # Samples go to rows in order, so the real tokens in row-major order are the samples
-    # concatenated: every per-token array is built flat and scattered by the mask.
-    offsets = np.zeros(count + 1, dtype=np.int64)
+    # Sequences go to rows in order and a sample's chunks are consecutive, so the real tokens
+    # in row-major order are the samples concatenated: every per-token array is built flat and
+    # scattered by the mask.
+    offsets = np.zeros(n_seqs + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
     flat = np.empty(total, dtype=dtype)
@@ -272,7 +296,7 @@ def pack(
     next_token = np.empty(total, dtype=dtype)
     next_token[:-1] = flat[1:]
     next_token[offsets[1:] - 1] = ignore_id
-    segment = (np.arange(count) - first[rows] + 1).astype(np.int32)
+    segment = (np.arange(n_seqs) - first[rows] + 1).astype(np.int32)
 
     def scatter(values: np.ndarray, fill: int, out_dtype: str | type) -> np.ndarray:
         out = np.full(mask.shape, fill, dtype=out_dtype)
@@ -287,7 +311,8 @@ def pack(
         "attention_mask": mask,
         "cu_seqlens": offsets.astype(np.int32),
         "max_seqlen": np.array(lengths.max(), dtype=np.int32),
-        "sample_rows": rows,
+        "sample_rows": rows[seqs.first],
+        "sample_chunks": np.bincount(seqs.sample, minlength=count).astype(np.int32),
     }
 
 

@@ -56,8 +56,15 @@ class LoaderMetrics:
             "batchplane_loader_bad_samples_total",
             "Samples skipped as bad, by source (the source's name) and reason: unreadable (row "
             "group cannot be read or decoded), transform (the transform failed on its row group), "
-            "rejected (the transform returned a null token list), empty (no tokens).",
+            "rejected (the transform returned a null token list), empty (no tokens), too_long (longer than "
+            "batch.max_length under batch.length_policy reject).",
             ["source", "reason"],
+            registry=registry,
+        )
+        self.truncated_samples = Counter(
+            "batchplane_loader_truncated_samples_total",
+            "Samples cut to their first batch.max_length tokens (batch.length_policy truncate), by source (the source's name).",
+            ["source"],
             registry=registry,
         )
         self.corrupt_row_groups = Counter(

@@ -42,7 +42,7 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
     streams = {}
     for k in job.loader_sources(loader_index):
         settings = job.sources[k]
-        transform = bind_transform(k, settings)
+        transform = bind_transform(k, settings, max_length=job.max_length, length_policy=job.batch.length_policy)
         source = ParquetSource(
             settings.name,
             job.resolve(settings.path),

@@ -9,6 +9,11 @@ the loader reports to the planner and cost functions may use. Row-wise Python fu
 transforms with `per_sample`.
 
 The default, `token_ids`, uses the source's `token_column` as it is.
+
+Right after the transform, the job's `batch.max_length` applies (`limit_lengths`): under
+`batch.length_policy` "truncate" a longer sample is cut to its first max_length tokens, under
+"reject" it becomes a bad sample (a null list), under "split" it stays whole (the constructor
+splits it). Everything downstream (summaries, plans, ledger, loss weights) sees the result.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pyarrow.compute as pc
 
 from batchplane.core.config import SourceSettings
 from batchplane.core.errors import ConfigError
+from batchplane.core.lengths import check_limit, over_limit
 
 Transform = Callable[..., pa.Table]
 
@@ -61,6 +67,9 @@ class BoundTransform:
     kwargs: Mapping[str, Any]
     #: Columns to read from the files (None: all).
     columns: tuple[str, ...] | None
+    #: The job's `batch.max_length` in tokens (None: no limit) and `batch.length_policy`.
+    max_length: int | None = None
+    length_policy: str = "split"
 
     def __call__(self, batch: pa.Table) -> tuple[pa.ListArray, dict[str, np.ndarray]]:
         """Applies the transform; returns its validated `input_ids` (one list per row) and
@@ -68,15 +77,23 @@ class BoundTransform:
         out = self.fn(batch, **self.kwargs)
         return check_output(out, batch.num_rows)
 
+    def limit(self, ids: pa.ListArray) -> tuple[pa.ListArray, np.ndarray]:
+        """`limit_lengths` of transformed token lists under this source's job settings."""
+        return limit_lengths(ids, max_length=self.max_length, policy=self.length_policy)
 
-def bind_transform(index: int, source: SourceSettings) -> BoundTransform:
+
+def bind_transform(index: int, source: SourceSettings, *, max_length: int | None = None, length_policy: str = "split") -> BoundTransform:
     """The transform configured for `source` (sources[index]).
 
+    Args:
+        max_length: The job's limit on a sample's tokens (`JobSettings.max_length`); None: none.
+        length_policy: The job's `batch.length_policy`, applied by `BoundTransform.limit`.
     Raises:
         ConfigError: the import path cannot be imported or does not name a callable.
     """
+    limit = {"max_length": max_length, "length_policy": length_policy}
     if source.transform is None:
-        return BoundTransform(token_ids, {"column": source.token_column}, (source.token_column,))
+        return BoundTransform(token_ids, {"column": source.token_column}, (source.token_column,), **limit)
     field = f"sources[{index}].transform"
     module_name, _, attr = source.transform.partition(":")
     try:
@@ -86,7 +103,7 @@ def bind_transform(index: int, source: SourceSettings) -> BoundTransform:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(field, f"module {module_name!r} has no callable {attr!r}", source.transform)
-    return BoundTransform(fn, dict(source.transform_args), source.columns)
+    return BoundTransform(fn, dict(source.transform_args), source.columns, **limit)
 
 
 def check_output(out: Any, num_rows: int) -> tuple[pa.ListArray, dict[str, np.ndarray]]:
@@ -125,3 +142,29 @@ def check_output(out: Any, num_rows: int) -> tuple[pa.ListArray, dict[str, np.nd
 def lengths_of(ids: pa.ListArray) -> np.ndarray:
     """int32 token count of each list; 0 for a null list."""
     return pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False).astype(np.int32)
+
+
+def limit_lengths(ids: pa.ListArray, *, max_length: int | None, policy: str) -> tuple[pa.ListArray, np.ndarray]:
+    """Applies `batch.max_length` to transformed token lists (see the module docstring and
+    `batchplane.core.lengths.limited`).
+
+    Args:
+        ids: Token lists, one per sample (null for a bad sample).
+        max_length: The most tokens of a delivered sample; None: no limit.
+        policy: "split" (unchanged), "truncate" (cut to the first max_length tokens) or
+            "reject" (a null list: a bad sample).
+    Returns:
+        (the token lists as delivered, bool [n]: which samples were longer than max_length,
+        and so were cut or rejected, or are split by the constructor).
+    Raises:
+        ValueError: an unknown policy or max_length < 1.
+    """
+    check_limit(max_length=max_length, policy=policy)
+    if max_length is None:
+        return ids, np.zeros(len(ids), bool)
+    over = over_limit(lengths_of(ids), max_length=max_length)
+    if not over.any() or policy == "split":
+        return ids, over
+    if policy == "truncate":
+        return pc.list_slice(ids, 0, max_length), over
+    return pc.if_else(pa.array(over), pa.scalar(None, ids.type), ids), over

@@ -45,7 +45,7 @@ import numpy as np
 
 from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
 from batchplane.planner.cost import CostFn, make_cost_fn
-from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples
+from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
 
 BUILTIN_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
 BROADCAST_DIMS = ("TP",)
@@ -293,7 +293,16 @@ class Strategy:
             if g.group_size and g.balancing.method == "token_budget":
                 raise StrategyError(f"{g.name}.distribute: group_size does not apply to 'token_budget', which plans every bucket at once")
 
-    def run(self, step: int, allocated: SampleTable, mesh: ClientPlaceTree, *, default_cost: CostFn) -> StepPlan:
+    def run(
+        self,
+        step: int,
+        allocated: SampleTable,
+        mesh: ClientPlaceTree,
+        *,
+        default_cost: CostFn,
+        max_length: int | None = None,
+        length_policy: str = "split",
+    ) -> StepPlan:
         """Plans one step.
 
         Args:
@@ -301,39 +310,46 @@ class Strategy:
             allocated: The samples the mixture allocated to it, bad ones included.
             mesh: The job's ClientPlaceTree.
             default_cost: Cost model of a graph that registered none.
+            max_length: The job's `batch.max_length` (`JobSettings.max_length`); None: no limit.
+            length_policy: The job's `batch.length_policy`. Under "split", a graph over
+                "length" costs a sample longer than max_length as its chunks (`sample_costs`)
+                and its token budget counts their rows; the plan's loss tokens count them too.
         Returns:
             The step's plan; a function of the arguments (I4).
         Raises:
             StrategyError: a hook or cost model returned something unusable.
         """
+        limit = {"max_length": max_length, "length_policy": length_policy}
         samples, bad = good_samples(allocated)
         for g in (self.primary, *self.secondary):
             if g.summary is not None:
                 samples = _with_features(samples, g.summary(samples), g.name)
         primary = self.primary
         metadata = _metadata(samples, primary)
-        costs = _costs(primary, metadata, samples, default_cost)
+        costs = _costs(primary, metadata, samples, default_cost, **limit)
         buckets = mesh.buckets(primary.axis)
         if primary.raw is not None:
             microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
         else:
-            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary))
+            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), **_limit_of(primary, **limit))
         subplans = []
         for g in self.secondary:
             values = _metadata(samples, g, required=False)
             members = np.flatnonzero(values > 0)
             graph_costs = np.zeros(len(samples))
-            graph_costs[members] = _costs(g, values[members], samples.take(members), default_cost)
+            graph_costs[members] = _costs(g, values[members], samples.take(members), default_cost, **limit)
             n = mesh.buckets(g.axis)
             if g.raw is not None:
                 parts = _checked_raw(g.raw(samples.take(members), graph_costs[members], mesh), len(members), n, g.name)
                 groups = tuple(np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts)
             else:
                 balancing = dataclasses.replace(_with_group(g), microbatches=1)
-                groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in assign(graph_costs[members], values[members], buckets=n, balancing=balancing))
+                parts = assign(graph_costs[members], values[members], buckets=n, balancing=balancing, **_limit_of(g, **limit))
+                groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
             subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values))
         return StepPlan(
-            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans)
+            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans),
+            **limit,
         )
 
 
@@ -377,9 +393,15 @@ def _metadata(samples: SampleTable, g: GraphSpec, *, required: bool = True) -> n
     return np.rint(np.asarray(values, dtype=np.float64)).astype(np.int64)
 
 
-def _costs(g: GraphSpec, lengths: np.ndarray, samples: SampleTable, default_cost: CostFn) -> np.ndarray:
+def _limit_of(g: GraphSpec, *, max_length: int | None, length_policy: str) -> dict:
+    """The length limit as it applies to graph `g`: only sequences ("length") are split."""
+    return {"max_length": max_length if g.metadata == "length" else None, "length_policy": length_policy}
+
+
+def _costs(g: GraphSpec, lengths: np.ndarray, samples: SampleTable, default_cost: CostFn, *, max_length: int | None, length_policy: str) -> np.ndarray:
     fn = g.cost_fn or default_cost
-    costs = np.asarray(fn(lengths, samples.features), dtype=np.float64)
+    limit = _limit_of(g, max_length=max_length, length_policy=length_policy)
+    costs = np.asarray(sample_costs(fn, lengths, samples.features, **limit), dtype=np.float64)
     if costs.shape != lengths.shape or not np.all(np.isfinite(costs)) or np.any(costs < 0):
         raise StrategyError(f"graph {g.name!r}: its cost model must return finite costs >= 0, one per sample")
     return costs

@@ -7,6 +7,13 @@ delivered), and `assign` balances the rest over buckets and then over each bucke
 by cost, or forms token-budget microbatches. Every bucket gets the same number of microbatches
 (I2); a microbatch left without samples (only when a step has fewer good samples than
 microbatches in all, as in a finite job's last step) is a filler the constructor pads.
+
+Lengths are the delivered ones: under `batch.length_policy` "truncate" and "reject" the loaders
+already applied `batch.max_length`. Under "split" a sample keeps its full length here, and the
+constructor lays it out as ceil(length / max_length) chunks, each its own sequence
+(`batchplane.core.lengths`): its cost is the sum of its chunks' costs (`sample_costs`), a
+padded token budget counts its chunks as rows of at most max_length tokens, and its loss tokens
+are length - chunks (`StepPlan.loss_tokens`), exactly as the constructor counts them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from batchplane.core import lengths as sample_lengths
 from batchplane.planner.balance import partition
 from batchplane.planner.cost import CostFn
 from batchplane.planner.token_budget import token_budget
@@ -128,6 +136,8 @@ class StepPlan:
         costs: Cost of each sample in `samples` under the primary graph's model.
         axis: The buckets' axis: "DP" (one per data-parallel replica) or "CP" (DP x CP).
         subplans: Secondary graphs' assignments.
+        max_length, length_policy: The job's `batch.max_length` (None: no limit) and
+            `batch.length_policy`, which decide how the constructor lays the samples out.
     """
 
     step: int
@@ -137,6 +147,8 @@ class StepPlan:
     costs: np.ndarray
     axis: str = "DP"
     subplans: tuple[SubPlan, ...] = ()
+    max_length: int | None = None
+    length_policy: str = "split"
 
     @property
     def dp(self) -> int:
@@ -162,8 +174,48 @@ class StepPlan:
 
     @property
     def loss_tokens(self) -> int:
-        """Tokens carrying a loss over the whole step: length - 1 per sample."""
-        return int(np.sum(self.samples.length.astype(np.int64) - 1))
+        """Tokens carrying a loss over the whole step: length - 1 per sample, or length -
+        ceil(length / max_length) per split sample (`batchplane.core.lengths.loss_tokens`)."""
+        return sample_lengths.loss_tokens(self.samples.length, max_length=self.max_length, policy=self.length_policy)
+
+
+def sample_costs(
+    cost_fn: CostFn,
+    lengths: np.ndarray,
+    features: Mapping[str, np.ndarray],
+    *,
+    max_length: int | None = None,
+    length_policy: str = "split",
+) -> np.ndarray:
+    """Each sample's cost: `cost_fn` of its length, or, for a sample the constructor splits
+    (`length_policy` "split", longer than `max_length`), the sum of `cost_fn` over its chunks,
+    each a sequence of its own (attention is quadratic per chunk). A split sample's features go
+    with its first chunk; its other chunks are costed with features 0, so that what a feature
+    adds (e.g. images) is counted once.
+
+    Args:
+        cost_fn: Per-sample cost from int64 lengths and features.
+        lengths: int64 lengths [n].
+        features: Per-sample features {name: float64 [n]}.
+        max_length, length_policy: The job's `batch.max_length` and `batch.length_policy`.
+    Returns:
+        What `cost_fn` returns when no sample is split (called once on `lengths`); else float64
+        costs [n].
+    Raises:
+        ValueError: with split samples, `cost_fn` returned other than one cost per chunk.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = sample_lengths.over_limit(lengths, max_length=max_length)
+    if not sample_lengths.splits(max_length=max_length, policy=length_policy) or not over.any():
+        return cost_fn(lengths, features)
+    seqs = sample_lengths.chunks(lengths, max_length=max_length, policy=length_policy)
+    first = np.zeros(len(seqs), bool)
+    first[seqs.first] = True
+    chunk_features = {name: np.where(first, np.asarray(values, np.float64)[seqs.sample], 0.0) for name, values in features.items()}
+    chunk_costs = np.asarray(cost_fn(seqs.lengths, chunk_features), dtype=np.float64)
+    if chunk_costs.shape != seqs.lengths.shape:
+        raise ValueError(f"the cost model returned shape {chunk_costs.shape} for the {len(seqs)} chunks of split samples, expected {seqs.lengths.shape}")
+    return np.bincount(seqs.sample, weights=chunk_costs, minlength=len(lengths))
 
 
 def fill_short_groups(groups: list[np.ndarray], costs: np.ndarray, *, minimum: int) -> list[np.ndarray]:
@@ -213,7 +265,15 @@ def split(costs: np.ndarray, parts: int, method: object) -> list[np.ndarray]:
     return groups
 
 
-def assign(costs: np.ndarray, lengths: np.ndarray, *, buckets: int, balancing: Balancing) -> tuple[tuple[np.ndarray, ...], ...]:
+def assign(
+    costs: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    buckets: int,
+    balancing: Balancing,
+    max_length: int | None = None,
+    length_policy: str = "split",
+) -> tuple[tuple[np.ndarray, ...], ...]:
     """Spreads items over `buckets` buckets and each bucket's microbatches.
 
     Args:
@@ -221,13 +281,16 @@ def assign(costs: np.ndarray, lengths: np.ndarray, *, buckets: int, balancing: B
         lengths: int64 length of each item (token budgets count these).
         buckets: Number of buckets.
         balancing: How.
+        max_length, length_policy: How the constructor lays out items longer than max_length
+            (token budgets count the rows of split items); None: no limit.
     Returns:
         result[bucket][m] = ascending item indices; the same number of microbatches per bucket.
     """
     b = balancing
     if b.method == "token_budget":
         per_rank = token_budget(
-            lengths, costs, ranks=buckets, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded, min_microbatches=b.microbatches
+            lengths, costs, ranks=buckets, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded, min_microbatches=b.microbatches,
+            max_length=max_length, length_policy=length_policy,
         )
         return tuple(tuple(np.asarray(mb, dtype=np.int64) for mb in rank) for rank in per_rank)
     if b.group_size and b.group_size < buckets:
@@ -266,6 +329,8 @@ def build_step_plan(
     microbatches: int,
     method: object,
     cost_fn: CostFn,
+    max_length: int | None = None,
+    length_policy: str = "split",
 ) -> StepPlan:
     """Balances one step's allocated samples over `dp` buckets x `microbatches` microbatches
     (the single-graph strategy; see `batchplane.planner.dgraph` for the general one).
@@ -277,15 +342,20 @@ def build_step_plan(
         microbatches: Microbatches per bucket.
         method: Balancing method (see `Balancing.method`).
         cost_fn: Per-sample cost from int64 lengths and the samples' features.
+        max_length, length_policy: The job's `batch.max_length` (None: no limit) and
+            `batch.length_policy`.
     Returns:
         The plan; a function of its arguments only (I4).
     """
     samples, bad = good_samples(allocated)
-    costs = np.asarray(cost_fn(samples.length.astype(np.int64), samples.features), dtype=np.float64)
+    limit = {"max_length": max_length, "length_policy": length_policy}
+    lengths = samples.length.astype(np.int64)
+    costs = np.asarray(sample_costs(cost_fn, lengths, samples.features, **limit), dtype=np.float64)
     return StepPlan(
         step=step,
         samples=samples,
-        microbatches=assign(costs, samples.length.astype(np.int64), buckets=dp, balancing=Balancing(method=method, microbatches=microbatches)),
+        microbatches=assign(costs, lengths, buckets=dp, balancing=Balancing(method=method, microbatches=microbatches), **limit),
         bad_samples=bad,
         costs=costs,
+        **limit,
     )

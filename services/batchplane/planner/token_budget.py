@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batchplane.core.lengths import chunk_counts, longest_chunks
+
 # Float sums of costs are trusted when this far (relative) from the budget; closer ones are
 # decided by the exactly rounded math.fsum. The error of a running float64 sum of k >= 0 terms
 # is below k * 2**-53 of the sum, far below this for any realistic group.
@@ -36,6 +38,8 @@ def token_budget(
     max_cost: float | None = None,
     padded: bool = True,
     min_microbatches: int = 1,
+    max_length: int | None = None,
+    length_policy: str = "split",
 ) -> list[list[np.ndarray]]:
     """Splits one step's samples into budget-bounded microbatches, M of them on every rank.
 
@@ -44,7 +48,10 @@ def token_budget(
            are filled greedily into groups (next fit): a sample joins the current group if the
            group still fits the budget with it, otherwise it starts a new group. For a padded
            token budget the first sample of a group is its longest, so the group holds at most
-           B(l0) = max(floor(max_tokens / l0), 1) samples, l0 its first length.
+           B(l0) = max(floor(max_tokens / l0), 1) samples, l0 its first length. A sample the
+           constructor splits (`length_policy` "split", longer than `max_length`) counts as its
+           ceil(l / max_length) rows of width max_length: the group then holds at most
+           B(w0) rows, w0 = min(l0, max_length) its widest row.
         2. Alignment (ODB §2.3, split direction only). Let G be the group count and
            M = max(min_microbatches, ceil(G / ranks)). While G < ranks * M and some group holds
            two or more samples, the group with the most samples (ties: the lower position in
@@ -69,9 +76,10 @@ def token_budget(
     n >= ranks * M, and otherwise exactly ranks * M - n are empty, all of them after the
     non-empty ones of their rank (the planner fills them). In particular none is empty when
     n >= ranks * min_microbatches and n is a multiple of `ranks`. A microbatch b holding two
-    or more samples fits the budget: len(b) * max(lengths[b]) <= max_tokens (padded),
-    sum(lengths[b]) <= max_tokens (not padded) or math.fsum(costs[b]) <= max_cost; a single
-    sample may exceed it alone.
+    or more samples fits the budget: rows(b) * max(width[b]) <= max_tokens (padded; rows(b) is
+    len(b) and width the lengths unless samples are split: then their rows and min(lengths,
+    max_length)), sum(lengths[b]) <= max_tokens (not padded) or math.fsum(costs[b]) <=
+    max_cost; a single sample may exceed it alone.
 
     Args:
         lengths: Length in tokens of each sample, a one-dimensional integer array, all > 0.
@@ -85,6 +93,9 @@ def token_budget(
             to its longest (the budget bounds len(b) * max length), False when it packs them
             (the budget bounds the sum of lengths). Ignored with `max_cost`.
         min_microbatches: Fewest microbatches per rank, >= 1.
+        max_length: The job's `batch.max_length`; None: no limit.
+        length_policy: The job's `batch.length_policy`; under "split" a padded token budget
+            counts a sample longer than max_length as its rows (see step 1).
     Returns:
         For each of `ranks` ranks, a list of M int64 arrays of sample indices, each sorted
         ascending. A function of the arguments' values only.
@@ -104,7 +115,10 @@ def token_budget(
     lens, c = _check_samples(lengths, costs)
     if max_tokens is not None:
         max_tokens = _positive_int(max_tokens, "max_tokens")
-        groups = _group_tokens(lens, max_tokens, padded=padded)
+        limit = {"max_length": max_length, "policy": length_policy}
+        rows = chunk_counts(lens, **limit).tolist()
+        widths = longest_chunks(lens, **limit).tolist()
+        groups = _group_tokens(lens, max_tokens, padded=padded, rows=rows, widths=widths)
     else:
         budget = float(max_cost)
         if not (math.isfinite(budget) and budget > 0):
@@ -210,33 +224,37 @@ def _length_order(lens: list[int]) -> list[int]:
     return sorted(range(len(lens)), key=lambda i: (-lens[i], i))
 
 
-def _group_tokens(lens: list[int], max_tokens: int, *, padded: bool) -> list[list[int]]:
+def _group_tokens(lens: list[int], max_tokens: int, *, padded: bool, rows: list[int], widths: list[int]) -> list[list[int]]:
     """Step 1 under a token budget: next-fit grouping in descending length order.
 
     Args:
         lens: Lengths.
         max_tokens: Budget.
-        padded: Whether the budget bounds the padded area (len * longest) or the sum.
+        padded: Whether the budget bounds the padded area (rows * widest row) or the sum.
+        rows: Rows each sample is laid out as (1 unless split).
+        widths: Each sample's widest row (its length unless split); non-increasing in
+            length order, like the lengths.
     Returns:
         Groups of sample indices, each in descending length order, in order of creation.
     """
     groups: list[list[int]] = []
     current: list[int] = []
-    used = 0  # padded: the group's capacity in samples; packed: its token sum
+    used = 0  # padded: the group's rows; packed: its token sum
+    capacity = 0  # padded: the group's capacity in rows
     for i in _length_order(lens):
         if padded:
-            fits = bool(current) and len(current) < used
+            fits = bool(current) and used + rows[i] <= capacity
         else:
             fits = bool(current) and used + lens[i] <= max_tokens
         if fits:
             current.append(i)
-            if not padded:
-                used += lens[i]
+            used += rows[i] if padded else lens[i]
             continue
         if current:
             groups.append(current)
         current = [i]
-        used = max(max_tokens // lens[i], 1) if padded else lens[i]
+        capacity = max(max_tokens // widths[i], 1)
+        used = rows[i] if padded else lens[i]
     if current:
         groups.append(current)
     return groups
