@@ -15,12 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from harness import collect, scrape, skewed_lengths, start_cluster, write_job, write_source
+from harness import assert_same_batches, collect, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
 
 from batchplane.client import Client, InvalidRequestError, StepUnavailableError
 from batchplane.core.errors import ConfigError
 from batchplane.launcher.local import LaunchError, LocalCluster
-from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
+from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc, loader_pb2, loader_pb2_grpc
 from batchplane.wire import encode_array
 
 pytestmark = pytest.mark.integration
@@ -150,19 +150,26 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
             Client(rank0, rank=5)
         with pytest.raises(InvalidRequestError, match="serves ranks \\[0\\], not rank 1"):
             Client(rank0, rank=1)
+        first = []
         with Client(rank0, rank=0) as client:
             for batch in client:
+                first.append(to_numpy(batch))
                 if batch["step"] == 3:
                     state = client.state_dict()
                     break
+        with grpc.insecure_channel(rank0) as channel:  # an earlier step without `restart`: a stale request
+            stub = constructor_pb2_grpc.ConstructorStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                next(stub.GetBatch(constructor_pb2.GetBatchRequest(rank=0, step=1, wait_ms=1000), timeout=10))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "already consumed" in info.value.details()
         with Client(rank0, rank=0) as late:
-            late.load_state_dict({**state, "next_step": 1})
-            with pytest.raises(StepUnavailableError, match="already consumed"):
-                next(iter(late))
+            late.load_state_dict({**state, "next_step": 1, "rank": 1})  # any rank's state; older than what ran: a rewind
+            again = to_numpy(next(iter(late)))
+            assert again["step"] == 1
+            assert_same_batches({0: [again]}, {0: [first[1]]})
             with pytest.raises(InvalidRequestError, match="data settings .* differ"):
                 late.load_state_dict({**state, "fingerprints": {**state["fingerprints"], "data": "0" * 16}})
-            with pytest.raises(InvalidRequestError, match="state_dict is of rank 1, this client is rank 0"):
-                late.load_state_dict({**state, "rank": 1})  # the mesh did not change: ranks must match
         with grpc.insecure_channel(endpoints["loaders"]["0"]) as channel:
             loader = loader_pb2_grpc.LoaderStub(channel)
             with pytest.raises(grpc.RpcError) as info:

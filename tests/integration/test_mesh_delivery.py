@@ -15,7 +15,7 @@ import pytest
 
 from batchplane.constructor.parallel import cp_columns
 from batchplane.core.mesh import ClientPlaceTree
-from harness import skewed_lengths, start_cluster, write_job, write_source
+from harness import collect, sample_ids, scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -153,3 +153,40 @@ def test_pipeline_stages_get_their_part_and_broadcast_peers_only_metadata(tmp_pa
     for s in range(len(got[0])):
         assert len({len(got[r][s]["microbatches"]) for r in got}) == 1
     assert sorted(r for rows in seen.values() for r in rows) == list(range(48))  # I1
+
+
+def test_megatron_style_partial_pulls_do_not_hold_the_ranks_that_ask(tmp_path) -> None:
+    """Megatron-LM reads data only on tensor-parallel rank 0 of the first and last pipeline
+    stages and broadcasts it. With constructors.pulling_ranks: megatron, a mesh of dp 2 x tp 2
+    x pp 3 (three pods, one per stage) runs to the end with only ranks 0, 2 (first stage) and
+    8, 10 (last stage) asking; with the default ("all"), the first pod would wait for its TP
+    peers forever."""
+    sources = [write_source(tmp_path / "data", "a", skewed_lengths(96, seed=5, long=200), seed=5)]
+    config = write_job(
+        tmp_path / "job.yaml",
+        sources,
+        batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+        mesh={"dp": 2, "tp": 2, "pp": 3},
+        constructors={"ranks_per_constructor": 4, "pulling_ranks": "megatron"},
+    )
+    mesh = ClientPlaceTree(dp=2, tp=2, pp=3)
+    pulling = [r for r in range(mesh.world) if mesh.coords(r).tp == 0 and mesh.coords(r).pp in (0, 2)]
+    assert pulling == [0, 2, 8, 10]
+    cluster = start_cluster(config)
+    try:
+        got, _ = collect(cluster.endpoints_path, pulling)
+        wait_until(lambda: cluster.status().finished, timeout_s=30, what="the planner to count the job finished")
+        middle = scrape(f"http://127.0.0.1:{cluster.constructors[1].metrics_port}/metrics")
+    finally:
+        cluster.stop()
+    assert middle.get("batchplane_constructor_batches_built_total", 0) == 0  # a middle stage's pod builds nothing
+    steps = {r: [b["step"] for b in got[r]] for r in pulling}
+    assert len({tuple(s) for s in steps.values()}) == 1 and steps[0] == list(range(12))
+    first_stage = [s for r in (0, 2) for step in sample_ids(got[r]) for mb in step for s in mb]
+    assert sorted(first_stage) == sorted({s for s in first_stage}) and len(first_stage) == 96  # every sample once
+    for r in (8, 10):  # the last stage gets labels and the same samples as its DP peer in the first
+        first = got[r - 8]
+        for mine, theirs in zip(got[r], first):
+            for a, b in zip(mine["microbatches"], theirs["microbatches"]):
+                assert "labels" in a and "input_ids" not in a
+                assert np.array_equal(a["sample_row"], b["sample_row"])

@@ -8,12 +8,22 @@
         checkpoint["data"] = client.state_dict()
 
 Each batch is a dict: "step", "rank" (global), "dp_rank", "cp_rank", "tp_rank", "pp_rank",
-"microbatches" (a list of dicts of tensors plus "num_tokens", "loss_tokens", "filler" and
-"loss_weight", the microbatch's share t / T of the step's loss tokens), "loss_weight" (the
-rank's share, summed over its microbatches), "global_loss_tokens" (loss-carrying tokens of the
-step over all ranks, to normalize a summed loss), "sources" (names indexed by "sample_source"),
-"subbatches" (secondary graphs' per-sample data for this rank by graph name, e.g. the images it
-encodes) and "data_wait_s" (how long the iterator blocked for this batch).
+"microbatches" (a list of dicts of tensors plus "num_tokens", "loss_tokens", "filler",
+"loss_weight", the microbatch's share t / T of the step's loss tokens, and "ignore_id", the
+label of positions without a target), "loss_weight" (the rank's share, summed over its
+microbatches), "global_loss_tokens" (loss-carrying tokens of the step over all ranks, to
+normalize a summed loss), "sources" (names indexed by "sample_source"), "subbatches" (secondary
+graphs' per-sample data for this rank by graph name, e.g. the images it encodes), "format" (how
+the tensors are laid out: "labels", "ignore_id", "pad_id", "packing") and "data_wait_s" (how
+long the iterator blocked for this batch).
+
+Which tensor each consumer wants. `labels` are the next token, already shifted:
+labels[t] = input_ids[t + 1] within a sample, `ignore_id` on each sample's last token and on
+padding (batch["format"]["labels"] == "next_token"). Loss code in the Megatron-LM / torchtitan
+style takes them as they are: cross_entropy(logits, labels). A Hugging Face causal LM shifts its
+`labels` argument itself, so passing these trains on token t + 2: give it
+`batchplane.client.hf.causal_lm_inputs(mb)` instead, which returns Hugging Face's unshifted
+labels and, for packed microbatches, attention that never crosses a document.
 
 The microbatches of a rank depend on where it sits in the mesh: a CP rank gets its slice of
 every sequence (position ids of the full sequence), pipeline stages only what they use (the
@@ -24,10 +34,8 @@ rank.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import pathlib
 import time
 from collections.abc import Iterator, Mapping
 from concurrent import futures
@@ -35,6 +43,8 @@ from typing import Any
 
 import torch
 
+from batchplane.client.device import AUTO, DeviceCopier, resolve_device
+from batchplane.client.endpoints import AddressBook
 from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
@@ -42,8 +52,6 @@ from batchplane.client.transport import ConstructorConnection
 STATE_VERSION = 3
 
 log = logging.getLogger(__name__)
-ENV_ADDRESS = "BATCHPLANE_CONSTRUCTOR"
-ENV_ENDPOINTS = "BATCHPLANE_ENDPOINTS"
 
 
 class Client:
@@ -52,14 +60,17 @@ class Client:
     Args:
         address: The constructor's address ("host:port" or "unix:///path"). Default: the
             environment variable BATCHPLANE_CONSTRUCTOR, else the rank's entry in the endpoints
-            file named by BATCHPLANE_ENDPOINTS (written by `batchplane up`).
+            file named by BATCHPLANE_ENDPOINTS (written by `batchplane up`; waited for when it
+            does not exist yet, and read again when the constructor stops answering).
         rank: The global rank in the job's mesh. Default: the environment variable RANK (set by
             torchrun), else 0.
-        device: Move tensors there (non_blocking) before yielding, e.g. "cuda"; None keeps them
-            on the CPU.
+        device: Where tensors go before they are yielded. "auto" (default): the rank's own GPU
+            when CUDA is available (cuda:LOCAL_RANK), else the CPU; "cuda", "cuda:i" or a
+            torch.device; None or "cpu" keeps them on the CPU. Copies run on a side stream from
+            pinned memory (see `batchplane.client.device`).
         pin_memory: Receive into pinned memory; default: when CUDA is available.
-        timeout_s: How long one request keeps retrying an unavailable data plane before raising
-            DataPlaneUnavailable.
+        timeout_s: How long one request keeps retrying an unavailable data plane (or waits for
+            its endpoints file) before raising DataPlaneUnavailable.
     Raises:
         InvalidRequestError: no address can be found, the rank is outside the job's mesh, or
             WORLD_SIZE disagrees with it.
@@ -71,15 +82,15 @@ class Client:
         address: str | None = None,
         *,
         rank: int | None = None,
-        device: str | torch.device | None = None,
+        device: str | torch.device | None = AUTO,
         pin_memory: bool | None = None,
         timeout_s: float = 300.0,
     ) -> None:
         self.rank = _resolve_rank(rank)
-        self.address = _resolve_address(address, self.rank)
-        self.device = torch.device(device) if device is not None else None
+        self.device = resolve_device(device)
+        self._copier = DeviceCopier(self.device) if self.device is not None and self.device.type == "cuda" else None
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._connection = ConstructorConnection(self.address, timeout_s=timeout_s)
+        self._connection = ConstructorConnection(AddressBook(address, rank=self.rank), timeout_s=timeout_s)
         info = self._connection.info()
         self.job = info.job
         self.sources = tuple(info.job.sources)
@@ -97,10 +108,50 @@ class Client:
             raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has {size} ranks ({shape})")
         self._next_step = 0
         self._resume: dict[str, str] = {}
+        self._restart = True  # the first request says the trainer (re)starts there
         #: Groups of settings that changed since the checkpoint this client resumed from.
         self.resumed_across: tuple[str, ...] = ()
         self._report_warnings: set[str] = set()
-        self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch")
+        self._length: Any = None
+        initializer = self._copier.bind_thread if self._copier is not None else None
+        self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch", initializer=initializer)
+
+    @property
+    def address(self) -> str:
+        """The constructor's address now."""
+        return self._connection.address
+
+    # ---- length --------------------------------------------------------------------------
+
+    @property
+    def num_steps(self) -> int | None:
+        """Steps of the whole job, from step 0 to its end of data (what `len` gives; a client
+        resumed at step c yields num_steps - c more); None when the job never ends or its length
+        is not known (yet, or in advance: an adaptive mixture that may stop reading a source).
+        Asks the planner, which waits for its loaders to register; a known length is kept."""
+        return self._job_length().num_steps or None
+
+    def _job_length(self) -> Any:
+        if self._length is not None:
+            return self._length
+        length = self._connection.length()
+        if length.num_steps or length.infinite:  # settled for the job's lifetime
+            self._length = length
+        return length
+
+    def __len__(self) -> int:
+        """The job's number of steps (`num_steps`), for LR schedules, `max_steps` and progress
+        bars.
+
+        Raises:
+            TypeError: the job never ends (epochs: infinite), or its length is not known; the
+                message says why.
+        """
+        length = self._job_length()
+        if not length.num_steps:
+            why = "its data never ends (epochs: infinite)" if length.infinite else length.unknown or "the planner does not know it"
+            raise TypeError(f"the batchplane job {self.job.job_id!r} has no len(): {why}")
+        return length.num_steps
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -115,9 +166,12 @@ class Client:
         try:
             while True:
                 begin = time.perf_counter()
-                batch = pending.result()
-                if batch is None:
+                fetched = pending.result()
+                if fetched is None:
                     return
+                batch, copied = fetched
+                if copied is not None:  # this thread's stream waits for the side stream's copies
+                    self._copier.hand_over([*batch["microbatches"], *batch["subbatches"].values()], copied)
                 batch["data_wait_s"] = time.perf_counter() - begin
                 self._next_step = batch["step"] + 1
                 pending = self._executor.submit(self._fetch, self._next_step)
@@ -125,25 +179,33 @@ class Client:
         finally:
             pending.cancel()
 
-    def _fetch(self, step: int) -> dict[str, Any] | None:
-        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory, resume=self._resume)
-        self._resume = {}
+    def _fetch(self, step: int) -> tuple[dict[str, Any], Any] | None:
+        """Step `step`'s batch (on the fetch thread), and the event of its device copies (None
+        on the CPU); None past the end of data."""
+        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory, resume=self._resume, restart=self._restart)
+        self._resume, self._restart = {}, False
         if header.end_of_data:
             return None
-        microbatches = []
-        for spec in header.microbatches:
-            tensors = unpack(storage, spec.tensors)
-            if self.device is not None:
-                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            microbatches.append(
-                {**tensors, "num_tokens": spec.num_tokens, "loss_tokens": spec.loss_tokens, "filler": spec.filler, "loss_weight": spec.loss_weight}
-            )
-        subbatches = {}
-        for sub in header.subbatches:
-            tensors = unpack(storage, sub.tensors)
-            if self.device is not None:
-                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            subbatches[sub.name] = tensors
+        groups = [unpack(storage, spec.tensors) for spec in header.microbatches]
+        groups += [unpack(storage, sub.tensors) for sub in header.subbatches]
+        copied = None
+        if self._copier is not None:
+            groups, copied = self._copier.copy(groups)
+        elif self.device is not None:
+            groups = [{k: v.to(self.device) for k, v in group.items()} for group in groups]
+        fmt = self.job.format
+        microbatches = [
+            {
+                **tensors,
+                "num_tokens": spec.num_tokens,
+                "loss_tokens": spec.loss_tokens,
+                "filler": spec.filler,
+                "loss_weight": spec.loss_weight,
+                "ignore_id": fmt.ignore_id,
+            }
+            for spec, tensors in zip(header.microbatches, groups)
+        ]
+        subbatches = {sub.name: tensors for sub, tensors in zip(header.subbatches, groups[len(header.microbatches) :])}
         return {
             "step": header.step,
             "rank": header.rank,
@@ -156,6 +218,22 @@ class Client:
             "subbatches": subbatches,
             "global_loss_tokens": header.global_loss_tokens,
             "sources": self.sources,
+            "format": self.format,
+        }, copied
+
+    @property
+    def format(self) -> dict[str, Any]:
+        """How the job lays out its tensors: "labels" ("next_token": labels[t] = input_ids[t + 1]
+        within a sample), "ignore_id", "pad_id", "packing", "max_length" (0: no limit) and
+        "length_policy"."""
+        fmt = self.job.format
+        return {
+            "labels": fmt.labels or "next_token",
+            "ignore_id": fmt.ignore_id,
+            "pad_id": fmt.pad_id,
+            "packing": fmt.packing,
+            "max_length": fmt.max_length,
+            "length_policy": fmt.length_policy,
         }
 
     # ---- metric-driven mixing ------------------------------------------------------------
@@ -184,7 +262,11 @@ class Client:
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the step after the last one yielded, and the job and settings it
-        belongs to (fingerprints per group of settings, see `load_state_dict`)."""
+        belongs to (fingerprints per group of settings, see `load_state_dict`). Nothing in it is
+        specific to the rank ("rank" is informational): ranks take the same steps, so the state
+        that frameworks save from rank 0 only (Hugging Face Trainer, Lightning, accelerate) or
+        de-duplicate across ranks (torch.distributed.checkpoint) restores every rank. The client
+        is a `torch.distributed.checkpoint.stateful.Stateful`: `dcp.save({"data": client})`."""
         return {
             "version": STATE_VERSION,
             "job": self.job.job_id,
@@ -195,17 +277,17 @@ class Client:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resumes at `state["next_step"]`, also across changes of the mixture, the mesh (any
-        rank's state then serves every new rank: they all resume at the same step), the
-        loaders or the batching: the planner re-plans from its ledger's record of the step
-        before, and `resumed_across` names what changed.
+        """Resumes at `state["next_step"]`, saved by this rank or any other, also against a data
+        plane that kept running past it (a rewind: the planner re-plans from its ledger, so the
+        batches are those the job delivered the first time), and across changes of the mixture,
+        the mesh, the loaders or the batching: the planner re-plans from its ledger's record of
+        the step before, and `resumed_across` names what changed.
 
         Raises:
-            InvalidRequestError: a malformed state, one whose data settings (sources,
-                transforms, seed, epochs, shuffle) differ, or another rank's state on an
-                unchanged mesh.
+            InvalidRequestError: a malformed state, or one whose data settings (sources,
+                transforms, seed, epochs, shuffle) differ: its positions name other samples.
         """
-        missing = {"version", "fingerprints", "rank", "next_step"} - set(state)
+        missing = {"version", "fingerprints", "next_step"} - set(state)
         if missing:
             raise InvalidRequestError(f"state_dict lacks {sorted(missing)}")
         if state["version"] != STATE_VERSION:
@@ -220,12 +302,11 @@ class Client:
                 f"differ from job {self.job.job_id!r}: its positions name other samples, so it cannot resume here"
             )
         changed = tuple(name for name in now if then.get(name) != now[name])
-        if "topology" not in changed and state["rank"] != self.rank:
-            raise InvalidRequestError(f"state_dict is of rank {state['rank']}, this client is rank {self.rank}")
         if changed:
             log.info("rank %d resumes at step %d across changes of %s; the planner re-plans from its ledger", self.rank, step, ", ".join(changed))
         self.resumed_across = changed
         self._resume = then
+        self._restart = True
         self._next_step = step
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -248,21 +329,3 @@ def _resolve_rank(rank: int | None) -> int:
     if not text.lstrip("-").isdigit():
         raise InvalidRequestError(f"RANK={text!r} is not an integer")
     return int(text)
-
-
-def _resolve_address(address: str | None, rank: int) -> str:
-    if address:
-        return address
-    if os.environ.get(ENV_ADDRESS):
-        return os.environ[ENV_ADDRESS]
-    endpoints = os.environ.get(ENV_ENDPOINTS)
-    if endpoints:
-        try:
-            table = json.loads(pathlib.Path(endpoints).read_text())
-        except (OSError, ValueError) as exc:
-            raise InvalidRequestError(f"{ENV_ENDPOINTS}={endpoints!r} is not a readable endpoints file: {exc}") from exc
-        found = table.get("constructors", {}).get(str(rank))
-        if not found:
-            raise InvalidRequestError(f"the endpoints file {endpoints!r} has no constructor for rank {rank}")
-        return found
-    raise InvalidRequestError(f"no constructor address: pass address=, or set {ENV_ADDRESS} or {ENV_ENDPOINTS}")

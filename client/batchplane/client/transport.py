@@ -1,8 +1,10 @@
 """Talking to the constructor: retries with backoff inside a deadline, and the one table that
-turns gRPC status codes into the client's exceptions."""
+turns gRPC status codes into the client's exceptions. A retry looks the constructor's address up
+again (the endpoints file of a restarted data plane may name a new one)."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -12,11 +14,13 @@ import grpc
 import torch
 
 from batchplane.client import errors
+from batchplane.client.endpoints import AddressBook
 from batchplane.client.tensors import allocate
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 from batchplane.wire import PayloadReceiver, WireFormatError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: gRPC status -> the client's exception. Anything not listed is a DataPlaneError.
 ERROR_OF = {
@@ -38,30 +42,55 @@ class ConstructorConnection:
     """A channel to one constructor.
 
     Args:
-        address: "host:port" or "unix:///path".
+        addresses: Where the constructor listens: an address ("host:port", "unix:///path"), or
+            an AddressBook, waited for (the endpoints file may not exist yet) and looked up
+            again whenever a call has to retry.
         timeout_s: How long a call may keep retrying before DataPlaneUnavailable.
+    Raises:
+        DataPlaneUnavailable: no address appeared within `timeout_s`.
     """
 
-    def __init__(self, address: str, *, timeout_s: float) -> None:
-        self.address = address
+    def __init__(self, addresses: AddressBook | str, *, timeout_s: float) -> None:
+        self._addresses = AddressBook(addresses, rank=0) if isinstance(addresses, str) else addresses
         self.timeout_s = timeout_s
+        self.address = ""
+        self._channel: grpc.Channel | None = None
+        self._connect(self._addresses.wait(timeout_s=timeout_s))
+
+    def _connect(self, address: str) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self.address = address
         self._channel = grpc.insecure_channel(
             address,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
         self._stub = constructor_pb2_grpc.ConstructorStub(self._channel)
 
+    def _follow_address(self) -> None:
+        """Reconnects when the constructor's address changed (a restarted data plane)."""
+        try:
+            address, _ = self._addresses.lookup()
+        except errors.InvalidRequestError:
+            return  # a file being rewritten: the next retry looks again
+        if address is not None and address != self.address:
+            log.info("the constructor moved from %s to %s: reconnecting", self.address, address)
+            self._connect(address)
+
     def info(self) -> constructor_pb2.GetInfoResponse:
         return self._call(lambda remaining: self._stub.GetInfo(constructor_pb2.GetInfoRequest(), timeout=remaining), "GetInfo")
 
-    def batch(self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
+    def batch(
+        self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None, restart: bool = False
+    ) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
         """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream);
-        `resume`: the fingerprints of the checkpoint the rank resumed from (first request)."""
+        `resume`: the fingerprints of the checkpoint the rank resumed from (first request);
+        `restart`: the rank's trainer (re)starts at `step` (its first request)."""
 
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             # The constructor answers before the call's deadline: a batch, or what it waits for.
             wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
-            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms, resume=resume or {})
+            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart)
             stream = self._stub.GetBatch(request, timeout=remaining)
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":
@@ -78,6 +107,16 @@ class ConstructorConnection:
             return header, storage
 
         return self._call(attempt, f"GetBatch(rank {rank}, step {step})")
+
+    def length(self) -> common_pb2.JobLength:
+        """How many steps the job has (the constructor asks the planner, which may wait for its
+        loaders to register)."""
+
+        def attempt(remaining: float) -> common_pb2.JobLength:
+            wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
+            return self._stub.GetLength(constructor_pb2.GetLengthRequest(wait_ms=wait_ms), timeout=remaining).length
+
+        return self._call(attempt, "GetLength")
 
     def report(self, step: int, losses: dict[str, float]) -> common_pb2.ReportResponse:
         """Sends the training report of `step` (through the constructor, to the planner)."""
@@ -103,6 +142,8 @@ class ConstructorConnection:
                     ) from None
             time.sleep(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+            self._follow_address()
 
     def close(self) -> None:
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()

@@ -157,7 +157,7 @@ class SubPlanPart(_message.Message):
     def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses")
+    __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses", "oldest_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class GetPlanResponse(_message.Message):
     AXIS_FIELD_NUMBER: _ClassVar[int]
     SUBPLANS_FIELD_NUMBER: _ClassVar[int]
     LOADER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
@@ -172,7 +173,8 @@ class GetPlanResponse(_message.Message):
     axis: str
     subplans: _containers.RepeatedCompositeFieldContainer[SubPlanPart]
     loader_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    oldest_step: int
+    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ..., oldest_step: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

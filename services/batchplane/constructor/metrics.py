@@ -26,6 +26,11 @@ class ConstructorMetrics:
         self.sent_bytes = Counter(
             "batchplane_constructor_sent_bytes_total", "Batch payload bytes streamed to clients.", registry=registry
         )
+        self.rewinds = Counter(
+            "batchplane_constructor_rewinds_total",
+            "Ranks whose trainer restarted at a step they had moved past (a rewind: building went back).",
+            registry=registry,
+        )
         self.prefetched_steps = Gauge(
             "batchplane_constructor_prefetched_steps",
             "Steps built ahead of the slowest rank served here, when that rank last asked.",

@@ -10,7 +10,9 @@ get the very same built batch (I3), CP ranks their slices, pipeline stages their
 It builds up to `prefetch_steps` steps past the slowest of its ranks. The first step a rank
 asks for is where it starts (a resumed trainer asks for the step after its checkpoint). Asking
 for step s tells the pipeline the rank is done with earlier steps; their batches are dropped,
-and asking for them again is refused.
+and asking for them again is refused unless the trainer restarted (a rewind: building goes
+back). These rules live in the pure `progress.BuildProgress`; this class drives it and does the
+I/O.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pyarrow as pa
 from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive, lay_out, metadata_only
 from batchplane.constructor.hooks import HookError, apply_constructor_hook
 from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.constructor.progress import BuildProgress
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import ALL, DeliveryRules, Variant
 from batchplane.core.mesh import ClientPlaceTree
@@ -126,12 +129,11 @@ class StepPipeline:
         self._holding_lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready: dict[tuple[int, int], Delivery] = {}
-        self._progress: dict[int, int] = {}
-        self._start: int | None = None
-        self._resume_step = resume_step
+        rules = DeliveryRules(self.mesh, pulling_ranks=job.constructors.pulling_ranks)
+        self._steps = BuildProgress(
+            self.ranks, pulling=[r for r in self.ranks if rules.pulls(r)], prefetch_steps=job.constructors.prefetch_steps, resume_step=resume_step
+        )
         self._resume: dict[str, str] = {}
-        self._next = 0
-        self._end: int | None = None
         self._failure: FailedPrecondition | None = None
         self._planned = False  # the planner has answered a GetPlan: the job has started
         self._blocked: tuple[str, float] | None = None  # why building fails, and since when (monotonic)
@@ -143,14 +145,18 @@ class StepPipeline:
 
     # ---- trainer side ----------------------------------------------------------------------
 
-    def batch(self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None) -> Delivery | None:
+    def batch(
+        self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None, restart: bool = False
+    ) -> Delivery | None:
         """Rank `rank`'s batch of `step`, waiting up to `timeout_s`; None past the end of data.
         `resume`: the fingerprints of the checkpoint the rank resumed from, passed on to the
-        planner with the first plan asked for.
+        planner with the first plan asked for; `restart`: the rank's trainer (re)starts at
+        `step` (a step it has moved past is then a rewind, built again).
 
         Raises:
             InvalidArgument: a rank this constructor does not serve.
-            FailedPrecondition: a step before the start or one the rank has moved past.
+            FailedPrecondition: without `restart`, a step before the start or one the rank has
+                moved past; a rewind the planner refuses (before its ledger's horizon).
             Unavailable: not ready in time; retry.
         """
         if rank not in self.ranks:
@@ -160,21 +166,18 @@ class StepPipeline:
             )
         begin = time.perf_counter()
         with self._cond:
-            if self._start is None:  # a restarted constructor starts where its slowest rank may be
-                self._start = self._next = step if self._resume_step is None else min(step, self._resume_step)
+            asked = self._steps.ask(rank, step, restart=restart)
+            if asked.started:  # a restarted constructor starts where its slowest rank may be
                 self._resume = dict(resume or {})
-                log.info("starting at step %d", self._start)
-            if step < self._start:
-                raise FailedPrecondition(f"step {step} is before step {self._start}, where this job started")
-            latest = self._progress.get(rank, step)
-            if step < latest:
-                raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
-            self._progress[rank] = step
-            for key in [k for k in self._ready if k[0] == rank and k[1] < step]:
-                del self._ready[key]
+                log.info("starting at step %d", self._steps.start)
+            elif asked.rewound:
+                log.info("rank %d restarted at step %d: building again from step %d", rank, step, self._steps.next)
+                self._metrics.rewinds.inc()
+            for key in asked.drop:
+                self._ready.pop(key, None)
             self._cond.notify_all()
             done = self._cond.wait_for(
-                lambda: (rank, step) in self._ready or self._past_end(step) or self._failure is not None or self._stopped,
+                lambda: self._steps.is_ready(rank, step) or self._steps.past_end(step) or self._failure is not None or self._stopped,
                 timeout=timeout_s,
             )
             if self._failure is not None:
@@ -193,49 +196,36 @@ class StepPipeline:
             if waited > self._longest_wait.get(rank, 0.0):
                 self._longest_wait[rank] = waited
                 self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
-            self._metrics.prefetched_steps.set(max(self._next - 1 - min(self._progress.values()), 0))
+            self._metrics.prefetched_steps.set(max(self._steps.next - 1 - self._steps.slowest(), 0))
             return self._ready.get((rank, step))
 
-    def _slowest(self) -> int:
-        """The step the slowest rank asked for last (a rank that has not asked: the start); every
-        step below it was handed to all of this constructor's ranks (lock held)."""
-        return min(self._progress.get(r, self._start) for r in self.ranks)
-
     def _delivered(self) -> int:
-        """Every step below it was handed to all of this constructor's ranks (each has asked for a
-        later one)."""
+        """Every step below it was handed to all of this constructor's pulling ranks (each has
+        asked for a later one)."""
         with self._cond:
-            return self._slowest()
+            return self._steps.slowest()
 
     def rejoin_step(self) -> int | None:
         """The oldest step this constructor may still need planned (its ranks have not all been
         handed it; a restart would build it again); None until the planner has planned for it."""
         with self._cond:
-            return self._slowest() if self._planned else None
-
-    def _past_end(self, step: int) -> bool:
-        return self._end is not None and step >= self._end
+            return self._steps.rejoin_step() if self._planned else None
 
     # ---- building --------------------------------------------------------------------------
-
-    def _horizon(self) -> int:
-        """The last step to build now (lock held)."""
-        return self._slowest() + self._job.constructors.prefetch_steps
 
     def _build_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._stopped or (self._start is not None and self._end is None and self._next <= self._horizon())
-                )
+                self._cond.wait_for(lambda: self._stopped or self._steps.to_build() is not None)
                 if self._stopped:
                     return
                 # No rank needs a step below its slowest rank's (a restarted constructor starts at
                 # the oldest step its ranks may ask for; once they have asked, the rest are skipped).
-                step = self._next = max(self._next, self._slowest())
+                step, epoch = self._steps.to_build(), self._steps.epoch
+                rewind = self._steps.plan_request(step)
             began = time.monotonic()
             try:
-                built = self._build(step)
+                built = self._build(step, rewind=rewind)
             except Unavailable as exc:  # a peer is slow or restarting: keep trying
                 if self._stopped:
                     return
@@ -258,18 +248,18 @@ class StepPipeline:
                     log.info("step %d built after %.2f s of retrying", step, time.monotonic() - self._blocked[1])
                 self._blocked = None
                 if built is None:
-                    self._end = step
+                    self._steps.ended(step, epoch=epoch)
                     log.info("end of data at step %d", step)
                 else:
-                    for delivery in built:
-                        self._ready[(delivery.rank, step)] = delivery
+                    by_rank = {delivery.rank: delivery for delivery in built}
+                    for key in self._steps.built(step, by_rank, epoch=epoch):
+                        self._ready[key] = by_rank[key[0]]
                     self._metrics.batches_built.inc(len(built))
-                self._next = step + 1
                 self._cond.notify_all()
 
-    def _build(self, step: int) -> list[Delivery] | None:
+    def _build(self, step: int, *, rewind: bool = False) -> list[Delivery] | None:
         self._peer = "planner"
-        plan = self._get_plan(step)
+        plan = self._get_plan(step, rewind=rewind)
         self._peer = "loader"
         if plan.end_of_data:
             return None
@@ -312,6 +302,7 @@ class StepPipeline:
                 built[bucket] = assemble(
                     samples, step=step, rank=bucket, pad_id=batch.pad_id, ignore_id=batch.ignore_id,
                     token_dtype=batch.token_dtype, global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length,
+                    max_length=self._job.max_length, length_policy=batch.length_policy,
                 )
                 if self._hook is not None:
                     try:
@@ -320,7 +311,10 @@ class StepPipeline:
                         self._metrics.hook_failures.inc()
                         raise
             else:
-                built[bucket] = metadata_only(step=step, rank=bucket, lengths=length, offsets=offsets, global_loss_tokens=plan.global_loss_tokens)
+                built[bucket] = metadata_only(
+                    step=step, rank=bucket, lengths=length, offsets=offsets, global_loss_tokens=plan.global_loss_tokens,
+                    max_length=self._job.max_length, length_policy=batch.length_policy,
+                )
         variants_built: dict[Variant, BuiltBatch] = {}
         deliveries = []
         for rank, v in variants.items():
@@ -368,24 +362,33 @@ class StepPipeline:
         """Forwards a trainer's training report to the planner."""
         return self._call_planner(lambda: self._planner.Report(request, timeout=10), f"Report(step {request.step}) to")
 
-    def _get_plan(self, step: int) -> planner_pb2.GetPlanResponse:
-        resume = self._resume if step == self._start else {}
+    def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:
+        """How many steps the job has, as the planner says (waiting up to `wait_ms` for its
+        loaders to register)."""
+        request = planner_pb2.GetJobRequest(wait_ms=wait_ms)
+        response = self._call_planner(lambda: self._planner.GetJob(request, timeout=wait_ms / 1000 + 10), "GetJob from")
+        return response.length
+
+    def _get_plan(self, step: int, *, rewind: bool = False) -> planner_pb2.GetPlanResponse:
+        resume = self._resume if step == self._steps.start else {}
         request = planner_pb2.GetPlanRequest(
-            constructor_index=self._index, step=step, wait_ms=5000, resume=resume, delivered_below=self._delivered()
+            constructor_index=self._index, step=step, wait_ms=5000, resume=resume, delivered_below=self._delivered(), rewind=rewind
         )
 
         def get_plan() -> planner_pb2.GetPlanResponse:
             try:
                 return self._planner.GetPlan(request, timeout=10)
-            except grpc.RpcError as exc:
-                if self._rejoin is None or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "has not registered" not in (exc.details() or ""):
+            except grpc.RpcError as exc:  # NOT_FOUND: the planner restarted and does not know us
+                if self._rejoin is None or exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
             log.warning("the planner does not know this constructor (it restarted): rejoining; its ranks need steps from %d", self._delivered())
             self._rejoin(self._delivered())
             return self._planner.GetPlan(request, timeout=10)
 
         plan = self._call_planner(get_plan, f"GetPlan(step {step}) from")
-        self._planned = True
+        with self._cond:
+            self._planned = True
+            self._steps.oldest = plan.oldest_step
         return plan
 
     def _call_planner(self, call: Callable[[], T], what: str) -> T:

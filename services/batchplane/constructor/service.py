@@ -16,6 +16,8 @@ from batchplane.core.rpc import stream_payload
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
+#: The longest a request may ask to wait; longer asks are cut to it.
+MAX_WAIT_MS = 60_000
 
 
 def _specs(tensors: tuple[TensorLayout, ...]) -> list[constructor_pb2.TensorSpec]:
@@ -56,11 +58,18 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
         return self._pipeline.report(request)
 
+    def GetLength(self, request: constructor_pb2.GetLengthRequest, context: grpc.ServicerContext) -> constructor_pb2.GetLengthResponse:
+        if request.wait_ms < 0:
+            raise InvalidArgument(f"wait_ms must be >= 0, got {request.wait_ms}")
+        return constructor_pb2.GetLengthResponse(length=self._pipeline.job_length(wait_ms=min(request.wait_ms, MAX_WAIT_MS)))
+
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
-        wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
-        delivery = self._pipeline.batch(request.rank, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume))
+        wait_ms = min(request.wait_ms, MAX_WAIT_MS) if request.wait_ms > 0 else DEFAULT_WAIT_MS
+        delivery = self._pipeline.batch(
+            request.rank, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume), restart=request.restart
+        )
         if delivery is None:
             yield constructor_pb2.GetBatchResponse(
                 header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)

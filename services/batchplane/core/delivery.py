@@ -45,12 +45,30 @@ class DeliveryRules:
         axis: The primary graph's axis, "DP" or "CP".
         broadcast: Dimensions the trainer broadcasts along ({"TP"}).
         middle_tensors: Tensors middle pipeline stages receive.
+        pulling_ranks: Which ranks ask for batches (`constructors.pulling_ranks`): "all", or
+            "megatron" (tensor-parallel rank 0 of the first and last pipeline stages).
     """
 
     mesh: ClientPlaceTree
     axis: str = "DP"
     broadcast: frozenset[str] = frozenset()
     middle_tensors: tuple[str, ...] = ()
+    pulling_ranks: str = "all"
+
+    def pulls(self, rank: int) -> bool:
+        """Whether rank `rank` asks for its batches (the others are never waited for)."""
+        if self.pulling_ranks == "all":
+            return True
+        c = self.mesh.coords(rank)
+        return c.tp == 0 and c.pp in (0, self.mesh.sizes["pp"] - 1)
+
+    def pulling(self, layout: Sequence[Sequence[int]]) -> list[int]:
+        """The constructors with a rank that asks for batches.
+
+        Args:
+            layout: layout[c] = the ranks constructor c serves.
+        """
+        return [c for c, ranks in enumerate(layout) if any(self.pulls(r) for r in ranks)]
 
     def variant(self, rank: int) -> Variant:
         c = self.mesh.coords(rank)
@@ -65,13 +83,14 @@ class DeliveryRules:
         return {v.bucket for v in map(self.variant, ranks) if v.tensors}
 
     def fetchers(self, layout: Sequence[Sequence[int]]) -> list[int]:
-        """For each bucket, how many constructors fetch its samples.
+        """For each bucket, how many constructors fetch its samples (a constructor none of whose
+        ranks asks for batches builds nothing).
 
         Args:
             layout: layout[c] = the ranks constructor c serves.
         """
         counts = [0] * self.mesh.buckets(self.axis)
-        for ranks in layout:
-            for bucket in self.needs_samples(ranks):
+        for c in self.pulling(layout):
+            for bucket in self.needs_samples(layout[c]):
                 counts[bucket] += 1
         return counts

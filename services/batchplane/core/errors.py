@@ -23,6 +23,15 @@ class FailedPrecondition(BatchplaneError):
     """The request is valid but not in the service's current state (e.g. a consumed step)."""
 
 
+def rewind_refused(step: int, oldest: int) -> FailedPrecondition:
+    """The error of a rewind to `step` before `oldest`, the first step the planner's ledger can
+    re-plan (planner and constructors refuse it alike)."""
+    return FailedPrecondition(
+        f"cannot rewind to step {step}: the oldest step the planner's ledger can re-plan is {oldest} "
+        f"(where its oldest generation starts); restart from a checkpoint at step {oldest} or later"
+    )
+
+
 class Unavailable(BatchplaneError):
     """Temporarily unable to answer (data not ready, a peer is down); retry with backoff."""
 

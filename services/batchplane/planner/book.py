@@ -8,9 +8,14 @@ sample lost or repeated even when the mixture, the mesh, the loaders or the batc
 since; the planner logs what changed. Without that record (a new run folder) it fast-forwards the
 mixture without touching data, which is exact only if the mixture is unchanged: a resume whose
 checkpoint says the mixture changed is then refused. Every step's record is written durably
-before its plan is served. A constructor that asks for step s is done with every earlier step; asking for an
-earlier step afterwards is refused as consumed. Each step is planned by the job's strategy
-(see `dgraph`) over the job's ClientPlaceTree.
+before its plan is served. Each step is planned by the job's strategy (see `dgraph`) over the
+job's ClientPlaceTree.
+
+What a request means (start, serve, rewind, refuse) and which plans are kept is decided by the
+pure `progress.PlanProgress`; this class drives it. A rewind (a trainer restarted from an older
+checkpoint while the data plane runs) to a step whose plan is no longer kept is carried out by
+the planning thread: it restores the state from the ledger's record of the step before, exactly
+as a restarted planner does, opens a new ledger generation there and plans the sequence again.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from batchplane.core.config import JobSettings
+from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
 from batchplane.planner.adaptive import AdaptiveState, check_report, state_from_json as adaptive_from_json, state_to_json as adaptive_to_json, update
@@ -35,6 +41,8 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
+from batchplane.planner.progress import PlanProgress, Replan, Start, start_step
+from batchplane.planner.length import JobLength, job_length
 from batchplane.planner.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
@@ -96,16 +104,19 @@ class PlanBook:
         self._cond = threading.Condition()
         self._plans: dict[int, StepPlan] = {}
         self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
-        self._progress: dict[int, int] = {}  # constructor -> latest step it asked for
-        self._delivered: dict[int, int] = {}  # constructor -> every step below reached its ranks
+        rules = DeliveryRules(self.mesh, axis=self.strategy.primary.axis, pulling_ranks=job.constructors.pulling_ranks)
+        pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
+        self._progress = PlanProgress(range(job.constructor_count), pulling=pulling)
         self._mixture: Mixture | None = None
         self._state: MixtureState | None = None
-        self.start_step: int | None = None
         self.end_step: int | None = None
         self._wanted = -1
         self._waiting_on = ""
-        self._consumed_below = 0
+        self._replan_to: int | None = None  # a rewind the planning thread must carry out
+        self._epoch = 0  # counts rewinds: a step planned across one is not kept
         self._failure: str | None = None
+        self._length: JobLength | None = None
+        self._length_lock = threading.Lock()
         self._stopped = False
         self._compactor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-compaction")
         self._compacting: futures.Future | None = None
@@ -115,7 +126,14 @@ class PlanBook:
     # ---- requests ------------------------------------------------------------------------
 
     def plan_for(
-        self, constructor: int, step: int, *, timeout_s: float, resume: Mapping[str, str] | None = None, delivered_below: int = 0
+        self,
+        constructor: int,
+        step: int,
+        *,
+        timeout_s: float,
+        resume: Mapping[str, str] | None = None,
+        delivered_below: int = 0,
+        rewind: bool = False,
     ) -> StepPlan | None:
         """The plan of `step` for constructor `constructor`; None (END_OF_DATA) past the end.
 
@@ -124,26 +142,26 @@ class PlanBook:
                 (what `_start` checks a resume without a ledger record against).
             delivered_below: Every step below it reached all of the constructor's ranks; plans
                 are kept from the slowest constructor's on (a restarted one builds them again).
+            rewind: A rank of the constructor restarted from an older checkpoint: an earlier
+                step than it asked for before is served again (re-planned from the ledger).
 
         Raises:
             FailedPrecondition: the step is before the job's start, was consumed by the
-                constructor (it already asked for a later step), or planning failed for good (the
-                message says why, e.g. a cost function that returns negative costs).
+                constructor (it already asked for a later step) without `rewind`, is before the
+                oldest step the ledger can re-plan, or planning failed for good (the message
+                says why, e.g. a cost function that returns negative costs).
             Unavailable: the plan is not ready within `timeout_s` (loaders not registered or
                 slow); retry.
         """
         with self._cond:
-            if self.start_step is None:
+            decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
+            if isinstance(decision, Start):
                 if self._membership.rejoined():  # a restarted planner: asking says where it stands too
                     self._membership.rejoin_at(constructor, min(step, delivered_below))
                 self._start(step, timeout_s=timeout_s, resume=resume or {})
-            if step < self.start_step:
-                raise FailedPrecondition(f"step {step} is before step {self.start_step}, where this job started")
-            latest = self._progress.get(constructor, step)
-            if latest > step:
-                raise FailedPrecondition(f"step {step} was already consumed: constructor {constructor} asked for step {latest} since")
-            self._progress[constructor] = step
-            self._delivered[constructor] = max(self._delivered.get(constructor, self.start_step), delivered_below)
+                decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
+            if isinstance(decision, Replan):
+                self._begin_replan(decision.step, constructor)
             self._forget_consumed()
             if self.end_step is not None and step >= self.end_step:
                 return END_OF_DATA
@@ -177,10 +195,10 @@ class PlanBook:
             return
         reader = LedgerReader(self._ledger_storage)
         floor = self._delivered_floor(reader) if self._membership.rejoined() or (step > 0 and not resume) else None
+        positions: dict[int, int] = {}
         if floor is not None:  # a restarted planner: no rank needs a step below the ledger's floor
-            rejoined = self._membership.rejoined()
-            step = min([step, floor, *rejoined.values()])
-            self._progress.update(rejoined)
+            rejoined = positions = self._membership.rejoined()
+            step = start_step(step, floor=floor, rejoined=rejoined)
             log.info(
                 "restarted: every rank had been handed the steps below %d (the ledger), the constructors that rejoined need %s; "
                 "resuming at step %d", floor, rejoined, step,
@@ -194,35 +212,77 @@ class PlanBook:
                 raise Unavailable("the planner is stopping")
             if self.start_step is not None:
                 return
-            step = min(self._membership.rejoined().values())
-            self._progress.update(self._membership.rejoined())
+            positions = self._membership.rejoined()
+            step = min(positions.values())
             log.info("restarted: the constructors need steps %s; resuming at step %d", self._membership.rejoined(), step)
+        self._mixture = self._make_mixture()
+        log.info("mixture: %s", self._mixture.describe())
+        self._state = self._restore(step, resume, reader)
+        if self._adaptive is not None:
+            self._restore_adaptive(step, reader)
+        self._writer = self._new_generation(reader, step)
+        self._progress.started(step, horizon=self._horizon(reader, step), positions=positions)
+        self._wanted = step
+        self._store.start(self._state.cursors, step=step)
+        self._cond.notify_all()
+
+    def _make_mixture(self) -> Mixture:
+        """The job's mixture allocator (every loader has registered: the stream ends are known)."""
         ends = [
             None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
             for k in range(len(self._job.sources))
         ]
-        self._mixture = Mixture(
+        return Mixture(
             self.schedule.schedule,
             global_batch_size=self._job.batch.global_batch_size,
             stream_ends=ends,
             granularity=self.schedule.granularity,
             microbatches=self._job.batch.microbatches,
         )
-        log.info("mixture: %s", self._mixture.describe())
-        self._state = self._restore(step, resume, reader)
-        if self._adaptive is not None:
-            self._restore_adaptive(step, reader)
-        self._writer = LedgerWriter(
+
+    def length(self) -> JobLength:
+        """How many steps the job has (see `length.job_length`): known for a finite job once every
+        loader has registered. Computed once."""
+        if self._job.epochs is None:
+            return JobLength(infinite=True)
+        if not self._membership.ready:
+            return JobLength(unknown=f"waiting for loaders {self._membership.missing_loaders()} to register")
+        with self._length_lock:
+            if self._length is None:
+                begin = time.perf_counter()
+                self._length = job_length(self.schedule, self._make_mixture())
+                log.info("the job's length: %s (counted in %.3f s)", self._length, time.perf_counter() - begin)
+            return self._length
+
+    def _new_generation(self, reader: LedgerReader, step: int) -> LedgerWriter:
+        """Opens a new generation of the ledger that plans from `step` on."""
+        return LedgerWriter(
             reader,
             start_step=step,
             fingerprints=self._job.fingerprints,
             sources=self._job.source_names,
             keep_detail_steps=self._job.ledger.keep_detail_steps,
         )
-        self.start_step = step
-        self._wanted = step
-        self._store.start(self._state.cursors, step=step)
-        self._cond.notify_all()
+
+    def _horizon(self, reader: LedgerReader, step: int) -> int:
+        """The oldest step a rewind can re-plan: where the ledger's earliest generation starts
+        (its state is that generation's restore or fast-forward; every later step has the
+        record of the step before it), or `step` with an empty ledger. An adaptive mixture
+        needs the record of the step before: not the start of a generation that fast-forwarded."""
+        starts = {g.start_step for g in reader.generations} | {step}
+        if self._adaptive is not None:
+            starts = {s + 1 if s > 0 and reader.record(s - 1) is None else s for s in starts}
+        return min(starts)
+
+    @property
+    def oldest_step(self) -> int:
+        """The oldest step a rewind can go back to (the ledger's horizon)."""
+        return self._progress.horizon
+
+    @property
+    def start_step(self) -> int | None:
+        """The step the job started at (lowered by a rewind before it); None before it starts."""
+        return self._progress.start
 
     def _delivered_floor(self, reader: LedgerReader) -> int | None:
         """For a planner restarted mid-run (constructors rejoined, or one asks for a step > 0
@@ -339,7 +399,7 @@ class PlanBook:
         with self._cond:
             if self.start_step is None:
                 return
-            self._delivered[constructor] = max(self._delivered.get(constructor, self.start_step), below)
+            self._progress.delivered(constructor, below)
             self._forget_consumed()
             self._cond.notify_all()
 
@@ -347,18 +407,24 @@ class PlanBook:
         """A constructor registered anew (restarted): it may ask again for the steps from the
         last one its ranks were handed. Returns that step (-1 before the job starts)."""
         with self._cond:
-            self._progress.pop(constructor, None)
-            if self.start_step is None:
-                return -1
-            return self._delivered.get(constructor, self.start_step)
+            return self._progress.restarted(constructor)
 
     def _forget_consumed(self) -> None:
-        low = min(self._delivered.get(c, self.start_step) for c in range(self._job.constructor_count))
-        self._consumed_below = low
-        for s in [s for s in self._plans if s < low]:
-            del self._plans[s]
-            del self._cursors_before[s]
-        self._store.delivered(low)
+        """Drops the plans every rank has moved past (lock held)."""
+        for s in self._progress.forget_consumed():
+            self._plans.pop(s, None)
+            self._cursors_before.pop(s, None)
+        self._store.delivered(self._progress.consumed_below)
+
+    def _begin_replan(self, step: int, constructor: int) -> None:
+        """Has the planning thread re-plan from `step` (a rewind to a step whose plan is no longer
+        kept); the plans it keeps are dropped: it builds them again (lock held)."""
+        log.info("constructor %d rewinds to step %d, whose plan is no longer kept: re-planning from the ledger's record of step %d", constructor, step, step - 1)
+        self._replan_to = step if self._replan_to is None else min(self._replan_to, step)
+        self._epoch += 1
+        self._plans.clear()
+        self._cursors_before.clear()
+        self._cond.notify_all()
 
     def restore_point(self) -> tuple[int, ...] | None:
         """Per source, the cursor before the oldest step not yet handed to every rank: what a
@@ -366,8 +432,13 @@ class PlanBook:
         with self._cond:
             if self._state is None:
                 return None
-            kept = [s for s in self._cursors_before if s >= self._consumed_below]
+            kept = [s for s in self._cursors_before if s >= self._progress.consumed_below]
             return self._cursors_before[min(kept)] if kept else self._state.cursors
+
+    def wait_ready(self, *, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for every source's loader to register; returns whether they have."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._membership.ready or self._stopped, timeout=timeout_s)
 
     def notify_membership(self) -> None:
         """Wakes requests waiting for loaders to register."""
@@ -379,25 +450,62 @@ class PlanBook:
     def _plan_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._stopped or (self._state is not None and self.end_step is None and self._state.step <= self._wanted)
-                )
+                self._cond.wait_for(lambda: self._stopped or self._replan_to is not None or self._more_to_plan())
                 if self._stopped:
                     return
-                state = self._state
+                replan, epoch, state = self._replan_to, self._epoch, self._state
+            step = state.step if replan is None else replan
             try:
-                self._plan_next(state)
+                if replan is not None:
+                    self._rewind(replan)
+                else:
+                    self._plan_next(state, epoch)
             except Exception as exc:  # noqa: BLE001 - reported to every waiting request
-                log.exception("planning step %d failed", state.step)
+                log.exception("planning step %d failed", step)
                 with self._cond:
-                    self._failure = f"step {state.step}: {exc}"
+                    self._failure = f"step {step}: {exc}"
                     self._cond.notify_all()
                 return
 
-    def _plan_next(self, state: MixtureState) -> None:
+    def _more_to_plan(self) -> bool:
+        """Whether the next step is wanted and before the end of data (lock held)."""
+        if self._state is None:
+            return False
+        return (self.end_step is None or self._state.step < self.end_step) and self._state.step <= self._wanted
+
+    def _interrupted(self) -> bool:
+        """Whether planning must stop waiting: the planner stops, or a rewind came in."""
+        return self._stopped or self._replan_to is not None
+
+    def _rewind(self, step: int) -> None:
+        """Goes back to `step` (a rewind): restores the state before it from the ledger as a
+        restarted planner does, opens a new generation there, and pulls summaries from its
+        cursors again (loaders read again what they freed). Running totals restart, as after a
+        planner restart."""
+        if self._compacting is not None:
+            futures.wait([self._compacting])  # the new generation folds what the old one left
+        reader = LedgerReader(self._ledger_storage)
+        self.ledger = Ledger(self._job.source_names, method=self.ledger.method)
+        state = self._restore(step, {}, reader)
+        with self._cond:
+            self._reports.clear()
+        if self._adaptive is not None:
+            self._restore_adaptive(step, reader)
+        writer = self._new_generation(reader, step)
+        with self._cond:
+            self._writer, self._state = writer, state
+            self._wanted = max(self._wanted, step)
+            self._store.rewind(state.cursors, step=step, delivered_below=self._progress.consumed_below)
+            if self._replan_to == step:  # else a rewind further back came in meanwhile: next round
+                self._replan_to = None
+            self._cond.notify_all()
+        self._metrics.rewinds.inc()
+        log.info("rewound to step %d: planning again from the ledger's record of step %d (generation %d)", step, step - 1, writer.generation.gen)
+
+    def _plan_next(self, state: MixtureState, epoch: int) -> None:
         applied = self._adapt(state.step) if self._adaptive is not None else []
         if applied is None:
-            return  # stopped while waiting
+            return  # stopped or rewound while waiting
         allocation, after = self._mixture.allocate(state)
         if allocation.end_of_data:
             with self._cond:
@@ -408,16 +516,21 @@ class PlanBook:
         begin = time.perf_counter()
         table = self._allocated_samples(allocation)
         if table is None:
-            return  # stopped while waiting
+            return  # stopped or rewound while waiting
         waited = time.perf_counter() - begin
-        plan = self.strategy.run(state.step, table, self.mesh, default_cost=self._cost_fn)
+        plan = self.strategy.run(
+            state.step, table, self.mesh, default_cost=self._cost_fn, max_length=self._job.max_length, length_policy=self._job.batch.length_policy
+        )
         record = self.ledger.record(allocation, plan, after)
-        record["delivered_below"] = self._consumed_below  # where a restarted planner may resume
+        record["delivered_below"] = self._progress.consumed_below  # where a restarted planner may resume
         if self._adaptive is not None:
             record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
         self._writer.append(record)
-        self._store.advance(after.cursors, steps=after.step)
         with self._cond:
+            if epoch != self._epoch:  # a rewind came in while it was planned: the sequence goes back
+                return
+            self._store.advance(after.cursors, steps=after.step)
+            self._progress.planned(state.step)
             self._plans[state.step] = plan
             self._cursors_before[state.step] = state.cursors
             self._state = after
@@ -426,25 +539,25 @@ class PlanBook:
         self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
         if self._compacting is None or self._compacting.done():  # compaction never stalls planning
             self._compacting = self._compactor.submit(
-                self._writer.compact, self._consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None
+                self._writer.compact, self._progress.consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None
             )
             self._compacting.add_done_callback(_log_failure)
 
     def _adapt(self, step: int) -> list[tuple[int, dict | None]] | None:
         """Applies the reports of the steps up to step - delay_steps (waiting for them) and sets
-        step `step`'s weights; returns the (step, losses) applied, or None when stopped."""
+        step `step`'s weights; returns the (step, losses) applied, or None when stopped or rewound."""
         rule = self._adaptive
         applied = []
         while self._applied_through < step - rule.delay_steps:
             t = self._applied_through + 1
             with self._cond:
-                while t not in self._reports and not self._stopped:
+                while t not in self._reports and not self._interrupted():
                     self._waiting_on = (
                         f"waiting for the training report of step {t}: with mixture.schedule.adaptive.delay_steps = {rule.delay_steps}, "
                         f"step {step} is planned with the reports of steps up to {step - rule.delay_steps} (Client.report(step, losses))"
                     )
                     self._cond.wait(timeout=1.0)
-                if self._stopped:
+                if self._interrupted():
                     return None
                 losses = self._reports.pop(t)
                 self._waiting_on = ""
@@ -465,7 +578,7 @@ class PlanBook:
                 got = wait_for_summary(self._store, k, start, count, timeout_s=1.0)
                 if got is not None:
                     break
-                if self._stopped:
+                if self._interrupted():
                     return None
                 group = self._job.loader_of(k)
                 self._waiting_on = (
@@ -498,9 +611,7 @@ class PlanBook:
         """True once every rank has been handed every step and asked for the end-of-data step
         (its constructor says so with its requests and heartbeats)."""
         with self._cond:
-            if self.end_step is None:
-                return False
-            return all(self._delivered.get(c, -1) >= self.end_step for c in range(self._job.constructor_count))
+            return self._progress.finished(self.end_step)
 
     def stop(self) -> None:
         with self._cond:

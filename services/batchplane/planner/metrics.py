@@ -30,6 +30,12 @@ class PlannerMetrics:
             "The latest planned step of the job (absolute: it continues across planner restarts and resumes).",
             registry=registry,
         )
+        self.rewinds = Counter(
+            "batchplane_planner_rewinds_total",
+            "Times the plan sequence went back to an earlier step because a trainer restarted from an older checkpoint "
+            "than the plans the planner kept (re-planned from the ledger).",
+            registry=registry,
+        )
         self.loader_restarts = Counter(
             "batchplane_planner_loader_restarts_total",
             "Loader replicas that registered again as a new process (a failure recovered from), by loader group.",

@@ -225,6 +225,28 @@ class Mixture:
             state = after
         return state
 
+    def end_step(self, state: MixtureState, *, always_active: Sequence[int] | None = None) -> int | None:
+        """The step before which the data ends, counting on from `state` (from the initial state:
+        the job's number of steps); None when the streams never end. No data needed.
+
+        Args:
+            always_active: The sources the schedule weighs at every step, when it weighs no
+                other source at any step (a static schedule's sources of weight > 0, or an
+                adaptive rule's with a minimum share > 0): every step then takes
+                min(global_batch_size, samples left), so the count has a closed form. None
+                replays the allocations (a schedule that changes which sources it weighs).
+        """
+        if any(end is None for end in self.stream_ends):
+            return None
+        if always_active is not None:
+            left = sum(max(self.stream_ends[k] - state.cursors[k], 0) for k in always_active)
+            return state.step + -(-left // self.global_batch_size)
+        while True:
+            allocation, after = self.allocate(state)
+            if allocation.end_of_data:
+                return state.step
+            state = after
+
     # ---- one sub-step ----------------------------------------------------------------------
 
     def _substeps(self, step: int) -> Iterator[tuple[float, int]]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
-from batchplane.core.errors import FailedPrecondition, InvalidArgument
+from batchplane.core.errors import InvalidArgument, NotFound
 from batchplane.planner.book import PlanBook
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
@@ -19,6 +19,8 @@ from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
 DEFAULT_WAIT_MS = 30_000
+#: The longest a request may ask to wait; longer asks are cut to it.
+MAX_WAIT_MS = 60_000
 
 
 def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
@@ -35,6 +37,15 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
         microbatches=job.batch.microbatches,
         hooks=common_pb2.Hooks(**strategy.hook_names()),
         fingerprints=job.fingerprints,
+        format=common_pb2.BatchFormat(
+            pad_id=job.batch.pad_id,
+            ignore_id=job.batch.ignore_id,
+            labels="next_token",
+            packing=job.batch.packing,
+            pack_length=job.batch.pack_length or 0,
+            max_length=job.max_length or 0,
+            length_policy=job.batch.length_policy,
+        ),
     )
 
 
@@ -76,7 +87,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._membership = membership
         self._book = book
         self._rules = DeliveryRules(
-            book.mesh, axis=book.strategy.primary.axis, broadcast=book.strategy.broadcast, middle_tensors=job.constructors.pp_middle_tensors
+            book.mesh,
+            axis=book.strategy.primary.axis,
+            broadcast=book.strategy.broadcast,
+            middle_tensors=job.constructors.pp_middle_tensors,
+            pulling_ranks=job.constructors.pulling_ranks,
         )
         self._fetchers = self._rules.fetchers([job.constructor_ranks(c) for c in range(job.constructor_count)])
 
@@ -126,17 +141,30 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
-        return planner_pb2.GetJobResponse(job=self._info, ready=self._membership.ready)
+        if request.wait_ms < 0:
+            raise InvalidArgument(f"wait_ms must be >= 0, got {request.wait_ms}")
+        self._book.wait_ready(timeout_s=min(request.wait_ms, MAX_WAIT_MS) / 1000)
+        length = self._book.length()
+        return planner_pb2.GetJobResponse(
+            job=self._info,
+            ready=self._membership.ready,
+            length=common_pb2.JobLength(num_steps=length.num_steps or 0, infinite=length.infinite, unknown=length.unknown),
+        )
 
     def GetPlan(self, request: planner_pb2.GetPlanRequest, context: grpc.ServicerContext) -> planner_pb2.GetPlanResponse:
         ranks = self._membership.constructor_ranks(request.constructor_index)
-        if ranks is None:
-            raise FailedPrecondition(f"constructor {request.constructor_index} has not registered")
+        if ranks is None:  # NOT_FOUND tells a constructor whose planner restarted to register again
+            raise NotFound(f"constructor {request.constructor_index} has not registered")
         if request.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {request.step}")
-        wait_ms = request.wait_ms if request.wait_ms > 0 else DEFAULT_WAIT_MS
+        wait_ms = min(request.wait_ms, MAX_WAIT_MS) if request.wait_ms > 0 else DEFAULT_WAIT_MS
         plan = self._book.plan_for(
-            request.constructor_index, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume), delivered_below=request.delivered_below
+            request.constructor_index,
+            request.step,
+            timeout_s=wait_ms / 1000,
+            resume=dict(request.resume),
+            delivered_below=min(request.delivered_below, request.step),
+            rewind=request.rewind,
         )
         if plan is None:
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
@@ -161,6 +189,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             global_loss_tokens=plan.loss_tokens,
             axis=plan.axis,
             subplans=subplan_parts(plan, ranks, self._book),
+            oldest_step=self._book.oldest_step,
         )
 
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:

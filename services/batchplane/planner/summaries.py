@@ -71,6 +71,19 @@ class SummaryStore:
             self._started = True
             self.cond.notify_all()
 
+    def rewind(self, cursors: tuple[int, ...], *, step: int, delivered_below: int) -> None:
+        """Goes back to `cursors`, before step `step` (a rewind): forgets what is known and pulls
+        again from there; `delivered_below`: every rank has been handed every step below it."""
+        with self.cond:
+            for known, cursor in zip(self._known, cursors):
+                known.base = known.cursor = cursor
+                known.rows = known.rows[:0]
+                known.lengths = known.lengths[:0]
+                known.features = {}
+            self.planned_steps = step
+            self.delivered_below = delivered_below
+            self.cond.notify_all()
+
     def delivered(self, below: int) -> None:
         """Every rank has been handed every step below `below` (the loaders learn it with the
         next pull and free what only those steps planned from)."""
@@ -131,7 +144,7 @@ class SummaryStore:
         """(from_seq, planned_seq) of the next pull for `source`, or None when nothing is wanted
         (not started, look-ahead satisfied, or the stream ended). Call with `cond` held."""
         known = self._known[source]
-        if not self._started or known.end is not None:
+        if not self._started or (known.end is not None and known.known_through >= known.end):
             return None
         if known.known_through >= known.cursor + self.lookahead:
             return None

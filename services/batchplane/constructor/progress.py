@@ -1,0 +1,168 @@
+"""Where a constructor's ranks stand and what it builds next: the rules of starting, serving,
+rewinding and prefetching, as a pure state machine. No threads, clocks, I/O or grpc;
+`pipeline.StepPipeline` drives it under its lock and does the building.
+
+Rules (each a test in tests/unit/test_build_progress.py):
+- The first step any rank asks for is where building starts; a constructor restarted mid-job
+  starts at the oldest step its ranks may still ask for (`resume_step`), if lower.
+- A rank asking for step s is done with every earlier step: its batches of earlier steps are
+  dropped. Asking for an earlier step is refused as consumed, unless the request says `restart`
+  (a trainer restarted, e.g. from an older checkpoint): then it is a *rewind*, and building goes
+  back to the rank's first step from s on whose batch is not held. Plan requests are marked
+  `rewind` up to the furthest step asked of the planner before a restart (the planner serves them
+  again although this constructor moved past them), and at the restart's step itself.
+- Building runs up to `prefetch_steps` past the slowest rank that pulls data (ranks that never
+  ask, e.g. tensor-parallel peers under `constructors.pulling_ranks: megatron`, are never
+  waited for, and their batches are dropped once every pulling rank has moved past them).
+- Steps below the slowest rank are skipped; the end of data stops building, and a rewind starts
+  it again (the end stays where it is: the plan sequence is deterministic).
+- A build finished across a rewind still yields batches (the plans are the same) but does not
+  move building forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from batchplane.core.errors import FailedPrecondition, rewind_refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a rank's request meant.
+
+    Attributes:
+        started: Building started with this request (at `BuildProgress.start`).
+        rewound: The request rewound its rank (building goes back unless its batch is held).
+        drop: (rank, step) batches no longer needed.
+    """
+
+    started: bool = False
+    rewound: bool = False
+    drop: tuple[tuple[int, int], ...] = ()
+
+
+class BuildProgress:
+    """The build state of one constructor.
+
+    Args:
+        ranks: The global ranks it serves.
+        pulling: Those that ask for batches (default: all).
+        prefetch_steps: Steps built ahead of the slowest pulling rank.
+        resume_step: For a constructor restarted mid-job, the oldest step its ranks may still
+            ask for (None: the first step asked for).
+    """
+
+    def __init__(self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None) -> None:
+        self.ranks = tuple(ranks)
+        waited = set(self.ranks if pulling is None else pulling) & set(self.ranks)
+        self._waited = tuple(sorted(waited))
+        self._prefetch = prefetch_steps
+        self._resume_step = resume_step
+        self.start: int | None = None
+        #: The next step to build.
+        self.next = 0
+        #: The end-of-data step, once a build found it.
+        self.end: int | None = None
+        #: Counts rewinds that moved building back: a build begun before one does not move it on.
+        self.epoch = 0
+        #: The oldest step a rewind can go back to, as the planner last said (0 until it says).
+        self.oldest = 0
+        self._progress: dict[int, int] = {}  # rank -> the step it asked for last
+        self._ready: set[tuple[int, int]] = set()  # (rank, step) batches held
+        self._planned_through = -1  # the furthest step asked of the planner
+        self._rewind_through = -1  # plan requests up to it are marked rewind
+
+    # ---- trainer side ----------------------------------------------------------------------
+
+    def ask(self, rank: int, step: int, *, restart: bool = False) -> Asked:
+        """Rank `rank` asks for `step`; `restart`: its trainer (re)starts there.
+
+        Raises:
+            FailedPrecondition: without `restart`, a step before the start or one the rank has
+                moved past; with it, a rewind before the oldest step the planner can re-plan.
+        """
+        if restart and step < self.oldest:
+            raise rewind_refused(step, self.oldest)
+        latest = self._progress.get(rank, step)
+        started = self.start is None
+        if started:
+            self.start = self.next = step if self._resume_step is None else min(step, self._resume_step)
+        behind = step < latest or step < self.start
+        if behind and not restart:
+            if step < self.start:
+                raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
+            raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
+        self._progress[rank] = step
+        if restart:
+            self._rewind_through = max(self._rewind_through, self._planned_through, step)
+        if behind:
+            self.start = min(self.start, step)
+            missing = step
+            while (rank, missing) in self._ready:
+                missing += 1
+            if missing < self.next:
+                self.next = missing
+                self.epoch += 1
+        drop = tuple(sorted(key for key in self._ready if key[0] == rank and key[1] < step))
+        drop += self._idle_below(self.slowest())
+        self._ready.difference_update(drop)
+        return Asked(started=started, rewound=behind, drop=drop)
+
+    def _idle_below(self, step: int) -> tuple[tuple[int, int], ...]:
+        """Held batches below `step` of ranks that do not pull (nobody waits for them)."""
+        return tuple(sorted(key for key in self._ready if key[0] not in self._waited and key[1] < step))
+
+    def is_ready(self, rank: int, step: int) -> bool:
+        return (rank, step) in self._ready
+
+    def past_end(self, step: int) -> bool:
+        return self.end is not None and step >= self.end
+
+    # ---- building --------------------------------------------------------------------------
+
+    def slowest(self) -> int:
+        """The step the slowest pulling rank asked for last (one that has not asked: the start;
+        with no pulling rank here, the slowest that asked): every step below it was handed to
+        all of them."""
+        start = self.start if self.start is not None else 0
+        ranks = self._waited or tuple(self._progress) or self.ranks
+        return min(self._progress.get(r, start) for r in ranks)
+
+    def to_build(self) -> int | None:
+        """The step to build now, or None (not started, prefetched far enough, or past the end);
+        steps below the slowest rank are skipped."""
+        if self.start is None:
+            return None
+        slowest = self.slowest()
+        step = max(self.next, slowest)
+        if self.past_end(step) or step > slowest + self._prefetch:
+            return None
+        self.next = step
+        return step
+
+    def plan_request(self, step: int) -> bool:
+        """The planner is asked for the plan of `step`; returns whether the request is a rewind
+        (behind steps it served this constructor before a restart, or the restart's own step)."""
+        self._planned_through = max(self._planned_through, step)
+        return step <= self._rewind_through
+
+    def built(self, step: int, ranks: Iterable[int], *, epoch: int) -> tuple[tuple[int, int], ...]:
+        """`step` was built for `ranks` in epoch `epoch`; returns the (rank, step) batches to keep
+        (those nobody has moved past)."""
+        keep = tuple((r, step) for r in ranks if step >= self._progress.get(r, step) and (r in self._waited or step >= self.slowest()))
+        self._ready.update(keep)
+        if epoch == self.epoch:
+            self.next = max(self.next, step + 1)
+        return keep
+
+    def ended(self, step: int, *, epoch: int) -> None:
+        """The plan says the data ends before `step`."""
+        self.end = step if self.end is None else min(self.end, step)
+        if epoch == self.epoch:
+            self.next = max(self.next, step + 1)
+
+    def rejoin_step(self) -> int:
+        """The oldest step this constructor may still need planned."""
+        return self.slowest()

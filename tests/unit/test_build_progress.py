@@ -1,0 +1,189 @@
+"""The constructor's build rules (`constructor.progress.BuildProgress`): start, serve, rewind,
+prefetch, ranks that never ask, and builds that finish across a rewind. Pure: milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from batchplane.constructor.progress import BuildProgress
+from batchplane.core.errors import FailedPrecondition
+
+
+def build_all(p: BuildProgress, *, end: int | None = None) -> list[int]:
+    """Builds every step the rules allow now (instantly); returns them."""
+    built = []
+    while (step := p.to_build()) is not None:
+        if end is not None and step >= end:
+            p.ended(step, epoch=p.epoch)
+        else:
+            p.built(step, p.ranks, epoch=p.epoch)
+            built.append(step)
+    return built
+
+
+def test_the_first_ask_starts_building_and_prefetch_runs_ahead_of_the_slowest_rank() -> None:
+    p = BuildProgress((0, 1), prefetch_steps=2)
+    assert p.to_build() is None
+    asked = p.ask(0, 5)
+    assert asked.started and p.start == 5
+    assert build_all(p) == [5, 6, 7]  # rank 1 has not asked: it stands at the start
+    p.ask(1, 5)
+    p.ask(0, 6)
+    assert build_all(p) == []  # rank 1 is still at 5
+    p.ask(1, 7)
+    assert build_all(p) == [8]  # rank 0 is at 6
+
+
+def test_a_restarted_constructor_starts_at_the_oldest_step_its_ranks_may_ask_for() -> None:
+    p = BuildProgress((0, 1), prefetch_steps=1, resume_step=3)
+    p.ask(1, 8)
+    assert p.start == 3 and build_all(p) == [3, 4]
+    p.ask(0, 8)
+    assert build_all(p) == [8, 9]  # steps below the slowest rank are skipped
+
+
+def test_asking_for_an_earlier_step_is_refused_unless_the_trainer_restarted() -> None:
+    p = BuildProgress((0,), prefetch_steps=1)
+    p.ask(0, 0)
+    build_all(p)
+    p.ask(0, 1)
+    with pytest.raises(FailedPrecondition, match="already consumed"):
+        p.ask(0, 0)
+    asked = p.ask(0, 0, restart=True)
+    assert asked.rewound and p.next == 0 and not p.is_ready(0, 0)
+    assert build_all(p)[:1] == [0]
+    assert p.is_ready(0, 0)
+
+
+def test_a_rewind_to_a_held_batch_builds_again_from_the_first_missing_step() -> None:
+    p = BuildProgress((0, 1), prefetch_steps=3)
+    p.ask(0, 0, restart=True)
+    p.ask(1, 0, restart=True)
+    build_all(p)  # 0..3
+    p.ask(1, 2)  # rank 1 drops 0 and 1
+    asked = p.ask(1, 1, restart=True)
+    assert asked.rewound and p.next == 1
+    asked = p.ask(0, 0, restart=True)  # rank 0 still holds 0..3
+    assert p.is_ready(0, 0) and p.next == 1
+
+
+def test_plan_requests_are_rewinds_up_to_what_the_planner_served_before_the_restart() -> None:
+    p = BuildProgress((0,), prefetch_steps=2)
+    p.ask(0, 0, restart=True)
+    assert p.plan_request(p.to_build())  # the restart's own step
+    p.built(0, (0,), epoch=p.epoch)
+    assert not p.plan_request(p.to_build())
+    p.built(1, (0,), epoch=p.epoch)
+    assert not p.plan_request(p.to_build())
+    p.built(2, (0,), epoch=p.epoch)
+    p.ask(0, 2)
+    p.ask(0, 1, restart=True)
+    assert [p.plan_request(s) for s in (1, 2, 3, 4)] == [True, True, False, False]
+
+
+def test_a_rewind_before_the_oldest_step_the_planner_can_replan_is_refused_and_changes_nothing() -> None:
+    p = BuildProgress((0,), prefetch_steps=1)
+    p.ask(0, 50, restart=True)
+    build_all(p)
+    p.oldest = 40
+    with pytest.raises(FailedPrecondition, match="oldest step the planner's ledger can re-plan is 40"):
+        p.ask(0, 30, restart=True)
+    assert p.next == 52 and p.is_ready(0, 50)
+
+
+def test_a_build_finished_across_a_rewind_keeps_its_batches_but_does_not_move_building_on() -> None:
+    p = BuildProgress((0,), prefetch_steps=3)
+    p.ask(0, 0, restart=True)
+    for _ in range(3):
+        step = p.to_build()
+        p.built(step, (0,), epoch=p.epoch)
+    slow_step, slow_epoch = p.to_build(), p.epoch  # step 3, in flight
+    p.ask(0, 2)
+    p.ask(0, 1, restart=True)  # back to 1
+    assert p.next == 1 and p.epoch == slow_epoch + 1
+    p.built(slow_step, (0,), epoch=slow_epoch)
+    assert p.next == 1 and p.is_ready(0, 3)
+
+
+def test_ranks_that_never_ask_are_not_waited_for_and_their_batches_are_dropped() -> None:
+    p = BuildProgress((0, 1, 2, 3), pulling=(0,), prefetch_steps=1)  # megatron: only rank 0 asks
+    p.ask(0, 0)
+    assert build_all(p) == [0, 1]
+    for step in range(1, 6):
+        p.ask(0, step)
+        build_all(p)
+    held = {(r, s) for r in range(4) for s in range(8) if p.is_ready(r, s)}
+    assert {s for _, s in held} <= {5, 6}, held  # nothing of steps rank 0 moved past
+    assert p.slowest() == 5
+
+
+def test_the_end_of_data_stops_building_and_a_rewind_builds_again() -> None:
+    p = BuildProgress((0,), prefetch_steps=5)
+    p.ask(0, 0)
+    assert build_all(p, end=3) == [0, 1, 2]
+    assert p.past_end(3) and p.to_build() is None
+    for step in (1, 2, 3):
+        p.ask(0, step)
+    p.ask(0, 0, restart=True)
+    assert build_all(p, end=3) == [0, 1, 2] and p.past_end(3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    prefetch=st.integers(1, 3),
+    end=st.integers(1, 12),
+    actions=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["next", "restart", "build", "slow", "finish"]), st.integers(0, 12)), max_size=80),
+)
+def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int, prefetch: int, end: int, actions: list) -> None:
+    """A driver that builds what `to_build` says, with slow builds finishing late and trainers
+    restarting anywhere: no rank ever waits forever, and what it is served is what it asked."""
+    p = BuildProgress(range(ranks), prefetch_steps=prefetch)
+    at = {r: None for r in range(ranks)}  # rank -> step it waits for
+    in_flight: list[tuple[int, int]] = []
+
+    def finish(step: int, epoch: int) -> None:
+        if step >= end:
+            p.ended(step, epoch=epoch)
+        else:
+            p.built(step, range(ranks), epoch=epoch)
+
+    for rank, action, value in actions:
+        rank %= ranks
+        if action == "next":
+            if at[rank] is None:
+                at[rank] = 0
+                p.ask(rank, 0, restart=True)
+            elif p.is_ready(rank, at[rank]) or p.past_end(at[rank]):
+                if not p.past_end(at[rank]):
+                    at[rank] += 1
+                    p.ask(rank, at[rank])
+        elif action == "restart":
+            at[rank] = min(value, end)
+            p.ask(rank, at[rank], restart=True)
+        elif action == "build" and (step := p.to_build()) is not None:
+            finish(step, p.epoch)
+        elif action == "slow" and (step := p.to_build()) is not None:
+            in_flight.append((step, p.epoch))
+        elif action == "finish" and in_flight:
+            finish(*in_flight.pop(0))
+    for step, epoch in in_flight:  # slow builds finish late
+        finish(step, epoch)
+    # Then every trainer runs to the end: the job must complete (no rank waits forever), and
+    # every rank is served every step from where it last (re)started.
+    for rank in range(ranks):
+        if at[rank] is None:
+            at[rank] = 0
+            p.ask(rank, 0, restart=True)
+    for _ in range(4 * (end + 2) * ranks):
+        build_all(p, end=end)
+        for rank in range(ranks):
+            if not p.past_end(at[rank]):
+                assert p.is_ready(rank, at[rank]) or p.slowest() < at[rank], (rank, at[rank], p.next, p.slowest())
+                if p.is_ready(rank, at[rank]):
+                    at[rank] += 1
+                    p.ask(rank, at[rank])
+        if all(p.past_end(step) for step in at.values()):
+            break
+    assert all(p.past_end(step) for step in at.values()), (at, p.next, p.end)
