@@ -70,6 +70,9 @@ PURE = (
     "batchplane.planner.schedule",
     "batchplane.planner.adaptive",
     "batchplane.planner.failover",
+    "batchplane.planner.progress",
+    "batchplane.planner.length",
+    "batchplane.constructor.progress",
     "batchplane.operator.policy",
     "batchplane.operator.partition",
     "batchplane.operator.dataplane",
@@ -116,6 +119,7 @@ def test_the_operator_drives_services_only_through_their_metrics_and_the_kuberne
 # own framework; no other client module may, so `import batchplane.client` needs none of them.
 CLIENT_FRAMEWORKS = {
     "batchplane.client.hf": ("transformers", "accelerate"),
+    "batchplane.client.hf_trainer": ("transformers", "accelerate"),
     "batchplane.client.lightning": ("lightning", "pytorch_lightning"),
     "batchplane.client.torchtitan": ("torchtitan", "torchdata"),
 }

@@ -32,16 +32,17 @@ from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
-from batchplane.planner.adaptive import AdaptiveState, check_report, state_from_json as adaptive_from_json, state_to_json as adaptive_to_json, update
+from batchplane.planner.adaptive import AdaptiveState, check_report, state_to_json as adaptive_to_json, update
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.journal import LedgerReader, LedgerWriter
-from batchplane.planner.ledger import Ledger, state_from_json
+from batchplane.planner.ledger import Ledger
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
 from batchplane.planner.progress import PlanProgress, Replan, Start, start_step
+from batchplane.planner.restore import delivered_floor, new_generation, restore_adaptive, restore_mixture, rewind_horizon
 from batchplane.planner.length import JobLength, job_length
 from batchplane.planner.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
@@ -194,7 +195,7 @@ class PlanBook:
         if self.start_step is not None:  # another request started the job while we waited
             return
         reader = LedgerReader(self._ledger_storage)
-        floor = self._delivered_floor(reader) if self._membership.rejoined() or (step > 0 and not resume) else None
+        floor = delivered_floor(reader) if self._membership.rejoined() or (step > 0 and not resume) else None
         positions: dict[int, int] = {}
         if floor is not None:  # a restarted planner: no rank needs a step below the ledger's floor
             rejoined = positions = self._membership.rejoined()
@@ -218,13 +219,27 @@ class PlanBook:
         self._mixture = self._make_mixture()
         log.info("mixture: %s", self._mixture.describe())
         self._state = self._restore(step, resume, reader)
-        if self._adaptive is not None:
-            self._restore_adaptive(step, reader)
-        self._writer = self._new_generation(reader, step)
-        self._progress.started(step, horizon=self._horizon(reader, step), positions=positions)
+        self._writer = new_generation(reader, step, job=self._job)
+        self._progress.started(step, horizon=rewind_horizon(reader, step, adaptive=self._adaptive is not None), positions=positions)
         self._wanted = step
         self._store.start(self._state.cursors, step=step)
         self._cond.notify_all()
+
+    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> MixtureState:
+        """The state before `step` from the ledger (see `restore`), with the ledger's consumption
+        and the adaptive mixing state to continue from."""
+        restored = restore_mixture(step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, adaptive=self._adaptive is not None)
+        self.resumed_across = restored.changed
+        if restored.record is not None:
+            self.ledger.restore(restored.record)
+        elif step:
+            self.ledger.assume_consumed(restored.state.cursors)
+        if self._adaptive is not None:
+            adaptive = restore_adaptive(step, rule=self._adaptive, reader=reader, changed=restored.changed)
+            self._adaptive_state, self._applied_through = adaptive.state, adaptive.applied_through
+            with self._cond:
+                self._reports.update(adaptive.reports)
+        return restored.state
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
@@ -254,26 +269,6 @@ class PlanBook:
                 log.info("the job's length: %s (counted in %.3f s)", self._length, time.perf_counter() - begin)
             return self._length
 
-    def _new_generation(self, reader: LedgerReader, step: int) -> LedgerWriter:
-        """Opens a new generation of the ledger that plans from `step` on."""
-        return LedgerWriter(
-            reader,
-            start_step=step,
-            fingerprints=self._job.fingerprints,
-            sources=self._job.source_names,
-            keep_detail_steps=self._job.ledger.keep_detail_steps,
-        )
-
-    def _horizon(self, reader: LedgerReader, step: int) -> int:
-        """The oldest step a rewind can re-plan: where the ledger's earliest generation starts
-        (its state is that generation's restore or fast-forward; every later step has the
-        record of the step before it), or `step` with an empty ledger. An adaptive mixture
-        needs the record of the step before: not the start of a generation that fast-forwarded."""
-        starts = {g.start_step for g in reader.generations} | {step}
-        if self._adaptive is not None:
-            starts = {s + 1 if s > 0 and reader.record(s - 1) is None else s for s in starts}
-        return min(starts)
-
     @property
     def oldest_step(self) -> int:
         """The oldest step a rewind can go back to (the ledger's horizon)."""
@@ -283,78 +278,6 @@ class PlanBook:
     def start_step(self) -> int | None:
         """The step the job started at (lowered by a rewind before it); None before it starts."""
         return self._progress.start
-
-    def _delivered_floor(self, reader: LedgerReader) -> int | None:
-        """For a planner restarted mid-run (constructors rejoined, or one asks for a step > 0
-        without a checkpoint): every rank had been handed every step below this, as the ledger's
-        latest record says; None when it does not say."""
-        last = reader.last_step()
-        record = reader.record(last) if last is not None else None
-        return None if record is None or "delivered_below" not in record else int(record["delivered_below"])
-
-    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> MixtureState:
-        """The mixture state before `step`: from the ledger's record of step - 1, else by
-        fast-forwarding from the start."""
-        initial = MixtureState.initial(len(self._job.sources))
-        if step == 0:
-            return initial
-        record = reader.record(step - 1)
-        if record is not None:
-            before = reader.owner(step - 1)
-            if list(before.sources) != list(self._job.source_names):
-                raise FailedPrecondition(
-                    f"cannot resume at step {step}: the ledger's sources {list(before.sources)} are not this job's {list(self._job.source_names)}"
-                )
-            changed = tuple(name for name, value in self._job.fingerprints.items() if before.fingerprints.get(name) != value)
-            if "data" in changed:
-                raise FailedPrecondition(
-                    f"cannot resume at step {step}: the data settings (sources, transforms, seed, epochs or shuffle) changed since "
-                    f"generation {before.gen} of the ledger at {self._ledger_storage.describe()} planned it, so its positions name other samples"
-                )
-            self.resumed_across = changed
-            log.info(
-                "job resumes at step %d from the ledger's record of step %d (generation %d)%s",
-                step, step - 1, before.gen, f"; changed since: {', '.join(changed)}, re-planned from its cursors" if changed else "",
-            )
-            self.ledger.restore(record)
-            return state_from_json(record["after"])
-        if self._adaptive is not None:
-            raise FailedPrecondition(
-                f"cannot resume an adaptive mixture at step {step}: the ledger at {self._ledger_storage.describe()} has no record "
-                f"of step {step - 1}, and the weights depend on the training reports it holds; resume with the original run folder's ledger"
-            )
-        if resume.get("mixture", self._job.fingerprints["mixture"]) != self._job.fingerprints["mixture"]:
-            raise FailedPrecondition(
-                f"cannot resume at step {step} across a mixture change: the ledger at {self._ledger_storage.describe()} has no record "
-                f"of step {step - 1} to restore the sources' positions from; resume with the original run folder's ledger"
-            )
-        begin = time.perf_counter()
-        state = self._mixture.fast_forward(initial, step)
-        self.ledger.assume_consumed(state.cursors)
-        log.info("job resumes at step %d without a ledger record: fast-forwarded the mixture in %.3f s", step, time.perf_counter() - begin)
-        return state
-
-    def _restore_adaptive(self, step: int, reader: LedgerReader) -> None:
-        """The adaptive mixing state before `step`: from the ledger's record of step - 1 with the
-        reports stored since (those never stored count as missing), else the rule's start."""
-        record = reader.record(step - 1) if step else None
-        saved = record.get("adaptive") if record is not None else None
-        if saved is None or "mixture" in self.resumed_across:
-            self._adaptive_state = AdaptiveState.initial(self._adaptive)
-            self._applied_through = step - 1  # only reports of this run's steps count
-            if step:
-                log.info("adaptive mixing starts afresh at step %d from its initial weights", step)
-            return
-        self._adaptive_state = adaptive_from_json(saved["state"])
-        self._applied_through = saved["applied_through"]
-        missing = []
-        for t in range(self._applied_through + 1, step):
-            stored = reader.report(t)
-            self._reports[t] = None if stored is None else stored["losses"]
-            if stored is None:
-                missing.append(t)
-        if missing:
-            log.warning("adaptive mixing: steps %s before the resume step %d were never reported; their reports count as missing", missing, step)
 
     def report(self, step: int, losses: Mapping[str, float]) -> tuple[bool, str]:
         """Records the training report of `step` (mean loss per source) for adaptive mixing,
@@ -486,12 +409,10 @@ class PlanBook:
             futures.wait([self._compacting])  # the new generation folds what the old one left
         reader = LedgerReader(self._ledger_storage)
         self.ledger = Ledger(self._job.source_names, method=self.ledger.method)
-        state = self._restore(step, {}, reader)
         with self._cond:
             self._reports.clear()
-        if self._adaptive is not None:
-            self._restore_adaptive(step, reader)
-        writer = self._new_generation(reader, step)
+        state = self._restore(step, {}, reader)
+        writer = new_generation(reader, step, job=self._job)
         with self._cond:
             self._writer, self._state = writer, state
             self._wanted = max(self._wanted, step)
