@@ -270,3 +270,21 @@ def test_features_stay_aligned_with_rows_through_adds_and_advances() -> None:
     _, _, features = store.get(0, 3, 3)
     assert features["images"].tolist() == [4, 5, 6]
     assert features["crops"].tolist() == [0, 7, 8]
+
+
+def test_a_rewind_forgets_what_is_known_and_pulls_again_from_its_cursors_even_after_the_end() -> None:
+    store = SummaryStore(2, lookahead=10)
+    store.start((0, 0))
+    _add(store, 0, 0, 30, end=True)  # source 0 ended at 30
+    _add(store, 1, 0, 10)
+    store.advance((25, 8), steps=9)
+    store.delivered(7)
+    assert _wanted(store, 0) is None
+    store.rewind((12, 4), step=4, delivered_below=3)
+    assert store.planned_steps == 4 and store.delivered_below == 3
+    assert _wanted(store, 0) == (12, 12) and _wanted(store, 1) == (4, 4)
+    _add(store, 0, 40, 5)  # a late answer to a request from before the rewind: a gap, ignored
+    assert _get(store, 0, 12, 1) is None
+    _add(store, 0, 12, 18, end=True)
+    assert _get(store, 0, 12, 18) == (_rows(12, 18).tolist(), _lengths(12, 18).tolist())
+    assert _wanted(store, 0) is None  # up to the end again
