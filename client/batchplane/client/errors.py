@@ -13,9 +13,9 @@ class DataPlaneUnavailable(DataPlaneError):
 
 
 class StepUnavailableError(DataPlaneError):
-    """The requested step cannot be served: it was already consumed (the rank moved past it) or
-    precedes the step the job started at. Resuming from an older checkpoint needs a data plane
-    restarted from that checkpoint."""
+    """The requested step cannot be served: a rewind to a step before the oldest one the
+    planner's ledger can re-plan (the message names it), a step the rank moved past asked for
+    without restarting (a stale request), or planning failed for good (the message says why)."""
 
 
 class InvalidRequestError(DataPlaneError):
