@@ -30,6 +30,21 @@ row, one padded row); a sample that the constructor split into chunks is several
 
 Only tensor arithmetic on the microbatch; no I/O, no model. Context-parallel slices are not
 supported (a Hugging Face model has no ring attention; their labels may point past the slice).
+
+The Hugging Face Trainer. `batchplane.client.hf.Trainer` is a `transformers.Trainer` that trains
+on a batchplane job with this conversion: each rank reads its own batches from its client (one
+item = one step's batch dict), the step's microbatches are its gradient accumulation (under DDP's
+no_sync but the last), every microbatch's loss is weighted by the step's exact token counts
+(`global_loss_tokens`), `max_steps` defaults to the job's steps, and every checkpoint holds the
+client's state (`batchplane_data.json`), which `train(resume_from_checkpoint=...)` restores:
+
+    from batchplane.client.hf import Trainer
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", save_steps=500))
+    trainer.train(resume_from_checkpoint=True)       # under torchrun, one process per rank
+
+It lives in `batchplane.client.hf_trainer` (it subclasses transformers.Trainer, so that module
+imports transformers) and is re-exported here on first access (module `__getattr__`), so importing
+this module still imports no transformers.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKED_ATTENTION", "causal_lm_inputs", "hf_labels", "packed_mask_4d"]
+__all__ = ["PACKED_ATTENTION", "Trainer", "causal_lm_inputs", "hf_labels", "packed_mask_4d"]
 
 #: The label Hugging Face's loss ignores.
 HF_IGNORE_INDEX = -100
@@ -307,3 +322,25 @@ def _check_transformers(packed_attention: str) -> None:
                 "(masking_utils.find_packed_sequence_indices, transformers >= 4.54): "
                 "use packed_attention='mask_4d'"
             ) from exc
+
+
+# ---- the Hugging Face Trainer, imported on first use ---------------------------------------
+
+# Names defined in a submodule that imports transformers, resolved by `__getattr__`.
+_LAZY = {"Trainer": "batchplane.client.hf_trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    """`Trainer` (batchplane.client.hf_trainer.Trainer), imported with transformers on first
+    access; any other unknown name raises AttributeError."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
