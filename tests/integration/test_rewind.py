@@ -148,5 +148,15 @@ def test_a_rewind_before_the_ledgers_horizon_is_refused_naming_the_oldest_step(t
         with Client(rank=0, timeout_s=30) as late:  # the oldest step itself is fine
             late.load_state_dict(states[12])
             assert_same_batches({0: [to_numpy(next(iter(late)))]}, reference)
+        # A restarted constructor (a new pod) knows the horizon from its registration: it refuses
+        # at once, and a trainer restarting at a valid step afterwards is served.
+        cluster.restart_constructor(0)
+        with Client(rank=0, timeout_s=30) as late:
+            late.load_state_dict(states[5])
+            with pytest.raises(StepUnavailableError, match="the oldest step the planner's ledger can re-plan is 12"):
+                next(iter(late))
+        with Client(rank=0, timeout_s=30) as late:
+            late.load_state_dict(states[12])
+            assert_same_batches({0: [to_numpy(next(iter(late)))]}, reference)
     finally:
         cluster.stop()

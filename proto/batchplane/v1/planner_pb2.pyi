@@ -80,12 +80,14 @@ class RegisterConstructorRequest(_message.Message):
     def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., rejoin: _Optional[bool] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class RegisterConstructorResponse(_message.Message):
-    __slots__ = ("job", "resume_step")
+    __slots__ = ("job", "resume_step", "oldest_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_STEP_FIELD_NUMBER: _ClassVar[int]
     job: _common_pb2.JobInfo
     resume_step: int
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
+    oldest_step: int
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., resume_step: _Optional[int] = ..., oldest_step: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("wait_ms",)

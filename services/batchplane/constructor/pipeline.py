@@ -93,6 +93,8 @@ class StepPipeline:
         rejoin: Registers again with a restarted planner, saying the step needed next.
         resume_step: Where a constructor restarted mid-job starts building: the oldest step its
             ranks may still ask for (None: the first step a rank asks for).
+        oldest_step: The oldest step a rewind can go back to, as the planner said at
+            registration (every plan says it again).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class StepPipeline:
         hook: Callable | None = None,
         rejoin: Callable[[int], None] | None = None,
         resume_step: int | None = None,
+        oldest_step: int = 0,
     ) -> None:
         self._job = job
         self._rejoin = rejoin
@@ -133,6 +136,7 @@ class StepPipeline:
         self._steps = BuildProgress(
             self.ranks, pulling=[r for r in self.ranks if rules.pulls(r)], prefetch_steps=job.constructors.prefetch_steps, resume_step=resume_step
         )
+        self._steps.oldest = oldest_step
         self._resume: dict[str, str] = {}
         self._failure: FailedPrecondition | None = None
         self._planned = False  # the planner has answered a GetPlan: the job has started

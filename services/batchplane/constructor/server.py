@@ -80,6 +80,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
         rejoin=lambda step: _register(job, process, address, ranks, next_step=step),
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
+        oldest_step=registered.oldest_step,
     )
     constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
     server.start()

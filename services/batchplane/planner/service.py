@@ -138,7 +138,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         else:
             self._book.constructor_delivered(request.constructor_index, request.next_step)
         self._book.notify_membership()
-        return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step)
+        return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step, oldest_step=self._book.oldest_step)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
         if request.wait_ms < 0:
