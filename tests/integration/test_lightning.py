@@ -1,0 +1,110 @@
+"""Lightning over batchplane, for real: `lightning.Trainer(accelerator="cpu", devices=2,
+strategy="ddp")` (two processes, gloo) trains on `BatchplaneDataModule`, checkpoints every 3
+steps with ModelCheckpoint and stops; a second `fit(ckpt_path=...)` against the same running data
+plane receives exactly the steps after the checkpoint, byte for byte as an uninterrupted run
+does. Lightning writes its checkpoint from rank 0 only, so rank 1 resumes from rank 0's data
+state. The infinite job has no length, so Lightning fetches one batch ahead: the checkpoint must
+still name the step after the last one trained. Real processes (tests/integration/trainers/
+lightning_trainer.py)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import start_cluster, write_job, write_source
+
+pytestmark = pytest.mark.integration
+
+TRAINER = pathlib.Path(__file__).parent / "trainers" / "lightning_trainer.py"
+SAMPLES = 96  # 12 steps of 8
+
+
+def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Path, *args: str) -> None:
+    """Runs the Lightning trainer (it starts its second rank itself) to its end; its whole
+    process group is killed if it outlives the test."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["BATCHPLANE_ENDPOINTS"] = str(endpoints)
+    log = out.with_suffix(".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(TRAINER), "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args],
+            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        code = proc.wait(timeout=100)
+    finally:
+        _kill_group(proc)
+    assert code == 0, f"the Lightning trainer exited with {code}:\n{log.read_text()[-4000:]}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def lines(out: pathlib.Path) -> dict[int, list[dict]]:
+    return {r: [json.loads(x) for x in open(out / f"rank{r}.jsonl")] for r in (0, 1)}
+
+
+@pytest.mark.parametrize("epochs", [1, "infinite"])
+def test_a_fit_resumed_from_a_lightning_checkpoint_receives_exactly_the_steps_after_it(tmp_path, epochs) -> None:
+    sources = [
+        write_source(tmp_path / "data", "web", [4 + i % 29 for i in range(56)], row_group_size=20, seed=1),
+        write_source(tmp_path / "data", "code", [3 + i % 17 for i in range(40)], row_group_size=20, seed=2),
+    ]
+
+    def job(name: str) -> pathlib.Path:
+        return write_job(
+            tmp_path / f"{name}.yaml", sources, epochs=epochs,
+            batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+            mesh={"dp": 2}, constructors={"prefetch_steps": 2}, run_dir=str(tmp_path / name),
+        )
+
+    steps = SAMPLES // 8
+    to_the_end = ("--max-steps", str(steps)) if epochs == "infinite" else ()  # a finite job: max_epochs=1
+
+    reference_cluster = start_cluster(job("reference"))
+    try:
+        run_trainer(reference_cluster.endpoints_path, tmp_path / "reference", tmp_path / "reference-ckpt", *to_the_end)
+    finally:
+        reference_cluster.stop()
+    reference = lines(tmp_path / "reference")
+    assert [b["step"] for b in reference[0]] == list(range(steps))
+
+    cluster = start_cluster(job("run"))
+    try:
+        ckpt = tmp_path / "ckpt"
+        run_trainer(cluster.endpoints_path, tmp_path / "first", ckpt, "--max-steps", "7", "--every", "3")
+        saved = torch.load(ckpt / "step=6.ckpt", weights_only=False)["BatchplaneDataModule"]
+        # Written by rank 0 alone, after 6 steps: the data plane served step 6 (and, for the
+        # infinite job, Lightning fetched step 7 ahead) before the first fit stopped.
+        assert saved["next_step"] == 6 and saved["rank"] == 0
+        run_trainer(cluster.endpoints_path, tmp_path / "resumed", ckpt, "--resume", str(ckpt / "step=6.ckpt"), *to_the_end)
+    finally:
+        cluster.stop()
+    first, resumed = lines(tmp_path / "first"), lines(tmp_path / "resumed")
+    for rank in (0, 1):
+        assert [b["step"] for b in first[rank]] == list(range(7))
+        # Exactly the steps after the checkpoint, in Lightning's step count too.
+        assert [(b["step"], b["global_step"]) for b in resumed[rank]] == [(s, s) for s in range(6, steps)]
+        for mine, theirs in zip(resumed[rank], reference[rank][6:]):
+            assert (mine["samples"], mine["hashes"]) == (theirs["samples"], theirs["hashes"]), (rank, mine["step"])
+    if epochs == 1:
+        # What the two fits trained on (the first up to its checkpoint) covers the epoch once.
+        seen = collections.Counter()
+        for rank in (0, 1):
+            for b in first[rank][:6] + resumed[rank]:
+                seen.update(tuple(s) for mb in b["samples"] for s in mb)
+        assert sum(seen.values()) == SAMPLES and set(seen.values()) == {1}
