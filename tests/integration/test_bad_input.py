@@ -169,7 +169,9 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
             assert again["step"] == 1
             assert_same_batches({0: [again]}, {0: [first[1]]})
             with pytest.raises(InvalidRequestError, match="data settings .* differ"):
-                late.load_state_dict({**state, "fingerprints": {**state["fingerprints"], "data": "0" * 16}})
+                late.load_state_dict({**state, "fingerprints": json.dumps({**json.loads(state["fingerprints"]), "data": "0" * 16})})
+            with pytest.raises(InvalidRequestError, match="data settings .* differ"):  # a version 3 state: a mapping
+                late.load_state_dict({**state, "version": 3, "fingerprints": {**json.loads(state["fingerprints"]), "data": "0" * 16}})
         with grpc.insecure_channel(endpoints["loaders"]["0"]) as channel:
             loader = loader_pb2_grpc.LoaderStub(channel)
             with pytest.raises(grpc.RpcError) as info:

@@ -34,6 +34,7 @@ rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -49,7 +50,11 @@ from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
 
-STATE_VERSION = 3
+#: The state_dict format: 4 holds the fingerprints as one JSON string, so that its keys never
+#: change (torch.distributed.checkpoint loads into the keys of the current state); 3 (a mapping)
+#: still loads.
+STATE_VERSION = 4
+LOADABLE_VERSIONS = (3, 4)
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +276,7 @@ class Client:
             "version": STATE_VERSION,
             "job": self.job.job_id,
             "fingerprint": self.job.fingerprint,
-            "fingerprints": dict(self.job.fingerprints),
+            "fingerprints": json.dumps(dict(self.job.fingerprints), sort_keys=True),
             "rank": self.rank,
             "next_step": self._next_step,
         }
@@ -290,12 +295,12 @@ class Client:
         missing = {"version", "fingerprints", "next_step"} - set(state)
         if missing:
             raise InvalidRequestError(f"state_dict lacks {sorted(missing)}")
-        if state["version"] != STATE_VERSION:
-            raise InvalidRequestError(f"state_dict version {state['version']} is not {STATE_VERSION}")
+        if state["version"] not in LOADABLE_VERSIONS:
+            raise InvalidRequestError(f"state_dict version {state['version']!r} is not one of {LOADABLE_VERSIONS}")
         step = state["next_step"]
         if not isinstance(step, int) or step < 0:
             raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
-        then, now = dict(state["fingerprints"]), dict(self.job.fingerprints)
+        then, now = _fingerprints(state["fingerprints"]), dict(self.job.fingerprints)
         if then.get("data") != now.get("data"):
             raise InvalidRequestError(
                 f"state_dict is from job {state.get('job')!r} whose data settings (sources, transforms, seed, epochs or shuffle) "
@@ -320,6 +325,18 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fingerprints(value: Any) -> dict[str, str]:
+    """A state's fingerprints: a JSON object (version 4) or a mapping (version 3)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequestError(f"state_dict fingerprints are not JSON: {exc}") from exc
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"state_dict fingerprints must be a mapping of settings groups to hashes, got {type(value).__name__}")
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def _resolve_rank(rank: int | None) -> int:
