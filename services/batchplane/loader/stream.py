@@ -45,7 +45,8 @@ from batchplane.core.errors import NotFound, Unavailable
 from batchplane.core.order import SampleOrder, Window
 from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
 from batchplane.loader.metrics import LoaderMetrics
-from batchplane.loader.source import ParquetSource, RowGroup
+from batchplane.loader.reporting import SampleReport
+from batchplane.loader.source import ParquetSource
 from batchplane.loader.transforms import BoundTransform, TransformError, lengths_of
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class SourceStream:
         self.read_ahead_samples = read_ahead_samples
         self._budget = budget
         self._metrics = metrics
+        self._report = SampleReport(source.name, source, transform, metrics)
         self._cond = threading.Condition()
         self._windows: list[BufferedWindow] = []  # in seq order
         self._start_seq: int | None = None  # set by the first summary request
@@ -452,9 +454,9 @@ class SourceStream:
             for name in self._feature_names or ()
         }
         rows = self.order.window_rows(epoch, window)
-        self._report_bad_samples(window, failed, ids, rows)
+        self._report.bad(window, failed, ids, rows)
         ids, over = self.transform.limit(ids)  # batch.max_length: truncate or reject
-        self._report_over_length(window, rows, over)
+        self._report.over_length(window, rows, over)
         lengths = lengths_of(ids)
         seq_start = epoch * self.num_rows + window.start
         # Positions before the stream's start were consumed before it (a resumed job): never
@@ -497,61 +499,9 @@ class SourceStream:
             return None
         return ids, features
 
-    def _report_bad_samples(self, window: Window, failed: set[int], ids: pa.ListArray, rows: np.ndarray) -> None:
-        """Counts and logs null (rejected) and empty token lists of the row groups that read fine."""
-        valid = ids.is_valid().to_numpy(zero_copy_only=False)
-        kinds = {"rejected": ~valid, "empty": valid & (lengths_of(ids) == 0)}
-        if not any(mask.any() for mask in kinds.values()):
-            return
-        for g in window.row_groups:
-            if g in failed:
-                continue
-            rg = self.source.row_groups[g]
-            in_group = (rows >= rg.first_row) & (rows < rg.first_row + rg.num_rows)
-            for reason, mask in kinds.items():
-                bad_rows = np.sort(rows[mask & in_group]) - rg.first_row
-                if len(bad_rows):
-                    self._metrics.bad_samples.labels(self.name, reason).inc(len(bad_rows))
-                    log.warning(
-                        "source %r: %s: skipping %d %s sample(s) at rows %s%s",
-                        self.name, self.source.describe(rg), len(bad_rows), reason,
-                        bad_rows[:10].tolist(), " ..." if len(bad_rows) > 10 else "",
-                    )
-
-    def _report_over_length(self, window: Window, rows: np.ndarray, over: np.ndarray) -> None:
-        """Counts and logs, once per row group, the samples longer than batch.max_length that
-        were truncated or rejected (as bad samples, reason too_long); split ones are left whole."""
-        policy, limit = self.transform.length_policy, self.transform.max_length
-        if policy == "split" or not over.any():
-            return
-        for rg, long_rows in rows_by_group(self.source, window, rows, over):
-            more = " ..." if len(long_rows) > 10 else ""
-            if policy == "truncate":
-                self._metrics.truncated_samples.labels(self.name).inc(len(long_rows))
-                log.info(
-                    "source %r: %s: truncating %d sample(s) longer than batch.max_length = %d to their first %d tokens at rows %s%s",
-                    self.name, self.source.describe(rg), len(long_rows), limit, limit, long_rows[:10].tolist(), more,
-                )
-            else:
-                self._metrics.bad_samples.labels(self.name, "too_long").inc(len(long_rows))
-                log.warning(
-                    "source %r: %s: skipping %d sample(s) longer than batch.max_length = %d (batch.length_policy reject) at rows %s%s",
-                    self.name, self.source.describe(rg), len(long_rows), limit, long_rows[:10].tolist(), more,
-                )
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
 
-
-def rows_by_group(source: ParquetSource, window: Window, rows: np.ndarray, mask: np.ndarray) -> Iterator[tuple[RowGroup, np.ndarray]]:
-    """For each row group of `window` holding samples of `mask` (`rows`: each sample's row in
-    the source): the row group and those samples' rows in it, ascending."""
-    for g in window.row_groups:
-        rg = source.row_groups[g]
-        in_group = (rows >= rg.first_row) & (rows < rg.first_row + rg.num_rows)
-        found = np.sort(rows[mask & in_group]) - rg.first_row
-        if len(found):
-            yield rg, found
