@@ -96,3 +96,29 @@ def test_nothing_listening_at_the_address_is_named() -> None:
     assert elapsed < 10, "a sanity bound, not a speed measurement"
     assert f"constructor {address}" in str(error)
     assert "UNAVAILABLE" in str(error)
+
+
+class StoppingOnce(constructor_pb2_grpc.ConstructorServicer):
+    """The first GetBatch is cut as a constructor that stops gracefully cuts the calls in flight
+    (CANCELLED); later ones are answered."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
+        self.attempts += 1
+        if self.attempts == 1:
+            context.abort(grpc.StatusCode.CANCELLED, "server shutting down")
+        yield constructor_pb2.GetBatchResponse(header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True))
+
+
+def test_a_call_cut_by_a_constructor_stopping_is_retried() -> None:
+    servicer = StoppingOnce()
+    server, address = _serve(servicer)
+    connection = ConstructorConnection(address, timeout_s=10.0)
+    try:
+        header, _ = connection.batch(0, 3, pin=False)
+    finally:
+        connection.close()
+        server.stop(0)
+    assert servicer.attempts == 2 and header.end_of_data and header.step == 3

@@ -31,8 +31,12 @@ ERROR_OF = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLargeError,
     grpc.StatusCode.UNAVAILABLE: errors.DataPlaneUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DataPlaneUnavailable,
+    grpc.StatusCode.CANCELLED: errors.DataPlaneUnavailable,
 }
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Retried within the deadline: a constructor down or restarting (UNAVAILABLE), one that did not
+#: answer in time (DEADLINE_EXCEEDED), and a call cut by a constructor stopping gracefully
+#: (CANCELLED: a server's stop cancels the calls in flight; the client never cancels its own).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 MAX_MESSAGE_BYTES = 64 << 20
 #: The longest pause between retries: a restarted constructor is reached within it.
 MAX_BACKOFF_S = 0.25

@@ -36,8 +36,9 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
-#: Status codes a caller retries with backoff.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Status codes a caller retries with backoff: a peer down or restarting, one that did not answer
+#: in time, and a call cut by a peer stopping gracefully (its stop cancels the calls in flight).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
