@@ -200,11 +200,7 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"the client reads rank {self.data.rank}'s batches but this process is rank {self.args.process_index}")
 
     def _resolve_max_steps(self) -> int:
-        try:
-            job_steps: int | None = len(self.data)
-            why = ""
-        except TypeError as exc:
-            job_steps, why = None, str(exc)
+        job_steps, why = self._job_steps()
         wanted = self.args.max_steps
         if wanted > 0:
             if job_steps is not None and wanted > job_steps:
@@ -221,13 +217,14 @@ class Trainer(transformers.Trainer):
 
     def get_train_dataloader(self) -> _StepLoader:
         """One item per step, read by this rank from its own client (no accelerate wrapping)."""
-        return _StepLoader(self.data, self._job_steps())
+        return _StepLoader(self.data, self._job_steps()[0])
 
-    def _job_steps(self) -> int | None:
+    def _job_steps(self) -> tuple[int | None, str]:
+        """(the job's steps, or None with why it has no length)."""
         try:
-            return len(self.data)
-        except TypeError:
-            return None
+            return len(self.data), ""
+        except TypeError as exc:
+            return None, str(exc)
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         """Samples per step over all ranks: the job's global batch size."""

@@ -134,9 +134,12 @@ class StepPipeline:
         self._ready: dict[tuple[int, int], Delivery] = {}
         rules = DeliveryRules(self.mesh, pulling_ranks=job.constructors.pulling_ranks)
         self._steps = BuildProgress(
-            self.ranks, pulling=[r for r in self.ranks if rules.pulls(r)], prefetch_steps=job.constructors.prefetch_steps, resume_step=resume_step
+            self.ranks,
+            pulling=[r for r in self.ranks if rules.pulls(r)],
+            prefetch_steps=job.constructors.prefetch_steps,
+            resume_step=resume_step,
+            oldest=oldest_step,
         )
-        self._steps.oldest = oldest_step
         self._resume: dict[str, str] = {}
         self._failure: FailedPrecondition | None = None
         self._planned = False  # the planner has answered a GetPlan: the job has started

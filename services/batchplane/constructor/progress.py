@@ -52,9 +52,12 @@ class BuildProgress:
         prefetch_steps: Steps built ahead of the slowest pulling rank.
         resume_step: For a constructor restarted mid-job, the oldest step its ranks may still
             ask for (None: the first step asked for).
+        oldest: The oldest step a rewind can go back to, as the planner said (0: unknown).
     """
 
-    def __init__(self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None) -> None:
+    def __init__(
+        self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None, oldest: int = 0
+    ) -> None:
         self.ranks = tuple(ranks)
         waited = set(self.ranks if pulling is None else pulling) & set(self.ranks)
         self._waited = tuple(sorted(waited))
@@ -68,7 +71,7 @@ class BuildProgress:
         #: Counts rewinds that moved building back: a build begun before one does not move it on.
         self.epoch = 0
         #: The oldest step a rewind can go back to, as the planner last said (0 until it says).
-        self.oldest = 0
+        self.oldest = oldest
         self._progress: dict[int, int] = {}  # rank -> the step it asked for last
         self._ready: set[tuple[int, int]] = set()  # (rank, step) batches held
         self._planned_through = -1  # the furthest step asked of the planner

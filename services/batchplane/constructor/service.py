@@ -12,12 +12,10 @@ from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import Delivery, StepPipeline
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.errors import InvalidArgument
-from batchplane.core.rpc import stream_payload
+from batchplane.core.rpc import MAX_WAIT_MS, stream_payload
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
-#: The longest a request may ask to wait; longer asks are cut to it.
-MAX_WAIT_MS = 60_000
 
 
 def _specs(tensors: tuple[TensorLayout, ...]) -> list[constructor_pb2.TensorSpec]:

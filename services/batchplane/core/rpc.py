@@ -36,6 +36,9 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+#: The longest a request may ask a service to wait (`wait_ms`); longer asks are cut to it.
+MAX_WAIT_MS = 60_000
+
 #: Status codes a caller retries with backoff: a peer down or restarting, one that did not answer
 #: in time, and a call cut by a peer stopping gracefully (its stop cancels the calls in flight).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})

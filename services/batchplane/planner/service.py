@@ -9,6 +9,7 @@ import numpy as np
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import InvalidArgument, NotFound
+from batchplane.core.rpc import MAX_WAIT_MS
 from batchplane.planner.book import PlanBook
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
@@ -19,8 +20,6 @@ from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
 DEFAULT_WAIT_MS = 30_000
-#: The longest a request may ask to wait; longer asks are cut to it.
-MAX_WAIT_MS = 60_000
 
 
 def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
