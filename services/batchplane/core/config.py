@@ -329,6 +329,12 @@ class JobSettings:
         p = pathlib.Path(path).expanduser()
         return p if p.is_absolute() else pathlib.Path(self.base_dir) / p
 
+    def locate(self, location: str) -> str:
+        """A source or ledger location as the part that opens it reads it: a URL
+        ("s3://bucket/prefix", "gs://...", any "scheme://...") unchanged, a local path made
+        absolute against the configuration file's folder."""
+        return location if is_url(location) else str(self.resolve(location))
+
     @property
     def fingerprints(self) -> dict[str, str]:
         """Hashes of the groups of settings that determine the plan sequence, by what a resume
@@ -388,6 +394,16 @@ def load_job(path: str | pathlib.Path) -> JobSettings:
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "not valid YAML", str(exc).replace("\n", " ")) from exc
     return job_from_mapping(data, base_dir=path.resolve().parent)
+
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(location: str) -> bool:
+    """True for "scheme://..." (s3://, gs://, hdfs://, file://, ...); False for a local path
+    (a Windows drive letter "C:/x" has no "//")."""
+    return bool(_URL.match(location))
 
 
 def job_from_mapping(data: Any, *, base_dir: str | pathlib.Path = ".") -> JobSettings:
