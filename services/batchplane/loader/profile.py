@@ -4,8 +4,9 @@ For each source of a job, on a sample of its first rows, this measures what
 `batchplane.operator.partition` needs: the memory of the source's file-access state (per
 source and per file), the decode and transform time per sample (mean and 95th percentile), the
 decoded bytes, buffered bytes and tokens per sample, and the row count. It opens sources and
-runs transforms exactly as a loader does (`ParquetSource`, `bind_transform`), so a source that
-a loader would refuse fails here with the same `SourceError` or `ConfigError`, naming the
+runs transforms exactly as a loader does (`ParquetSource`, `bind_transform`), local or remote
+(s3://, gs://, ...: `batchplane.loader.filesystems`, with the same environment), so a source
+that a loader would refuse fails here with the same `SourceError` or `ConfigError`, naming the
 source and the file.
 
 How state memory is measured, and why: a source's file-access state is its open Parquet files,
@@ -240,7 +241,7 @@ def _open(job: JobSettings, index: int, columns: tuple[str, ...]) -> tuple[Parqu
         with _no_gc():
             before = tracemalloc.get_traced_memory()[0]
             source = ParquetSource(
-                config.name, job.resolve(config.path), required_columns=columns,
+                config.name, job.locate(config.path), required_columns=columns,
                 token_column=config.token_column if config.transform is None else None,
             )
             python_bytes = max(tracemalloc.get_traced_memory()[0] - before, 0)
@@ -251,19 +252,17 @@ def _open(job: JobSettings, index: int, columns: tuple[str, ...]) -> tuple[Parqu
 
 
 def _file_states(source: ParquetSource, meter: HeapMeter, report: Callable[[int], None]) -> list[dict]:
-    """Each file's state: the heap bytes one more reader of it keeps, opened as a loader does."""
+    """Each file's state: the heap bytes one more reader of it keeps, opened as a loader does
+    (`ParquetSource.open_file`: for a remote file that includes its client's input file)."""
     handles: list[pq.ParquetFile | None] = [None] * len(source.files)  # sized first: no list growth below
     files = []
     for i, path in enumerate(source.files):
-        try:
-            with _no_gc():
-                before = meter()
-                handles[i] = pq.ParquetFile(path, page_checksum_verification=True)
-                after = meter()
-        except (OSError, pa.ArrowException) as exc:  # changed since the source was opened
-            raise SourceError(f"source {source.name!r}: cannot read Parquet file {str(path)!r}: {exc}") from exc
+        with _no_gc():
+            before = meter()
+            handles[i] = source.open_file(i)  # SourceError if it changed since the source was opened
+            after = meter()
         meta = handles[i].metadata
-        files.append({"path": str(path), "rows": meta.num_rows, "row_groups": meta.num_row_groups, "state_bytes": max(after - before, 0)})
+        files.append({"path": path, "rows": meta.num_rows, "row_groups": meta.num_row_groups, "state_bytes": max(after - before, 0)})
         report(i + 1)
     return files
 

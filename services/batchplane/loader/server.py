@@ -45,7 +45,7 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
         transform = bind_transform(k, settings, max_length=job.max_length, length_policy=job.batch.length_policy)
         source = ParquetSource(
             settings.name,
-            job.resolve(settings.path),
+            job.locate(settings.path),
             required_columns=transform.columns or (),
             token_column=settings.token_column if settings.transform is None else None,
         )

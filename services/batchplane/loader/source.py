@@ -1,24 +1,26 @@
 """Opening a source's Parquet files once and reading their row groups.
 
-A source is a file, a directory (every *.parquet below it) or a glob; its files are taken in
-sorted path order and its rows are numbered over them in that order. Opening checks what can
-be checked up front and fails with a `SourceError` naming the source, the file and the problem:
-no file matched, a file that cannot be read, a missing column, a token column that is not a
-list of integers, a source without rows.
+A source is a file, a directory (every *.parquet below it) or a glob, local or anywhere pyarrow
+reaches (s3://, gs://, hdfs://, abfs://, file://, and fsspec's schemes: see
+`batchplane.loader.filesystems`); its files are taken in sorted path order and its rows are
+numbered over them in that order. Opening checks what can be checked up front and fails with a
+`SourceError` naming the source, the file (a local path or a URL) and the problem: nothing
+there, no such bucket, no access, an unreachable endpoint, a file that cannot be read, a missing
+column, a token column that is not a list of integers, a source without rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
-import pathlib
+import os
 from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchplane.core.errors import SourceError
+from batchplane.loader.filesystems import find_parquet_files, translated_errors
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +42,15 @@ class RowGroup:
     first_row: int
 
 
-def expand_path(path: pathlib.Path) -> list[pathlib.Path]:
-    """The Parquet files a source path names, sorted: the file itself, every *.parquet below a
-    directory, or the matches of a glob."""
-    text = str(path)
-    if any(c in text for c in "*?["):
-        return sorted(pathlib.Path(p) for p in glob.glob(text, recursive=True) if pathlib.Path(p).is_file())
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*.parquet") if p.is_file())
-    return [path] if path.exists() else []
-
-
 class ParquetSource:
     """The file state of one source: open Parquet files and their row-group index.
 
+    Attributes:
+        files: Its files as messages show them: local paths, or URLs ("s3://bucket/key.parquet").
+
     Args:
         name: The source's name (for errors and logs).
-        path: File, directory or glob, already resolved.
+        path: File, directory or glob: a local path, already resolved, or a URL.
         required_columns: Columns that must exist in every file.
         token_column: If given, a column that must be a list of integers.
     Raises:
@@ -66,23 +60,22 @@ class ParquetSource:
     def __init__(
         self,
         name: str,
-        path: pathlib.Path,
+        path: str | os.PathLike[str],
         *,
         required_columns: Sequence[str] = (),
         token_column: str | None = None,
     ) -> None:
         self.name = name
-        self.files = expand_path(path)
-        if not self.files:
-            raise SourceError(f"source {name!r}: no Parquet file found at {str(path)!r}")
+        found = find_parquet_files(name, path)
+        self._filesystem = found.filesystem
+        self._paths = found.paths
+        self._scheme = found.scheme
+        self.files: list[str] = list(found.names)
         self._handles: list[pq.ParquetFile] = []
         row_groups: list[RowGroup] = []
         first_row = 0
         for file_index, file in enumerate(self.files):
-            try:
-                handle = pq.ParquetFile(file, page_checksum_verification=True)
-            except (OSError, pa.ArrowException) as exc:
-                raise SourceError(f"source {name!r}: cannot read Parquet file {str(file)!r}: {exc}") from exc
+            handle = self.open_file(file_index)
             self._check_schema(file, handle.schema_arrow, required_columns, token_column)
             self._handles.append(handle)
             meta = handle.metadata
@@ -93,15 +86,30 @@ class ParquetSource:
         self.row_groups = tuple(rg for rg in row_groups if rg.num_rows > 0)
         self.num_rows = first_row
         if self.num_rows == 0:
-            raise SourceError(f"source {name!r}: no rows in {len(self.files)} file(s) at {str(path)!r}")
+            raise SourceError(f"source {name!r}: no rows in {len(self.files)} file(s) at {os.fspath(path)!r}")
+
+    def open_file(self, index: int) -> pq.ParquetFile:
+        """A new reader of file `index`, opened as the source opens its own: one input file of
+        the source's file system, page checksums verified.
+
+        Raises:
+            SourceError: the file cannot be opened or is not Parquet (names source and file).
+        """
+        with translated_errors(self.name, "read Parquet file", self.files[index], self._scheme):
+            handle = self._filesystem.open_input_file(self._paths[index])
+            try:
+                return pq.ParquetFile(handle, page_checksum_verification=True)
+            except BaseException:
+                handle.close()
+                raise
 
     def _check_schema(
-        self, file: pathlib.Path, schema: pa.Schema, required: Sequence[str], token_column: str | None
+        self, file: str, schema: pa.Schema, required: Sequence[str], token_column: str | None
     ) -> None:
         for column in (*required, *([token_column] if token_column else [])):
             if schema.get_field_index(column) < 0:
                 raise SourceError(
-                    f"source {self.name!r}: file {str(file)!r} has no column {column!r} "
+                    f"source {self.name!r}: file {file!r} has no column {column!r} "
                     f"(columns: {', '.join(schema.names)})"
                 )
         if token_column:
@@ -111,7 +119,7 @@ class ParquetSource:
                 and pa.types.is_integer(kind.value_type)
             ):
                 raise SourceError(
-                    f"source {self.name!r}: file {str(file)!r} column {token_column!r} must be a list of "
+                    f"source {self.name!r}: file {file!r} column {token_column!r} must be a list of "
                     f"integers (token ids), got {kind}"
                 )
 
@@ -128,4 +136,4 @@ class ParquetSource:
 
     def describe(self, row_group: RowGroup) -> str:
         """'file F row group G' for logs."""
-        return f"file {str(self.files[row_group.file])!r} row group {row_group.index}"
+        return f"file {self.files[row_group.file]!r} row group {row_group.index}"
