@@ -1,217 +1,52 @@
-"""Tests of batchplane.core.storage: the Storage semantics on both implementations, key rules,
-racing threads, and LocalStorage's temporary files and sweeps. Racing processes and writers
-killed mid-write are in tests/integration/test_storage_crash.py (unit tests spawn no processes)."""
+"""Tests of batchplane.core.storage and batchplane.core.object_storage: the Storage contract
+(`storage_contract`) on LocalStorage, MemoryStorage and ObjectStorage over obstore's in-memory
+store, ObjectStorage's mapping of errors and the environment, the check of conditional writes,
+and LocalStorage's temporary files and sweeps. Racing processes and writers killed mid-write
+are in tests/integration/test_storage_crash.py, ObjectStorage on a real S3 endpoint in
+tests/integration/test_ledger_bucket.py (unit tests spawn no processes)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import string
 import tempfile
-import threading
 
+import obstore.store
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from storage_contract import *  # noqa: F403 - the contract's tests, run here on each implementation
+from storage_contract import bad_keys
 
 from batchplane.core import storage as storage_module
-from batchplane.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from batchplane.core.object_storage import ObjectStorage, check_conditional_puts, client_options, open_storage
 from batchplane.core.storage import TEMP_PREFIX, LocalStorage, MemoryStorage, Storage
 
+IMPLEMENTATIONS = ["local", "memory", "object-memory"]
 
-@pytest.fixture(params=["local", "memory"])
-def storage(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Storage:
-    return LocalStorage(tmp_path / "store") if request.param == "local" else MemoryStorage()
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def new_storage(request: pytest.FixtureRequest, tmp_path: pathlib.Path):
+    """A maker of empty storages of one implementation."""
+    made = iter(range(1_000_000))
+
+    def make() -> Storage:
+        if request.param == "local":
+            return LocalStorage(tmp_path / f"store-{next(made)}")
+        if request.param == "memory":
+            return MemoryStorage()
+        return ObjectStorage(obstore.store.MemoryStore(), url=f"memory:///store-{next(made)}")
+
+    return make
+
+
+@pytest.fixture
+def storage(new_storage) -> Storage:
+    return new_storage()
 
 
 def temp_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in root.rglob("*") if p.name.startswith(TEMP_PREFIX))
-
-
-# --- Semantics, on both implementations ----------------------------------------------------
-
-
-@pytest.mark.parametrize("data", [b"", b"x", bytes(range(256)) * 4096])
-def test_put_then_get_round_trips(storage: Storage, data: bytes) -> None:
-    assert storage.put_if_absent("jobs/j1/ledger/000001.json", data) is True
-    assert storage.get("jobs/j1/ledger/000001.json") == data
-
-
-def test_bytearray_and_memoryview_are_data(storage: Storage) -> None:
-    assert storage.put_if_absent("a", bytearray(b"abc"))
-    assert storage.put_if_absent("b", memoryview(b"xyz")[1:])
-    assert (storage.get("a"), storage.get("b")) == (b"abc", b"yz")
-    with pytest.raises(TypeError, match="must be bytes, not str"):
-        storage.put_if_absent("c", "text")  # type: ignore[arg-type]
-
-
-def test_put_if_absent_keeps_the_first_content(storage: Storage) -> None:
-    assert storage.put_if_absent("k", b"first") is True
-    assert storage.put_if_absent("k", b"second") is False
-    assert storage.get("k") == b"first"
-    assert storage.list() == ["k"]
-
-
-@pytest.mark.parametrize(
-    ("start", "end", "expected"),
-    [(0, 10, b"0123456789"), (2, 5, b"234"), (3, 3, b""), (7, 100, b"789"), (10, 20, b""), (50, 60, b"")],
-)
-def test_get_range_returns_the_slice_clipped_to_the_size(storage: Storage, start: int, end: int, expected: bytes) -> None:
-    storage.put_if_absent("digits", b"0123456789")
-    assert storage.get_range("digits", start, end) == expected
-
-
-@pytest.mark.parametrize(("start", "end", "problem"), [(-1, 3, "start must be >= 0"), (5, 4, "end must be >= start")])
-def test_get_range_refuses_bad_ranges(storage: Storage, start: int, end: int, problem: str) -> None:
-    storage.put_if_absent("digits", b"0123456789")
-    with pytest.raises(ValueError, match=problem):
-        storage.get_range("digits", start, end)
-
-
-def test_missing_objects_are_not_found_by_name(storage: Storage) -> None:
-    storage.put_if_absent("a/b", b"x")
-    for key in ("missing", "a", "a/b/c", "a/c"):
-        with pytest.raises(NotFound) as caught:
-            storage.get(key)
-        assert repr(key) in str(caught.value) and storage.describe() in str(caught.value)
-        with pytest.raises(NotFound, match=repr(key)):
-            storage.get_range(key, 0, 1)
-
-
-def test_list_returns_the_keys_with_a_prefix_sorted(storage: Storage) -> None:
-    keys = ["ledger/000010", "ledger/000002", "ledger/sub/x", "ledger2", "leg", "other/a=1/b.json", "z"]
-    for key in keys:
-        assert storage.put_if_absent(key, key.encode())
-    assert storage.list() == sorted(keys)
-    assert storage.list("ledger/") == ["ledger/000002", "ledger/000010", "ledger/sub/x"]
-    assert storage.list("ledger") == ["ledger/000002", "ledger/000010", "ledger/sub/x", "ledger2"]
-    assert storage.list("le") == ["ledger/000002", "ledger/000010", "ledger/sub/x", "ledger2", "leg"]
-    assert storage.list("ledger/0000") == ["ledger/000002", "ledger/000010"]
-    assert storage.list("other/a=1/") == ["other/a=1/b.json"]
-    for nothing in ("nothing", "nothing/", "z/", "../", "a//", "ledger/.", "/"):
-        assert storage.list(nothing) == [], nothing
-
-
-def test_delete_is_idempotent_and_frees_the_key(storage: Storage) -> None:
-    storage.put_if_absent("a/b/c", b"1")
-    storage.put_if_absent("a/d", b"2")
-    storage.delete("a/b/c")
-    storage.delete("a/b/c")
-    storage.delete("never/was")
-    storage.delete("a")  # a folder, not an object
-    assert storage.list() == ["a/d"]
-    assert storage.put_if_absent("a/b", b"3"), "the emptied folder a/b can become an object"
-    assert storage.put_if_absent("a/b", b"4") is False
-    assert storage.get("a/b") == b"3"
-
-
-def test_a_key_cannot_be_both_an_object_and_a_folder(storage: Storage) -> None:
-    storage.put_if_absent("a/b", b"1")
-    with pytest.raises(FailedPrecondition, match="cannot put 'a' in .*: it is a folder of other keys"):
-        storage.put_if_absent("a", b"2")
-    storage.put_if_absent("c", b"1")
-    with pytest.raises(FailedPrecondition, match="'c/d/e'.*'c' is an object, not a folder"):
-        storage.put_if_absent("c/d/e", b"2")
-    assert storage.list() == ["a/b", "c"]
-
-
-def test_eight_threads_racing_for_a_key_make_exactly_one_winner(storage: Storage) -> None:
-    threads = 8
-    for round_ in range(10):
-        key = f"race/{round_}"
-        barrier = threading.Barrier(threads)
-        won = [False] * threads
-
-        def put(i: int) -> None:
-            barrier.wait()
-            won[i] = storage.put_if_absent(key, f"thread {i}".encode() * (i + 1))
-
-        workers = [threading.Thread(target=put, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        assert won.count(True) == 1, won
-        winner = won.index(True)
-        assert storage.get(key) == f"thread {winner}".encode() * (winner + 1)
-
-
-# --- Key rules -------------------------------------------------------------------------------
-
-SEGMENT_CHARS = string.ascii_letters + string.digits + "._=-"
-segments = st.text(SEGMENT_CHARS, min_size=1, max_size=20).filter(lambda s: not s.startswith("."))
-keys = st.lists(segments, min_size=1, max_size=5).map("/".join)
-
-
-@st.composite
-def bad_keys(draw: st.DrawFn) -> str:
-    parts = draw(st.lists(segments, min_size=1, max_size=4))
-    i = draw(st.integers(0, len(parts) - 1))
-    how = draw(st.sampled_from(["char", "empty", "dot", "dotdot", "hidden", "lead", "trail", "long"]))
-    if how == "char":
-        bad = draw(st.characters(exclude_characters=SEGMENT_CHARS + "/", exclude_categories=["Cs"]))
-        at = draw(st.integers(0, len(parts[i])))
-        parts[i] = parts[i][:at] + bad + parts[i][at:]
-    elif how == "empty":
-        parts.insert(i, "")
-    elif how in ("dot", "dotdot"):
-        parts[i] = "." if how == "dot" else ".."
-    elif how == "hidden":
-        parts[i] = "." + parts[i]
-    elif how == "lead":
-        return "/" + "/".join(parts)
-    elif how == "trail":
-        return "/".join(parts) + "/"
-    else:
-        parts[i] = "x" * 256
-    return "/".join(parts)
-
-
-@settings(max_examples=40, deadline=None)
-@given(keys)
-def test_valid_keys_are_stored_by_both_implementations(key: str) -> None:
-    with tempfile.TemporaryDirectory() as root:
-        for storage in (LocalStorage(root), MemoryStorage()):
-            assert storage.put_if_absent(key, key.encode())
-            assert storage.get(key) == key.encode()
-            assert storage.list() == [key]
-
-
-@settings(max_examples=100, deadline=None)
-@given(bad_keys())
-def test_invalid_keys_are_refused_naming_the_key(key: str) -> None:
-    with tempfile.TemporaryDirectory() as root:
-        for storage in (LocalStorage(root), MemoryStorage()):
-            for call in (
-                lambda: storage.put_if_absent(key, b"x"),
-                lambda: storage.get(key),
-                lambda: storage.get_range(key, 0, 1),
-                lambda: storage.delete(key),
-            ):
-                with pytest.raises(InvalidArgument) as caught:
-                    call()
-                assert f"bad storage key {key!r}: " in str(caught.value)
-            assert storage.list() == []
-        assert os.listdir(root) == []
-
-
-@pytest.mark.parametrize(
-    ("key", "rule"),
-    [
-        ("", "must not be empty"),
-        ("a//b", "empty segment"),
-        ("/a", "empty segment"),
-        ("a/../b", "segment '..' starts with '.'"),
-        (".tmp-123", "segment '.tmp-123' starts with '.'"),
-        ("a b", "character outside"),
-        ("x" * 1025, "at most 1024 characters"),
-        ("a/" + "x" * 256, "at most 255 characters"),
-        (b"bytes", "must be a str, not bytes"),
-    ],
-)
-def test_invalid_keys_name_the_rule(storage: Storage, key: str, rule: str) -> None:
-    with pytest.raises(InvalidArgument, match=rule):
-        storage.get(key)
 
 
 # --- LocalStorage on disk --------------------------------------------------------------------
@@ -278,3 +113,97 @@ def test_a_put_gives_up_when_its_files_keep_vanishing(tmp_path: pathlib.Path, mo
     with pytest.raises(Unavailable, match="could not write 'a/b' to local storage at .*kept vanishing"):
         store.put_if_absent("a/b", b"data")
     assert store.list() == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(bad_keys())
+def test_invalid_keys_leave_nothing_on_disk(key: str) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        storage = LocalStorage(root)
+        for call in (lambda: storage.put_if_absent(key, b"x"), lambda: storage.delete(key)):
+            with pytest.raises(InvalidArgument):
+                call()
+        assert os.listdir(root) == []
+
+
+# --- Opening a location; ObjectStorage's environment ----------------------------------------------
+
+
+def test_open_storage_takes_a_local_folder_a_file_url_or_an_object_store_url(tmp_path: pathlib.Path) -> None:
+    local = open_storage(str(tmp_path / "a"))
+    assert isinstance(local, LocalStorage) and local.root == tmp_path / "a" and (tmp_path / "a").is_dir()
+    from_file_url = open_storage(f"file://{tmp_path}/b")
+    assert isinstance(from_file_url, LocalStorage) and from_file_url.root == tmp_path / "b"
+    bucket = open_storage("s3://bucket/jobs/j1/ledger/", environ={})  # builds the client; no request yet
+    assert isinstance(bucket, ObjectStorage)
+    assert bucket.describe() == "object store s3://bucket/jobs/j1/ledger"
+
+
+def test_open_storage_names_a_url_it_cannot_open() -> None:
+    with pytest.raises(FailedPrecondition, match="cannot open object store nosuch://bucket/x"):
+        open_storage("nosuch://bucket/x", environ={})
+
+
+@pytest.mark.parametrize(
+    ("url", "environ", "options"),
+    [
+        ("s3://b/p", {"AWS_ENDPOINT_URL": "http://minio:9000"}, {"allow_http": True}),
+        ("s3a://b/p", {"AWS_ENDPOINT": "http://minio:9000"}, {"allow_http": True}),
+        ("s3://b/p", {"AWS_ENDPOINT_URL": "https://s3.example.com"}, {}),
+        ("s3://b/p", {}, {}),
+        # obstore's order: the S3-specific endpoint comes first
+        ("s3://b/p", {"AWS_ENDPOINT_URL_S3": "https://s3.example.com", "AWS_ENDPOINT_URL": "http://minio:9000"}, {}),
+        ("s3://b/p", {"AWS_ENDPOINT_URL_S3": "http://minio:9000", "AWS_ENDPOINT_URL": "https://s3.example.com"}, {"allow_http": True}),
+        # said explicitly: obstore reads it itself
+        ("s3://b/p", {"AWS_ENDPOINT_URL": "http://minio:9000", "AWS_ALLOW_HTTP": "false"}, {}),
+        ("gs://b/p", {"AWS_ENDPOINT_URL": "http://minio:9000"}, {}),
+    ],
+)
+def test_client_options_allow_an_http_s3_endpoint(url: str, environ: dict[str, str], options: dict) -> None:
+    assert client_options(url, environ) == options
+
+
+# --- The check of conditional writes ---------------------------------------------------------------
+
+
+class OverwritingStorage(MemoryStorage):
+    """A store that ignores conditional writes: every put writes and reports it created."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self.delete(key)
+        return super().put_if_absent(key, data)
+
+    def describe(self) -> str:
+        return "object store s3://careless/ledger"
+
+
+class RefusingButOverwritingStorage(MemoryStorage):
+    """A store that answers 'taken' to a second put but has overwritten the object anyway."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        existed = key in self.list(key)
+        self.delete(key)
+        super().put_if_absent(key, data)
+        return not existed
+
+
+@pytest.mark.parametrize("make", [MemoryStorage, lambda: ObjectStorage(obstore.store.MemoryStore(), url="memory:///x")])
+def test_a_store_with_conditional_writes_passes_the_check_and_keeps_nothing(make) -> None:
+    storage = make()
+    check_conditional_puts(storage)
+    assert storage.list() == []
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_by_name() -> None:
+    storage = OverwritingStorage()
+    with pytest.raises(FailedPrecondition) as caught:
+        check_conditional_puts(storage)
+    message = str(caught.value)
+    assert message.startswith("object store s3://careless/ledger ignores conditional writes (If-None-Match)")
+    assert "was reported written" in message and "the ledger needs them" in message
+    assert storage.list() == [], "the scratch key was left behind"
+
+
+def test_a_store_that_says_taken_but_overwrites_is_refused() -> None:
+    with pytest.raises(FailedPrecondition, match="ignores conditional writes .*was refused but overwrote the first"):
+        check_conditional_puts(RefusingButOverwritingStorage())

@@ -16,6 +16,7 @@ import pathlib
 import re
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ COST_KINDS = ("quadratic", "linear")
 CP_SLICING = ("zigzag", "contiguous")
 LENGTH_POLICIES = ("split", "truncate", "reject")
 PULLING_RANKS = ("all", "megatron")
+#: URL schemes of `ledger.location`: object stores with conditional writes, and file://.
+LEDGER_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "file")
 TOKEN_DTYPES = ("int32", "int64")
 MiB = 1 << 20
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -68,8 +71,14 @@ class MixtureSettings:
 
 @dataclasses.dataclass(frozen=True)
 class LedgerSettings:
-    """The durable ledger of what every step consumed (`<run_dir>/ledger/`)."""
+    """The durable ledger of what every step consumed (`<run_dir>/ledger/` unless `location`)."""
 
+    #: Where the ledger lies: an object store URL ("s3://bucket/prefix", "gs://bucket/prefix",
+    #: "az://container/prefix"; credentials and endpoint from the standard environment, e.g.
+    #: AWS_* for S3) or a local folder (relative to the configuration file). The store must
+    #: honour conditional writes (If-None-Match); the planner proves it at start-up. None:
+    #: `<run_dir>/ledger`.
+    location: str | None = None
     #: Keep each rank's sample lists (what `batchplane ledger show/find` read) for steps less
     #: than this many behind the slowest rank; older segments keep per-source seq ranges,
     #: tokens, shares and cursors only (about 80 bytes a step with 4 sources). None keeps all.
@@ -612,12 +621,32 @@ def _validate(job: JobSettings) -> None:
     _positive("constructors.prefetch_steps", job.constructors.prefetch_steps)
     if job.ledger.keep_detail_steps is not None and job.ledger.keep_detail_steps < 0:
         raise ConfigError("ledger.keep_detail_steps", "must be >= 0 or null (keep everything)", job.ledger.keep_detail_steps)
+    if job.ledger.location is not None:
+        _check_ledger_location(job.ledger.location)
     if job.network.max_message_bytes < 2 * MiB:
         raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", job.network.max_message_bytes)
     if not (math.isfinite(job.network.rpc_timeout_s) and job.network.rpc_timeout_s > 0):
         raise ConfigError("network.rpc_timeout_s", "must be a finite number > 0", job.network.rpc_timeout_s)
     if not (math.isfinite(job.network.heartbeat_s) and job.network.heartbeat_s > 0):
         raise ConfigError("network.heartbeat_s", "must be a finite number > 0", job.network.heartbeat_s)
+
+
+def _check_ledger_location(location: str) -> None:
+    """`ledger.location`: a local path, or a URL of a store the ledger can live in, with a
+    bucket (or container) for an object store and a path for file://."""
+    if not location.strip():
+        raise ConfigError("ledger.location", "must not be empty (leave it out for <run_dir>/ledger)", location)
+    if not is_url(location):
+        return
+    parts = urllib.parse.urlsplit(location)
+    scheme = parts.scheme.lower()
+    if scheme not in LEDGER_SCHEMES:
+        raise ConfigError("ledger.location", f"must be a local folder or a URL with a scheme of {LEDGER_SCHEMES}", location)
+    if scheme == "file":
+        if not parts.path.strip("/"):
+            raise ConfigError("ledger.location", "must name a folder after file://, e.g. file:///data/ledger", location)
+    elif not parts.netloc:
+        raise ConfigError("ledger.location", f"must name a bucket or container, e.g. {scheme}://bucket/prefix", location)
 
 
 def _positive(path: str, value: int) -> None:

@@ -1,5 +1,6 @@
 """Object storage for durable state such as the planner's ledger: a small interface with
-write-once objects, one implementation on local disk and one in memory for unit tests.
+write-once objects, one implementation on local disk and one in memory for unit tests (the
+object store one, on S3, GCS or Azure, is `batchplane.core.object_storage.ObjectStorage`).
 
 The interface is the part of an object store that conditional writes make safe:
 `put_if_absent` creates an object atomically or reports that the key is taken, so two writers
@@ -9,8 +10,8 @@ written against `Storage` can move from `LocalStorage` to an object store (S3 wi
 
 Keys are '/'-separated paths such as "jobs/j1/ledger/000042.json": at most 1024 characters;
 each segment 1 to 255 characters of [A-Za-z0-9._=-], not starting with '.' (so no '.' or '..').
-Both implementations enforce the same rules, including one a file system imposes: a key cannot
-be both an object and a folder of other keys ("a" and "a/b").
+Every implementation enforces the same rules (`check_key`), including one a file system
+imposes: a key cannot be both an object and a folder of other keys ("a" and "a/b").
 
 Raises the domain errors of `batchplane.core.errors`; imports nothing else of the services.
 """
@@ -117,7 +118,7 @@ class LocalStorage(Storage):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        _check_data(data)
+        check_data(data)
         for _ in range(_PUT_ATTEMPTS):
             try:
                 return self._put_once(key, path, data)
@@ -138,7 +139,7 @@ class LocalStorage(Storage):
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
-        _check_range(start, end)
+        check_range(start, end)
         try:
             with open(path, "rb") as f:
                 f.seek(start)
@@ -148,14 +149,14 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         folder = prefix.rpartition("/")[0]
-        if folder and not _is_key(folder):
+        if folder and not is_key(folder):
             return []  # no key has this prefix
         keys = []
         for dirpath, dirnames, filenames in os.walk(self.root / folder):
-            dirnames[:] = [d for d in dirnames if _is_key(d)]
+            dirnames[:] = [d for d in dirnames if is_key(d)]
             relative = pathlib.Path(dirpath).relative_to(self.root).as_posix()
             base = "" if relative == "." else relative + "/"
-            keys.extend(base + name for name in filenames if _is_key(name))
+            keys.extend(base + name for name in filenames if is_key(name))
         return sorted(k for k in keys if k.startswith(prefix))
 
     def delete(self, key: str) -> None:
@@ -190,7 +191,7 @@ class LocalStorage(Storage):
         return removed
 
     def _path(self, key: str) -> pathlib.Path:
-        _check_key(key)
+        check_key(key)
         return self.root.joinpath(*key.split("/"))
 
     def _not_found(self, key: str) -> NotFound:
@@ -259,8 +260,8 @@ class MemoryStorage(Storage):
         return f"memory storage {id(self):#x}"
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        _check_key(key)
-        _check_data(data)
+        check_key(key)
+        check_data(data)
         with self._lock:
             if key in self._objects:
                 return False
@@ -269,7 +270,7 @@ class MemoryStorage(Storage):
             return True
 
     def get(self, key: str) -> bytes:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             try:
                 return self._objects[key]
@@ -277,8 +278,8 @@ class MemoryStorage(Storage):
                 raise NotFound(f"no object {key!r} in {self.describe()}") from None
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        _check_key(key)
-        _check_range(start, end)
+        check_key(key)
+        check_range(start, end)
         return self.get(key)[start:end]
 
     def list(self, prefix: str = "") -> builtins.list[str]:
@@ -286,7 +287,7 @@ class MemoryStorage(Storage):
             return sorted(k for k in self._objects if k.startswith(prefix))
 
     def delete(self, key: str) -> None:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             self._objects.pop(key, None)
 
@@ -303,7 +304,7 @@ class MemoryStorage(Storage):
             raise FailedPrecondition(f"cannot put {key!r} in {self.describe()}: it is a folder of other keys")
 
 
-def _check_key(key: str) -> None:
+def check_key(key: str) -> None:
     """Enforces the key rules.
 
     A key is at most MAX_KEY_CHARS characters of '/'-separated segments; each segment is 1 to
@@ -337,16 +338,27 @@ def _key_problem(key: object) -> str | None:
     return None
 
 
-def _is_key(key: str) -> bool:
+def is_key(key: str) -> bool:
+    """Whether `key` follows the key rules (see `check_key`)."""
     return _key_problem(key) is None
 
 
-def _check_data(data: bytes) -> None:
+def check_data(data: bytes) -> None:
+    """Refuses object data that is not bytes-like (bytes, bytearray, memoryview).
+
+    Raises:
+        TypeError: Naming the type given.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"object data must be bytes, not {type(data).__name__}")
 
 
-def _check_range(start: int, end: int) -> None:
+def check_range(start: int, end: int) -> None:
+    """Refuses a byte range [start, end) with start < 0 or end < start.
+
+    Raises:
+        ValueError: Naming the bound.
+    """
     if start < 0:
         raise ValueError(f"range start must be >= 0, got {start}")
     if end < start:

@@ -109,7 +109,8 @@ class LocalCluster:
 
     Args:
         config_path: The job configuration file.
-        run_dir: Folder for logs and endpoints; default: the job's `run_dir`.
+        run_dir: Folder for logs, endpoints and the ledger (unless the job's `ledger.location`
+            puts it elsewhere); default: the job's `run_dir`.
         log_level: Log level of every process.
     Raises:
         ConfigError: from loading the configuration or its strategy (checked here, so a bad
@@ -153,7 +154,8 @@ class LocalCluster:
             return self._spawn(name, module, args, ports=earlier.get(name, Ports()))
 
         try:
-            self.planner = spawn("planner", "batchplane.planner", [])
+            # The run folder holds the planner's ledger too (unless the job's ledger.location).
+            self.planner = spawn("planner", "batchplane.planner", ["--run-dir", str(self.run_dir)])
             self._wait_ready([self.planner], timeout_s)
             planner_args = ["--planner", self.planner.address]
             self.loaders = [

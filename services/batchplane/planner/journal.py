@@ -1,8 +1,13 @@
 """The durable ledger: every planned step's record on a `Storage`, written before its plan is
 served, crash-safe, compacted, readable by `batchplane ledger`.
 
+Where it lies (`open_ledger_storage`): `ledger.location` of the job, an object store URL such as
+"s3://bucket/prefix" or a local folder, else `<run_dir>/ledger`. An object store must honour
+conditional writes; a writer proves it when it opens the ledger.
+
 Layout (keys of the storage):
 
+    epochs/000000000002                                   a planner's writer epoch (see `fencing`)
     gen-000003/head.json                                  the generation's start
     gen-000003/steps/000000000123.json                    one record per step
     gen-000003/segments/000000000000-000000000999.json.gz  steps 0..999, one JSON line each
@@ -45,17 +50,22 @@ import collections
 import gzip
 import json
 import logging
+import pathlib
 import re
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from batchplane.core.config import JobSettings
 from batchplane.core.errors import NotFound
+from batchplane.core.object_storage import open_storage
 from batchplane.core.storage import Storage
 
 log = logging.getLogger(__name__)
 
 SEGMENT_STEPS = 1000
+#: The ledger's folder in the run folder, where `ledger.location` is not set.
+LEDGER_DIR = "ledger"
 _GEN = re.compile(r"^gen-(\d{6})/head\.json$")
 _STEP = re.compile(r"/steps/(\d{12})\.json$")
 _SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})(?:\.thin)?\.json\.gz$")
@@ -70,6 +80,34 @@ DETAIL_FIELDS = ("ranks",)
 #: step was planned; where a restarted planner resumes).
 RUNTIME_FIELDS = ("delivered_below",)
 _REPORT = re.compile(r"/reports/(\d{12})\.json$")
+
+
+def ledger_location(job: JobSettings, run_dir: pathlib.Path) -> str:
+    """Where the job's ledger lies: `ledger.location` (a URL as it is, a local path made absolute
+    against the configuration file's folder), else `<run_dir>/ledger`.
+
+    Args:
+        run_dir: The job's run folder (`run_dir`, or the one `batchplane up --run-dir` gives).
+    """
+    if job.ledger.location is not None:
+        return job.locate(job.ledger.location)
+    return str(pathlib.Path(run_dir).absolute() / LEDGER_DIR)
+
+
+def open_ledger_storage(job: JobSettings, run_dir: pathlib.Path, *, check_writes: bool = True) -> Storage:
+    """Opens the job's ledger (see `ledger_location`); a local folder is created if missing.
+
+    Args:
+        run_dir: The job's run folder.
+        check_writes: For a writer (the planner): prove that an object store honours
+            conditional writes first (`object_storage.check_conditional_puts`). Readers
+            (`batchplane ledger`) write nothing.
+    Raises:
+        FailedPrecondition: The store cannot be opened or ignores conditional writes (the
+            message names it).
+        Unavailable: The store cannot be reached.
+    """
+    return open_storage(ledger_location(job, run_dir), check_writes=check_writes)
 
 
 def _gen_prefix(gen: int) -> str:

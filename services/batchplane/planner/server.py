@@ -1,18 +1,23 @@
 """Wires the planner together: membership, summary pulling, the plan book, its durable ledger
-(`<run_dir>/ledger`) and the gRPC server."""
+(`ledger.location`, else `<run_dir>/ledger`; a bucket is proved to honour conditional writes,
+and the planner claims the next writer epoch, see `fencing`) and the gRPC server."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
+
 import grpc
 from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import JobSettings
-from batchplane.core.process import ProcessSettings
+from batchplane.core.process import EXIT_FENCED, ProcessSettings
 from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
-from batchplane.core.storage import LocalStorage
 from batchplane.planner.book import PlanBook
+from batchplane.planner.fencing import Fenced, FencedStorage, claim_epoch
+from batchplane.planner.journal import open_ledger_storage
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.service import PlannerServicer
@@ -22,8 +27,6 @@ from batchplane.planner.watch import ReplicaWatch
 from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-LEDGER_DIR = "ledger"
 
 
 @dataclasses.dataclass
@@ -47,19 +50,25 @@ def summary_lookahead(job: JobSettings) -> int:
 
 
 def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningPlanner:
-    """Starts the planner of `job`.
+    """Starts the planner of `job`: opens its ledger (`ledger.location`, else `ledger/` in the
+    run folder, `process.run_dir` or the job's `run_dir`) and claims the next writer epoch of
+    it, fencing any planner still writing it.
 
     Raises:
         ConfigError: a bad cost function import path.
+        FailedPrecondition: the ledger's store cannot be opened or ignores conditional writes.
+        Unavailable: the ledger's store cannot be reached.
     """
-    run_dir = job.resolve(job.run_dir)
+    run_dir = (process.run_dir or job.resolve(job.run_dir)).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     strategy = load_strategy(job)
     schedule = load_schedule(job, strategy)
     metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=schedule.initial_shares)
     membership = Membership(job)
     store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
-    ledger = LocalStorage(run_dir / LEDGER_DIR)
+    storage = open_ledger_storage(job, run_dir)
+    epoch = claim_epoch(storage, owner={"host": socket.gethostname(), "pid": os.getpid()})
+    ledger = FencedStorage(storage, epoch=epoch, on_fenced=_exit_fenced)
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
     watch = ReplicaWatch(membership, job.loaders.failover, metrics, shadows=job.loaders.shadow)
     puller = SummaryPuller(
@@ -76,5 +85,16 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     server.start()
     set_serving(health, "batchplane.v1.Planner")
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
-    log.info("job %r (fingerprint %s): %d sources, mesh %s, ledger in %s", job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe())
+    log.info(
+        "job %r (fingerprint %s): %d sources, mesh %s, ledger in %s (writer epoch %d)",
+        job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe(), epoch,
+    )
     return RunningPlanner(address, server, book, puller, watch)
+
+
+def _exit_fenced(error: Fenced) -> None:
+    """Ends the planner process at once with EXIT_FENCED: a newer planner writes the ledger, and
+    this one must neither write nor serve plans any more (its launcher must not restart it)."""
+    log.critical("stopping: %s", error)
+    logging.shutdown()
+    os._exit(EXIT_FENCED)
