@@ -27,11 +27,15 @@ from batchplane.core.errors import ConfigError
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchplane", description="batchplane: the data plane of large-model training")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}", help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     up = commands.add_parser("up", help="start a job's planner, loaders and constructors as local processes")
     up.add_argument("-c", "--config", type=pathlib.Path, required=True, help="job configuration (YAML)")
-    up.add_argument("--run-dir", type=pathlib.Path, help="folder for logs and endpoints (default: the job's run_dir)")
+    up.add_argument(
+        "--run-dir", type=pathlib.Path,
+        help="folder for logs, endpoints and the ledger unless ledger.location is set (default: the job's run_dir)",
+    )
     up.add_argument("--log-level", default="INFO")
     up.add_argument(
         "--autoscale", type=pathlib.Path, metavar="DATAPLANE",
@@ -65,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     queries["stats"].add_argument("--to", dest="last", type=int, default=None, help="last step, inclusive (default: the latest)")
     for query in queries.values():
         where = query.add_mutually_exclusive_group(required=True)
-        where.add_argument("-c", "--config", type=pathlib.Path, help="job configuration (YAML): its run_dir's ledger")
-        where.add_argument("--ledger", type=pathlib.Path, help="a ledger folder (<run_dir>/ledger)")
+        where.add_argument("-c", "--config", type=pathlib.Path, help="job configuration (YAML): its ledger.location, else its run_dir's ledger")
+        where.add_argument("--ledger", help="a ledger folder (<run_dir>/ledger) or URL (s3://bucket/prefix)")
         query.add_argument("--json", action="store_true", help="print one JSON object")
 
     profile = commands.add_parser("profile", help="measure each source of a job: file-access state memory, decode and transform time per sample")
@@ -114,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_demo(workdir=args.dir, steps=args.steps, log_every=args.log_every)
 
 
+def _package_version() -> str:
+    """The installed batchplane distribution's version, or "unknown" when it is not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("batchplane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 #: Consecutive failed restarts of one process after which `batchplane up` gives up and stops.
 MAX_FAILED_RESTARTS = 5
 
@@ -121,6 +135,7 @@ MAX_FAILED_RESTARTS = 5
 def _up(args: argparse.Namespace) -> int:
     import grpc
 
+    from batchplane.core.process import EXIT_FENCED
     from batchplane.launcher.local import LaunchError, LocalCluster
 
     try:
@@ -152,6 +167,8 @@ def _up(args: argparse.Namespace) -> int:
                 code_of = p.popen.poll()
                 if code_of is None or p.leaving:
                     continue
+                if p is cluster.planner and code_of == EXIT_FENCED:  # started again, it would fence the newer one
+                    raise LaunchError(f"the planner was fenced: another planner took over the job's ledger; see {p.log_path}")
                 print(f"batchplane up: {p.name} exited with status {code_of}; restarting it", flush=True)
                 try:
                     cluster.restart(p)
@@ -277,10 +294,12 @@ def _cell(value: object) -> str:
 
 
 def _ledger(args: argparse.Namespace) -> int:
-    from batchplane.core.config import load_job
-    from batchplane.core.storage import LocalStorage
-    from batchplane.planner import lineage
-    from batchplane.planner.journal import LedgerReader
+    import functools
+
+    from batchplane.core.config import is_url, load_job
+    from batchplane.core.errors import BatchplaneError
+    from batchplane.core.object_storage import open_storage
+    from batchplane.planner.journal import LedgerReader, ledger_location, open_ledger_storage
 
     if args.config is not None:
         try:
@@ -288,13 +307,26 @@ def _ledger(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"batchplane ledger: bad configuration {args.config}: {exc}", file=sys.stderr)
             return 2
-        folder = job.resolve(job.run_dir) / "ledger"
+        run_dir = job.resolve(job.run_dir)
+        folder = ledger_location(job, run_dir)
+        open_ledger = functools.partial(open_ledger_storage, job, run_dir, check_writes=False)  # reads only: no write check
     else:
-        folder = args.ledger
-    if not folder.is_dir():
+        folder = args.ledger if is_url(args.ledger) else str(pathlib.Path(args.ledger).absolute())
+        open_ledger = functools.partial(open_storage, folder)
+    if not is_url(folder) and not pathlib.Path(folder).is_dir():
         print(f"batchplane ledger: no ledger at {folder}", file=sys.stderr)
         return 2
-    reader = LedgerReader(LocalStorage(folder))
+    try:
+        return _ledger_query(args, LedgerReader(open_ledger()), folder)
+    except BatchplaneError as exc:  # an object store that cannot be reached or read
+        print(f"batchplane ledger: cannot read the ledger at {folder}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
+    """Answers `batchplane ledger show/find/stats` from the ledger `reader` reads (at `folder`)."""
+    from batchplane.planner import lineage
+
     if not reader.generations:
         print(f"batchplane ledger: the ledger at {folder} is empty", file=sys.stderr)
         return 2

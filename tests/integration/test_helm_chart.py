@@ -4,17 +4,27 @@ For the default values and each file in the chart's ci/ folder: `helm lint --str
 template` (CRD included), and every rendered manifest validated with kubernetes-validate in
 strict mode (unknown fields are errors) against Kubernetes 1.30 and the newest version it knows.
 
-kubernetes-validate knows only built-in kinds, so the two custom kinds are checked otherwise,
-and this file says how:
+kubernetes-validate knows only built-in kinds, so the custom kinds are checked otherwise, and
+this file says how:
 - DataPlane (batchplane.dev/v1alpha1): against the openAPIV3Schema of the chart's own CRD, turned
   into a JSON schema that, like the API server's strict field validation, rejects unknown fields.
   The CRD's CEL rule (maxReplicas >= minReplicas) is checked in Python.
 - ServiceMonitor (monitoring.coreos.com/v1): no CRD of the prometheus-operator is available
   offline; its structure is checked against a JSON schema of the fields the chart uses (names as
   in the prometheus-operator API), and its selector and ports against the rendered Service.
+- The example trainers' PyTorchJob (kubeflow.org/v1), JobSet (jobset.x-k8s.io/v1alpha2) and
+  LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): their CRDs are not available offline either.
+  Every pod template they embed is validated strictly by kubernetes-validate as a core
+  PodTemplate (a JobSet's Job templates as whole batch/v1 Jobs), and the outer object against a
+  JSON schema of the fields the chart uses, with the API's names and required fields. Neither
+  checks what only their controllers check (e.g. a PyTorchJob's container named "pytorch").
 
 Beyond validity: the security context of every container, the constructor sidecar (a native
-sidecar: an init container with restartPolicy Always) also when a parent chart includes it,
+sidecar: an init container with restartPolicy Always) also when a parent chart includes it, the
+constructor index each pod of each example trainer gets (its controller's labels and annotations
+through the downward API, the constructor's own flag handling, and the trainer's script run
+against a stand-in torchrun), the loader pods the operator makes of the chart's DataPlane, the
+planner's ledger (a claim by default, none with a bucket location),
 the rendered job.yaml loading with batchplane's own configuration loader (and its strategy and
 schedule), the commands parsing with the services' own flag parser, the NOTES, the RBAC, the
 NetworkPolicy selectors, the dashboard's metric names, and values the schema or the templates
@@ -41,9 +51,12 @@ from typing import Any
 import pytest
 import yaml
 
-from batchplane.core.config import JobSettings, load_job
+from batchplane.constructor.__main__ import index_args
+from batchplane.core import pod_rank
+from batchplane.core.config import LEDGER_SCHEMES, JobSettings, load_job
 from batchplane.core.process import ProcessSettings, parse_process_args
 from batchplane.entrypoint import PARTS
+from batchplane.operator import podfields
 from batchplane.planner.strategy import load_schedule, load_strategy
 
 try:
@@ -60,7 +73,13 @@ RELEASE = "demo"
 NAMESPACE = "training"
 RENDER_KUBE_VERSION = "1.30.0"
 CASES = ["default", *sorted(p.name for p in (CHART / "ci").glob("*.yaml"))]
-CUSTOM_KINDS = {("batchplane.dev/v1alpha1", "DataPlane"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+#: The example trainers' custom kinds: (apiVersion, kind) -> the paths of their pod templates.
+TRAINER_KINDS = {
+    ("kubeflow.org/v1", "PyTorchJob"): "spec.pytorchReplicaSpecs.*.template",
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "spec.replicatedJobs.*.template.spec.template",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "spec.leaderWorkerTemplate.workerTemplate",
+}
+CUSTOM_KINDS = {("batchplane.dev/v1alpha1", "DataPlane"), ("monitoring.coreos.com/v1", "ServiceMonitor"), *TRAINER_KINDS}
 POD_OWNERS = {"Deployment", "Job", "StatefulSet", "DaemonSet"}
 
 RUN_AS_USER = 10001
@@ -74,6 +93,13 @@ CONTAINER_SECURITY = {
 }
 SOCKET = "unix:///run/batchplane/constructor.sock"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+INDEX_FILE = "/run/batchplane/constructor-index"
+EXAMPLE_CASES = {
+    "example-torchrun-values.yaml": "torchrun",
+    "example-pytorchjob-values.yaml": "pytorchjob",
+    "example-jobset-values.yaml": "jobset",
+    "example-leaderworkerset-values.yaml": "leaderworkerset",
+}
 
 
 # ---- helm -------------------------------------------------------------------------------------
@@ -171,11 +197,31 @@ def all_of(docs: list[dict], kind: str) -> list[dict]:
 
 
 def pod_specs(docs: list[dict]) -> Iterator[tuple[str, dict, dict]]:
-    """(kind/name, pod template metadata, pod spec) of every workload."""
+    """(kind/name, pod template metadata, pod spec) of every workload, the example trainers'
+    custom kinds included (one per pod template they hold)."""
     for doc in docs:
         if doc["kind"] in POD_OWNERS:
             tpl = doc["spec"]["template"]
             yield f"{doc['kind']}/{doc['metadata']['name']}", tpl.get("metadata", {}), tpl["spec"]
+        elif (doc["apiVersion"], doc["kind"]) in TRAINER_KINDS:
+            for where, tpl in pod_templates(doc):
+                yield f"{doc['kind']}/{doc['metadata']['name']}:{where}", tpl.get("metadata", {}), tpl["spec"]
+
+
+def pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(path, pod template) of each pod template a trainer custom kind holds."""
+    found = [("", doc)]
+    for key in TRAINER_KINDS[(doc["apiVersion"], doc["kind"])].split("."):
+        step = []
+        for where, node in found:
+            if key == "*":
+                items = node.items() if isinstance(node, dict) else enumerate(node)
+                step += [(f"{where}.{k}", v) for k, v in items]
+            elif key in node:
+                step.append((f"{where}.{key}", node[key]))
+        found = step
+    assert found, f"{doc['kind']} holds no pod template"
+    return [(where.lstrip("."), tpl) for where, tpl in found]
 
 
 def containers(spec: dict) -> list[dict]:
@@ -209,13 +255,50 @@ def deep_merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def part_settings(c: dict, part: str) -> ProcessSettings:
+#: The metadata of a trainer pod that any index source reads as index 0.
+FIRST_POD = {
+    "name": "trainer-0",
+    "labels": {
+        "training.kubeflow.org/replica-type": "master",
+        "training.kubeflow.org/replica-index": "0",
+        "jobset.sigs.k8s.io/job-index": "0",
+        "jobset.sigs.k8s.io/replicatedjob-replicas": "1",
+        "leaderworkerset.sigs.k8s.io/group-index": "0",
+        "leaderworkerset.sigs.k8s.io/worker-index": "0",
+    },
+    "annotations": {"batch.kubernetes.io/job-completion-index": "0", "leaderworkerset.sigs.k8s.io/size": "1"},
+}
+
+
+def downward_env(c: dict, meta: Mapping[str, Any]) -> dict[str, str]:
+    """The environment the kubelet gives container `c` of a pod with metadata `meta` (name,
+    labels, annotations): plain values, and the downward API's fieldRefs, where a label or an
+    annotation the pod lacks reads as "" (as the kubelet has it)."""
+    env = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+            continue
+        path = e["valueFrom"]["fieldRef"]["fieldPath"] if "fieldRef" in e.get("valueFrom", {}) else None
+        if path == "metadata.name":
+            env[e["name"]] = meta["name"]
+        elif path and (m := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)):
+            env[e["name"]] = meta.get(m.group(1), {}).get(m.group(2), "")
+        else:
+            env[e["name"]] = "from-the-cluster"  # status.podIP, spec.nodeName, secrets, ...
+    return env
+
+
+def part_settings(c: dict, part: str, meta: Mapping[str, Any] = FIRST_POD) -> ProcessSettings:
     """The part a container runs, through the image's entrypoint (first argument: the part),
-    and its flags as the services' own parser reads them."""
+    and its flags as the services' own parser reads them; a constructor's --index-from is
+    worked out as the constructor does, from the environment of a pod with metadata `meta`."""
     assert "command" not in c, f"{c['name']}: the image's entrypoint picks the part from the args"
     assert c["args"][0] == part and part in PARTS, c["args"]
-    # the kubelet expands $(VAR) from the container's env; index 0 stands for any pod's
-    return parse_process_args(part, [a.replace("$(BATCHPLANE_CONSTRUCTOR_INDEX)", "0") for a in c["args"][1:]])
+    args = c["args"][1:]
+    if part == "constructor":
+        args, _, _ = index_args(args, downward_env(c, meta))
+    return parse_process_args(part, args)
 
 
 def job_from_configmap(docs: list[dict], folder: pathlib.Path) -> JobSettings:
@@ -345,12 +428,150 @@ def validate_service_monitor(doc: dict, docs: list[dict]) -> None:
         assert endpoint["port"] in ports, f"ServiceMonitor port {endpoint['port']!r} is not a port of Service {services[0]['metadata']['name']}"
 
 
+POD_TEMPLATE = {"type": "object", "required": ["spec"], "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}}}
+OBJECT_META = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "namespace"],
+    "properties": {"name": {"type": "string", "maxLength": 63}, "namespace": {"type": "string"}, "labels": LABELS, "annotations": LABELS},
+}
+INT32 = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+#: The parts of kubeflow.org/v1 PyTorchJob the chart uses (names as in the training operator's API).
+PYTORCHJOB_REPLICA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["template"],
+    "properties": {"replicas": INT32, "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]}, "template": POD_TEMPLATE},
+}
+#: Outer structures of the example trainers' custom kinds: the fields the chart uses, with the
+#: API's names and required fields; their pod templates are validated by kubernetes-validate.
+TRAINER_SCHEMAS = {
+    "PyTorchJob": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "kubeflow.org/v1"},
+            "kind": {"const": "PyTorchJob"},
+            "metadata": OBJECT_META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["pytorchReplicaSpecs"],
+                "properties": {
+                    "runPolicy": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"backoffLimit": INT32, "cleanPodPolicy": {"enum": ["All", "Running", "None"]}, "ttlSecondsAfterFinished": INT32},
+                    },
+                    "pytorchReplicaSpecs": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["Master"],
+                        "properties": {"Master": {**PYTORCHJOB_REPLICA, "properties": {**PYTORCHJOB_REPLICA["properties"], "replicas": {"const": 1}}}, "Worker": PYTORCHJOB_REPLICA},
+                    },
+                },
+            },
+        },
+    },
+    "JobSet": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "jobset.x-k8s.io/v1alpha2"},
+            "kind": {"const": "JobSet"},
+            "metadata": OBJECT_META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["replicatedJobs"],
+                "properties": {
+                    "network": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"enableDNSHostnames": {"type": "boolean"}, "subdomain": {"type": "string"}, "publishNotReadyAddresses": {"type": "boolean"}},
+                    },
+                    "failurePolicy": {"type": "object", "additionalProperties": False, "properties": {"maxRestarts": INT32}},
+                    "replicatedJobs": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name", "template"],
+                            "properties": {
+                                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                                "replicas": INT32,
+                                "template": {"type": "object", "additionalProperties": False, "required": ["spec"], "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}}},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+    "LeaderWorkerSet": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"},
+            "kind": {"const": "LeaderWorkerSet"},
+            "metadata": OBJECT_META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["leaderWorkerTemplate"],
+                "properties": {
+                    "replicas": INT32,
+                    "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                    "leaderWorkerTemplate": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["workerTemplate"],
+                        "properties": {
+                            "size": {**INT32, "minimum": 1},
+                            "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
+                            "leaderTemplate": POD_TEMPLATE,
+                            "workerTemplate": POD_TEMPLATE,
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def validate_trainer_kind(doc: dict, version: str, kv: Any) -> None:
+    """An example trainer's custom kind: its outer structure against TRAINER_SCHEMAS, every pod
+    template it holds strictly as a core PodTemplate (a JobSet's Jobs as batch/v1 Jobs)."""
+    jsonschema.Draft7Validator(TRAINER_SCHEMAS[doc["kind"]]).validate(doc)
+    wrapped = []
+    if doc["kind"] == "JobSet":
+        for job in doc["spec"]["replicatedJobs"]:
+            wrapped.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{doc['metadata']['name']}-{job['name']}-0"}, "spec": job["template"]["spec"]})
+    else:
+        for where, tpl in pod_templates(doc):
+            wrapped.append({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{doc['metadata']['name']}-{where.rsplit('.', 2)[-2].lower()}"}, "template": tpl})
+    for obj in wrapped:
+        try:
+            kv.validate(obj, version, strict=True)
+        except kv.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: a pod template is invalid for Kubernetes {version}: {path}: {exc.message}") from None
+
+
 def validate_document(doc: dict, docs: list[dict], version: str, kv: Any) -> str:
     """Validates one rendered document; returns how (for the resource list)."""
     if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
         if doc["kind"] == "DataPlane":
             validate_dataplane(doc)
             return "CRD schema"
+        if (doc["apiVersion"], doc["kind"]) in TRAINER_KINDS:
+            validate_trainer_kind(doc, version, kv)
+            return "structure + k8s pod templates"
         validate_service_monitor(doc, docs)
         return "structure"
     try:
@@ -584,10 +805,12 @@ def test_job_yaml_loads_with_batchplane_config(docs: list[dict], case: str, tmp_
     state = [m["mountPath"] for m in planner["containers"][0]["volumeMounts"] if m["name"] == "state"]
     assert pathlib.PurePosixPath(job.run_dir).is_absolute() and job.run_dir.startswith(state[0] + "/")
     claim = [v for v in planner["volumes"] if v["name"] == "state"][0]
-    if values["planner"]["ledger"]["persistence"]["enabled"]:
+    ledger = values["planner"]["ledger"]
+    assert job.ledger.location == (ledger["location"] or None)
+    if ledger["persistence"]["enabled"] and not ledger["location"]:
         assert claim["persistentVolumeClaim"]["claimName"] == one(docs, "PersistentVolumeClaim")["metadata"]["name"]
-    else:
-        assert "emptyDir" in claim
+    else:  # no claim: the ledger is lost with the pod, or lies in a bucket
+        assert "emptyDir" in claim and not all_of(docs, "PersistentVolumeClaim")
 
 
 def test_commands_fit_the_services_flags(docs: list[dict], tmp_path: pathlib.Path) -> None:
@@ -626,9 +849,13 @@ def check_trainer_pod(spec: dict, docs: list[dict], job: JobSettings, *, trainer
     sidecar = container(spec, "batchplane-constructor")
     assert sidecar in spec["initContainers"] and sidecar["restartPolicy"] == "Always"
     assert "startupProbe" in sidecar and "readinessProbe" in sidecar
-    assert env_of(sidecar)["BATCHPLANE_CONSTRUCTOR_INDEX"] == {"fieldRef": {"fieldPath": COMPLETION_INDEX}}
-    assert sidecar["args"][sidecar["args"].index("--index") + 1] == "$(BATCHPLANE_CONSTRUCTOR_INDEX)"
+    # the index: worked out from the pod by the constructor (--index-from), published for the trainer
+    args = sidecar["args"]
+    source = args[args.index("--index-from") + 1]
+    assert "--index" not in args and args[args.index("--publish-index") + 1] == INDEX_FILE
+    check_index_env(sidecar, source, job.constructor_count)
     settings = part_settings(sidecar, "constructor")
+    assert settings.index == 0  # FIRST_POD, as every source reads it
     assert settings.listen == SOCKET and settings.metrics_port == sidecar["ports"][0]["containerPort"]
     assert settings.config == pathlib.Path("/etc/batchplane/job.yaml")
     service = one(docs, "Service", "-planner")
@@ -636,6 +863,12 @@ def check_trainer_pod(spec: dict, docs: list[dict], job: JobSettings, *, trainer
     assert sidecar["startupProbe"]["httpGet"]["port"] == settings.metrics_port
     main = container(spec, trainer)
     assert env_of(main)["BATCHPLANE_CONSTRUCTOR"] == settings.listen
+    assert env_of(main)["BATCHPLANE_CONSTRUCTOR_INDEX_FILE"] == INDEX_FILE and env_of(main)["BATCHPLANE_CONSTRUCTOR_INDEX_FROM"] == source
+    check_index_env(main, source, job.constructor_count)  # the trainer gets the same inputs
+    if source == "indexed-job":  # the one source Kubernetes gives as a plain value
+        assert env_of(main)["BATCHPLANE_CONSTRUCTOR_INDEX"] == {"fieldRef": {"fieldPath": COMPLETION_INDEX}}
+    else:
+        assert "BATCHPLANE_CONSTRUCTOR_INDEX" not in env_of(main)
     socket_dir = str(pathlib.PurePosixPath(SOCKET.removeprefix("unix://")).parent)
     volumes = {v["name"]: v for v in spec["volumes"]}
     for c in (sidecar, main):
@@ -644,6 +877,17 @@ def check_trainer_pod(spec: dict, docs: list[dict], job: JobSettings, *, trainer
     (config,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == "/etc/batchplane"]
     assert volumes[config["name"]]["configMap"]["name"] == one(docs, "ConfigMap", "-job")["metadata"]["name"]
     assert job.constructor_count >= 1
+
+
+def check_index_env(c: dict, source: str, pods: int) -> None:
+    """`c` carries the variables `source` reads, from the downward API fieldPaths pod_rank names
+    (and the job's `pods` trainer pods where it needs them)."""
+    env = env_of(c)
+    for name in pod_rank.variables(source):
+        if name == pod_rank.TRAINER_PODS:
+            assert env[name] == str(pods), name
+        elif not source.startswith(pod_rank.ENV_PREFIX):
+            assert env[name] == {"fieldRef": {"fieldPath": pod_rank.FIELD_PATHS[name]}}, name
 
 
 def test_example_trainer_job_uses_the_sidecar(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -732,7 +976,13 @@ def test_operator_rbac_is_least_privilege(docs: list[dict], case: str) -> None:
         (("batchplane.dev",), ("dataplanes/finalizers",), ("update",)),
         (("apps",), ("deployments",), ("create", "delete", "get", "list", "patch")),
         (("apps",), ("deployments/scale",), ("patch",)),
+        (("coordination.k8s.io",), ("leases",), ("create",)),  # leader election: its Lease, and only that one
+        (("coordination.k8s.io",), ("leases",), ("get", "patch")),
+        (("",), ("events",), ("create", "patch")),  # Events on the DataPlanes
     }
+    lease = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert [(r["resources"], r["resourceNames"]) for r in named] == [(["leases"], [lease[lease.index("--lease-name") + 1]])]
     binding = one(docs, "RoleBinding", "-operator")
     account = one(docs, "ServiceAccount", "-operator")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
@@ -803,7 +1053,7 @@ def test_dashboard_shows_real_metrics(docs: list[dict], case: str) -> None:
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\b(batchplane_[a-z0-9_]+)", e)}
     assert used and used <= known, f"dashboard metrics the services do not export: {sorted(used - known)}"
     external = {m for e in exprs for m in re.findall(r"\b(kube_[a-z_]+)", e)}
-    assert external == {"kube_deployment_status_replicas", "kube_deployment_spec_replicas"}  # kube-state-metrics
+    assert external == set()  # replicas come from the operator's own metrics, not kube-state-metrics
     joined = "\n".join(exprs)
     for needle in (
         "batchplane_planner_mixture_target_ratio",
@@ -812,7 +1062,8 @@ def test_dashboard_shows_real_metrics(docs: list[dict], case: str) -> None:
         "rate(batchplane_planner_samples_total",
         "rate(batchplane_loader_samples_sent_total",
         "histogram_quantile(0.99, sum by (le) (rate(batchplane_planner_plan_duration_seconds_bucket",
-        "batchplane_constructor_batch_wait_seconds_bucket",
+        "rate(batchplane_constructor_rank_data_wait_seconds_total",
+        "batchplane_operator_desired_replicas",
     ):
         assert needle in joined, needle
     assert f"{one(docs, 'DataPlane')['metadata']['name']}" in text and NAMESPACE in text
@@ -834,7 +1085,10 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
     service = f"{RELEASE}-batchplane-planner" if case != "two-groups-values.yaml" else "text-and-code-planner"
     assert f"{service}.{NAMESPACE}.svc:50051" in text
     assert 'include "batchplane.constructorSidecar"' in text
-    assert ("WARNING: planner.ledger.persistence.enabled is false" in text) == (not load_values(case)["planner"]["ledger"]["persistence"]["enabled"])
+    ledger = load_values(case)["planner"]["ledger"]
+    assert ("WARNING: planner.ledger.persistence.enabled is false" in text) == (not ledger["persistence"]["enabled"] and not ledger["location"])
+    if load_values(case)["example"]["enabled"]:
+        assert f"Example trainer ({load_values(case)['example']['kind']}, index from {load_values(case)['constructor']['indexFrom']})" in text
 
 
 # ---- values the chart must refuse ------------------------------------------------------------------
@@ -854,6 +1108,16 @@ SCHEMA_ERRORS = [
     ({"securityContext": {"runAsUser": 0}}, "securityContext.runAsUser"),
     ({"mixture": {"weights": {"web": -1}}}, "mixture.weights.web"),
     ({"strategy": "plan.txt"}, "strategy"),
+    # the pod fields: Kubernetes' own schema (batchplane.operator.kube_types), through values.schema.json
+    ({"loader": {"env": [{"name": "A", "valueFrom": {"secretKeyRf": {"name": "s", "key": "k"}}}]}}, "loader.env.0.valueFrom: Additional property secretKeyRf"),
+    ({"loader": {"tolerations": [{"key": "k", "efect": "NoSchedule"}]}}, "loader.tolerations.0: Additional property efect"),
+    ({"loader": {"affinity": {"nodeAfinity": {}}}}, "loader.affinity: Additional property nodeAfinity"),
+    ({"loader": {"volumes": [{"name": "d", "emptyDir": {"sizeLimit": True}}]}}, "loader.volumes.0.emptyDir.sizeLimit"),
+    ({"loader": {"serviceAccountName": "Not_A_Name"}}, "loader.serviceAccountName"),
+    ({"planner": {"envFrom": [{"secretRef": {"nme": "x"}}]}}, "planner.envFrom.0.secretRef: Additional property nme"),
+    ({"planner": {"ledger": {"location": "/var/ledger"}}}, "planner.ledger.location"),
+    ({"constructor": {"indexFrom": "statefulset"}}, "constructor.indexFrom"),
+    ({"example": {"kind": "mpijob"}}, "example.kind"),
 ]
 
 TEMPLATE_ERRORS = [
@@ -865,6 +1129,11 @@ TEMPLATE_ERRORS = [
     ({"job": {"settings": {"sources": []}}}, "job.settings.sources: set by the chart"),
     ({"strategy": "mine.py"}, 'strategy: "mine.py" is not a key of strategyFiles'),
     ({"example": {"enabled": True}, "mesh": {"dp": 2}}, "example.enabled: tiny_lm meets its peers on 127.0.0.1"),
+    ({"job": {"settings": {"ledger": {"location": "s3://b/l"}}}}, "job.settings.ledger.location: set by the chart; use planner.ledger.location"),
+    ({"example": {"enabled": True, "kind": "pytorchjob"}, "mesh": {"dp": 2}}, 'constructor.indexFrom: example.kind pytorchjob gives each pod its index through "kubeflow"'),
+    ({"example": {"enabled": True, "kind": "jobset", "jobsetJobs": 3}, "constructor": {"indexFrom": "jobset"}, "mesh": {"dp": 4}}, "example.jobsetJobs: must divide the 4 trainer pods, got 3"),
+    ({"loader": {"volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "dta", "mountPath": "/data"}]}}, 'loader.volumeMounts[0].name: "dta" names no volume of loader.volumes'),
+    ({"loader": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}, 'loader.env[1].name: "A" is listed twice'),
 ]
 
 
@@ -888,3 +1157,219 @@ def test_schema_refuses_bad_values(helm: pathlib.Path, tmp_path: pathlib.Path, v
 def test_templates_refuse_inconsistent_values(helm: pathlib.Path, tmp_path: pathlib.Path, values: dict, message: str) -> None:
     rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, values))
     assert rendered.returncode != 0 and message in rendered.stderr, rendered.stderr
+
+
+@pytest.mark.parametrize("name", podfields.RESERVED_ENV)
+@pytest.mark.parametrize("section", ["loader", "planner"])
+def test_the_environment_batchplane_sets_is_refused(helm: pathlib.Path, tmp_path: pathlib.Path, section: str, name: str) -> None:
+    """The chart refuses what the operator would (batchplane.operator.podfields), with the same
+    reserved names, naming the field."""
+    rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, {section: {"env": [{"name": name, "value": "x"}]}}))
+    assert rendered.returncode != 0 and f'{section}.env[0].name: "{name}" is set by batchplane' in rendered.stderr, rendered.stderr
+
+
+@pytest.mark.parametrize("name", podfields.RESERVED_VOLUMES)
+def test_the_volumes_batchplane_uses_are_refused(helm: pathlib.Path, tmp_path: pathlib.Path, name: str) -> None:
+    for values, message in (
+        ({"volumes": [{"name": name, "emptyDir": {}}]}, f'loader.volumes[0].name: "{name}" is used by batchplane'),
+        ({"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": name, "mountPath": "/d"}]}, f'loader.volumeMounts[0].name: "{name}" is used by batchplane'),
+    ):
+        rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, {"loader": values}))
+        assert rendered.returncode != 0 and message in rendered.stderr, rendered.stderr
+
+
+@pytest.mark.parametrize("path", [*podfields.RESERVED_MOUNT_PATHS, "/etc/batchplane/extra", "/tmp/"])
+def test_the_mount_paths_batchplane_uses_are_refused(helm: pathlib.Path, tmp_path: pathlib.Path, path: str) -> None:
+    values = {"loader": {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "d", "mountPath": path}]}}
+    rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, values))
+    assert rendered.returncode != 0 and f'loader.volumeMounts[0].mountPath: "{path}" is used by batchplane' in rendered.stderr, rendered.stderr
+    # and the operator refuses the same
+    with pytest.raises(podfields.ConfigError, match="is used by batchplane"):
+        podfields.parse_pod_options(values["loader"], at="spec.loader")
+
+
+# ---- loader and planner pods -------------------------------------------------------------------
+
+
+def test_loader_pods_carry_every_pod_field_and_validate(helm: pathlib.Path, kubernetes_validate: Any) -> None:
+    """ci/loader-pods-values.yaml sets every pod field of `loader`: the DataPlane carries them as
+    given, the operator reads it, and its Deployments carry them and validate strictly for 1.30
+    and the newest Kubernetes."""
+    from batchplane.operator.dataplane import parse_dataplane
+    from batchplane.operator.manifests import loader_deployment
+
+    values = load_values("loader-pods-values.yaml")["loader"]
+    docs = template(helm, "-f", CHART / "ci" / "loader-pods-values.yaml")
+    obj = one(docs, "DataPlane")
+    names = [f.name for f in podfields.LOADER_FIELDS]
+    given = {k: values[k] for k in names if values[k]}
+    assert set(given) == set(names) - {"automountServiceAccountToken"}  # every field but the default false
+    assert {k: obj["spec"]["loader"][k] for k in given} == given and "automountServiceAccountToken" not in obj["spec"]["loader"]
+    obj["metadata"] |= {"uid": "uid-from-the-api-server", "generation": 1}
+    spec = parse_dataplane(obj)
+    for group in spec.groups:
+        d = loader_deployment(spec, group, replicas=group.min_replicas)
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["env"][-len(values["env"]) :] == values["env"] and c["envFrom"] == values["envFrom"]
+        assert c["volumeMounts"][-len(values["volumeMounts"]) :] == values["volumeMounts"]
+        assert pod["volumes"][-len(values["volumes"]) :] == values["volumes"]
+        for key in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "priorityClassName", "topologySpreadConstraints"):
+            assert pod[key] == values[key], key
+        assert pod["automountServiceAccountToken"] is False
+        for version in ("1.30.0", kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_the_planner_gets_bucket_credentials(helm: pathlib.Path) -> None:
+    values = load_values("loader-pods-values.yaml")["planner"]
+    docs = template(helm, "-f", CHART / "ci" / "loader-pods-values.yaml")
+    pod = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert [e["name"] for e in c["env"]] == ["PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "HOME", *[e["name"] for e in values["env"]]]
+    assert c["envFrom"] == values["envFrom"]
+    assert pod["serviceAccountName"] == values["serviceAccountName"] == "ledger-writer"
+    assert pod["automountServiceAccountToken"] is False  # a ServiceAccount alone mounts no API token
+    default = one(template(helm), "Deployment", "-planner")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in default and "envFrom" not in default["containers"][0]
+    opted_in = one(template(helm, "--set", "planner.automountServiceAccountToken=true"), "Deployment", "-planner")["spec"]["template"]["spec"]
+    assert opted_in["automountServiceAccountToken"] is True
+
+
+def test_the_ledger_is_persistent_by_default_and_in_the_bucket_with_a_location(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    def ledger_of(docs: list[dict]) -> tuple[dict, list[dict], JobSettings]:
+        planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        return next(v for v in planner["volumes"] if v["name"] == "state"), all_of(docs, "PersistentVolumeClaim"), job_from_configmap(docs, folder)
+
+    state, claims, job = ledger_of(template(helm))
+    (claim,) = claims
+    assert state == {"name": "state", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert job.ledger.location is None  # <run_dir>/ledger, on the claim
+    for url in ("s3://training-ledgers/llama/run-7", "gs://ledgers/run", "az://container/ledger"):
+        state, claims, job = ledger_of(template(helm, "--set", f"planner.ledger.location={url}"))
+        assert claims == [] and state == {"name": "state", "emptyDir": {}}
+        assert job.ledger.location == url
+        assert url.split("://")[0] in LEDGER_SCHEMES
+    state, claims, _ = ledger_of(template(helm, "--set", "planner.ledger.persistence.existingClaim=ledgers"))
+    assert claims == [] and state["persistentVolumeClaim"] == {"claimName": "ledgers"}
+    state, claims, _ = ledger_of(template(helm, "--set", "planner.ledger.persistence.enabled=false"))
+    assert claims == [] and "emptyDir" in state
+    # every scheme the chart accepts is one the ledger can live in
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    pattern = schema["properties"]["planner"]["properties"]["ledger"]["properties"]["location"]["pattern"]
+    schemes = re.search(r"\^\(([a-z0-9|]+)\)://", pattern).group(1).split("|")
+    assert set(schemes) <= set(LEDGER_SCHEMES) and "file" not in schemes  # file:// would be the planner's read-only root
+
+
+# ---- the example trainers under each kind of job -----------------------------------------------------
+
+TORCHRUN_STUB = """#!/bin/sh
+printf '%s\\n' "$@" > "$TORCHRUN_ARGS"
+"""
+
+
+def simulated_pods(doc: dict, pods: int) -> list[tuple[dict, dict]]:
+    """(pod metadata as the kind's controller makes it, pod template) of every pod of `doc`."""
+    name = doc["metadata"]["name"]
+    out = []
+    if doc["kind"] == "Job":
+        for i in range(doc["spec"]["completions"]):
+            meta = {"name": f"{name}-{i}-x7k2q", "labels": {}, "annotations": {"batch.kubernetes.io/job-completion-index": str(i)}}
+            out.append((meta, doc["spec"]["template"]))
+    elif doc["kind"] == "PyTorchJob":
+        for kind, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+            for i in range(replica["replicas"]):
+                labels = {"training.kubeflow.org/replica-type": kind.lower(), "training.kubeflow.org/replica-index": str(i), "training.kubeflow.org/job-name": name}
+                out.append(({"name": f"{name}-{kind.lower()}-{i}", "labels": labels, "annotations": {}}, replica["template"]))
+    elif doc["kind"] == "JobSet":
+        (rjob,) = doc["spec"]["replicatedJobs"]
+        for j in range(rjob["replicas"]):
+            for c in range(rjob["template"]["spec"]["completions"]):
+                labels = {"jobset.sigs.k8s.io/job-index": str(j), "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"]), "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"]}
+                meta = {"name": f"{name}-{rjob['name']}-{j}-{c}-abcde", "labels": labels, "annotations": {"batch.kubernetes.io/job-completion-index": str(c)}}
+                out.append((meta, rjob["template"]["spec"]["template"]))
+    elif doc["kind"] == "LeaderWorkerSet":
+        size = doc["spec"]["leaderWorkerTemplate"]["size"]
+        for g in range(doc["spec"]["replicas"]):
+            for w in range(size):
+                labels = {"leaderworkerset.sigs.k8s.io/group-index": str(g), "leaderworkerset.sigs.k8s.io/worker-index": str(w)}
+                meta = {"name": f"{name}-{g}" + (f"-{w}" if w else ""), "labels": labels, "annotations": {"leaderworkerset.sigs.k8s.io/size": str(size)}}
+                out.append((meta, doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]))
+    assert len(out) == pods, f"{doc['kind']} makes {len(out)} pods, the job has {pods} constructors"
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(EXAMPLE_CASES))
+def test_each_example_gives_every_pod_its_constructor(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> None:
+    """Under each kind of job, every pod's sidecar works out a distinct constructor index from
+    the labels and annotations its controller sets (through the downward API and the
+    constructor's own flag handling), and the trainer's script, run against a stand-in
+    torchrun, starts it with that index as the node rank (static rendezvous), so torchrun's
+    global ranks are the ones the pod's constructor serves."""
+    kind = EXAMPLE_CASES[case]
+    docs = template(helm, "-f", CHART / "ci" / case)
+    job = job_from_configmap(docs, tmp_path)
+    per = job.constructors.ranks_per_constructor
+    workloads = [d for d in docs if d["metadata"]["name"].endswith("-example")]
+    workload = next(d for d in workloads if d["kind"] != "Service")
+    assert {d["kind"] for d in workloads} == {"torchrun": {"Job", "Service"}, "pytorchjob": {"PyTorchJob"}, "jobset": {"JobSet"}, "leaderworkerset": {"LeaderWorkerSet"}}[kind]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("torchrun", "sleep"):
+        (bin_dir / tool).write_text(TORCHRUN_STUB if tool == "torchrun" else "#!/bin/sh\nexit 0\n")
+        (bin_dir / tool).chmod(0o755)
+    indices = []
+    for meta, tpl in simulated_pods(workload, job.constructor_count):
+        spec = tpl["spec"]
+        check_trainer_pod(spec, docs, job, trainer=spec["containers"][0]["name"])
+        sidecar = container(spec, "batchplane-constructor")
+        index = part_settings(sidecar, "constructor", meta).index
+        indices.append(index)
+        # the trainer: the index file as the sidecar publishes it, the rest from the pod
+        trainer = spec["containers"][0]
+        env = downward_env(trainer, meta)
+        index_file = tmp_path / f"index-{index}"
+        index_file.write_text(f"{index}\n")
+        controller_env = {"MASTER_ADDR": f"{workload['metadata']['name']}-master-0", "MASTER_PORT": "23456", "LWS_LEADER_ADDRESS": f"{workload['metadata']['name']}-0.{workload['metadata']['name']}"}
+        env |= {"BATCHPLANE_CONSTRUCTOR_INDEX_FILE": str(index_file), "TORCHRUN_ARGS": str(tmp_path / "args"), "PATH": f"{bin_dir}:/usr/bin:/bin"} | controller_env
+        assert trainer["command"] == ["sh", "-c"]
+        run = subprocess.run(["sh", "-c", trainer["args"][0]], env=env, capture_output=True, text=True, timeout=30)
+        assert run.returncode == 0, run.stderr
+        args = (tmp_path / "args").read_text().splitlines()
+        flags = dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+        assert flags["--node-rank"] == str(index) and flags["--rdzv-backend"] == "static"
+        assert (flags["--nnodes"], flags["--nproc-per-node"]) == (str(job.constructor_count), str(per))
+        name = workload["metadata"]["name"]
+        if kind == "torchrun":  # pod 0 of the Indexed Job, through the headless Service
+            master = f"{name}-0.{workload['spec']['template']['spec']['subdomain']}"
+        elif kind == "jobset":  # the first pod of the first Job: <jobset>-<replicatedJob>-0-0.<subdomain>
+            master = f"{name}-{workload['spec']['replicatedJobs'][0]['name']}-0-0.{name}"
+        elif kind == "pytorchjob":  # what the training operator sets
+            master = controller_env["MASTER_ADDR"]
+        else:  # what the LeaderWorkerSet controller sets
+            master = controller_env["LWS_LEADER_ADDRESS"]
+        assert flags["--master-addr"] == master
+        # torchrun's ranks on this node are this pod's constructor's ranks
+        assert [index * per + r for r in range(per)] == list(job.constructor_ranks(index))
+    assert sorted(indices) == list(range(job.constructor_count))
+    if kind == "torchrun":  # pod 0 resolves before it is ready, through the headless Service
+        service = one(docs, "Service", "-example")
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert workload["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
+        assert matches(service["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])
+        assert workload["spec"]["completionMode"] == "Indexed"
+    if kind == "jobset":
+        assert workload["spec"]["network"]["enableDNSHostnames"] is True
+
+
+def test_a_sidecar_in_the_wrong_kind_of_pod_says_so(helm: pathlib.Path) -> None:
+    """The crash loop this replaces: an Indexed-Job sidecar in a PyTorchJob's pod got `--index ''`.
+    Now the constructor stops at once, naming the source and the variable."""
+    docs = template(helm, "--set", "example.enabled=true")  # constructor.indexFrom indexed-job
+    sidecar = container(one(docs, "Job", "-example")["spec"]["template"]["spec"], "batchplane-constructor")
+    pytorchjob_pod = {"name": "run-worker-0", "labels": {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}, "annotations": {}}
+    with pytest.raises(pod_rank.PodRankError, match=r"--index-from indexed-job: BATCHPLANE_COMPLETION_INDEX: is empty .*only an Indexed Job's pods"):
+        index_args(sidecar["args"][1:], downward_env(sidecar, pytorchjob_pod))

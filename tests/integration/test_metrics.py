@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import pathlib
+import platform
+import subprocess
+import sys
 
 import pytest
 from harness import collect, scrape, skewed_lengths, start_cluster, write_job, write_source
@@ -55,5 +60,55 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
         assert constructor["batchplane_constructor_sent_bytes_total"] > 0
         assert constructor["batchplane_constructor_batch_wait_seconds_count"] >= steps
         assert constructor['batchplane_constructor_requests_total{code="OK",method="GetBatch"}'] >= steps
-    for page in pages.values():
+    for name, page in pages.items():
         assert all(key.startswith(("batchplane_", "python_", "process_")) for key in page)
+        # The default collectors and the build info, in every process's registry.
+        assert page["process_resident_memory_bytes"] > 10e6 and page["process_cpu_seconds_total"] > 0
+        assert any(k.startswith("python_gc_objects_collected_total{") for k in page)
+        assert any(k.startswith("python_info{") for k in page)
+        (build,) = [k for k in page if k.startswith("batchplane_build_info{")]
+        part = name.split("-")[0]
+        assert page[build] == 1 and f'part="{part}"' in build and f'version="{importlib.metadata.version("batchplane")}"' in build, build
+        assert f'python="{platform.python_version()}"' in build and 'revision="' in build
+
+
+def test_json_logs_are_one_object_per_line_with_the_process_context(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BATCHPLANE_LOG_FORMAT=json: every line each process writes is one JSON object with its
+    time, level, logger, message and context (job, part; a loader's index and sources, a
+    constructor's index and ranks)."""
+    monkeypatch.setenv("BATCHPLANE_LOG_FORMAT", "json")  # the launched processes inherit it
+    sources = [write_source(tmp_path / "data", n, skewed_lengths(40, seed=i), seed=i) for i, n in enumerate(["x", "y"])]
+    cluster = start_cluster(write_job(tmp_path / "job.yaml", sources))
+    try:
+        collect(cluster.endpoints_path, range(2))
+    finally:
+        cluster.stop()
+    logs = {p.stem: p.read_text().splitlines() for p in sorted((cluster.run_dir / "logs").glob("*.log"))}
+    assert sorted(logs) == ["constructor-0", "constructor-1", "loader-0", "loader-1", "planner"]
+    expected = {
+        "planner": {"part": "planner"},
+        "loader-0": {"part": "loader", "index": 0, "source": ["x"]},
+        "loader-1": {"part": "loader", "index": 1, "source": ["y"]},
+        "constructor-0": {"part": "constructor", "index": 0, "rank": [0]},
+        "constructor-1": {"part": "constructor", "index": 1, "rank": [1]},
+    }
+    for name, lines in logs.items():
+        assert lines, name
+        records = [json.loads(line) for line in lines]  # fails on any line that is not one JSON object
+        for r in records:
+            assert {"time", "level", "logger", "message", "part"} <= r.keys(), (name, r)
+            assert r["time"].endswith("Z") and r["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+            assert r["part"] == expected[name]["part"]
+        served = [r for r in records if " serving on " in r["message"]]
+        assert len(served) == 1, (name, records)
+        assert {k: served[0].get(k) for k in (*expected[name], "job")} == {**expected[name], "job": "test"}, name
+        assert "index" not in served[0] if name == "planner" else True
+
+
+def test_a_bad_log_format_stops_the_process_naming_the_variable(tmp_path: pathlib.Path) -> None:
+    source = write_source(tmp_path / "data", "x", [5] * 8)
+    job = write_job(tmp_path / "job.yaml", [source])
+    env = {**os.environ, "BATCHPLANE_LOG_FORMAT": "xml"}
+    done = subprocess.run([sys.executable, "-m", "batchplane.planner", "-c", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "BATCHPLANE_LOG_FORMAT: must be one of text, json, got 'xml'" in done.stderr

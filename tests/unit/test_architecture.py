@@ -78,6 +78,12 @@ PURE = (
     "batchplane.operator.dataplane",
     "batchplane.operator.manifests",
     "batchplane.operator.reconcile",
+    "batchplane.operator.podfields",
+    "batchplane.operator.kube_types",
+    "batchplane.core.pod_rank",
+    "batchplane.operator.election",
+    "batchplane.operator.events",
+    "batchplane.core.logformat",
     "batchplane.core.routing",
     "batchplane.core.order",
     "batchplane.constructor.hooks",
@@ -88,6 +94,7 @@ PURE = (
     "batchplane.core.mesh",
     "batchplane.core.delivery",
     "batchplane.core.lengths",
+    "batchplane.loader.locations",
 )
 
 

@@ -2,7 +2,9 @@
 Deployment it builds per source group (batchplane.operator.manifests)
 (deploy/helm/README.md, "The operator contract"): the contract's fields, strict validation with
 kubernetes-validate for Kubernetes 1.30 and the newest version it knows, the spec hash, the
-declared schedule, and bad specs refused with the field named."""
+declared schedule, bad specs refused with the field named, and spec.loader's pod fields (env,
+volumes, serviceAccountName, nodeSelector, ...: batchplane.operator.podfields) carried into the
+Deployment, refused where they clash with the operator's own, and removed again by an update."""
 
 from __future__ import annotations
 
@@ -321,3 +323,161 @@ def test_the_spec_hash_follows_everything_but_the_replicas() -> None:
     ):
         other = parse_dataplane(dataplane(**change))
         assert spec_hash(loader_deployment(other, other.groups[0], replicas=2)) != spec_hash(base), change
+
+
+# ---- the loader pod fields (batchplane.operator.podfields) ---------------------------------------
+
+#: spec.loader's pod fields, every one set: a loader that reads a bucket with IRSA-style
+#: credentials and a dataset claim, placed on a tainted CPU pool and spread over zones.
+POD_FIELDS: dict[str, Any] = {
+    "env": [
+        {"name": "AWS_REGION", "value": "eu-west-1"},
+        {"name": "AWS_ENDPOINT_URL_S3", "valueFrom": {"configMapKeyRef": {"name": "bucket-endpoint", "key": "url"}}},
+    ],
+    "envFrom": [{"secretRef": {"name": "bucket-credentials"}}],
+    "volumes": [
+        {"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
+        {"name": "cache", "emptyDir": {"sizeLimit": "2Gi"}},
+    ],
+    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}, {"name": "cache", "mountPath": "/var/cache/batchplane"}],
+    "serviceAccountName": "dataset-reader",
+    "automountServiceAccountToken": True,
+    "nodeSelector": {"node-pool": "cpu-highmem"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "data-loading", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eu-west-1a"]}]}]
+            }
+        }
+    },
+    "priorityClassName": "batch-high",
+    "topologySpreadConstraints": [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "loader"}},
+            "matchLabelKeys": ["batchplane.dev/group"],
+        }
+    ],
+}
+
+
+def with_pod_fields(**overrides: Any) -> dict[str, Any]:
+    return dataplane(**{"spec.loader": {**DATAPLANE["spec"]["loader"], **POD_FIELDS, **overrides}})
+
+
+def test_the_deployment_carries_every_pod_field() -> None:
+    spec = parse_dataplane(with_pod_fields())
+    base = loader_deployment(parse_dataplane(DATAPLANE), spec.groups[0], replicas=2)["spec"]["template"]["spec"]
+    pod = loader_deployment(spec, spec.groups[0], replicas=2)["spec"]["template"]["spec"]
+    (c,), (c0,) = pod["containers"], base["containers"]
+    # appended after the operator's own, which stay first and unchanged
+    assert c["env"] == c0["env"] + POD_FIELDS["env"]
+    assert c["envFrom"] == POD_FIELDS["envFrom"] and "envFrom" not in c0
+    assert c["volumeMounts"] == c0["volumeMounts"] + POD_FIELDS["volumeMounts"]
+    assert pod["volumes"] == base["volumes"] + POD_FIELDS["volumes"]
+    for field in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "priorityClassName", "topologySpreadConstraints"):
+        assert pod[field] == POD_FIELDS[field], field
+        assert field not in base, field
+    assert pod["automountServiceAccountToken"] is True and base["automountServiceAccountToken"] is False
+    # the contract's other parts are untouched
+    assert c["args"] == c0["args"] and c["securityContext"] == c0["securityContext"] and pod["securityContext"] == base["securityContext"]
+    # the DataPlane's objects are copied, not shared
+    pod["affinity"]["nodeAffinity"] = None
+    assert spec.loader.pod.affinity["nodeAffinity"] is not None
+
+
+def test_a_service_account_alone_mounts_no_api_token() -> None:
+    """IRSA, EKS Pod Identity and Azure Workload Identity inject their own audience-bound token
+    and GKE Workload Identity needs none: naming a ServiceAccount does not mount the API token."""
+    spec = parse_dataplane(with_pod_fields(automountServiceAccountToken=None))  # null: not set
+    pod = loader_deployment(spec, spec.groups[0], replicas=1)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "dataset-reader" and pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("kube_version", ["1.30.0", "latest"])
+def test_a_deployment_with_every_pod_field_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
+    version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
+    spec = parse_dataplane(with_pod_fields())
+    for group in spec.groups:
+        kubernetes_validate.validate(loader_deployment(spec, group, replicas=1), version, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "words"),
+    [
+        ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "spec.loader.volumes[0].name", "is used by batchplane"),
+        ({"volumes": [{"name": "batchplane-job", "emptyDir": {}}], "volumeMounts": []}, "spec.loader.volumes[0].name", "is used by batchplane"),
+        ({"volumeMounts": [{"name": "batchplane-job", "mountPath": "/config"}]}, "spec.loader.volumeMounts[0].name", "is used by batchplane"),
+        ({"volumeMounts": [{"name": "data", "mountPath": "/etc/batchplane"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
+        ({"volumeMounts": [{"name": "cache", "mountPath": "/tmp"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
+        ({"env": [{"name": "POD_NAME", "value": "x"}]}, "spec.loader.env[0].name", "is set by batchplane"),
+        ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"nam": "s"}}}]}, "spec.loader.env[0].valueFrom.secretKeyRef.nam", "unknown field"),
+        ({"tolerations": [{"key": "k", "efect": "NoSchedule"}]}, "spec.loader.tolerations[0].efect", "unknown field"),
+        ({"affinity": {"nodeAfinity": {}}}, "spec.loader.affinity.nodeAfinity", "unknown field"),
+        ({"topologySpreadConstraints": [{"maxSkew": "1", "topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"}]}, "spec.loader.topologySpreadConstraints[0].maxSkew", "must be an integer"),
+        ({"serviceAccountName": "Not A Name"}, "spec.loader.serviceAccountName", "DNS subdomain"),
+        ({"nodeSelector": ["pool"]}, "spec.loader.nodeSelector", "must be a mapping"),
+    ],
+)
+def test_a_bad_pod_field_is_refused_naming_the_field(overrides: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(with_pod_fields(**overrides))
+    assert info.value.field == field and words in info.value.problem and str(info.value).startswith(field + ":"), str(info.value)
+
+
+def test_the_spec_hash_follows_the_pod_fields() -> None:
+    spec = parse_dataplane(with_pod_fields())
+    base = spec_hash(loader_deployment(spec, spec.groups[0], replicas=1))
+    for field, value in (
+        ("nodeSelector", {"node-pool": "other"}),
+        ("serviceAccountName", "someone-else"),
+        ("env", POD_FIELDS["env"][:1]),
+        ("tolerations", []),
+        ("automountServiceAccountToken", False),
+    ):
+        other = parse_dataplane(with_pod_fields(**{field: value}))
+        assert spec_hash(loader_deployment(other, other.groups[0], replicas=1)) != base, field
+
+
+def test_an_update_leaves_exactly_the_pod_fields_the_dataplane_sets() -> None:
+    """Merge patches merge maps and keep fields they do not name: the update of a Deployment
+    whose DataPlane dropped or changed pod fields removes what it dropped, also inside maps."""
+    from batchplane.operator.reconcile import update_patch
+
+    live = loader_deployment(parse_dataplane(with_pod_fields()), parse_dataplane(DATAPLANE).groups[0], replicas=3)
+    live["spec"]["template"]["spec"]["serviceAccount"] = "dataset-reader"  # the API's deprecated alias, as it returns it
+    changed = parse_dataplane(
+        with_pod_fields(
+            nodeSelector={"other-pool": "yes"},
+            affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+            serviceAccountName=None,
+            tolerations=None,
+            priorityClassName=None,
+            topologySpreadConstraints=None,
+        )
+    )
+    desired = loader_deployment(changed, changed.groups[0], replicas=3)
+    patch = update_patch(desired, live)
+    pod = patch["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node-pool": None, "other-pool": "yes"}
+    assert pod["affinity"] == {"nodeAffinity": None, "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    for gone in ("serviceAccountName", "serviceAccount", "tolerations", "priorityClassName", "topologySpreadConstraints"):
+        assert pod[gone] is None, gone
+    assert "replicas" not in patch["spec"]
+    assert merge_patch(live, patch)["spec"]["template"]["spec"] == desired["spec"]["template"]["spec"]
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies it."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out

@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -121,7 +120,7 @@ class BatchFormat(_message.Message):
     pack_length: int
     max_length: int
     length_policy: str
-    def __init__(self, pad_id: _Optional[int] = ..., ignore_id: _Optional[int] = ..., labels: _Optional[str] = ..., packing: _Optional[bool] = ..., pack_length: _Optional[int] = ..., max_length: _Optional[int] = ..., length_policy: _Optional[str] = ...) -> None: ...
+    def __init__(self, pad_id: _Optional[int] = ..., ignore_id: _Optional[int] = ..., labels: _Optional[str] = ..., packing: bool = ..., pack_length: _Optional[int] = ..., max_length: _Optional[int] = ..., length_policy: _Optional[str] = ...) -> None: ...
 
 class JobLength(_message.Message):
     __slots__ = ("num_steps", "infinite", "unknown")
@@ -131,7 +130,7 @@ class JobLength(_message.Message):
     num_steps: int
     infinite: bool
     unknown: str
-    def __init__(self, num_steps: _Optional[int] = ..., infinite: _Optional[bool] = ..., unknown: _Optional[str] = ...) -> None: ...
+    def __init__(self, num_steps: _Optional[int] = ..., infinite: bool = ..., unknown: _Optional[str] = ...) -> None: ...
 
 class Hooks(_message.Message):
     __slots__ = ("loader_do_plan", "constructor_do_plan")
@@ -162,4 +161,4 @@ class ReportResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ...) -> None: ...

@@ -2,8 +2,7 @@ from batchplane.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -38,7 +37,7 @@ class GetBatchRequest(_message.Message):
     rank: int
     resume: _containers.ScalarMap[str, str]
     restart: bool
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ...) -> None: ...
 
 class GetLengthRequest(_message.Message):
     __slots__ = ("wait_ms",)
@@ -76,7 +75,7 @@ class MicrobatchSpec(_message.Message):
     loss_tokens: int
     filler: bool
     loss_weight: float
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., filler: _Optional[bool] = ..., loss_weight: _Optional[float] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., filler: bool = ..., loss_weight: _Optional[float] = ...) -> None: ...
 
 class SubBatchSpec(_message.Message):
     __slots__ = ("name", "metadata", "tensors")
@@ -112,7 +111,7 @@ class BatchHeader(_message.Message):
     cp_rank: int
     tp_rank: int
     subbatches: _containers.RepeatedCompositeFieldContainer[SubBatchSpec]
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ("header", "chunk")

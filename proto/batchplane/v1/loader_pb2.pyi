@@ -2,8 +2,7 @@ from batchplane.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -27,7 +26,7 @@ class GetSummaryRequest(_message.Message):
     planned_steps: int
     delivered_below: int
     follow: bool
-    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ..., planned_steps: _Optional[int] = ..., delivered_below: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ..., planned_steps: _Optional[int] = ..., delivered_below: _Optional[int] = ..., follow: bool = ...) -> None: ...
 
 class GetSummaryResponse(_message.Message):
     __slots__ = ("start_seq", "row", "length", "end_of_stream", "features")
@@ -48,7 +47,7 @@ class GetSummaryResponse(_message.Message):
     length: _common_pb2.Array
     end_of_stream: bool
     features: _containers.MessageMap[str, _common_pb2.Array]
-    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: _Optional[bool] = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ...) -> None: ...
+    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: bool = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ...) -> None: ...
 
 class FetchSamplesRequest(_message.Message):
     __slots__ = ("constructor_index", "step", "samples", "release_below_step", "copies")

@@ -2,8 +2,7 @@ from batchplane.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,7 +44,7 @@ class RegisterLoaderResponse(_message.Message):
     job: _common_pb2.JobInfo
     restore: _containers.RepeatedCompositeFieldContainer[SourceRestore]
     shadow: bool
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., restore: _Optional[_Iterable[_Union[SourceRestore, _Mapping]]] = ..., shadow: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., restore: _Optional[_Iterable[_Union[SourceRestore, _Mapping]]] = ..., shadow: bool = ...) -> None: ...
 
 class SourceRestore(_message.Message):
     __slots__ = ("source", "from_seq", "through_seq", "routes", "planned_seq", "planned_steps", "delivered_below")
@@ -77,7 +76,7 @@ class RegisterConstructorRequest(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     rejoin: bool
     next_step: int
-    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., rejoin: _Optional[bool] = ..., next_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, constructor_index: _Optional[int] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., rejoin: bool = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class RegisterConstructorResponse(_message.Message):
     __slots__ = ("job", "resume_step", "oldest_step")
@@ -103,7 +102,7 @@ class GetJobResponse(_message.Message):
     job: _common_pb2.JobInfo
     ready: bool
     length: _common_pb2.JobLength
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: bool = ..., length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
     __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind")
@@ -126,7 +125,7 @@ class GetPlanRequest(_message.Message):
     resume: _containers.ScalarMap[str, str]
     delivered_below: int
     rewind: bool
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: _Optional[bool] = ...) -> None: ...
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders")
@@ -176,7 +175,7 @@ class GetPlanResponse(_message.Message):
     subplans: _containers.RepeatedCompositeFieldContainer[SubPlanPart]
     loader_addresses: _containers.RepeatedScalarFieldContainer[str]
     oldest_step: int
-    def __init__(self, step: _Optional[int] = ..., end_of_data: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ..., oldest_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ..., oldest_step: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -222,4 +221,4 @@ class GetStatusResponse(_message.Message):
     finished: bool
     sources: _containers.RepeatedCompositeFieldContainer[SourceStatus]
     balance: _containers.RepeatedCompositeFieldContainer[BalanceFigure]
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., steps_planned: _Optional[int] = ..., end_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., balance: _Optional[_Iterable[_Union[BalanceFigure, _Mapping]]] = ...) -> None: ...
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., steps_planned: _Optional[int] = ..., end_step: _Optional[int] = ..., finished: bool = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., balance: _Optional[_Iterable[_Union[BalanceFigure, _Mapping]]] = ...) -> None: ...

@@ -21,13 +21,15 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from batchplane.core import logformat
 from batchplane.core.config import JobSettings, load_job
-from batchplane.core.errors import BatchplaneError
+from batchplane.core.errors import BatchplaneError, ConfigError
+from batchplane.core.metrics import build_info, process_registry
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ EXIT_BAD_INPUT = 2
 EXIT_PORT_UNAVAILABLE = 3
 #: Exit status of a process that could not bind the metrics port it was given (--metrics-port).
 EXIT_METRICS_PORT_UNAVAILABLE = 4
+#: Exit status of a planner fenced by a newer planner of its ledger (batchplane.planner.fencing):
+#: a launcher must not start it again.
+EXIT_FENCED = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,11 @@ class ProcessSettings:
     exit_with_parent: bool = False
     #: Log level name.
     log_level: str = "INFO"
+    #: Log format: "text" (lines for people) or "json" (one object per line); see core.logformat.
+    log_format: str = "text"
+    #: The job's run folder (the planner's ledger lies in <run_dir>/ledger unless the job's
+    #: ledger.location says otherwise); None: the job's run_dir.
+    run_dir: pathlib.Path | None = None
 
 
 class Running(Protocol):
@@ -92,18 +102,56 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
     parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
+    parser.add_argument("--run-dir", type=pathlib.Path, help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set")
     ns = parser.parse_args(argv)
     if ns.listen is not None and not ns.listen.startswith("unix:"):
         parser.error(f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host")
+    ns.log_format = log_format_setting(ns.log_format, os.environ, parser)
     return ProcessSettings(**vars(ns))
 
 
-def configure_logging(level: str, name: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def log_format_setting(flag: str | None, environ: Mapping[str, str], parser: argparse.ArgumentParser) -> str:
+    """The log format from --log-format, else $BATCHPLANE_LOG_FORMAT, else text; a bad value
+    ends the process (exit status 2) with an error naming the flag or the variable."""
+    try:
+        if flag is not None:
+            return logformat.parse_log_format(flag, field="--log-format")
+        return logformat.parse_log_format(environ.get(logformat.ENV))
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # parser.error exits
+
+
+def configure_logging(level: str, name: str, *, log_format: str = "text", **context: object) -> logformat.LogContext:
+    """Sends log records to standard error as text lines or JSON objects (core.logformat).
+
+    Args:
+        level: Log level name, e.g. "INFO".
+        name: The process's name in text lines, e.g. "loader-0".
+        log_format: "text" or "json". JSON also routes warnings, and uncaught exceptions of
+            every thread, through the log, so each line of standard error is one object.
+        context: Fields every record carries (part, index, ...).
+    Returns:
+        The context; `update` it as more becomes known (the job's name once loaded).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logformat.formatter(log_format, name))
+    fields = logformat.LogContext(**context)
+    handler.addFilter(fields)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    if log_format == "json":
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+        threading.excepthook = lambda args: _log_uncaught(args.exc_type, args.exc_value, args.exc_traceback, args.thread)
+    return fields
+
+
+def _log_uncaught(kind: type[BaseException], value: BaseException | None, tb: object, thread: threading.Thread | None = None) -> None:
+    if issubclass(kind, SystemExit):
+        return
+    where = f" in thread {thread.name}" if thread is not None else ""
+    logging.getLogger("batchplane").critical("uncaught %s%s", kind.__name__, where, exc_info=(kind, value, tb))
 
 
 def write_ready_file(path: pathlib.Path, info: dict) -> None:
@@ -134,10 +182,14 @@ def run_service(
 
     settings = parse_process_args(part, argv)
     name = part if part == "planner" else f"{part}-{settings.replica or settings.index}" + ("-shadow" if settings.shadow_of else "")
-    configure_logging(settings.log_level, name)
-    registry = CollectorRegistry()
+    context = configure_logging(
+        settings.log_level, name, log_format=settings.log_format,
+        part=part, index=None if part == "planner" else settings.index, replica=settings.replica,
+    )
+    registry = process_registry(part, build_info(os.environ))
     try:
         job = load_job(settings.config)
+        context.update(**_job_context(job, part, settings.index))
         # The metrics endpoint opens only once the service serves (a pod's startup probe reads
         # it), so its port is checked first: a taken one fails before registering anywhere.
         if settings.metrics_port and not _can_bind(job.network.host, settings.metrics_port):
@@ -194,6 +246,16 @@ def run_service(
     metrics_server.shutdown()
     log.info("%s stopped", name)
     return 0
+
+
+def _job_context(job: JobSettings, part: str, index: int) -> dict[str, object]:
+    """The log context the job adds: its name, a constructor's ranks, a loader's sources."""
+    fields: dict[str, object] = {"job": job.job}
+    if part == "constructor" and 0 <= index < job.constructor_count:
+        fields["rank"] = list(job.constructor_ranks(index))
+    elif part == "loader" and 0 <= index < job.loader_count:
+        fields["source"] = [job.source_names[k] for k in job.loader_sources(index)]
+    return fields
 
 
 def _can_bind(host: str, port: int) -> bool:

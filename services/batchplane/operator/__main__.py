@@ -2,11 +2,18 @@
 
     python -m batchplane.operator --namespace NS --prometheus URL [--interval-s N]
         [--metrics-port 9100] [--kube-api URL --token-file F --ca-file F] [--once]
+        [--lease-name NAME --identity POD --lease-duration-s 15 --renew-deadline-s 10
+         --retry-period-s 2 | --no-leader-elect] [--log-format text|json]
 
 In a pod it talks to the API with its ServiceAccount (in-cluster configuration); --kube-api
 (with optional --token-file and --ca-file) points it elsewhere, e.g. at `kubectl proxy`. It
 serves its metrics on --metrics-port and stops on SIGTERM/SIGINT; --once runs one pass and exits
 (0 when nothing failed, 1 otherwise). See `batchplane.operator.loop` for what a pass does.
+
+Several replicas may run: they elect a leader through the Lease --lease-name of the namespace
+(`batchplane.operator.election`), and only the leader reconciles; its identity is the pod's name
+($POD_NAME, else the host name). `--once` acquires the Lease for its pass (and fails when
+another operator holds it); --no-leader-elect reconciles without a Lease (one replica only).
 """
 
 from __future__ import annotations
@@ -17,18 +24,25 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import start_http_server
 
+from batchplane.core import logformat
+from batchplane.core.errors import ConfigError
+from batchplane.core.metrics import build_info, process_registry
 from batchplane.core.process import configure_logging
+from batchplane.operator.election import ElectionSettings
 from batchplane.operator.kubernetes import KubeConfig, KubernetesClient, KubernetesError, in_cluster_config, in_cluster_namespace
+from batchplane.operator.leader import LeaderElection
 from batchplane.operator.loop import Operator, PrometheusObservations
 from batchplane.operator.metrics import OperatorMetrics
 from batchplane.operator.prometheus import PrometheusReader
+from batchplane.operator.recorder import EventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +79,19 @@ class OperatorSettings:
     once: bool = False
     #: Log level name.
     log_level: str = "INFO"
+    #: Log format: "text" or "json" (core.logformat).
+    log_format: str = "text"
+    #: Elect a leader through a Lease (only the leader reconciles).
+    leader_elect: bool = True
+    #: The Lease's name, in --namespace.
+    lease_name: str = "batchplane-operator"
+    #: This operator's identity in the election (its pod's name).
+    identity: str = ""
+    #: Seconds a Lease stays valid without renewal; a leader that cannot renew stops after
+    #: renew_deadline_s; candidates try every retry_period_s.
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
 
 
 def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSettings:
@@ -84,6 +111,13 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
     parser.add_argument("--rate-window-s", type=_positive, default=120.0, help="window of the rates read from Prometheus (default 120; at least two scrape intervals)")
     parser.add_argument("--once", action="store_true", help="run one pass and exit (0: nothing failed)")
     parser.add_argument("--log-level", default=env.get("BATCHPLANE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
+    parser.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="elect a leader through a Lease; only the leader reconciles (default: on)")
+    parser.add_argument("--lease-name", default="batchplane-operator", help="the leader-election Lease in --namespace (default batchplane-operator)")
+    parser.add_argument("--identity", default=env.get("POD_NAME") or socket.gethostname(), help="this operator in the election (default: $POD_NAME, else the host name)")
+    parser.add_argument("--lease-duration-s", type=_positive, default=15.0, help="seconds a Lease stays valid without renewal: a standby takes over at most this long after the leader's last renewal (default 15)")
+    parser.add_argument("--renew-deadline-s", type=_positive, default=10.0, help="seconds a leader keeps leading while it cannot renew; < --lease-duration-s (default 10)")
+    parser.add_argument("--retry-period-s", type=_positive, default=2.0, help="seconds between two attempts to acquire or renew; < --renew-deadline-s (default 2)")
     ns = parser.parse_args(argv)
     if not ns.namespace:
         parser.error("--namespace is required outside a pod (or set POD_NAMESPACE)")
@@ -91,12 +125,25 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
         parser.error("--token-file and --ca-file go with --kube-api (in a pod the ServiceAccount's are used)")
     if not 0 <= ns.metrics_port <= 65535:
         parser.error(f"--metrics-port: must be a port number, got {ns.metrics_port}")
+    if not ns.lease_duration_s > ns.renew_deadline_s:
+        parser.error(f"--lease-duration-s: must be > --renew-deadline-s ({ns.renew_deadline_s:g}), got {ns.lease_duration_s:g}")
+    if not ns.renew_deadline_s > ns.retry_period_s:
+        parser.error(f"--renew-deadline-s: must be > --retry-period-s ({ns.retry_period_s:g}), got {ns.renew_deadline_s:g}")
+    if ns.leader_elect and not ns.identity:
+        parser.error("--identity: must not be empty (set POD_NAME or pass --identity)")
+    try:
+        if ns.log_format is not None:
+            ns.log_format = logformat.parse_log_format(ns.log_format, field="--log-format")
+        else:
+            ns.log_format = logformat.parse_log_format(env.get(logformat.ENV))
+    except ConfigError as exc:
+        parser.error(str(exc))
     return OperatorSettings(**vars(ns))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv, os.environ)
-    configure_logging(settings.log_level, "operator")
+    configure_logging(settings.log_level, "operator", log_format=settings.log_format, part="operator")
     try:
         if settings.kube_api:
             config = KubeConfig(settings.kube_api, settings.token_file, settings.ca_file, settings.kube_timeout_s)
@@ -108,12 +155,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KubernetesError, ValueError) as exc:
         log.error("cannot start the operator: %s", exc)
         return EXIT_BAD_INPUT
-    registry = CollectorRegistry()
-    operator = Operator(api, observations, OperatorMetrics(registry), namespace=settings.namespace, interval_s=settings.interval_s)
+    registry = process_registry("operator", build_info(os.environ))
+    metrics = OperatorMetrics(registry)
+    leader = None
+    if settings.leader_elect:
+        leader = LeaderElection(
+            api, namespace=settings.namespace, name=settings.lease_name, identity=settings.identity,
+            settings=ElectionSettings(settings.lease_duration_s, settings.renew_deadline_s, settings.retry_period_s),
+            labels={"app.kubernetes.io/managed-by": "batchplane-operator"},
+            on_change=lambda leading: metrics.leader.set(1 if leading else 0),
+        )
+    else:
+        metrics.leader.set(1)
+    recorder = EventRecorder(api, instance=settings.identity or socket.gethostname())
+    operator = Operator(
+        api, observations, metrics, namespace=settings.namespace, interval_s=settings.interval_s,
+        events=recorder, leading=leader.is_leader if leader is not None else None,
+    )
     if settings.once:
-        result = operator.run_once(time.monotonic())
-        log.info("one pass over %d DataPlanes, %d failed steps", result.dataplanes, result.errors)
-        return 0 if result.errors == 0 else 1
+        return _once(operator, leader)
     server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
     stop = threading.Event()
 
@@ -124,13 +184,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info(
-        "operator for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics",
-        settings.namespace, config.api_url, settings.prometheus, settings.metrics_host, server.server_port,
+        "operator %s for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics, %s",
+        settings.identity, settings.namespace, config.api_url, settings.prometheus, settings.metrics_host, server.server_port,
+        f"leader election through the lease {settings.namespace}/{settings.lease_name}" if leader is not None else "no leader election",
     )
+    # The election stops only after the loop: the Lease is released once no pass can write any more.
+    election_stop = threading.Event()
+    election = leader.start(election_stop) if leader is not None else None
     operator.run(stop)
+    if election is not None:
+        election_stop.set()
+        election.join(timeout=2 * settings.kube_timeout_s + 1)  # it releases the Lease as it stops
     server.shutdown()
     log.info("operator stopped")
     return 0
+
+
+def _once(operator: Operator, leader: LeaderElection | None) -> int:
+    """One pass, holding the Lease for it (renewed while it runs) when electing; 0 when
+    nothing failed."""
+    if leader is not None and not leader.try_once():
+        log.error("another operator (%s) leads this namespace; --once did nothing", leader.holder or "unknown")
+        return 1
+    done = threading.Event()
+    election = leader.start(done) if leader is not None else None
+    try:
+        result = operator.run_once(time.monotonic())
+    finally:
+        done.set()
+        if election is not None:
+            election.join()  # it releases the Lease as it stops
+    log.info("one pass over %d DataPlanes, %d failed steps", result.dataplanes, result.errors)
+    return 0 if result.errors == 0 else 1
 
 
 def _positive(text: str) -> float:

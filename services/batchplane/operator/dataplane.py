@@ -5,7 +5,10 @@ JSON the API server returns) into a typed, validated `DataPlaneSpec`, or raises 
 naming the field in the resource's own spelling (e.g. `spec.sourceGroups[1].maxReplicas`).
 Fields the resource leaves out get the chart's values: the planner at
 `<name>-planner.<namespace>.svc:50051`, the job ConfigMap `<name>-job`, ports 50052 and 9100,
-UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. `declared_schedule`
+UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. spec.loader's pod fields
+(env, envFrom, volumes, volumeMounts, serviceAccountName, automountServiceAccountToken,
+nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraints) are read and
+checked by `batchplane.operator.podfields`. `declared_schedule`
 reads spec.mixture's staged or curriculum schedule, for scaling ahead of a declared change.
 """
 
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchplane.core.errors import ConfigError
+from batchplane.operator.podfields import PodOptions, parse_pod_options
 from batchplane.operator.policy import GroupSpec, ScalingSettings, ScheduleFn
 
 #: The DataPlane custom resource.
@@ -82,6 +86,9 @@ class LoaderTemplate:
     #: Labels and annotations every loader pod carries.
     pod_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     pod_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The pod fields of spec.loader (env, volumes, serviceAccountName, nodeSelector, ...;
+    #: batchplane.operator.podfields), validated.
+    pod: PodOptions = dataclasses.field(default_factory=PodOptions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +328,10 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
             if not isinstance(text, str):
                 raise SpecError(f"spec.loader.{field}.{key}", "must be a string", text)
         maps[field] = dict(value)
+    try:
+        pod = parse_pod_options(raw, at="spec.loader")
+    except ConfigError as exc:
+        raise SpecError(exc.field, exc.problem, exc.value) from None
     return LoaderTemplate(
         image=image,
         planner_address=address,
@@ -333,6 +344,7 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         run_as_group=ids["runAsGroup"],
         pod_labels=maps["podLabels"],
         pod_annotations=maps["podAnnotations"],
+        pod=pod,
     )
 
 # ---- the declared schedule ----------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """A minimal client of the Kubernetes REST API: exactly the calls the operator makes, on the
 standard library (urllib, json, ssl).
 
-Reads: list DataPlanes and Deployments of a namespace (polling; no watches). Writes: create a
-Deployment, merge-patch it, set its replicas through the `deployments/scale` subresource,
-delete it, and merge-patch a DataPlane's `status` subresource. Every request has a timeout and
-sends fieldManager=batchplane-operator on writes. Failures raise `KubernetesError`, whose
-message names the verb, the resource (kind/namespace/name[/subresource]) and the HTTP status
-with the API's own reason and message.
+Reads: list DataPlanes and Deployments of a namespace (polling; no watches), get a Lease.
+Writes: create a Deployment, merge-patch it, set its replicas through the `deployments/scale`
+subresource, delete it, and merge-patch a DataPlane's `status` subresource; create a Lease and
+merge-patch it with its resourceVersion as a precondition (leader election); create a core/v1
+Event and merge-patch its count. Every request has a timeout and sends
+fieldManager=batchplane-operator on writes. Failures raise `KubernetesError`, whose message
+names the verb, the resource (kind/namespace/name[/subresource]) and the HTTP status with the
+API's own reason and message.
 
 Configuration (`KubeConfig`): in a pod, `in_cluster_config()` reads the ServiceAccount's token
 and CA from /var/run/secrets/kubernetes.io/serviceaccount and the API's address from
@@ -43,6 +45,8 @@ TOKEN_REFRESH_S = 60.0
 
 _DATAPLANES = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _DEPLOYMENTS = "/apis/apps/v1/namespaces/{ns}/deployments"
+_LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+_EVENTS = "/api/v1/namespaces/{ns}/events"
 
 
 class KubernetesError(RuntimeError):
@@ -165,6 +169,43 @@ class KubernetesClient:
         """Deletes Deployment `name`; its pods go with it (background propagation)."""
         path = f"{_DEPLOYMENTS.format(ns=_quote(namespace))}/{_quote(name)}?propagationPolicy=Background"
         return self._request("DELETE", path, f"deployments {namespace}/{name}")
+
+    # ---- Leases (leader election) -----------------------------------------------------------------
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Lease `name`, or None when there is none (HTTP 404)."""
+        path = f"{_LEASES.format(ns=_quote(namespace))}/{_quote(name)}"
+        try:
+            return self._request("GET", path, f"leases {namespace}/{name}")
+        except KubernetesError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_lease(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Creates a Lease; one that exists already raises (HTTP 409: another candidate was first)."""
+        name = body.get("metadata", {}).get("name", "?")
+        path = f"{_LEASES.format(ns=_quote(namespace))}?fieldManager={FIELD_MANAGER}"
+        return self._request("POST", path, f"leases {namespace}/{name}", body=body)
+
+    def update_lease(self, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patches Lease `name` with `body`, whose metadata.resourceVersion is the version
+        read: the API server refuses the write (HTTP 409 Conflict) when the Lease changed since."""
+        path = f"{_LEASES.format(ns=_quote(namespace))}/{_quote(name)}?fieldManager={FIELD_MANAGER}"
+        return self._request("PATCH", path, f"leases {namespace}/{name}", body=body, merge=True)
+
+    # ---- Events -----------------------------------------------------------------------------------
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Creates a core/v1 Event."""
+        name = body.get("metadata", {}).get("name", "?")
+        path = f"{_EVENTS.format(ns=_quote(namespace))}?fieldManager={FIELD_MANAGER}"
+        return self._request("POST", path, f"events {namespace}/{name}", body=body)
+
+    def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patches Event `name` (a repeat's count and lastTimestamp); HTTP 404 when it expired."""
+        path = f"{_EVENTS.format(ns=_quote(namespace))}/{_quote(name)}?fieldManager={FIELD_MANAGER}"
+        return self._request("PATCH", path, f"events {namespace}/{name}", body=patch, merge=True)
 
     # ---- plumbing -------------------------------------------------------------------------------
 

@@ -13,11 +13,18 @@ One pass (`Operator.run_once(now)`):
    observation (`ObservationSource`; Prometheus in production) and run `policy.decide` per
    group, scaling where the decision changes the replicas; write the status when it changed.
 3. Errors are logged with the resource and HTTP status, counted in
-   batchplane_operator_reconcile_errors_total, reported in the Degraded condition and retried
-   in the next pass; one DataPlane's failure never stops the others or the loop.
+   batchplane_operator_reconcile_errors_total, reported in the Degraded condition and as a
+   Warning Event on the DataPlane, and retried in the next pass; one DataPlane's failure never
+   stops the others or the loop. What it changes (Deployments created, updated, scaled,
+   deleted) is a Normal Event. Events go through `recorder.EventRecorder` (deduplicated and
+   rate-limited, see `events`).
 
-The policy's state per group lives in memory: after a restart the operator starts again from
-the Deployments' replicas (moving averages and interval counts start empty).
+With leader election (`leader.LeaderElection`), passes run only while this operator holds the
+Lease; one that loses it stops before its next DataPlane and forgets its policy state.
+
+The policy's state per group lives in memory: after a restart, or after another operator led
+for a while, the operator starts again from the Deployments' replicas (moving averages and
+interval counts start empty).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Protocol
 
 from batchplane.operator import reconcile
+from batchplane.operator.events import ObjectRef, dataplane_ref
 from batchplane.operator.kubernetes import KubernetesError
 from batchplane.operator.dataplane import DataPlaneSpec, SourceGroup, SpecError, parse_dataplane
 from batchplane.operator.manifests import managed_selector
@@ -43,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between passes when neither --interval-s nor any DataPlane says.
 DEFAULT_PERIOD_S = 30.0
+#: Seconds between two looks at the election while this operator stands by.
+STANDBY_POLL_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,14 @@ class KubernetesApi(Protocol):
     def patch_deployment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> dict[str, Any]: ...
     def delete_deployment(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+class EventSink(Protocol):
+    """Where the loop reports what it did and what failed (`recorder.EventRecorder`)."""
+
+    def normal(self, ref: ObjectRef, reason: str, message: str) -> None: ...
+    def warning(self, ref: ObjectRef, reason: str, message: str) -> None: ...
+    def flush(self) -> None: ...
 
 
 class PrometheusObservations:
@@ -142,7 +160,10 @@ class PassResult:
 
 
 class _DataPlaneLog(logging.LoggerAdapter):
+    """Names the DataPlane in the message, and as the record's `dataplane` field (JSON logs)."""
+
     def process(self, msg: str, kwargs: MutableMapping[str, Any]) -> tuple[str, MutableMapping[str, Any]]:
+        kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
         return f"DataPlane {self.extra['dataplane']}: {msg}", kwargs
 
 
@@ -162,6 +183,8 @@ class Operator:
         interval_s: Seconds between passes; None: the smallest spec.scaling.intervalSeconds of
             the DataPlanes (30 without any).
         wall_clock: The time for condition timestamps (RFC 3339).
+        events: Where Events go; None: none are written.
+        leading: Whether this operator leads (leader election); None: always.
     """
 
     def __init__(
@@ -173,6 +196,8 @@ class Operator:
         namespace: str,
         interval_s: float | None = None,
         wall_clock: Callable[[], str] = utc_now,
+        events: EventSink | None = None,
+        leading: Callable[[], bool] | None = None,
     ) -> None:
         if interval_s is not None and not (interval_s > 0 and math.isfinite(interval_s)):
             raise ValueError(f"interval_s: must be > 0, got {interval_s!r}")
@@ -182,6 +207,8 @@ class Operator:
         self.namespace = namespace
         self.interval_s = interval_s
         self.wall_clock = wall_clock
+        self.events = events
+        self.leading = leading or (lambda: True)
         self.period_s = interval_s or DEFAULT_PERIOD_S
         #: Policy state per (DataPlane uid, group).
         self._states: dict[tuple[str, str], GroupState] = {}
@@ -193,11 +220,30 @@ class Operator:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
-        """Runs passes every `period_s` until `stop` is set."""
+        """Runs passes every `period_s` while this operator leads, until `stop` is set."""
+        led = False
         while not stop.is_set():
             started = clock()
-            self.run_once(started)
-            stop.wait(max(self.period_s - (clock() - started), 0.0))
+            if self.leading():
+                led = True
+                self.run_once(started)
+                wait = self.period_s - (clock() - started)
+            else:
+                if led:
+                    self.step_down()
+                    led = False
+                wait = STANDBY_POLL_S
+            stop.wait(max(wait, 0.0))
+
+    def step_down(self) -> None:
+        """Forgets what it decided while leading (another operator decides now): the policy
+        state, the decision times and the group gauges."""
+        for name, groups in self._groups.values():
+            for group in groups:
+                self.metrics.forget_group(name, group)
+        self._groups.clear()
+        self._states.clear()
+        self._decided.clear()
 
     def run_once(self, now: float) -> PassResult:
         """One pass over the namespace's DataPlanes.
@@ -216,18 +262,24 @@ class Operator:
         for obj in dataplanes:
             meta = obj.get("metadata") or {}
             where = _DataPlaneLog(log, {"dataplane": f"{self.namespace}/{meta.get('name', '?')}"})
+            if not self.leading():
+                where.warning("no longer leading: this pass stops here, the new leader reconciles")
+                return PassResult(len(dataplanes), errors)
             seen.add(meta.get("uid"))
             try:
                 failed, interval = self._reconcile(obj, deployments, now, where)
-            except Exception:  # noqa: BLE001 - one DataPlane must not stop the others
+            except Exception as exc:  # noqa: BLE001 - one DataPlane must not stop the others
                 where.exception("reconciling failed unexpectedly; retrying in the next pass")
                 self.metrics.errors.labels("internal").inc()
+                self._warn(obj, "ReconcileError", f"reconciling failed unexpectedly, retrying in the next pass: {type(exc).__name__}: {exc}")
                 failed, interval = 1, None
             errors += failed
             if interval is not None:
                 intervals.append(interval)
         self._forget(seen)
         self.period_s = self.interval_s or min(intervals, default=DEFAULT_PERIOD_S)
+        if self.events is not None:
+            self.events.flush()
         return PassResult(len(dataplanes), errors)
 
     # ---- one DataPlane ------------------------------------------------------------------------------
@@ -240,6 +292,7 @@ class Operator:
         except SpecError as exc:
             where.warning("invalid spec, its loader Deployments are left as they are: %s", exc)
             self.metrics.errors.labels("invalid_spec").inc()
+            self._warn(obj, "InvalidSpec", f"invalid spec, its loader Deployments are left as they are: {exc}")
             generation = (obj.get("metadata") or {}).get("generation", 0)
             wanted = [reconcile.Condition("Ready", False, "InvalidSpec", str(exc)), reconcile.Condition("Degraded", True, "InvalidSpec", str(exc))]
             conds = reconcile.conditions(wanted, previous.get("conditions"), now=self.wall_clock(), generation=generation)
@@ -252,7 +305,7 @@ class Operator:
         missing = set()
         for action in plan.actions:
             try:
-                self._apply(spec, action, where)
+                self._apply(obj, spec, action, where)
             except KubernetesError as exc:
                 where.error("%s failed (%s), retrying in the next pass: %s", type(action).__name__.lower(), action.why, exc)
                 self.metrics.errors.labels("api").inc()
@@ -298,6 +351,7 @@ class Operator:
                         problems.append(("ApiError", str(exc)))
                     else:
                         where.info("group %s: %s", group.name, decision.reason)
+                        self._note(obj, "Scaled", f"group {group.name}: {decision.reason}")
                         self.metrics.scaled(spec.name, group.name, decision.previous, decision.replicas)
                         reasons[group.name] = decision.reason
                         state = decision.state
@@ -313,26 +367,32 @@ class Operator:
         conds = reconcile.conditions(wanted, previous.get("conditions"), now=self.wall_clock(), generation=spec.generation)
         mixture = observed.mixture if observed is not None else None
         new = reconcile.status(generation=spec.generation, groups=groups, mixture=mixture, conditions=conds, previous=previous)
+        for reason, message in problems:
+            self._warn(obj, reason, message)
         failed = sum(1 for reason, _ in problems if reason != "MetricsUnavailable") + (1 if due and observed is None else 0)
         return failed + self._write_status(obj, previous, new, where), spec.interval_s
 
-    def _apply(self, spec: DataPlaneSpec, action: reconcile.Action, where: logging.LoggerAdapter) -> None:
+    def _apply(self, obj: Mapping[str, Any], spec: DataPlaneSpec, action: reconcile.Action, where: logging.LoggerAdapter) -> None:
         ns = spec.namespace
         if isinstance(action, reconcile.Create):
             self.api.create_deployment(ns, action.body)
             where.info("created %s with %d replicas: %s", action.name, action.body["spec"]["replicas"], action.why)
+            self._note(obj, "DeploymentCreated", f"created {action.name} with {action.body['spec']['replicas']} replicas: {action.why}")
         elif isinstance(action, reconcile.Update):
             self.api.patch_deployment(ns, action.name, action.patch)
             where.info("updated %s: %s", action.name, action.why)
+            self._note(obj, "DeploymentUpdated", f"updated {action.name}: {action.why}")
         elif isinstance(action, reconcile.Scale):
             self.api.scale_deployment(ns, action.name, action.replicas)
             self.metrics.scaled(spec.name, action.group, action.previous, action.replicas)
             where.info("scaled %s %d -> %d: %s", action.name, action.previous, action.replicas, action.why)
+            self._note(obj, "Scaled", f"scaled {action.name} {action.previous} -> {action.replicas}: {action.why}")
         else:
             self.api.delete_deployment(ns, action.name)
             self.metrics.forget_group(spec.name, action.group)
             self._states.pop((spec.uid, action.group), None)
             where.info("deleted %s: %s", action.name, action.why)
+            self._note(obj, "DeploymentDeleted", f"deleted {action.name}: {action.why}")
 
     def _write_status(self, obj: Mapping[str, Any], previous: Mapping[str, Any], new: Mapping[str, Any], where: logging.LoggerAdapter) -> int:
         """Patches the status when it changed; returns 1 when that failed."""
@@ -344,8 +404,19 @@ class Operator:
         except KubernetesError as exc:
             where.error("writing the status failed, retrying in the next pass: %s", exc)
             self.metrics.errors.labels("api").inc()
+            self._warn(obj, "ApiError", f"writing the status failed, retrying in the next pass: {exc}")
             return 1
         return 0
+
+    def _note(self, obj: Mapping[str, Any], reason: str, message: str) -> None:
+        """A Normal Event on the DataPlane: something the operator did."""
+        if self.events is not None:
+            self.events.normal(dataplane_ref(obj, self.namespace), reason, message)
+
+    def _warn(self, obj: Mapping[str, Any], reason: str, message: str) -> None:
+        """A Warning Event on the DataPlane: something that failed."""
+        if self.events is not None:
+            self.events.warning(dataplane_ref(obj, self.namespace), reason, message)
 
     # ---- state ------------------------------------------------------------------------------------
 

@@ -21,8 +21,14 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   the windows routed to it, within a termination grace period longer than its drain timeout;
   ports `grpc` and `metrics`,
   gRPC health probes, the group's resources, the job ConfigMap at /etc/batchplane and an
-  emptyDir at /tmp, no ServiceAccount token, non-root with a read-only root filesystem, no
-  privilege escalation, all capabilities dropped and the RuntimeDefault seccomp profile;
+  emptyDir at /tmp, non-root with a read-only root filesystem, no privilege escalation, all
+  capabilities dropped and the RuntimeDefault seccomp profile;
+- spec.loader's pod fields (`batchplane.operator.podfields`): `env`, `envFrom` and
+  `volumeMounts` appended to the loader container's own, `volumes` appended to the pod's own,
+  `serviceAccountName`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName` and
+  `topologySpreadConstraints` on the pod when set, and `automountServiceAccountToken` false
+  unless spec.loader sets it true (a ServiceAccount alone does not mount the API token: see
+  podfields);
 - annotation `batchplane.dev/spec-hash`: a digest of everything above but `replicas`, which
   tells the operator whether a live Deployment still matches its DataPlane (the API server adds
   defaults, so live specs are not compared field by field).
@@ -53,6 +59,21 @@ CONFIG_DIR = "/etc/batchplane"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
 #: The loader container's name.
 CONTAINER = "loader"
+#: PodSpec fields a loader Deployment has only when the DataPlane sets them (an update removes
+#: them when it no longer does; `serviceAccount` is the API's deprecated alias of
+#: serviceAccountName, which would otherwise bring it back).
+OPTIONAL_POD_FIELDS = (
+    "imagePullSecrets",
+    "serviceAccountName",
+    "serviceAccount",
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "priorityClassName",
+    "topologySpreadConstraints",
+)
+#: Of those, the mappings: an update replaces them rather than merging into the live ones.
+REPLACED_POD_MAPS = ("nodeSelector", "affinity")
 
 
 # ---- building a loader Deployment ---------------------------------------------------------------
@@ -157,10 +178,16 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    extra = loader.pod.container_fields()
+    container["env"] += extra["env"]
+    if extra["envFrom"]:
+        container["envFrom"] = extra["envFrom"]
+    container["volumeMounts"] += extra["volumeMounts"]
     if loader.image_pull_policy is not None:
         container["imagePullPolicy"] = loader.image_pull_policy
+    pod_fields = loader.pod.pod_fields()
     pod_spec: dict[str, Any] = {
-        "automountServiceAccountToken": False,
+        "automountServiceAccountToken": pod_fields.pop("automountServiceAccountToken"),
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
@@ -174,7 +201,9 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
         "volumes": [
             {"name": "batchplane-job", "configMap": {"name": loader.job_config_map}},
             {"name": "tmp", "emptyDir": {}},
+            *pod_fields.pop("volumes", []),
         ],
+        **pod_fields,
     }
     if loader.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in loader.image_pull_secrets]

@@ -4,6 +4,7 @@
     batchplane_operator_replicas{dataplane,group}              ready loader pods it saw
     batchplane_operator_scale_events_total{dataplane,group,direction}   replica changes it made
     batchplane_operator_reconcile_errors_total{reason}         failed steps of a pass
+    batchplane_operator_leader                                 1 while it leads (reconciles), else 0
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ class OperatorMetrics:
         )
         for reason in ("api", "invalid_spec", "metrics", "internal"):
             self.errors.labels(reason)
+        self.leader = Gauge(
+            "batchplane_operator_leader",
+            "1 while this operator holds its namespace's leader-election Lease and reconciles, 0 while it stands "
+            "by (with several operator replicas, exactly one should report 1).",
+            registry=registry,
+        )
 
     def set_group(self, dataplane: str, group: str, *, desired: int, ready: int) -> None:
         """Records a group's replicas after a pass."""

@@ -37,6 +37,8 @@ from batchplane.operator.manifests import (
     LABEL_GROUP,
     LABEL_MANAGED_BY,
     MANAGER,
+    OPTIONAL_POD_FIELDS,
+    REPLACED_POD_MAPS,
     loader_deployment,
 )
 
@@ -206,16 +208,21 @@ def update_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[st
     """A JSON merge patch that sets `desired`'s labels, spec-hash, owner, strategy and pod
     template on `live`, leaving its replicas (and selector, which is immutable) alone.
 
-    Merge patches replace lists whole (containers, volumes) and merge maps; optional pod
-    fields the DataPlane no longer sets are removed with null.
+    Merge patches replace lists whole (containers, volumes, tolerations) and merge maps;
+    optional pod fields the DataPlane no longer sets are removed with null, and the keys of a
+    mapping field (nodeSelector, affinity) that the DataPlane no longer sets too, so the live
+    field ends up exactly as asked.
     """
     meta = desired["metadata"]
     template = desired["spec"]["template"]
     pod = dict(template["spec"])
     live_pod = live.get("spec", {}).get("template", {}).get("spec", {})
-    for optional in ("imagePullSecrets",):
+    for optional in OPTIONAL_POD_FIELDS:
         if optional not in pod and optional in live_pod:
             pod[optional] = None
+    for name in REPLACED_POD_MAPS:
+        if name in pod and isinstance(live_pod.get(name), Mapping):
+            pod[name] = _replacing(live_pod[name], pod[name])
     return {
         "metadata": {
             "labels": dict(meta["labels"]),
@@ -227,6 +234,15 @@ def update_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[st
             "template": {"metadata": dict(template["metadata"]), "spec": pod},
         },
     }
+
+
+def _replacing(live: Any, desired: Any) -> Any:
+    """The merge patch that turns `live` into exactly `desired` (keys `desired` lacks: null)."""
+    if not (isinstance(live, Mapping) and isinstance(desired, Mapping)):
+        return desired
+    patch: dict[str, Any] = {key: None for key in live if key not in desired}
+    patch.update({key: _replacing(live.get(key), value) for key, value in desired.items()})
+    return patch
 
 
 def _drift(desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:

@@ -4,7 +4,7 @@ Names, labels, the job configuration and the pieces trainer pods include.
 Templates meant for users' own pod specs (see deploy/helm/README.md):
   batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
   batchplane.volumes              the socket emptyDir, the job ConfigMap and a /tmp emptyDir
-  batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR and BATCHPLANE_CONSTRUCTOR_INDEX
+  batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR, where the sidecar publishes its index, and the index's inputs
   batchplane.trainerVolumeMounts  the socket folder, for the trainer container
   batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
   batchplane.trainerPodAnnotations  scrape annotations for the sidecar's metrics port
@@ -16,6 +16,8 @@ Each takes this chart's context: `.` inside this chart, `.Subcharts.batchplane` 
 {{- define "batchplane.loaderGrpcPort" -}}50052{{- end }}
 {{- define "batchplane.metricsPort" -}}9100{{- end }}
 {{- define "batchplane.socketDir" -}}/run/batchplane{{- end }}
+{{/* Where the sidecar writes its constructor index for the trainer container (--publish-index). */}}
+{{- define "batchplane.indexFile" -}}/run/batchplane/constructor-index{{- end }}
 {{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
 
@@ -232,8 +234,76 @@ say (cross-field rules).
 {{- fail (printf "job.settings.%s.%s: set by the chart; use the chart's own value instead" (index $pair 0) (index $pair 1)) }}
 {{- end }}
 {{- end }}
-{{- if and $v.example.enabled (gt (include "batchplane.trainerPods" . | int) 1) }}
-{{- fail (printf "example.enabled: tiny_lm meets its peers on 127.0.0.1, so all %s ranks must share one pod; set trainer.ranksPerPod to %s" (include "batchplane.world" .) (include "batchplane.world" .)) }}
+{{- $ledger := default dict (get $settings "ledger") }}
+{{- if and (kindIs "map" $ledger) (hasKey $ledger "location") }}
+{{- fail "job.settings.ledger.location: set by the chart; use planner.ledger.location instead" }}
+{{- end }}
+{{- if $v.example.enabled }}
+{{- $kind := default "job" $v.example.kind }}
+{{- if and (eq $kind "job") (gt (include "batchplane.trainerPods" . | int) 1) }}
+{{- fail (printf "example.enabled: tiny_lm meets its peers on 127.0.0.1, so all %s ranks must share one pod; set trainer.ranksPerPod to %s, or example.kind to a multi-pod example (torchrun, pytorchjob, jobset, leaderworkerset)" (include "batchplane.world" .) (include "batchplane.world" .)) }}
+{{- end }}
+{{- $source := get (include "batchplane.exampleIndexSources" . | fromYaml) $kind }}
+{{- if ne $source $v.constructor.indexFrom }}
+{{- fail (printf "constructor.indexFrom: example.kind %s gives each pod its index through %q; set constructor.indexFrom to %q, got %q" $kind $source $source $v.constructor.indexFrom) }}
+{{- end }}
+{{- if and (eq $kind "jobset") (mod (include "batchplane.trainerPods" . | int) (int $v.example.jobsetJobs)) }}
+{{- fail (printf "example.jobsetJobs: must divide the %s trainer pods, got %d" (include "batchplane.trainerPods" .) (int $v.example.jobsetJobs)) }}
+{{- end }}
+{{- end }}
+{{- include "batchplane.validatePodFields" (dict "at" "loader" "fields" $v.loader "reserveVolumes" true) }}
+{{- include "batchplane.validatePodFields" (dict "at" "planner" "fields" $v.planner "reserveVolumes" false) }}
+{{- end }}
+
+{{/*
+The index source each example kind's pods need (constructor.indexFrom).
+*/}}
+{{- define "batchplane.exampleIndexSources" -}}
+job: indexed-job
+torchrun: indexed-job
+pytorchjob: kubeflow
+jobset: jobset
+leaderworkerset: leaderworkerset
+{{- end }}
+
+{{/*
+What batchplane reserves in the pods it renders or has the operator render (the same rules as
+batchplane.operator.podfields, which the operator applies to spec.loader): (dict "at" "loader"
+"fields" .Values.loader "reserveVolumes" true).
+*/}}
+{{- define "batchplane.validatePodFields" -}}
+{{- $reservedEnv := list "POD_IP" "POD_NAME" "PYTHONUNBUFFERED" "PYTHONDONTWRITEBYTECODE" "HOME" }}
+{{- $seen := dict }}
+{{- range $i, $e := (default list .fields.env) }}
+{{- if has $e.name $reservedEnv }}
+{{- fail (printf "%s.env[%d].name: %q is set by batchplane (%s are reserved)" $.at $i $e.name (join ", " $reservedEnv)) }}
+{{- end }}
+{{- if hasKey $seen $e.name }}
+{{- fail (printf "%s.env[%d].name: %q is listed twice" $.at $i $e.name) }}
+{{- end }}
+{{- $_ := set $seen $e.name true }}
+{{- end }}
+{{- if .reserveVolumes }}
+{{- $reservedVolumes := list "batchplane-job" "tmp" }}
+{{- $volumes := dict }}
+{{- range $i, $vol := (default list .fields.volumes) }}
+{{- if has $vol.name $reservedVolumes }}
+{{- fail (printf "%s.volumes[%d].name: %q is used by batchplane (%s are reserved)" $.at $i $vol.name (join ", " $reservedVolumes)) }}
+{{- end }}
+{{- $_ := set $volumes $vol.name true }}
+{{- end }}
+{{- range $i, $m := (default list .fields.volumeMounts) }}
+{{- if has $m.name $reservedVolumes }}
+{{- fail (printf "%s.volumeMounts[%d].name: %q is used by batchplane (%s are reserved)" $.at $i $m.name (join ", " $reservedVolumes)) }}
+{{- end }}
+{{- if not (hasKey $volumes $m.name) }}
+{{- fail (printf "%s.volumeMounts[%d].name: %q names no volume of %s.volumes" $.at $i $m.name $.at) }}
+{{- end }}
+{{- $path := printf "/%s" (trimAll "/" (clean $m.mountPath)) }}
+{{- if or (eq $path "/etc/batchplane") (eq $path "/tmp") (hasPrefix "/etc/batchplane/" $path) }}
+{{- fail (printf "%s.volumeMounts[%d].mountPath: %q is used by batchplane (/etc/batchplane holds the job configuration, read-only; /tmp is its scratch space)" $.at $i $m.mountPath) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -270,7 +340,11 @@ say (cross-field rules).
 }}
 {{- $_ := set $job "epochs" (ternary $v.job.epochs (int $v.job.epochs) (kindIs "string" $v.job.epochs)) }}
 {{- if $v.strategy }}{{ $_ := set $job "strategy" $v.strategy }}{{ end }}
-{{- toYaml (mergeOverwrite $settings $job) }}
+{{- $merged := mergeOverwrite $settings $job }}
+{{- with $v.planner.ledger.location }}
+{{- $_ := set $merged "ledger" (merge (dict "location" .) (default dict (get $merged "ledger"))) }}
+{{- end }}
+{{- toYaml $merged }}
 {{- end }}
 
 {{/* The job ConfigMap's data: job.yaml and the strategy files. */}}
@@ -298,8 +372,12 @@ job.yaml: |
     - constructor
     - -c
     - {{ include "batchplane.configDir" . }}/job.yaml
-    - --index
-    - $(BATCHPLANE_CONSTRUCTOR_INDEX)
+    # The pod's constructor index, worked out from the pod (batchplane.core.pod_rank) and
+    # published for the trainer container.
+    - --index-from
+    - {{ .Values.constructor.indexFrom | quote }}
+    - --publish-index
+    - {{ include "batchplane.indexFile" . }}
     - --planner
     - {{ include "batchplane.plannerAddress" . }}
     - --listen
@@ -307,10 +385,9 @@ job.yaml: |
     - --metrics-port
     - {{ $port | quote }}
   env:
-    - name: BATCHPLANE_CONSTRUCTOR_INDEX
-      valueFrom:
-        fieldRef:
-          fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+    {{- with include "batchplane.indexSourceEnv" . | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- include "batchplane.serviceEnv" . | nindent 4 }}
   ports:
     - name: bp-ctor-metrics
@@ -361,14 +438,65 @@ job.yaml: |
   emptyDir: {}
 {{- end }}
 
-{{/* The trainer container's environment: where its constructor listens, and its index. */}}
+{{/*
+The variables constructor.indexFrom reads (batchplane.core.pod_rank), from the downward API: the
+pod's name, labels and annotations its controller sets. `env:NAME` reads a variable of the
+user's own, so it adds none.
+*/}}
+{{- define "batchplane.indexSourceEnv" -}}
+{{- $source := .Values.constructor.indexFrom }}
+{{- $fields := dict
+  "BATCHPLANE_POD_NAME" "metadata.name"
+  "BATCHPLANE_COMPLETION_INDEX" "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+  "BATCHPLANE_KUBEFLOW_REPLICA_TYPE" "metadata.labels['training.kubeflow.org/replica-type']"
+  "BATCHPLANE_KUBEFLOW_REPLICA_INDEX" "metadata.labels['training.kubeflow.org/replica-index']"
+  "BATCHPLANE_JOBSET_JOB_INDEX" "metadata.labels['jobset.sigs.k8s.io/job-index']"
+  "BATCHPLANE_JOBSET_REPLICAS" "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"
+  "BATCHPLANE_LWS_GROUP_INDEX" "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+  "BATCHPLANE_LWS_WORKER_INDEX" "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+  "BATCHPLANE_LWS_SIZE" "metadata.annotations['leaderworkerset.sigs.k8s.io/size']"
+}}
+{{- $sources := dict
+  "indexed-job" (list "BATCHPLANE_COMPLETION_INDEX")
+  "pod-ordinal" (list "BATCHPLANE_POD_NAME")
+  "kubeflow" (list "BATCHPLANE_KUBEFLOW_REPLICA_TYPE" "BATCHPLANE_KUBEFLOW_REPLICA_INDEX")
+  "jobset" (list "BATCHPLANE_JOBSET_JOB_INDEX" "BATCHPLANE_JOBSET_REPLICAS" "BATCHPLANE_COMPLETION_INDEX")
+  "leaderworkerset" (list "BATCHPLANE_LWS_GROUP_INDEX" "BATCHPLANE_LWS_WORKER_INDEX" "BATCHPLANE_LWS_SIZE")
+}}
+{{- range $name := (get $sources $source | default list) }}
+- name: {{ $name }}
+  valueFrom:
+    fieldRef:
+      fieldPath: {{ get $fields $name }}
+{{- end }}
+{{- if eq $source "jobset" }}
+- name: BATCHPLANE_TRAINER_PODS
+  value: {{ include "batchplane.trainerPods" . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The trainer container's environment: where its constructor listens; the file where the sidecar
+publishes the pod's constructor index before the trainer starts (BATCHPLANE_CONSTRUCTOR_INDEX_FILE,
+for every index source); the index source and its inputs; and, where Kubernetes can give the
+index itself (constructor.indexFrom indexed-job: the completion index), BATCHPLANE_CONSTRUCTOR_INDEX.
+*/}}
 {{- define "batchplane.trainerEnv" -}}
 - name: BATCHPLANE_CONSTRUCTOR
   value: unix://{{ include "batchplane.socketDir" . }}/constructor.sock
+- name: BATCHPLANE_CONSTRUCTOR_INDEX_FILE
+  value: {{ include "batchplane.indexFile" . }}
+- name: BATCHPLANE_CONSTRUCTOR_INDEX_FROM
+  value: {{ .Values.constructor.indexFrom | quote }}
+{{- if eq .Values.constructor.indexFrom "indexed-job" }}
 - name: BATCHPLANE_CONSTRUCTOR_INDEX
   valueFrom:
     fieldRef:
       fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+{{- end }}
+{{- with include "batchplane.indexSourceEnv" . | trim }}
+{{ . }}
+{{- end }}
 {{- end }}
 
 {{/* The trainer container's mounts: the folder holding the constructor's socket. */}}

@@ -1,0 +1,179 @@
+"""Regenerates what the chart and the operator derive from batchplane.operator.podfields, the one
+description of the pod fields a DataPlane's spec.loader and the chart's `loader`/`planner` values
+may set (env, envFrom, volumes, volumeMounts, serviceAccountName, nodeSelector, tolerations, ...):
+
+- services/batchplane/operator/kube_types.py: the Kubernetes API's own schema of those fields'
+  types (EnvVar, Volume, Affinity, ... and what they refer to), taken from kubernetes-validate's
+  strict schemas for one Kubernetes version, which the operator validates them against;
+- the CRD's spec.loader pod fields, between the `BEGIN pod fields` and `END pod fields` comments
+  of deploy/helm/batchplane/crds/dataplanes.batchplane.dev.yaml;
+- values.schema.json: `loader` and `planner` pod fields and the Kubernetes `definitions` they
+  refer to (the rest of the file is left as it is).
+
+    .venv/bin/python deploy/helm/sync_schemas.py           # write
+    .venv/bin/python deploy/helm/sync_schemas.py --check   # exit 1 when a file is out of date
+
+tests/unit/test_pod_fields.py runs the check. kubernetes-validate is a development dependency
+(pyproject's dev extra); the operator itself never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import pprint
+import re
+import sys
+from typing import Any
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "batchplane"
+CRD_FILE = CHART / "crds" / "dataplanes.batchplane.dev.yaml"
+VALUES_SCHEMA_FILE = CHART / "values.schema.json"
+KUBE_TYPES_FILE = ROOT / "services" / "batchplane" / "operator" / "kube_types.py"
+BEGIN = "# BEGIN pod fields: generated from batchplane.operator.podfields by deploy/helm/sync_schemas.py"
+END = "# END pod fields"
+#: Schema keywords of Kubernetes' definitions that the operator's validator understands.
+KEYWORDS = {"$ref", "type", "properties", "additionalProperties", "required", "items", "oneOf"}
+#: Dropped from the definitions: documentation and what only the API server's merge logic reads.
+DROPPED = {"description", "format"}
+
+
+def _podfields() -> Any:
+    for root in ("proto", "client", "services"):  # as an installed batchplane would have them
+        if str(ROOT / root) not in sys.path:
+            sys.path.insert(0, str(ROOT / root))
+    from batchplane.operator import podfields
+
+    return podfields
+
+
+def kube_definitions(version: str) -> dict[str, Any]:
+    """The strict definitions of every Kubernetes type the pod fields use, and of the types
+    they refer to, for Kubernetes `version` (e.g. "1.37.0"), without documentation."""
+    import importlib.resources
+
+    podfields = _podfields()
+    folder = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"v{version}-local-strict"
+    every = json.loads((folder / "_definitions.json").read_text())["$defs"]
+    roots = sorted({f.kube_type for f in podfields.LOADER_FIELDS if f.kube_type})
+    found: dict[str, Any] = {}
+
+    def visit(name: str) -> None:
+        if name in found:
+            return
+        found[name] = None
+        found[name] = strip(every[name])
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                if key in DROPPED or key.startswith("x-kubernetes-"):
+                    continue
+                if key not in KEYWORDS:
+                    raise ValueError(f"Kubernetes {version} uses schema keyword {key!r}, which the operator's validator does not know")
+                if key == "$ref":
+                    visit(value.rsplit("/", 1)[-1])
+                    out[key] = value
+                elif key == "properties":
+                    out[key] = {name: strip(sub) for name, sub in value.items()}
+                elif key in ("items", "additionalProperties") and isinstance(value, dict):
+                    out[key] = strip(value)
+                elif key == "oneOf":
+                    out[key] = [strip(sub) for sub in value]
+                else:
+                    out[key] = value
+            return out
+        return node
+
+    for root in roots:
+        visit(root)
+    return {name: found[name] for name in sorted(found)}
+
+
+def render_kube_types(definitions: dict[str, Any], version: str) -> str:
+    """services/batchplane/operator/kube_types.py."""
+    entries = []
+    for name, schema in definitions.items():
+        text = pprint.pformat(schema, width=110, sort_dicts=True).replace("\n", "\n    ")
+        entries.append(f"    {name!r}:\n    {text},\n")
+    body = "{\n" + "".join(entries) + "}"
+    return (
+        '"""The Kubernetes API\'s strict schema of the types a DataPlane\'s pod fields use (EnvVar,\n'
+        "EnvFromSource, Volume, VolumeMount, Toleration, Affinity, TopologySpreadConstraint and what they\n"
+        f"refer to), for Kubernetes {version}, which batchplane.operator.podfields validates them against.\n\n"
+        "Generated by deploy/helm/sync_schemas.py from kubernetes-validate's strict schemas; do not edit.\n"
+        "Pure data: no I/O.\n"
+        '"""\n\n'
+        "from typing import Any\n\n"
+        f"#: The Kubernetes version the definitions come from.\nKUBERNETES_VERSION = {version!r}\n\n"
+        "#: Definition name -> JSON schema (references as \"#/$defs/<name>\").\n"
+        f"DEFINITIONS: dict[str, Any] = {body}\n"
+    )
+
+
+def render_crd(text: str) -> str:
+    """The CRD with its generated pod fields brought up to date."""
+    lines = text.splitlines(keepends=True)
+    begin = [i for i, line in enumerate(lines) if line.strip() == BEGIN]
+    end = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(begin) != 1 or len(end) != 1 or end[0] < begin[0]:
+        raise ValueError(f"{CRD_FILE.name}: expected one {BEGIN!r} line and one {END!r} line after it")
+    indent = lines[begin[0]][: len(lines[begin[0]]) - len(lines[begin[0]].lstrip())]
+    dumped = yaml.safe_dump(_podfields().crd_properties(), sort_keys=False, width=10_000, default_flow_style=False)
+    generated = [indent + line + "\n" for line in dumped.splitlines()]
+    return "".join(lines[: begin[0] + 1] + generated + lines[end[0] :])
+
+
+def render_values_schema(text: str) -> str:
+    """values.schema.json with its generated pod fields and definitions brought up to date."""
+    podfields = _podfields()
+    schema = json.loads(text)
+    schema["properties"]["loader"]["properties"].update(podfields.values_properties(podfields.LOADER_FIELDS))
+    schema["properties"]["planner"]["properties"].update(podfields.values_properties(podfields.PLANNER_FIELDS))
+    schema["definitions"] = podfields.values_definitions()
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def outputs(version: str | None = None) -> dict[pathlib.Path, str]:
+    """Every generated file's up-to-date text. `version`: the Kubernetes version of the
+    definitions; None: the one kube_types.py was generated from."""
+    if version is None:
+        version = generated_version()
+    return {
+        KUBE_TYPES_FILE: render_kube_types(kube_definitions(version), version),
+        CRD_FILE: render_crd(CRD_FILE.read_text()),
+        VALUES_SCHEMA_FILE: render_values_schema(VALUES_SCHEMA_FILE.read_text()),
+    }
+
+
+def generated_version() -> str:
+    """The Kubernetes version kube_types.py was generated from (read, not imported)."""
+    match = re.search(r"^KUBERNETES_VERSION = '([0-9.]+)'$", KUBE_TYPES_FILE.read_text(), re.M)
+    if match is None:
+        raise ValueError(f"{KUBE_TYPES_FILE}: no KUBERNETES_VERSION line")
+    return match.group(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report files that are out of date (exit status 1)")
+    parser.add_argument("--kubernetes-version", help="take the definitions from this Kubernetes version (default: kube_types.py's)")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs(args.kubernetes_version).items():
+        if path.read_text() != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text)
+    for path in stale:
+        print(f"{'out of date' if args.check else 'updated'}: {path.relative_to(ROOT)}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
