@@ -18,6 +18,7 @@ import collections
 import json
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,10 +159,34 @@ def _ledger_cli(*args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def _bucket_sources(s3: S3Server, root: pathlib.Path) -> tuple[list, list[dict[str, str]]]:
+    """Three sources uploaded to the bucket and named as a user would: a folder, a glob and a
+    single file (the glob's and the file's sources are one file each in their own folder)."""
+    sources = [
+        write_source(root / "data", "a", skewed_lengths(90, seed=5), row_group_size=10, seed=5),
+        write_source(root / "data", "b", skewed_lengths(40, seed=6), files=1, row_group_size=10, seed=6),
+        write_source(root / "data", "c", skewed_lengths(30, seed=7), files=1, row_group_size=10, seed=7),
+    ]
+    for s in sources:
+        s3.upload_folder(s.path, BUCKET, f"killed/data/{s.name}")
+    paths = [
+        f"s3://{BUCKET}/killed/data/a/",
+        f"s3://{BUCKET}/killed/data/b/*.parquet",
+        f"s3://{BUCKET}/killed/data/c/part-00000.parquet",
+    ]
+    return sources, [{"name": s.name, "path": path} for s, path in zip(sources, paths)]
+
+
 def test_a_planner_killed_mid_run_resumes_from_the_bucket_with_every_row_once(s3: S3Server, tmp_path: pathlib.Path) -> None:
-    sources = _sources(tmp_path)
+    """Sources and ledger in one bucket: nothing of the job but its configuration on local disk."""
+    sources, entries = _bucket_sources(s3, tmp_path)
+    for s in sources:
+        shutil.rmtree(s.path)  # the rows stay in memory as ground truth; the loaders read the bucket
     location = f"s3://{BUCKET}/killed/ledger"
-    config = _job(tmp_path, sources, location)
+    config = write_job(
+        tmp_path / "job.yaml", sources, sources=entries, run_dir=str(tmp_path / "run"), ledger={"location": location},
+        batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+    )
     cluster = start_cluster(config)
     progress = {0: -1, 1: -1}
     reached = threading.Condition()
