@@ -1,7 +1,9 @@
 """An HTTP proxy in front of an S3 endpoint (moto's server, `s3_server.S3Server`) that can drop
 request headers, for the tests: dropping `If-None-Match` makes a real object store that ignores
 conditional writes (every PUT overwrites), as some S3-compatible stores do. It also keeps the
-headers of every request it forwarded, so a test can see what a client sent.
+headers of every request it forwarded, so a test can see what a client sent. `refuse_reads(n)`
+makes it answer the next n ranged GETs (reads of an object's bytes) with 503 SlowDown, as a
+throttling or failing store does, without forwarding them.
 
     with S3Proxy(s3.endpoint, drop=("If-None-Match",)) as proxy:
         environment["AWS_ENDPOINT_URL"] = proxy.endpoint
@@ -36,6 +38,9 @@ class S3Proxy:
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         #: How many requests had a dropped header.
         self.dropped = 0
+        #: Ranged GETs still to answer with 503 (see `refuse_reads`), and how many were.
+        self._to_refuse = 0
+        self.refused = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -51,7 +56,19 @@ class S3Proxy:
                     proxy.requests.append((self.command, self.path, received))
                     if any(k.lower() in proxy.drop for k in received):
                         proxy.dropped += 1
+                    refuse = self.command == "GET" and "range" in {k.lower() for k in received} and proxy._to_refuse > 0
+                    if refuse:
+                        proxy._to_refuse -= 1
+                        proxy.refused += 1
                 body = self._body()
+                if refuse:
+                    error = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
                 headers = {k: v for k, v in received.items() if k.lower() not in proxy.drop | _HOP_BY_HOP}
                 if body is not None:
                     headers["Content-Length"] = str(len(body))
@@ -93,6 +110,11 @@ class S3Proxy:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-proxy", daemon=True)
         self._thread.start()
+
+    def refuse_reads(self, count: int) -> None:
+        """Answers the next `count` ranged GETs with 503 SlowDown instead of forwarding them."""
+        with self._lock:
+            self._to_refuse = count
 
     def stop(self) -> None:
         self._server.shutdown()

@@ -3,7 +3,7 @@ the loaders (real processes) reach it through the standard AWS environment they 
 whose sources are an S3 folder, an S3 glob and a single S3 file delivers every row of those
 files exactly once and byte-identical to them; a missing bucket, a prefix without Parquet files,
 refused credentials and an unreachable endpoint fail naming the source, the URL and the
-problem; `batchplane profile` and `batchplane partition` work on S3 sources."""
+problem; a store that fails reads for a while (503 SlowDown) delays the job and loses nothing; `batchplane profile` and `batchplane partition` work on S3 sources."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from harness import collect, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from harness import collect, scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from s3_proxy import S3Proxy
 from s3_server import S3Server
 
 from batchplane.core.errors import SourceError
@@ -103,6 +104,37 @@ def test_a_job_of_s3_folder_glob_and_file_delivers_every_row_once(s3, tmp_path, 
     for name in names:
         count = len(sources[name][1])
         assert f"source {name!r}: {len(expected[names.index(name)])} rows in {count} file(s)" in logs
+
+
+def test_reads_the_store_fails_are_tried_again_and_lose_nothing(s3, tmp_path, monkeypatch) -> None:
+    """The store answers a run of reads with 503 SlowDown, more than pyarrow's own retries
+    absorb: the loader waits and reads again instead of skipping the row groups."""
+    server, sources = s3
+    aws_env(monkeypatch, server)
+    with S3Proxy(server.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        config = write_job(
+            tmp_path / "job.yaml", [], sources=[{"name": "code", "path": sources["code"][0]}],
+            loaders={"count": 1, "read_ahead_samples": 8},
+        )
+        cluster = start_cluster(config)
+        try:
+            proxy.refuse_reads(12)  # the files are open: these are reads of row groups
+            batches, _ = collect(cluster.endpoints_path, range(DP))
+            metrics = scrape(json.loads(cluster.endpoints_path.read_text())["metrics"]["loader-0"])
+            log = (cluster.run_dir / "logs" / "loader-0.log").read_text()
+        finally:
+            cluster.stop()
+    assert proxy.refused == 12
+    expected = rows_of(sources["code"][1])
+    seen = collections.Counter(
+        row for rank_batches in batches.values() for batch in rank_batches for mb in batch["microbatches"]
+        for row in mb["sample_row"].tolist()
+    )
+    assert seen == collections.Counter(range(len(expected))), "a row was lost or repeated"
+    assert metrics['batchplane_loader_read_retries_total{source="code"}'] >= 1
+    assert metrics.get('batchplane_loader_corrupt_row_groups_total{source="code"}', 0) == 0
+    assert "(throttled), try 2 again" in log
 
 
 def test_a_source_opened_in_process_shows_its_files_as_urls(s3, monkeypatch) -> None:

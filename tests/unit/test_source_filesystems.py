@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from batchplane.core.errors import SourceError
 from batchplane.loader import filesystems
 from batchplane.loader.filesystems import FSSPEC_EXTRA, find_parquet_files, open_location
+from batchplane.loader import locations
 from batchplane.loader.locations import (
     Endpoint,
     Problem,
@@ -485,3 +486,44 @@ def test_a_folder_without_parquet_files_says_what_it_holds(tmp_path) -> None:
         ParquetSource("web", tmp_path / "empty")
     with pytest.raises(SourceError, match=r"no Parquet file found at '.*/a/\*\.parquet': nothing below '.*/a' matches '\*\.parquet'"):
         ParquetSource("web", f"{tmp_path}/a/*.parquet")
+
+
+# ---- reading through store trouble ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28, Timeout was reached",
+        "AWS Error SLOW_DOWN during GetObject operation: Please reduce your request rate.",
+        "When reading information for key 'a.parquet' in bucket 'b': AWS Error UNKNOWN (HTTP status 503) during GetObject",
+        "AWS Error UNKNOWN (HTTP status 500) during GetObject operation: InternalError",
+        "AWS Error UNKNOWN (HTTP status 400) during GetObject operation: ExpiredToken",
+        "curlCode: 56, Recv failure: Connection reset by peer",
+    ],
+)
+def test_store_trouble_of_a_remote_read_is_tried_again(text: str) -> None:
+    assert locations.is_store_trouble(text, remote=True)
+    assert not locations.is_store_trouble(text, remote=False), "a local file's error is never the store's"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Couldn't deserialize thrift: TProtocolException: Invalid data",
+        "Corrupt snappy compressed data.",
+        "CRC checksum verification failed for page",
+        "Path does not exist 'b/a.parquet'",
+        "Unexpected end of stream",
+    ],
+)
+def test_errors_of_the_data_are_not_tried_again(text: str) -> None:
+    assert not locations.is_store_trouble(text, remote=True)
+
+
+@given(st.integers(min_value=0, max_value=10_000))
+def test_retry_delays_grow_to_their_cap_and_never_shrink(attempt: int) -> None:
+    delay = locations.retry_delay(attempt)
+    assert locations.RETRY_FIRST_S <= delay <= locations.RETRY_MAX_S
+    assert locations.retry_delay(attempt + 1) >= delay
+    assert locations.retry_delay(0) == locations.RETRY_FIRST_S

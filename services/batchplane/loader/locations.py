@@ -235,9 +235,16 @@ _TEXTS: tuple[tuple[Problem, tuple[str, ...]], ...] = (
         (
             "NETWORK_CONNECTION", "Could not connect", "Could not resolve host", "Failed to connect", "Connection refused",
             "Couldn't connect", "Timeout was reached", "timed out", "Name or service not known", "SSL connect error",
+            "Connection reset", "Recv failure", "Send failure", "Broken pipe",
         ),
     ),
-    (Problem.THROTTLED, ("SLOW_DOWN", "SlowDown", "HTTP status 503", "SERVICE_UNAVAILABLE", "RESOURCE_EXHAUSTED")),
+    (
+        Problem.THROTTLED,
+        (
+            "SLOW_DOWN", "SlowDown", "HTTP status 503", "SERVICE_UNAVAILABLE", "RESOURCE_EXHAUSTED", "HTTP status 500",
+            "HTTP status 502", "HTTP status 504", "INTERNAL_FAILURE", "InternalError", "REQUEST_TIMEOUT",
+        ),
+    ),
 )
 
 
@@ -293,3 +300,28 @@ def first_line(text: str, *, limit: int = 500) -> str:
     """The first line of `text`, cut to `limit` characters (pyarrow's texts can run to pages)."""
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ---- reading through store trouble ------------------------------------------------------------
+
+#: Problems of a remote store that say nothing about the data: the store did not answer, asked
+#: to slow down, or stopped accepting the credentials (a web identity's token expires and is
+#: renewed). A read that meets one is tried again, never skipped; any other failure (a corrupt
+#: page, a failed checksum, a file gone) is the data's, and the row group is skipped and counted.
+STORE_TROUBLE = frozenset({Problem.UNREACHABLE, Problem.THROTTLED, Problem.ACCESS_DENIED})
+
+#: Seconds before the first retry of a read, and the most between two.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+
+
+def is_store_trouble(text: str, *, remote: bool) -> bool:
+    """True when a failed read of a remote file (`remote`) should be tried again: its error
+    `text` names trouble of the store rather than of the data. Local files: always False."""
+    return remote and classify_error(text) in STORE_TROUBLE
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds to wait before retry `attempt` (0, 1, ...): doubling from RETRY_FIRST_S up to
+    RETRY_MAX_S, so a store that comes back after minutes is asked about twice a minute."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(attempt, 16))

@@ -67,6 +67,13 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.read_retries = Counter(
+            "batchplane_loader_read_retries_total",
+            "Reads of a remote source's row group tried again because the store failed them "
+            "(unreachable, throttled, credentials refused), by source (the source's name).",
+            ["source"],
+            registry=registry,
+        )
         self.corrupt_row_groups = Counter(
             "batchplane_loader_corrupt_row_groups_total",
             "Row groups skipped because they cannot be read or decoded, by source (the source's name).",

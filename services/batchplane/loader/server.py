@@ -48,6 +48,7 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
             job.locate(settings.path),
             required_columns=transform.columns or (),
             token_column=settings.token_column if settings.transform is None else None,
+            on_retry=metrics.read_retries.labels(settings.name).inc,
         )
         order = SampleOrder(
             [rg.num_rows for rg in source.row_groups],

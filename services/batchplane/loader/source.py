@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchplane.core.errors import SourceError
 from batchplane.loader.filesystems import find_parquet_files, translated_errors
+from batchplane.loader.locations import classify_error, first_line, is_store_trouble, retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class ParquetSource:
         path: File, directory or glob: a local path, already resolved, or a URL.
         required_columns: Columns that must exist in every file.
         token_column: If given, a column that must be a list of integers.
+        on_retry: Called before each retry of a read the store failed (see `read`).
     Raises:
         SourceError: see the module docstring.
     """
@@ -64,8 +67,11 @@ class ParquetSource:
         *,
         required_columns: Sequence[str] = (),
         token_column: str | None = None,
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
+        #: Called before each retry of a read the store failed (see `read`), e.g. a counter.
+        self.on_retry = on_retry
         found = find_parquet_files(name, path)
         self._filesystem = found.filesystem
         self._paths = found.paths
@@ -126,13 +132,32 @@ class ParquetSource:
     def read(self, row_group: RowGroup, columns: Sequence[str] | None) -> pa.Table:
         """The rows of one row group (only `columns`, if given).
 
+        A read of a remote file that fails on trouble of the store (unreachable, throttled,
+        credentials refused: `locations.is_store_trouble`) is tried again until it succeeds,
+        waiting `locations.retry_delay` between tries, logged and counted by `on_retry`: a
+        store's hiccup never loses rows; the trainers wait instead.
+
         Raises:
             OSError, pyarrow.ArrowException: the row group cannot be read or decoded (corrupt
-                data, a failed page checksum); the caller decides what to do.
+                data, a failed page checksum, a file gone); the caller decides what to do.
         """
-        return self._handles[row_group.file].read_row_group(
-            row_group.index, columns=list(columns) if columns else None, use_threads=False
-        )
+        attempt = 0
+        while True:
+            try:
+                return self._handles[row_group.file].read_row_group(
+                    row_group.index, columns=list(columns) if columns else None, use_threads=False
+                )
+            except (OSError, pa.ArrowException) as exc:
+                if not is_store_trouble(str(exc), remote=self._scheme not in (None, "file")):
+                    raise
+                delay = retry_delay(attempt)
+                attempt += 1
+                log.warning(
+                    "source %r: reading %s failed (%s), try %d again in %.1f s: %s",
+                    self.name, self.describe(row_group), classify_error(str(exc)).value, attempt + 1, delay, first_line(str(exc)),
+                )
+                self.on_retry()
+                time.sleep(delay)
 
     def describe(self, row_group: RowGroup) -> str:
         """'file F row group G' for logs."""
