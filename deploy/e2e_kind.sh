@@ -14,7 +14,11 @@ IMAGE=batchplane:e2e
 TRAINER=batchplane-trainer:e2e
 
 missing=()
-engine="$(command -v docker || command -v podman || true)"
+engine=""
+for candidate in docker podman; do
+  if command -v "$candidate" >/dev/null && "$candidate" info >/dev/null 2>&1; then engine="$candidate"; break; fi
+done
+[ -n "$engine" ] || engine="$(command -v docker || command -v podman || true)"
 [ -n "$engine" ] || missing+=("docker or podman")
 command -v kind >/dev/null || missing+=("kind")
 command -v kubectl >/dev/null || missing+=("kubectl")
@@ -29,8 +33,9 @@ if ! "$engine" info >/dev/null 2>&1; then
 fi
 
 echo "== images"
-"$engine" build --target runtime -t "$IMAGE" .
-"$engine" build --target e2e -t "$TRAINER" .
+# BASE_IMAGE (from make) when pullable, else the local Debian base; see deploy/build_image.sh.
+ENGINE="$engine" deploy/build_image.sh runtime "$IMAGE"
+ENGINE="$engine" deploy/build_image.sh e2e "$TRAINER"
 
 echo "== cluster $CLUSTER"
 kind get clusters | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --wait 120s
