@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import math
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
+from batchplane.core.routing import Routing, last_owned
 from batchplane.planner.balance import METHODS
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.ledger import BalanceTotals, Ledger, state_from_json
@@ -278,7 +281,7 @@ def test_replicas_joining_and_leaving_reroute_only_windows_nobody_was_asked_abou
     owners = [m.summary_target(0, 20 * w)[0] for w in range(2, 6)]
     assert owners == ["host:r1", "host:r2", "host:r1", "host:r2"], "new windows alternate over both"
     drain = m.deregister_loader(0, "r1")
-    assert drain == [120], "r1 serves its windows below the frontier, window 6 (position 120)"
+    assert drain == [100], "r1 serves its windows below the frontier (window 6), the last being window 4 (to 100)"
     assert m.holders(0, [40, 60, 80]) == ["host:r1", "host:r2", "host:r1"], "a leaving replica keeps its windows"
     assert [m.summary_target(0, 20 * w)[0] for w in range(6, 9)] == ["host:r2"] * 3
     assert m.summary_target(0, 85)[0] == "host:r1", "a leaver's window still asked about goes to the leaver"
@@ -288,6 +291,41 @@ def test_replicas_joining_and_leaving_reroute_only_windows_nobody_was_asked_abou
         m.deregister_loader(0, "r2")
     with pytest.raises(InvalidArgument, match="has no replica 'r9'"):
         m.deregister_loader(0, "r9")
+
+
+def test_a_replica_leaving_waits_only_for_windows_it_was_asked_about() -> None:
+    """r2 joins and is asked for the frontier window at once; r1, never asked again (its routes
+    still say every window is its own), leaves: it drains through its own last window, not
+    through the frontier, or it would wait for window 3 forever (seen in
+    test_loader_replicas under load)."""
+    job = job_from_mapping({
+        "job": "t", "epochs": "infinite", "sources": [{"name": "a", "path": "a"}],
+        "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
+    })
+    m = Membership(job)
+    m.register_loader(0, "host:r1", [_facts("a", 40, groups=8)], replica="r1")
+    assert [m.summary_target(0, seq)[0] for seq in (0, 20, 40)] == ["host:r1"] * 3
+    m.register_loader(0, "host:r2", [_facts("a", 40, groups=8)], replica="r2")
+    assert m.summary_target(0, 60)[0] == "host:r2", "window 3, the first after the join, is r2's"
+    assert m.deregister_loader(0, "r1") == [60], "r1 drains through window 2 (to 60), its last"
+
+
+@hypothesis.given(
+    routes=st.lists(
+        st.tuples(st.integers(1, 30), st.sets(st.sampled_from("abcd"), min_size=1)), min_size=0, max_size=5
+    ),
+    first=st.sets(st.sampled_from("abcd"), min_size=1),
+    replica=st.sampled_from("abcd"),
+    before=st.integers(0, 200),
+)
+def test_last_owned_is_the_last_window_a_scan_finds(routes, first, replica, before) -> None:
+    routing = Routing.of(sorted(first))
+    start = 0
+    for gap, replicas in routes:
+        start += gap
+        routing = routing.switch(start, sorted(replicas))
+    scanned = [w for w in range(before) if routing.owner(w) == replica]
+    assert last_owned(routing, replica, before) == (scanned[-1] if scanned else None)
 
 
 @pytest.mark.parametrize("index", [-1, 2, 10])

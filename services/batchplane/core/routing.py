@@ -77,6 +77,26 @@ class Routing:
         return Routing((*kept, new))
 
 
+def last_owned(routing: Routing, replica: str, before: int) -> int | None:
+    """The last window below `before` that `replica` owns under `routing`; None if none.
+
+    A replica leaving its group serves the windows it owns below the planner's frontier and
+    no others. The last of them bounds what it must wait for: its routes, learnt from the
+    planner's requests, are current up to that window, but may miss a switch after it (a
+    replica that joined and was asked for the windows from there on).
+    """
+    ends = [r.from_window for r in routing.routes[1:]] + [before]
+    for route, end in zip(reversed(routing.routes), reversed(ends)):
+        stop = min(end, before)  # the route covers windows [from_window, stop)
+        if stop <= route.from_window or replica not in route.replicas:
+            continue
+        n, i = len(route.replicas), route.replicas.index(replica)
+        window = stop - 1 - (stop - 1 - i) % n  # the last one below stop that is i modulo n
+        if window >= route.from_window:
+            return window
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowSpan:
     """Window `number` of a source holds stream positions [start, end)."""

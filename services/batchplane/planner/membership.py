@@ -29,7 +29,7 @@ from typing import NamedTuple
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.order import SampleOrder
-from batchplane.core.routing import Routing, window_of, window_span
+from batchplane.core.routing import Routing, last_owned, window_of, window_span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +274,10 @@ class Membership:
 
         Returns:
             Per source of the group: the stream position below which its windows lie (it serves
-            them until they are consumed, then may exit).
+            them until they are consumed, then may exit): the end of the last window it owns
+            below the frontier (0: none). Not the frontier itself: a window between the two
+            was routed to a replica that joined after this one was last asked, which this one
+            may not know, and would wait for in vain.
         Raises:
             InvalidArgument: no such replica. FailedPrecondition: it is the group's last one.
         """
@@ -285,8 +288,13 @@ class Membership:
             if len(replicas) == 1:
                 raise FailedPrecondition(f"replica {replica!r} is the last of loader {index}: its sources would have no loader")
             self._departed[(index, replica)] = replicas.pop(replica)
+            drain = []
+            for k in self._job.loader_sources(index):
+                routing, frontier = self._routing.get(k), self._frontier.get(k, 0)
+                last = None if routing is None else last_owned(routing, replica, frontier)
+                drain.append(0 if last is None else window_span(self._orders[k], last).end)
             self._reroute(index)
-            return [window_span(self._orders[k], self._frontier[k]).start for k in self._job.loader_sources(index)]
+            return drain
 
     def _reroute(self, index: int) -> None:
         """Routes the group's windows from each source's frontier over its live replicas (lock
