@@ -68,11 +68,15 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m venv /opt/batchplane \
  && /opt/batchplane/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --find-links /wheels "batchplane[services]" \
  && /opt/batchplane/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
+# The source revision, shown by batchplane_build_info{revision} (deploy/build_image.sh passes
+# `git describe --always --dirty`); last, so that a new revision rebuilds nothing above.
+ARG REVISION=unknown
 ENV PATH=/opt/batchplane/bin:$PATH \
     VIRTUAL_ENV=/opt/batchplane \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    BATCHPLANE_LOG_LEVEL=INFO
+    BATCHPLANE_LOG_LEVEL=INFO \
+    BATCHPLANE_GIT_REVISION=${REVISION}
 # Numeric, so that Kubernetes can check runAsNonRoot.
 USER ${UID}:${UID}
 WORKDIR /tmp

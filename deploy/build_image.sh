@@ -66,7 +66,8 @@ if [ -z "$base" ]; then
   base="$LOCAL_BASE"
 fi
 
-args=(--build-arg "BASE_IMAGE=$base" --target "$TARGET" -t "$TAG")
+revision=$(git describe --always --dirty 2>/dev/null || echo unknown)
+args=(--build-arg "BASE_IMAGE=$base" --build-arg "REVISION=$revision" --target "$TARGET" -t "$TAG")
 # pip in the build trusts what pip here trusts (a TLS-intercepting proxy's CA), as the secret `ca`.
 ca="${CA_BUNDLE-${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}}"
 if [ -n "$ca" ] && [ -s "$ca" ]; then
