@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchplane.core.config import url_scheme
 from batchplane.core.errors import SourceError
 from batchplane.loader import filesystems
 from batchplane.loader.filesystems import FSSPEC_EXTRA, find_parquet_files, open_location
@@ -36,7 +37,6 @@ from batchplane.loader.locations import (
     path_order,
     relative_to,
     s3_endpoint,
-    scheme_of,
     sorted_paths,
     split_glob,
 )
@@ -72,7 +72,7 @@ def write_parquet(where, rows: range, *, filesystem: pafs.FileSystem | None = No
     ],
 )
 def test_scheme_of(location, scheme) -> None:
-    assert scheme_of(location) == scheme
+    assert url_scheme(location) == scheme
 
 
 @pytest.mark.parametrize(

@@ -406,13 +406,20 @@ def load_job(path: str | pathlib.Path) -> JobSettings:
 
 
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+#: The head of a URL, "scheme://" (group 1: the scheme as written).
+URL_HEAD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(location: str) -> str | None:
+    """The URL scheme of `location`, lower-cased ("s3" for "S3://b/k"); None for a local path
+    (a Windows drive letter "C:/x" has no "//")."""
+    m = URL_HEAD.match(location)
+    return m.group(1).lower() if m else None
 
 
 def is_url(location: str) -> bool:
-    """True for "scheme://..." (s3://, gs://, hdfs://, file://, ...); False for a local path
-    (a Windows drive letter "C:/x" has no "//")."""
-    return bool(_URL.match(location))
+    """True for "scheme://..." (s3://, gs://, hdfs://, file://, ...); False for a local path."""
+    return url_scheme(location) is not None
 
 
 def job_from_mapping(data: Any, *, base_dir: str | pathlib.Path = ".") -> JobSettings:

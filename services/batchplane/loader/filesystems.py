@@ -53,6 +53,7 @@ from collections.abc import Iterator, Mapping
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from batchplane.core.config import url_scheme
 from batchplane.core.errors import SourceError
 from batchplane.loader.locations import (
     BUCKET_SCHEMES,
@@ -66,7 +67,6 @@ from batchplane.loader.locations import (
     matches_glob,
     relative_to,
     s3_endpoint,
-    scheme_of,
     sorted_paths,
     split_glob,
 )
@@ -130,7 +130,7 @@ def open_location(location: str, *, source: str, environ: Mapping[str, str] | No
             or endpoint variable, or a file system that cannot be created (see the module
             docstring).
     """
-    scheme = scheme_of(location)
+    scheme = url_scheme(location)
     if scheme is None:
         return Place(pafs.LocalFileSystem(), os.path.abspath(location or "."), location, None)
     if scheme in BUCKET_SCHEMES and not location.split("://", 1)[1].strip("/"):
@@ -202,7 +202,7 @@ def find_parquet_files(source: str, location: str | os.PathLike[str], *, environ
             denied, an unreachable endpoint, ...); no Parquet file there.
     """
     text = os.fspath(location)
-    if scheme_of(text) is None:
+    if url_scheme(text) is None:
         text = str(pathlib.PurePath(text))  # "a//b/./c/" is "a/b/c", as it always was for a local source
     try:
         split = split_glob(text)

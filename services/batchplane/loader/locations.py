@@ -21,8 +21,9 @@ import dataclasses
 import enum
 import errno as errnos
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping, Sequence
+
+from batchplane.core.config import URL_HEAD
 
 #: The characters that make a location a glob.
 GLOB_CHARS = "*?["
@@ -33,14 +34,6 @@ NATIVE_SCHEMES = frozenset({"file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs",
 
 #: Schemes whose first path component is a bucket (or container) that may not exist.
 BUCKET_SCHEMES = frozenset({"s3", "gs", "gcs", "abfs", "abfss"})
-
-_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def scheme_of(location: str) -> str | None:
-    """The URL scheme of `location`, lower-cased ("s3" for "S3://b/k"); None for a local path."""
-    m = _URL.match(location)
-    return m.group(1).lower() if m else None
 
 
 def has_glob(text: str) -> bool:
@@ -79,7 +72,7 @@ def split_glob(location: str) -> GlobSplit:
     """
     if not has_glob(location):
         return GlobSplit(location, ())
-    m = _URL.match(location)
+    m = URL_HEAD.match(location)
     head = m.group(0) if m else ""
     parts = location[len(head):].split("/")
     first = next(i for i, p in enumerate(parts) if has_glob(p))
