@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -204,3 +205,11 @@ def ledger_records(run_dir: pathlib.Path) -> list[dict]:
         {k: v for k, v in record.items() if k not in RUNTIME_FIELDS}
         for record in LedgerReader(LocalStorage(run_dir / "ledger")).records()
     ]
+
+
+def peer_channel(cluster: LocalCluster, address: str, *, role: str, index: int | None = None, replica: str | None = None) -> grpc.Channel:
+    """A channel to one of `cluster`'s parts as a peer of `role` would open it ("planner",
+    "loader", "constructor", "operator"; `index`/`replica`: the identity a loader or constructor
+    has). Tests acting as a hostile but authorized peer call parts through it."""
+    del cluster, role, index, replica  # the identity is carried once the parts authenticate callers
+    return grpc.insecure_channel(address)
