@@ -17,7 +17,8 @@ What it does, in order:
    `loader.env`, no operator, the example trainer enabled: `--kind job` (the default: one
    Indexed-Job pod running both data-parallel ranks of `batchplane.examples.tiny_lm`) or
    `--kind torchrun` (two Indexed-Job pods, one rank each, torchrun's static rendezvous over
-   `batchplane.examples.timed_trainer`).
+   `batchplane.examples.timed_trainer`), `tls.mode: disabled` and the trainer as the sidecar's
+   UID (kube play 4.3 can mount neither the certificate Secrets nor a pod's fsGroup).
 3. Turns the rendered manifests into what `podman kube play` (4.3) runs: `transform`, a pure
    function (tests/unit/test_e2e_podman_transform.py), which records every rewrite it makes.
    The loader pods come from the DataPlane through the operator's own code
@@ -640,7 +641,17 @@ def chart_values(kind: str, image: str, trainer_image: str, env: Mapping[str, st
         "loader": {"env": aws},
         "constructor": {"indexFrom": "indexed-job"},
         # steps beyond the epoch: the trainers stop when the epoch ends, having read every row.
-        "example": {"enabled": True, "kind": kind, "steps": 100000, "image": {"repository": trepo, "tag": ttag}},
+        # The trainer runs as the sidecar's UID: kube play 4.3 ignores fsGroup, which is how the
+        # chart's own example (another UID) enters the constructor's socket folder.
+        "example": {
+            "enabled": True, "kind": kind, "steps": 100000, "image": {"repository": trepo, "tag": ttag},
+            "runAsUser": 10001, "runAsGroup": 10001,
+        },
+        # Plaintext between the pods: kube play 4.3 cannot mount the chart's certificate Secrets
+        # (it writes a Secret's values still base64-encoded, and panics on a Secret volume
+        # without `optional`). The chart's TLS path is checked by tests/integration/test_helm_chart.py
+        # and the processes' by the integration tests.
+        "tls": {"mode": "disabled"},
     }
 
 

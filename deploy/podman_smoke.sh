@@ -2,7 +2,8 @@
 # `make image-smoke`: the service image runs under podman. In one pod (one network namespace, so
 # every part on 127.0.0.1): a planner, a loader over two small Parquet sources and a constructor
 # serving on a Unix socket in a shared volume, all from IMAGE, read-only root, as the image's
-# non-root user. It waits until the loader and the constructor have registered with the planner;
+# non-root user, talking mutual TLS with certificates from a throwaway CA (one folder per part,
+# each naming its identity, as `batchplane up` issues them). It waits until the loader and the constructor have registered with the planner;
 # then, when the e2e image (TRAINER, `make image-e2e`) is present, trains a tiny model on one
 # rank for a few steps through the constructor's socket. Leaves nothing behind.
 #
@@ -14,11 +15,12 @@ TRAINER="${2:-batchplane-trainer:e2e}"
 POD=batchplane-smoke
 DATA="$POD-data"
 SOCK="$POD-sock"
+TLS="$POD-tls"
 WORK=""
 
 cleanup() {
   podman pod rm -f -t 0 "$POD" >/dev/null 2>&1 || true
-  podman volume rm -f "$DATA" "$SOCK" >/dev/null 2>&1 || true
+  podman volume rm -f "$DATA" "$SOCK" "$TLS" >/dev/null 2>&1 || true
   [ -z "$WORK" ] || rm -rf "$WORK"
 }
 cleanup
@@ -59,19 +61,33 @@ import pathlib
 from batchplane.demo.dataset import DEMO_SOURCES, write_demo_dataset
 write_demo_dataset(pathlib.Path('/data'), sources=[s for s in DEMO_SOURCES if s.name in ('docs', 'code')])"
 
+echo "== certificates of a throwaway CA into volume $TLS"
+podman volume create "$TLS" >/dev/null
+podman run --rm --user 0 -v "$TLS:/tls" --entrypoint python "$IMAGE" -c "
+import os, pathlib
+from batchplane.core.identity import Identity
+from batchplane.core.localca import LocalCA
+ca = LocalCA(pathlib.Path('/tls/ca'), name='smoke')
+for name, identity in {'planner': Identity('planner'), 'loader': Identity('loader', 0, '0'), 'constructor': Identity('constructor', 0)}.items():
+    ca.issue(identity, pathlib.Path('/tls') / name)
+for root, dirs, files in os.walk('/tls'):
+    for d in dirs: os.chown(os.path.join(root, d), 10001, 10001)
+    for f in files: os.lchown(os.path.join(root, f), 10001, 10001)
+os.chown('/tls', 10001, 10001)"
+
 echo "== pod $POD: planner, loader, constructor ($IMAGE)"
 podman pod create --name "$POD" >/dev/null
 podman volume create "$SOCK" >/dev/null
 podman run --rm --user 0 -v "$SOCK:/run/batchplane" --entrypoint sh "$IMAGE" -c 'chmod 1777 /run/batchplane'
 common=(--pod "$POD" --read-only --tmpfs /tmp --tmpfs /var/lib/batchplane:mode=1777
-        -v "$WORK/job.yaml:/etc/batchplane/job.yaml:ro" -v "$DATA:/data:ro")
+        -v "$WORK/job.yaml:/etc/batchplane/job.yaml:ro" -v "$DATA:/data:ro" -v "$TLS:/tls:ro")
 podman run -d --name "$POD-planner" "${common[@]}" "$IMAGE" \
-  planner -c /etc/batchplane/job.yaml --port 50051 --metrics-port 9100 >/dev/null
+  planner -c /etc/batchplane/job.yaml --port 50051 --metrics-port 9100 --tls-dir /tls/planner >/dev/null
 podman run -d --name "$POD-loader" "${common[@]}" "$IMAGE" \
-  loader -c /etc/batchplane/job.yaml --index 0 --planner 127.0.0.1:50051 --port 50052 --metrics-port 9101 >/dev/null
+  loader -c /etc/batchplane/job.yaml --index 0 --planner 127.0.0.1:50051 --port 50052 --metrics-port 9101 --tls-dir /tls/loader >/dev/null
 podman run -d --name "$POD-constructor" "${common[@]}" -v "$SOCK:/run/batchplane" "$IMAGE" \
   constructor -c /etc/batchplane/job.yaml --index 0 --planner 127.0.0.1:50051 \
-  --listen unix:///run/batchplane/constructor.sock --metrics-port 9102 >/dev/null
+  --listen unix:///run/batchplane/socket/constructor.sock --metrics-port 9102 --tls-dir /tls/constructor >/dev/null
 
 for part in loader constructor; do
   for _ in $(seq 60); do
@@ -85,7 +101,7 @@ done
 if podman image inspect "$TRAINER" >/dev/null 2>&1; then
   echo "== trainer ($TRAINER): tiny_lm, one rank, 4 steps"
   podman run --rm --name "$POD-trainer" --pod "$POD" --read-only --tmpfs /tmp -e HOME=/tmp \
-    -v "$SOCK:/run/batchplane" -e BATCHPLANE_CONSTRUCTOR=unix:///run/batchplane/constructor.sock \
+    -v "$SOCK:/run/batchplane" -e BATCHPLANE_CONSTRUCTOR=unix:///run/batchplane/socket/constructor.sock \
     --entrypoint python "$TRAINER" \
     -m batchplane.examples.tiny_lm --rank 0 --world-size 1 --master-port 29512 --steps 4 --log-every 1 \
     || fail "the trainer failed"

@@ -18,6 +18,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from batchplane.client import Client
+from batchplane.core.identity import Identity
+from batchplane.core.tls import CertificateFolder, Security
+from batchplane.local_transport import local_channel
 from batchplane.core.storage import LocalStorage
 from batchplane.launcher.local import LocalCluster
 from batchplane.planner.journal import RUNTIME_FIELDS, LedgerReader
@@ -209,7 +212,22 @@ def ledger_records(run_dir: pathlib.Path) -> list[dict]:
 
 def peer_channel(cluster: LocalCluster, address: str, *, role: str, index: int | None = None, replica: str | None = None) -> grpc.Channel:
     """A channel to one of `cluster`'s parts as a peer of `role` would open it ("planner",
-    "loader", "constructor", "operator"; `index`/`replica`: the identity a loader or constructor
-    has). Tests acting as a hostile but authorized peer call parts through it."""
-    del cluster, role, index, replica  # the identity is carried once the parts authenticate callers
-    return grpc.insecure_channel(address)
+    "loader", "constructor", "operator", "trainer"; `index`/`replica`: the identity a loader or constructor
+    has): over mutual TLS with a certificate of that identity from the run's CA (plaintext when
+    the job turned TLS off). A constructor's trainer socket is reached with local credentials,
+    as a trainer reaches it. Tests acting as a hostile but authorized peer call parts through it."""
+    if role == "trainer":
+        return local_channel(address)
+    if cluster.ca is None:
+        return grpc.insecure_channel(address)
+    identity = Identity(role, index, replica)
+    folder = cluster.ca.issue(identity, cluster.tls_dir / "peers" / identity.uri().replace("/", "_").replace(":", ""))
+    return Security(CertificateFolder(folder)).channel(address, peer=_role_at(cluster, address))
+
+
+def _role_at(cluster: LocalCluster, address: str) -> str:
+    """The role of the part of `cluster` serving at `address`."""
+    for p in cluster.processes:
+        if p.address == address:
+            return p.module.rsplit(".", 1)[-1]
+    raise AssertionError(f"no part of the cluster serves at {address}")

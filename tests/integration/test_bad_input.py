@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from harness import assert_same_batches, collect, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
+from harness import assert_same_batches, collect, peer_channel, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
 
 from batchplane.client import Client, InvalidRequestError, StepUnavailableError
 from batchplane.core.errors import ConfigError
@@ -157,7 +157,7 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
                 if batch["step"] == 3:
                     state = client.state_dict()
                     break
-        with grpc.insecure_channel(rank0) as channel:  # an earlier step without `restart`: a stale request
+        with peer_channel(cluster, rank0, role="trainer") as channel:  # an earlier step without `restart`: a stale request
             stub = constructor_pb2_grpc.ConstructorStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 next(stub.GetBatch(constructor_pb2.GetBatchRequest(rank=0, step=1, wait_ms=1000), timeout=10))
@@ -172,12 +172,13 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
                 late.load_state_dict({**state, "fingerprints": json.dumps({**json.loads(state["fingerprints"]), "data": "0" * 16})})
             with pytest.raises(InvalidRequestError, match="data settings .* differ"):  # a version 3 state: a mapping
                 late.load_state_dict({**state, "version": 3, "fingerprints": {**json.loads(state["fingerprints"]), "data": "0" * 16}})
-        with grpc.insecure_channel(endpoints["loaders"]["0"]) as channel:
-            loader = loader_pb2_grpc.LoaderStub(channel)
+        with peer_channel(cluster, endpoints["loaders"]["0"], role="planner") as channel:
             with pytest.raises(grpc.RpcError) as info:
-                loader.GetSummary(loader_pb2.GetSummaryRequest(source=9, from_seq=0), timeout=10)
+                loader_pb2_grpc.LoaderStub(channel).GetSummary(loader_pb2.GetSummaryRequest(source=9, from_seq=0), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not 9" in info.value.details()
+        with peer_channel(cluster, endpoints["loaders"]["0"], role="constructor") as channel:
+            loader = loader_pb2_grpc.LoaderStub(channel)
             negative = common_pb2.SampleSet(source=encode_array(np.zeros(1, np.int32)), seq=encode_array(np.array([-1], np.int64)))
             with pytest.raises(grpc.RpcError) as info:
                 list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=7, step=0, samples=negative), timeout=10))

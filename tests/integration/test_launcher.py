@@ -22,6 +22,7 @@ from harness import collect, sample_ids, skewed_lengths, start_cluster, wait_unt
 from prometheus_client import CollectorRegistry
 
 from batchplane.core.rpc import PortUnavailable, ServerMetrics, create_grpc_server
+from batchplane.core.tls import Security
 from batchplane.launcher.local import LocalCluster, Ports
 
 pytestmark = pytest.mark.integration
@@ -68,7 +69,9 @@ def test_up_prints_endpoints_and_stops_everything_on_sigterm(tmp_path: pathlib.P
     try:
         text = "\n".join(lines)
         for name in ("planner", "loader-0", "constructor-0", "constructor-1"):
-            assert re.search(rf"{name}\s+127\.0\.0\.1:\d+\s+metrics http://127\.0\.0\.1:\d+/metrics\s+log ", text), text
+            # Constructors serve their trainers on a Unix socket (local credentials), the others on TCP with mutual TLS.
+            address = rf"unix://\S+/{name}\.sock" if name.startswith("constructor") else r"127\.0\.0\.1:\d+"
+            assert re.search(rf"{name}\s+{address}\s+metrics http://127\.0\.0\.1:\d+/metrics\s+log ", text), text
             assert (tmp_path / "run" / "logs" / f"{name}.log").exists()
         endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
         assert set(endpoints["constructors"]) == {"0", "1"}
@@ -191,8 +194,8 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
     before = _endpoints(tmp_path / "run")
     taken = {
         "planner": _port(before["planner"]),
-        "constructor-1": _port(before["constructors"]["1"]),
-        "loader-0 metrics": _port(before["metrics"]["loader-0"]),
+        "loader-0": _port(before["loaders"]["0"]),
+        "constructor-1 metrics": _port(before["metrics"]["constructor-1"]),
     }
     holders = [_listener(port) for port in taken.values()]
     caplog.set_level(logging.INFO, logger="batchplane.launcher.local")
@@ -208,14 +211,14 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
             sock.close()
     moved = {
         "planner": _port(after["planner"]),
-        "constructor-1": _port(after["constructors"]["1"]),
-        "loader-0 metrics": _port(after["metrics"]["loader-0"]),
+        "loader-0": _port(after["loaders"]["0"]),
+        "constructor-1 metrics": _port(after["metrics"]["constructor-1"]),
     }
     assert all(moved[k] != taken[k] for k in taken), (taken, moved)
-    assert after["loaders"] == before["loaders"] and after["constructors"]["0"] == before["constructors"]["0"]
-    assert {k: v for k, v in after["metrics"].items() if k != "loader-0"} == {k: v for k, v in before["metrics"].items() if k != "loader-0"}
+    assert after["constructors"] == before["constructors"], "a constructor's socket is the run's: it never moves"
+    assert {k: v for k, v in after["metrics"].items() if k != "constructor-1"} == {k: v for k, v in before["metrics"].items() if k != "constructor-1"}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for name, what in (("planner", "gRPC"), ("constructor-1", "gRPC"), ("loader-0 metrics", "metrics")):
+    for name, what in (("planner", "gRPC"), ("loader-0", "gRPC"), ("constructor-1 metrics", "metrics")):
         process = name.removesuffix(" metrics")
         assert any(
             w.startswith(f"{process}: its {what} port {taken[name]} ") and f"port {moved[name]} instead" in w for w in warnings
@@ -278,7 +281,9 @@ def test_the_ports_of_an_earlier_run_are_read_by_process_name(tmp_path: pathlib.
 
 
 def _server(port: int = 0) -> tuple[grpc.Server, int]:
-    server, bound, _ = create_grpc_server(host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry()), max_message_bytes=1 << 20)
+    server, bound, _ = create_grpc_server(
+        host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry()), max_message_bytes=1 << 20, security=Security(None)
+    )
     return server, bound
 
 

@@ -330,7 +330,8 @@ def test_a_second_planner_on_the_ledger_fences_the_first(s3: S3Server, tmp_path:
         ready = tmp_path / "second.ready"
         with open(tmp_path / "second-planner.log", "wb") as out:
             second = subprocess.Popen(
-                [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "second")],
+                [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "second"),
+                 "--tls-dir", str(cluster.tls_dir / "planner")],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         wait_until(lambda: ready.exists() or second.poll() is not None, timeout_s=60, what="the second planner to serve")
@@ -379,7 +380,8 @@ def test_a_fenced_planner_is_not_started_again_by_batchplane_up(
         assert up.poll() is None
         ready = tmp_path / "intruder.ready"
         intruder = subprocess.Popen(
-            [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "intruder")],
+            [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "intruder"),
+             "--tls-dir", str(tmp_path / "run" / "tls" / "planner")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: ready.exists() or intruder.poll() is not None, timeout_s=60, what="the second planner to serve")

@@ -905,9 +905,13 @@ def test_the_operators_deployments_carry_the_loader_pod_fields(emulator: Emulato
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             ]  # the operator's own first, then the DataPlane's
             assert c["env"][-len(values["env"]) :] == values["env"] and c["envFrom"] == values["envFrom"]
-            assert [m["mountPath"] for m in c["volumeMounts"]] == ["/etc/batchplane", "/tmp", *[m["mountPath"] for m in values["volumeMounts"]]]
-            assert [v["name"] for v in pod["volumes"]] == ["batchplane-job", "tmp", *[v["name"] for v in values["volumes"]]]
-            assert pod["volumes"][2:] == values["volumes"]
+            # The operator's own mounts first: the job, /tmp, the loader's certificate folder and
+            # the role tokens (the chart's default tls.mode, generated, turns tokens on).
+            own = ["/etc/batchplane", "/tmp", "/etc/batchplane/tls", "/etc/batchplane/auth-tokens"]
+            assert [m["mountPath"] for m in c["volumeMounts"]] == [*own, *[m["mountPath"] for m in values["volumeMounts"]]]
+            assert len(pod["volumes"]) == len(own) + len(values["volumes"])
+            assert pod["volumes"][len(own):] == values["volumes"]
+            assert all("subPath" not in m for m in c["volumeMounts"][: len(own)])
             for key in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "priorityClassName", "topologySpreadConstraints"):
                 assert pod[key] == values[key], key
             assert pod["automountServiceAccountToken"] is False
@@ -923,7 +927,7 @@ def test_the_operators_deployments_carry_the_loader_pod_fields(emulator: Emulato
     pod = emulator.get(DEPLOYMENTS, f"{name}-loader-web")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"node-pool": "cpu-spot"}
     assert "tolerations" not in pod and "serviceAccountName" not in pod
-    assert pod["affinity"] == values["affinity"] and pod["volumes"][2:] == values["volumes"]
+    assert pod["affinity"] == values["affinity"] and pod["volumes"][4:] == values["volumes"]  # after the job, /tmp, certificates and tokens
 
 
 def test_the_charts_operator_elects_a_leader(emulator: Emulator) -> None:

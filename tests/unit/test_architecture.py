@@ -91,10 +91,14 @@ PURE = (
     "batchplane.constructor.parallel",
     "batchplane.core.config",
     "batchplane.core.errors",
+    "batchplane.core.identity",
+    "batchplane.core.authz",
     "batchplane.core.mesh",
     "batchplane.core.delivery",
     "batchplane.core.lengths",
     "batchplane.loader.locations",
+    "batchplane.loader.bounds",
+    "batchplane.constructor.bounds",
 )
 
 
@@ -133,7 +137,9 @@ CLIENT_FRAMEWORKS = {
 
 
 def test_client_imports_only_torch_grpc_protobuf_numpy_and_the_contract() -> None:
-    allowed_prefixes = ("torch", "grpc", "google.protobuf", "numpy", "batchplane.v1", "batchplane.wire", "batchplane.client")
+    allowed_prefixes = (
+        "torch", "grpc", "google.protobuf", "numpy", "batchplane.v1", "batchplane.wire", "batchplane.local_transport", "batchplane.client",
+    )
     bad = []
     for name in owned_by("batchplane.client") + owned_by("batchplane.examples"):
         allowed = allowed_prefixes + sum((f for m, f in CLIENT_FRAMEWORKS.items() if name == m or name.startswith(m + ".")), ())

@@ -159,8 +159,8 @@ def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int,
                 if not p.past_end(at[rank]):
                     at[rank] += 1
                     p.ask(rank, at[rank])
-        elif action == "restart":
-            at[rank] = min(value, end)
+        elif action == "restart":  # anywhere the data plane has reached (further is refused: see below)
+            at[rank] = min(value, end, p.furthest_step() if p.start is not None else value)
             p.ask(rank, at[rank], restart=True)
         elif action == "build" and (step := p.to_build()) is not None:
             finish(step, p.epoch)
@@ -187,3 +187,35 @@ def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int,
         if all(p.past_end(step) for step in at.values()):
             break
     assert all(p.past_end(step) for step in at.values()), (at, p.next, p.end)
+
+
+def test_a_step_ahead_of_what_the_ranks_reached_is_refused_and_changes_nothing() -> None:
+    """A rank asking (or restarting at) a step far past every step asked here would make the
+    constructor skip steps and ask the planner for steps the job has not reached."""
+    p = BuildProgress((0, 1), prefetch_steps=1)
+    p.ask(0, 4, restart=True)  # the first request sets the start
+    p.ask(1, 4, restart=True)
+    for step, restart in ((10**9, False), (10**15, True), (7, True)):
+        with pytest.raises(FailedPrecondition, match="ahead of every step asked here"):
+            p.ask(0, step, restart=restart)
+    assert p.slowest() == 4 and p.to_build() == 4
+    p.ask(0, 5)  # one step on
+    build_all(p)
+    assert p.furthest_step() == 6
+    p.ask(1, 6)  # a prefetched step may be asked for directly
+
+
+def test_reports_are_forwarded_only_for_steps_built_here() -> None:
+    p = BuildProgress((0,), prefetch_steps=1)
+    with pytest.raises(FailedPrecondition, match="no rank here has been given"):
+        p.reportable(0)  # nothing built yet
+    p.ask(0, 3, restart=True)
+    p.plan_request(p.to_build())
+    p.built(3, (0,), epoch=p.epoch)
+    assert p.reportable(3) == ""
+    with pytest.raises(FailedPrecondition):
+        p.reportable(4)
+    with pytest.raises(FailedPrecondition):
+        p.reportable(10**12)
+    p.oldest = 2
+    assert p.reportable(2) == "" and "oldest step the planner's ledger keeps" in p.reportable(1)

@@ -5,6 +5,7 @@ becomes the shadow."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -125,7 +126,7 @@ def _watch(m: Membership):
     from batchplane.planner.watch import ReplicaWatch
 
     metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
-    return ReplicaWatch(m, FailoverSettings(probe_interval_s=3600, failures=3), metrics), metrics  # no probe runs
+    return ReplicaWatch(m, FailoverSettings(probe_interval_s=3600, failures=3), metrics, connect=grpc.insecure_channel), metrics  # no probe runs
 
 
 def test_late_failures_of_a_replaced_process_do_not_fail_its_successor() -> None:

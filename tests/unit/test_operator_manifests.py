@@ -2,9 +2,12 @@
 Deployment it builds per source group (batchplane.operator.manifests)
 (deploy/helm/README.md, "The operator contract"): the contract's fields, strict validation with
 kubernetes-validate for Kubernetes 1.30 and the newest version it knows, the spec hash, the
-declared schedule, bad specs refused with the field named, and spec.loader's pod fields (env,
+declared schedule, bad specs refused with the field named, spec.loader's pod fields (env,
 volumes, serviceAccountName, nodeSelector, ...: batchplane.operator.podfields) carried into the
-Deployment, refused where they clash with the operator's own, and removed again by an update."""
+Deployment, refused where they clash with the operator's own, and removed again by an update,
+and the loaders' transport security: spec.loader.tls and spec.loader.authTokens mounted as whole
+Secrets (never subPath) behind --tls-dir, --auth-tokens and --token-file, and probes on the
+metrics port's /healthz (kubelet's gRPC probe cannot pass mutual TLS)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import pytest
 from batchplane.core.process import parse_process_args
 from batchplane.operator.dataplane import SpecError, declared_schedule, parse_dataplane
 from batchplane.operator.manifests import ANNOTATION_SPEC_HASH, LABEL_DATAPLANE, LABEL_GROUP, LABEL_MANAGED_BY, MANAGER, loader_deployment, spec_hash
+
+TLS_SECRET = "text-and-code-loader-tls"
+TOKENS_SECRET = "text-and-code-auth-tokens"
 from batchplane.operator.policy import ScalingSettings
 
 NAMESPACE = "training"
@@ -93,6 +99,9 @@ DATAPLANE: dict[str, Any] = {
             "runAsGroup": 10001,
             "podLabels": POD_LABELS,
             "podAnnotations": POD_ANNOTATIONS,
+            # the chart's default tls.mode generated: certificates and the tokens that name roles
+            "tls": {"secretName": TLS_SECRET},
+            "authTokens": {"secretName": TOKENS_SECRET},
         },
     },
 }
@@ -267,6 +276,8 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
         "loader", "-c", "/etc/batchplane/job.yaml", "--index", str(index), "--replica", "$(POD_NAME)",
         "--planner", "text-and-code-planner.training.svc:50051",
         "--port", "50052", "--advertise", "$(POD_IP):50052", "--metrics-port", "9100",
+        "--tls-dir", "/etc/batchplane/tls",
+        "--auth-tokens", "/etc/batchplane/auth-tokens", "--token-file", "/etc/batchplane/auth-tokens/loader",
     ]  # fmt: skip
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -283,13 +294,19 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
     assert settings.config == pathlib.Path("/etc/batchplane/job.yaml") and settings.listen is None
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50052, "metrics": 9100}
     assert POD_ANNOTATIONS["prometheus.io/port"] == str(settings.metrics_port)
-    assert all(c[probe]["grpc"]["port"] == 50052 for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    # kubelet's gRPC probe speaks plaintext: /healthz on the metrics port answers for grpc.health.v1
+    assert all(c[probe]["httpGet"] == {"path": "/healthz", "port": settings.metrics_port} for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert (settings.tls_dir, settings.auth_tokens, settings.token_file) == (
+        pathlib.Path("/etc/batchplane/tls"), pathlib.Path("/etc/batchplane/auth-tokens"), pathlib.Path("/etc/batchplane/auth-tokens/loader")
+    )  # fmt: skip
     assert c["resources"] == DATAPLANE["spec"]["sourceGroups"][index]["resources"]
     assert c["securityContext"] == CONTAINER_SECURITY
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/etc/batchplane"]]["configMap"] == {"name": "text-and-code-job"}
     assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    assert volumes[mounts["/etc/batchplane/tls"]]["secret"] == {"secretName": TLS_SECRET, "defaultMode": 0o440}
+    assert volumes[mounts["/etc/batchplane/auth-tokens"]]["secret"] == {"secretName": TOKENS_SECRET, "defaultMode": 0o440}
     # the pod name (Deployment name + ReplicaSet hash + pod suffix) fits
     assert len(meta["name"]) + len("-0123456789-abcde") <= 253
 
@@ -481,3 +498,98 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[key] = merge_patch(out.get(key), value)
     return out
+
+
+# ---- transport security of the loader pods ---------------------------------------------------------
+
+
+def secret_mounts(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """mount path -> (mount, Secret volume source) of the loader container's Secret mounts."""
+    pod = d["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (c,) = pod["containers"]
+    return {m["mountPath"]: (m, volumes[m["name"]]["secret"]) for m in c["volumeMounts"] if "secret" in volumes[m["name"]]}
+
+
+@pytest.mark.parametrize(
+    ("tls", "tokens"),
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["tls+tokens", "tls", "tokens", "neither"],
+)
+def test_loader_pods_mount_the_secrets_the_dataplane_names(tls: bool, tokens: bool) -> None:
+    """spec.loader.tls gives --tls-dir on the certificate Secret, spec.loader.authTokens gives
+    --auth-tokens on the whole tokens Secret and --token-file on its `loader` key; each Secret is
+    mounted whole as a read-only directory (never subPath, which never sees a renewed
+    certificate), readable by root and the pod's fsGroup only. Neither: no flag, no Secret (the
+    chart's tls.mode disabled)."""
+    changes: dict[str, Any] = {}
+    if not tls:
+        changes["spec.loader.tls"] = _DELETE
+    if not tokens:
+        changes["spec.loader.authTokens"] = _DELETE
+    spec = parse_dataplane(dataplane(**changes))
+    d = loader_deployment(spec, spec.groups[0], replicas=1)
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    settings = parse_process_args("loader", [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "p") for a in c["args"][1:]])
+    mounts = secret_mounts(d)
+    for mount, source in mounts.values():
+        assert "subPath" not in mount and "subPathExpr" not in mount and mount["readOnly"] is True
+        assert "items" not in source and source["defaultMode"] == 0o440
+    expected = {}
+    if tls:
+        assert settings.tls_dir == pathlib.Path("/etc/batchplane/tls")
+        expected[str(settings.tls_dir)] = TLS_SECRET
+    else:
+        assert settings.tls_dir is None and "--tls-dir" not in c["args"]
+    if tokens:
+        assert settings.token_file == settings.auth_tokens / "loader"  # its own key of the Secret it serves with
+        expected[str(settings.auth_tokens)] = TOKENS_SECRET
+    else:
+        assert settings.auth_tokens is None and settings.token_file is None
+    assert {path: source["secretName"] for path, (_, source) in mounts.items()} == expected
+    assert (spec.loader.tls_secret, spec.loader.auth_tokens_secret) == ((TLS_SECRET if tls else None), (TOKENS_SECRET if tokens else None))
+
+
+@pytest.mark.parametrize("kube_version", ["1.30.0", "latest"])
+def test_a_loader_with_its_secrets_and_every_pod_field_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
+    version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
+    spec = parse_dataplane(with_pod_fields())
+    d = loader_deployment(spec, spec.groups[0], replicas=1)
+    assert set(secret_mounts(d)) == {"/etc/batchplane/tls", "/etc/batchplane/auth-tokens"}
+    kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_the_spec_hash_follows_the_secrets() -> None:
+    """A DataPlane that names other Secrets (or none) rolls its loader Deployments."""
+    base = spec_hash(loader_deployment(parse_dataplane(DATAPLANE), parse_dataplane(DATAPLANE).groups[0], replicas=1))
+    for change in (
+        {"spec.loader.tls": {"secretName": "other-tls"}},
+        {"spec.loader.tls": _DELETE},
+        {"spec.loader.authTokens": {"secretName": "other-tokens"}},
+        {"spec.loader.authTokens": _DELETE},
+    ):
+        other = parse_dataplane(dataplane(**change))
+        assert spec_hash(loader_deployment(other, other.groups[0], replicas=1)) != base, change
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"spec.loader.tls": {"secretName": "Not_A_Secret"}}, "spec.loader.tls.secretName"),
+        ({"spec.loader.tls": {}}, "spec.loader.tls.secretName"),
+        ({"spec.loader.tls": "text-and-code-loader-tls"}, "spec.loader.tls"),
+        ({"spec.loader.tls": {"secretName": "x", "subPath": "tls.crt"}}, "spec.loader.tls.subPath"),
+        ({"spec.loader.authTokens": {"secretName": 7}}, "spec.loader.authTokens.secretName"),
+    ],
+)
+def test_a_bad_secret_is_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(dataplane(**changes))
+    assert info.value.field == field, str(info.value)
+
+
+@pytest.mark.parametrize("name", ["batchplane-tls", "batchplane-auth-tokens"])
+def test_a_user_volume_may_not_take_the_secrets_names(name: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(with_pod_fields(volumes=[{"name": name, "emptyDir": {}}], volumeMounts=[]))
+    assert info.value.field == "spec.loader.volumes[0].name" and "is used by batchplane" in info.value.problem

@@ -1,5 +1,6 @@
 """The planner's request rules (`planner.progress`): start, serve, consumed, rewinds served from
-the kept plans or re-planned, the ledger's horizon, and constructors that never pull. Pure."""
+the kept plans or re-planned, the ledger's horizon, constructors that never pull, and the bounds
+on what a (hostile) request may move: the planning window and the delivered steps. Pure."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from batchplane.core.errors import FailedPrecondition
-from batchplane.planner.progress import PlanProgress, Replan, Serve, Start, start_step
+from batchplane.planner.progress import Ahead, PlanProgress, Replan, Serve, Start, start_step
 
 
 def plan_through(p: PlanProgress, last: int) -> None:
@@ -16,8 +17,10 @@ def plan_through(p: PlanProgress, last: int) -> None:
         p.planned(p.next_to_plan)
 
 
-def started(constructors: int = 2, *, at: int = 0, horizon: int = 0, pulling: tuple[int, ...] | None = None) -> PlanProgress:
-    p = PlanProgress(range(constructors), pulling=pulling)
+def started(
+    constructors: int = 2, *, at: int = 0, horizon: int = 0, pulling: tuple[int, ...] | None = None, lead: int | None = None
+) -> PlanProgress:
+    p = PlanProgress(range(constructors), pulling=pulling, lead=lead)
     assert isinstance(p.ask(0, at), Start)
     p.started(at, horizon=horizon)
     return p
@@ -25,18 +28,84 @@ def started(constructors: int = 2, *, at: int = 0, horizon: int = 0, pulling: tu
 
 def test_start_step_of_a_fresh_job_a_resume_and_a_restarted_planner() -> None:
     assert start_step(0, floor=None, rejoined={}) == 0
-    assert start_step(40, floor=None, rejoined={}) == 40
+    assert start_step(40, floor=None, rejoined={}, resume=True) == 40
     assert start_step(40, floor=35, rejoined={1: 33}) == 33
 
 
-def test_requests_in_order_are_served_and_earlier_ones_refused() -> None:
+def test_the_first_caller_does_not_choose_where_a_fresh_job_starts() -> None:
+    """Attack c: the first request of a fresh job asked for step 100 and steps 0-99 were
+    skipped. Without a checkpoint to resume from (or a ledger), a fresh job starts at 0."""
+    assert start_step(100, floor=None, rejoined={}) == 0
+    assert start_step(10**15, floor=None, rejoined={}) == 0
+    assert start_step(10**9, floor=35, rejoined={}) == 35, "a restarted planner starts where its ledger says"
+    assert start_step(10**9, floor=35, rejoined={0: 10**9}) == 35, "a rejoining constructor cannot raise the start"
+
+
+def test_requests_are_served_in_any_order_while_kept_and_replanned_once_dropped() -> None:
     p = started(at=5)
     assert isinstance(p.ask(0, 5), Serve)
     assert isinstance(p.ask(0, 6, delivered_below=6), Serve)
-    with pytest.raises(FailedPrecondition, match="already consumed"):
-        p.ask(0, 5)
+    assert isinstance(p.ask(0, 5), Serve), "retrying a kept step returns the same plan"
     with pytest.raises(FailedPrecondition, match="before step 5, where this job started"):
         p.ask(1, 4)
+    plan_through(p, 8)
+    for c in (0, 1):
+        p.ask(c, 7, delivered_below=7)
+    p.forget_consumed()
+    assert not p.kept(5)
+    assert p.ask(0, 5, delivered_below=5) == Replan(5), "a dropped step is planned again from the ledger, never refused"
+    assert p.consumed_below == 5
+
+
+def test_a_request_for_another_constructor_cannot_make_its_own_requests_fail() -> None:
+    """Attack d: a GetPlan naming constructor 1 with a later step made constructor 1's own next
+    request "already consumed", and its trainer died. A kept step is served whoever asked what."""
+    p = started(lead=4)
+    plan_through(p, 4)
+    assert isinstance(p.ask(1, 4, delivered_below=4), Serve)  # the hostile request, within the window
+    for step in range(0, 4):
+        assert isinstance(p.ask(1, step, delivered_below=step), Serve)
+    assert p.consumed_below == 0, "constructor 0 handed nothing: no plan is dropped"
+
+
+def test_a_step_past_the_window_changes_nothing() -> None:
+    """Attacks a and c: GetPlan{step: 1e9, delivered_below: 1e9} ended the job at step 28, and
+    step 1e15 kept the planner planning. A step more than `lead` past what every constructor
+    handed is told to wait, and nothing moves."""
+    p = started(lead=4)
+    plan_through(p, 2)
+    for c in (0, 1):
+        assert p.ask(c, 10**9, delivered_below=10**9) == Ahead(4)
+        assert p.ask(c, 5, delivered_below=5) == Ahead(4)
+    assert p.consumed_below == 0 and p.limit == 4 and not p.finished(3)
+    assert p.restarted(0) == 0
+    assert isinstance(p.ask(1, 4, delivered_below=0), Serve), "the window's last step is served"
+
+
+def test_delivered_steps_are_believed_up_to_the_planning_cursor() -> None:
+    """Attacks a and b: delivered_below or a rejoining constructor's next_step of 1e9 dropped the
+    kept plans and declared the job finished. No rank can have been handed an unplanned step,
+    and a constructor that asks for a step its false claim dropped gets it planned again."""
+    p = started(lead=4)
+    plan_through(p, 2)  # steps 0..2 planned
+    p.ask(0, 3, delivered_below=3)
+    p.delivered(1, 10**9)  # a heartbeat: RegisterConstructor{rejoin, next_step: 1e9}
+    assert p.consumed_below == 3 and p.restarted(1) == 3
+    assert not p.finished(4)
+    assert list(p.forget_consumed()) == [0, 1, 2]
+    assert p.ask(1, 1, delivered_below=1) == Replan(1), "constructor 1's own trainer still gets step 1"
+    assert p.consumed_below == 1
+
+
+def test_the_window_moves_with_the_slowest_constructor() -> None:
+    p = started(lead=2)
+    assert p.ask(0, 3) == Ahead(2)
+    plan_through(p, 3)
+    p.ask(1, 1, delivered_below=1)
+    assert p.ask(0, 3, delivered_below=1) == Ahead(2), "constructor 0 handed nothing yet"
+    p.delivered(0, 1)
+    assert isinstance(p.ask(0, 3, delivered_below=1), Serve)
+    assert p.limit == 3
 
 
 def test_plans_are_kept_until_every_constructor_handed_them() -> None:
@@ -67,8 +136,7 @@ def test_a_rewind_to_a_dropped_plan_replans_once_and_the_next_rank_is_served() -
     assert p.ask(0, 10, delivered_below=10, rewind=True) == Replan(10)
     assert p.next_to_plan == 10 and p.consumed_below == 10
     assert isinstance(p.ask(1, 10, delivered_below=10, rewind=True), Serve)  # converges: no second re-plan
-    with pytest.raises(FailedPrecondition, match="already consumed"):
-        p.ask(1, 9)  # without rewind
+    assert p.ask(1, 9) == Replan(9), "a stale request for a dropped step costs a re-plan"
 
 
 def test_a_rewind_before_the_horizon_is_refused_naming_it_and_changes_nothing() -> None:
@@ -121,12 +189,8 @@ def test_every_served_step_is_kept_or_still_to_be_planned(events: list) -> None:
             p.delivered(c, min(step, asked[c]))
         else:
             rewind = kind == "rewind"
-            if not rewind and step < asked[c]:
-                with pytest.raises(FailedPrecondition):
-                    p.ask(c, step)
-                continue
             decision = p.ask(c, step, delivered_below=min(step, asked[c]) if rewind else step, rewind=rewind)
-            asked[c] = step
+            asked[c] = step if rewind else max(asked[c], step)
             if isinstance(decision, Replan):
                 assert decision.step == step and p.next_to_plan == step
             else:
@@ -134,3 +198,35 @@ def test_every_served_step_is_kept_or_still_to_be_planned(events: list) -> None:
         p.forget_consumed()
         lo = min(s for s in range(0, 80) if p.kept(s) or s >= p.next_to_plan)
         assert lo <= p.consumed_below or lo == p.next_to_plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.sampled_from(["ask", "rewind", "plan", "heartbeat"]), st.integers(0, 2), st.integers(0, 10**12)), max_size=60
+    )
+)
+def test_whatever_is_asked_the_window_and_the_delivered_steps_stay_bounded(events: list) -> None:
+    """Hostile values everywhere: a request past the window changes nothing; what a constructor
+    is believed to have handed never passes the planning cursor; so the planner never plans,
+    keeps or frees past `lead` steps beyond what every constructor was handed."""
+    lead = 3
+    p = started(3, lead=lead)
+    for kind, c, step in events:
+        if kind == "plan":
+            limit = p.limit
+            if p.next_to_plan <= limit + 1:  # the planner plans up to one past the window's limit
+                p.planned(p.next_to_plan)
+        elif kind == "heartbeat":
+            p.delivered(c, step)
+        else:
+            before = (p.consumed_below, p.limit, p.next_to_plan)
+            try:
+                decision = p.ask(c, step, delivered_below=step, rewind=kind == "rewind")
+            except FailedPrecondition:
+                continue
+            if isinstance(decision, Ahead):
+                assert step > decision.limit and (p.consumed_below, p.limit, p.next_to_plan) == before
+        p.forget_consumed()
+        assert p.consumed_below <= p.next_to_plan
+        assert p.next_to_plan <= p.consumed_below + lead + 2

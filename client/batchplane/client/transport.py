@@ -14,8 +14,10 @@ import grpc
 import torch
 
 from batchplane.client import errors
+from batchplane.client.bounds import check_batch_header
 from batchplane.client.endpoints import AddressBook
 from batchplane.client.tensors import allocate
+from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 from batchplane.wire import PayloadReceiver, WireFormatError
 
@@ -65,7 +67,7 @@ class ConstructorConnection:
         if self._channel is not None:
             self._channel.close()
         self.address = address
-        self._channel = grpc.insecure_channel(
+        self._channel = local_channel(
             address,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
@@ -100,7 +102,7 @@ class ConstructorConnection:
             if first is None or first.WhichOneof("part") != "header":
                 raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
             header = first.header
-            storage, view = allocate(header.payload_bytes, pin=pin)
+            storage, view = allocate(check_batch_header(header, address=self.address), pin=pin)
             receiver = PayloadReceiver(view)
             try:
                 for message in stream:

@@ -55,16 +55,21 @@ class ConstructorServicer(object):
         s tells the constructor the rank is done with every earlier step; the current step can be
         asked for again (a retry), an earlier one only with `restart` (a trainer restarted from an
         older checkpoint: a rewind). Waits up to `wait_ms` for the batch, then answers UNAVAILABLE
-        (retry). Errors: INVALID_ARGUMENT for a rank outside the mesh or not served here,
-        FAILED_PRECONDITION for a step the rank has already moved past (without `restart`), or one
-        before the oldest step the planner's ledger can re-plan (the message names it).
+        (retry; `wait_ms` is cut to 60 s). Errors: INVALID_ARGUMENT for a rank outside the mesh or
+        not served here, a negative step or a `resume` map of more than 32 fingerprints,
+        FAILED_PRECONDITION for a step the rank has already moved past (without `restart`), one
+        before the oldest step the planner's ledger can re-plan (the message names it), or one more
+        than a step past the furthest step the constructor's ranks have reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """Forwards a training report to the planner (see Planner.Report).
+        """Forwards a training report to the planner (see Planner.Report), for a step built here.
+        Errors: INVALID_ARGUMENT for a negative step, a name that is no source of the job or a loss
+        that is not a finite number >= 0, FAILED_PRECONDITION for a step no rank here was given.
+        A step before the oldest step the planner's ledger keeps is not accepted (the reason says so).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

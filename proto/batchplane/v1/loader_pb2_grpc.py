@@ -36,7 +36,9 @@ class LoaderServicer(object):
         The planner calls it to learn sample lengths before planning. The first call for a source
         sets where the loader starts reading (a resumed job starts mid-stream). A window the
         loader does not hold (dropped, or never read) is read again. Waits up to `wait_ms` for at
-        least one sample, else returns none. Errors: INVALID_ARGUMENT for an unknown source.
+        least one sample, else returns none (`wait_ms` is cut to 60 s). Errors: INVALID_ARGUMENT for
+        an unknown source, a negative or overflowing number, a `planned_seq` past `from_seq` (the
+        planner's cursor never passes what it knows) or malformed routes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -49,9 +51,14 @@ class LoaderServicer(object):
         `source` (int32), `seq` (int64) and `input_ids` (list of int32), one row per requested
         sample. Safe to retry: the loader keeps a step's samples until the constructor
         releases them (`release_below_step`), and reads again a window it does not hold (after a
-        restart), answering UNAVAILABLE while it reads. Errors: NOT_FOUND for a position past the
-        end of its stream or a bad sample, INVALID_ARGUMENT for malformed arrays or a negative
-        position.
+        restart), answering UNAVAILABLE while it reads. Only positions the planner may have planned
+        from this replica are served: others are UNAVAILABLE before anything is read (the replica
+        may not have learnt of a plan yet; retry from a fresh plan). Reads stay within the loader's
+        `loaders.buffer_bytes`: over it, a window is read for the fetch alone and not kept. Errors:
+        NOT_FOUND for a position past the end of its stream or a bad sample, INVALID_ARGUMENT for
+        malformed arrays, a negative position, a sample named twice, more samples than one step
+        plans, a constructor index or `copies` outside the job's constructors, or a negative step,
+        RESOURCE_EXHAUSTED for a payload larger than `loaders.buffer_bytes`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

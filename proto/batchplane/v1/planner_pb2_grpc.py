@@ -69,6 +69,9 @@ class PlannerServicer(object):
     def DeregisterLoader(self, request, context):
         """A replica of a loader group leaves (scaled down): no window is routed to it any more; it
         must serve the windows it was routed until `drain_through` of each source, then may exit.
+        A replica that left and restarts (registers under a new incarnation) joins again; one that
+        fails while it drains has its windows adopted by a live replica. Errors: INVALID_ARGUMENT
+        for no such replica (the message names none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,11 +94,16 @@ class PlannerServicer(object):
 
     def GetPlan(self, request, context):
         """One constructor's part of plan(step): the samples of each rank it serves, split into
-        microbatches, and where to fetch them. Plans are built in step order on demand. The first
-        step any constructor asks for is the step the job starts (or resumes) at; asking for an
-        earlier step than one asked before is FAILED_PRECONDITION unless `rewind` says a trainer
-        restarted from an older checkpoint. Waits up to `wait_ms` for the loaders' buffer summaries,
-        then answers UNAVAILABLE (retry with backoff). Retrying the same step returns the same plan.
+        microbatches, and where to fetch them. Plans are built in step order on demand. A fresh job
+        starts at step 0, or at the step asked for by a request that resumes from a checkpoint
+        (`resume`); a restarted planner where its ledger says. A step before the start is
+        FAILED_PRECONDITION unless `rewind` says a trainer restarted from an older checkpoint. A kept
+        step is served in any order (retrying the same step returns the same plan); a step whose
+        plan was dropped is planned again from the ledger. A step more than
+        `constructors.prefetch_steps` + 2 past the one below which every constructor's ranks were
+        handed every step is not planned for: the request waits for that window to reach it. Waits
+        up to `wait_ms` for that and for the loaders' buffer summaries, then answers UNAVAILABLE
+        (retry with backoff).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,9 +118,10 @@ class PlannerServicer(object):
 
     def Report(self, request, context):
         """Records a training report for metric-driven mixing (mixture.schedule.kind "adaptive"): the
-        plan of step s uses the reports of steps <= s - delay_steps. The first report of a step
-        stands. Errors: INVALID_ARGUMENT for an unknown source or a loss that is not a finite
-        number >= 0.
+        plan of step s uses the reports of steps <= s - delay_steps. Only a step that is planned and
+        not yet past (its report not applied yet) is reported; the first report of a step stands,
+        and the same report again is accepted. Errors: INVALID_ARGUMENT for a negative step, an
+        unknown source or a loss that is not a finite number >= 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,8 +9,8 @@ Each benchmark is a module of this package with:
   `progress(message)` reports progress on long work (printed to stderr, never to stdout).
 
 Pure of services: benchmarks drive the planning and delivery logic in process; no sockets. The
-exception is `chaos`, which measures failures of the services themselves: it runs a job's
-processes on this machine.
+exceptions are `chaos`, which measures failures of the services themselves, and `transport`,
+which measures what mutual TLS costs them: they run a job's processes on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ BENCHMARKS = {
     "mixture": "batchplane.bench.mixture",
     "ledger": "batchplane.bench.ledger",
     "chaos": "batchplane.bench.chaos",
+    "transport": "batchplane.bench.transport",
 }
 
 

@@ -49,11 +49,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -61,9 +58,9 @@ from collections import Counter
 from collections.abc import Callable
 
 import pyarrow.parquet as pq
-import yaml
 
 from batchplane.bench import positive_int
+from batchplane.bench.jobs import start_trainer, write_job
 from batchplane.demo.dataset import DemoSource, LogNormal, Pareto, write_demo_dataset
 from batchplane.launcher.local import LocalCluster, ServiceProcess
 
@@ -136,29 +133,14 @@ def _run(
     folder: pathlib.Path, data: dict[str, pathlib.Path], *, failure: str, shadow: bool, prefetch: int, args: argparse.Namespace
 ) -> tuple[dict, tuple[int, int] | None]:
     """One run: its record, and (loader 0's, its shadow's) resident bytes before the kill."""
-    folder.mkdir(parents=True)
-    config = folder / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "job": f"chaos-{failure}-{'shadow' if shadow else 'plain'}-{prefetch}",
-        "run_dir": str(folder / "run"),
-        "seed": 0,
-        "epochs": 1,
-        "sources": [{"name": name, "path": str(path)} for name, path in data.items()],
-        "mesh": {"dp": len(RANKS)},
-        "batch": {"global_batch_size": 32, "microbatches": 2},
-        "loaders": {"count": 2, "shadow": shadow},
-        "constructors": {"prefetch_steps": prefetch},
-    }))
+    config = write_job(
+        folder, f"chaos-{failure}-{'shadow' if shadow else 'plain'}-{prefetch}", data, ranks=len(RANKS), batch=32,
+        loaders={"count": 2, "shadow": shadow}, constructors={"prefetch_steps": prefetch},
+    )
     begin = time.monotonic()
     steps_path = folder / "steps.jsonl"
-    with LocalCluster(config) as cluster:
-        cluster.start()
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "batchplane.examples.timed_trainer", "--ranks", ",".join(map(str, RANKS)),
-             "--step-seconds", str(args.step_seconds), "--out", str(steps_path)],
-            env={**os.environ, "BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
+    with LocalCluster(config) as cluster:  # started on entering
+        trainer = start_trainer(cluster, RANKS, step_seconds=args.step_seconds, out=steps_path)
         try:
             while _slowest(steps_path) < args.kill_at:
                 if trainer.poll() is not None:

@@ -80,6 +80,14 @@ class ConstructorMetrics:
             registry=registry,
             buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300),
         )
+        self.malformed_responses = Counter(
+            "batchplane_constructor_malformed_responses_total",
+            "Answers of a peer that broke the wire contract (a size past what the request can take, arrays that do not "
+            "agree, samples other than those asked for), by peer (planner or loader); the step is built again and the "
+            "log names the peer's address.",
+            ["peer"],
+            registry=registry,
+        )
         self.hook_failures = Counter(
             "batchplane_constructor_hook_failures_total",
             "Steps that could not be built because the strategy's constructor_do_plan hook raised or broke the delivery rules.",

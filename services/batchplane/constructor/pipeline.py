@@ -30,16 +30,18 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive, lay_out, metadata_only
+from batchplane.constructor.bounds import MalformedResponse, check_plan_step
 from batchplane.constructor.hooks import HookError, apply_constructor_hook
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.progress import BuildProgress
+from batchplane.constructor.responses import plan_buckets, receive_samples
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import ALL, DeliveryRules, Variant
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
-from batchplane.core.rpc import call_with_retry, create_channel, reraise
+from batchplane.core.rpc import call_with_retry, reraise
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
-from batchplane.wire import PayloadReceiver, decode_array, encode_array
+from batchplane.wire import decode_array, encode_array
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,6 +51,9 @@ PLANNER_RETRY_BACKOFF_S = 0.25
 
 #: Failed releases in a row at a loader that served earlier steps after which it counts as gone.
 RELEASE_GIVE_UP = 20
+
+#: How long building waits before it asks again a peer that answered a malformed response.
+MALFORMED_BACKOFF_S = 0.25
 
 #: How long a fetch retries an unreachable loader before the step is built again from a fresh
 #: plan, which names the loader's shadow once the planner has promoted it.
@@ -88,6 +93,7 @@ class StepPipeline:
         ranks: The data-parallel ranks it serves.
         planner: The planner's address.
         metrics: The constructor's metrics.
+        connect: Opens a channel to (address, role of the part there: "planner" or "loader").
         info: The job as the planner describes it (its mesh says what the trainer broadcasts).
         hook: The strategy's constructor_do_plan hook, run on every microbatch built.
         rejoin: Registers again with a restarted planner, saying the step needed next.
@@ -105,6 +111,7 @@ class StepPipeline:
         ranks: Sequence[int],
         planner: str,
         metrics: ConstructorMetrics,
+        connect: Callable[[str, str], grpc.Channel],
         info: common_pb2.JobInfo | None = None,
         hook: Callable | None = None,
         rejoin: Callable[[int], None] | None = None,
@@ -120,8 +127,8 @@ class StepPipeline:
         self._index = index
         self.ranks = tuple(ranks)
         self._metrics = metrics
-        self._max_message_bytes = job.network.max_message_bytes
-        self._planner_channel = create_channel(planner, max_message_bytes=self._max_message_bytes)
+        self._connect = connect
+        self._planner_channel = connect(planner, "planner")
         self._planner = planner_pb2_grpc.PlannerStub(self._planner_channel)
         self._planner_address = planner
         self._loader_channels: dict[str, grpc.Channel] = {}
@@ -242,6 +249,9 @@ class StepPipeline:
                         self._metrics.peer_failures.labels(self._peer).inc()
                     since = self._blocked[1] if self._blocked is not None else began
                     self._blocked = (" ".join(str(exc).splitlines()), since)
+                    if isinstance(exc, MalformedResponse):  # counted, and not asked again at once
+                        self._metrics.malformed_responses.labels(exc.peer).inc()
+                        self._cond.wait_for(lambda: self._stopped, timeout=MALFORMED_BACKOFF_S)
                 continue
             except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
                 log.exception("step %d cannot be built", step)
@@ -273,19 +283,10 @@ class StepPipeline:
         rules = DeliveryRules(self.mesh, axis=plan.axis or "DP", broadcast=self._broadcast, middle_tensors=self._job.constructors.pp_middle_tensors)
         variants = {rank: rules.variant(rank) for rank in self.ranks}
         wanted = {v.bucket for v in variants.values() if v.tensors}
-        buckets = {}
-        for rank_plan in plan.ranks:
-            s = rank_plan.samples
-            buckets[rank_plan.dp_rank] = (
-                decode_array(s.source, field="samples.source", dtype="int32", ndim=1),
-                decode_array(s.seq, field="samples.seq", dtype="int64", ndim=1),
-                decode_array(s.row, field="samples.row", dtype="int64", ndim=1),
-                decode_array(s.epoch, field="samples.epoch", dtype="int32", ndim=1),
-                decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
-                decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1),
-                max(rank_plan.fetchers, 1),
-                decode_array(rank_plan.loaders, field="loaders", dtype="int32", ndim=1),
-            )
+        buckets = plan_buckets(
+            plan, asked=step, address=self._planner_address, constructors=self._job.constructor_count,
+            max_samples=self._job.batch.global_batch_size, microbatches=self._job.batch.microbatches,
+        )
         missing = sorted({v.bucket for v in variants.values()} - set(buckets))
         if missing:
             raise FailedPrecondition(f"the plan of step {step} lacks buckets {missing} this constructor's ranks consume")
@@ -296,8 +297,9 @@ class StepPipeline:
             seqs = np.concatenate([buckets[b][1] for b in fetch])
             copies = np.concatenate([np.full(len(buckets[b][0]), buckets[b][6], np.int32) for b in fetch])
             holders = np.concatenate([buckets[b][7] for b in fetch])
+            lengths = np.concatenate([buckets[b][4] for b in fetch])
             begin = time.perf_counter()
-            tokens = self._fetch(step, sources, seqs, copies, holders, list(plan.loader_addresses))
+            tokens = self._fetch(step, sources, seqs, copies, holders, lengths, list(plan.loader_addresses))
             self._metrics.fetch_latency.observe(time.perf_counter() - begin)
         begin = time.perf_counter()
         batch = self._job.batch
@@ -366,7 +368,16 @@ class StepPipeline:
         return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra.payload))
 
     def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
-        """Forwards a trainer's training report to the planner."""
+        """Forwards a trainer's training report to the planner, for a step built here
+        (`BuildProgress.reportable`).
+
+        Raises:
+            FailedPrecondition: a step no rank here has been built.
+        """
+        with self._cond:
+            reason = self._steps.reportable(request.step)
+        if reason:
+            return common_pb2.ReportResponse(accepted=False, reason=reason)
         return self._call_planner(lambda: self._planner.Report(request, timeout=10), f"Report(step {request.step}) to")
 
     def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:
@@ -393,6 +404,7 @@ class StepPipeline:
             return self._planner.GetPlan(request, timeout=10)
 
         plan = self._call_planner(get_plan, f"GetPlan(step {step}) from")
+        check_plan_step(asked=step, step=plan.step, oldest_step=plan.oldest_step, peer="planner", address=self._planner_address)
         with self._cond:
             self._planned = True
             self._steps.oldest = plan.oldest_step
@@ -412,10 +424,10 @@ class StepPipeline:
             raise reraise(exc, f"planner at {self._planner_address}") from exc
 
     def _fetch(
-        self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, holders: np.ndarray, addresses: list[str]
+        self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, holders: np.ndarray, lengths: np.ndarray, addresses: list[str]
     ) -> dict[tuple[int, int], np.ndarray]:
-        """Token ids of every (source, seq) of the step, fetched in parallel from the loader
-        replicas that hold them (`holders` indexes `addresses`)."""
+        """Token ids of every (source, seq) of the step (of planned `lengths`), fetched in
+        parallel from the loader replicas that hold them (`holders` indexes `addresses`)."""
         by_loader: dict[str, np.ndarray] = {}
         if len(holders) != len(seqs) or (len(holders) and not 0 <= holders.min() <= holders.max() < len(addresses)):
             raise FailedPrecondition(f"the plan of step {step} names loaders outside its {len(addresses)} loader addresses")
@@ -425,7 +437,7 @@ class StepPipeline:
                 raise Unavailable(f"the plan of step {step} has no address for a loader of sources {sorted(set(sources[holders == i].tolist()))}")
             by_loader[address] = holders == i
         jobs = {
-            address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask], copies[mask])
+            address: self._fetchers.submit(self._fetch_from, address, step, sources[mask], seqs[mask], copies[mask], lengths[mask])
             for address, mask in by_loader.items()
         }
         # Loaders that served earlier steps but not this one release what they hold for us too,
@@ -480,10 +492,10 @@ class StepPipeline:
         with self._channels_lock:
             channel = self._loader_channels.get(address)
             if channel is None:
-                channel = self._loader_channels[address] = create_channel(address, max_message_bytes=self._max_message_bytes)
+                channel = self._loader_channels[address] = self._connect(address, "loader")
         return loader_pb2_grpc.LoaderStub(channel)
 
-    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray) -> pa.Table:
+    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, lengths: np.ndarray) -> pa.Table:
         request = loader_pb2.FetchSamplesRequest(
             constructor_index=self._index,
             step=step,
@@ -496,18 +508,8 @@ class StepPipeline:
 
         def attempt() -> pa.Table:
             stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
-            first = next(stream)
-            if first.WhichOneof("part") != "header":
-                raise Unavailable(f"loader at {address} sent no header")
-            buffer = bytearray(first.header.payload_bytes)
-            receiver = PayloadReceiver(buffer)
-            for message in stream:
-                receiver.add(message.chunk.data)
-            receiver.check_complete()
-            table = pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
-            if table.num_rows != len(seqs):
-                raise Unavailable(f"loader at {address} sent {table.num_rows} samples for {len(seqs)} requested")
-            self._metrics.received_bytes.inc(len(buffer))
+            table, nbytes = receive_samples(stream, address=address, sources=sources, seqs=seqs, lengths=lengths)
+            self._metrics.received_bytes.inc(nbytes)
             self._metrics.samples_received.inc(table.num_rows)
             return table
 

@@ -18,6 +18,13 @@ Rules (each a test in tests/unit/test_build_progress.py):
   it again (the end stays where it is: the plan sequence is deterministic).
 - A build finished across a rewind still yields batches (the plans are the same) but does not
   move building forward.
+- Once building has started, a request may name at most one step past the furthest step any
+  rank here asked for, or the next step to build if that is later (`furthest_step`): a trainer
+  moves one step at a time, and one resuming from a checkpoint resumes where this data plane
+  has been. A step further ahead is refused before it is acted on, so that no request makes the
+  constructor skip steps or ask the planner for steps the job has not reached.
+- A report is forwarded for a step built here (asked of the planner) and not past the end;
+  one before the oldest step the planner's ledger keeps is not used (`reportable`).
 """
 
 from __future__ import annotations
@@ -84,12 +91,18 @@ class BuildProgress:
 
         Raises:
             FailedPrecondition: without `restart`, a step before the start or one the rank has
-                moved past; with it, a rewind before the oldest step the planner can re-plan.
+                moved past; with it, a rewind before the oldest step the planner can re-plan;
+                after the start, a step past `furthest_step`.
         """
         if restart and step < self.oldest:
             raise rewind_refused(step, self.oldest)
         latest = self._progress.get(rank, step)
         started = self.start is None
+        if not started and step > self.furthest_step():
+            raise FailedPrecondition(
+                f"step {step} is ahead of every step asked here: ask for step {self.furthest_step()} or earlier "
+                "(a trainer resumes at a step the data plane has reached)"
+            )
         if started:
             self.start = self.next = step if self._resume_step is None else min(step, self._resume_step)
         behind = step < latest or step < self.start
@@ -112,6 +125,11 @@ class BuildProgress:
         drop += self._idle_below(self.slowest())
         self._ready.difference_update(drop)
         return Asked(started=started, rewound=behind, drop=drop)
+
+    def furthest_step(self) -> int:
+        """The furthest step a request may name now: one past the furthest step asked here, or
+        the next step to build if that is later (meaningful once building has started)."""
+        return max(max(self._progress.values(), default=self.next) + 1, self.next)
 
     def _idle_below(self, step: int) -> tuple[tuple[int, int], ...]:
         """Held batches below `step` of ranks that do not pull (nobody waits for them)."""
@@ -165,6 +183,21 @@ class BuildProgress:
         self.end = step if self.end is None else min(self.end, step)
         if epoch == self.epoch:
             self.next = max(self.next, step + 1)
+
+    def reportable(self, step: int) -> str:
+        """Whether a training report of `step` is forwarded: "" when it is, else why not (a step
+        before the oldest step the planner's ledger keeps).
+
+        Raises:
+            FailedPrecondition: a step not built here (never asked of the planner, or past the end).
+        """
+        if step > self._planned_through or (self.end is not None and step >= self.end):
+            raise FailedPrecondition(
+                f"report of step {step}: no rank here has been given that step (built through step {self._planned_through})"
+            )
+        if step < self.oldest:
+            return f"step {step} is before step {self.oldest}, the oldest step the planner's ledger keeps, so its report is not used"
+        return ""
 
     def rejoin_step(self) -> int:
         """The oldest step this constructor may still need planned."""

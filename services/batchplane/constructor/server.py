@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import pathlib
+import stat
 import threading
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from batchplane.constructor.metrics import ConstructorMetrics
@@ -17,7 +21,8 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
-from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, set_serving
+from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
+from batchplane.core.tls import Security
 from batchplane.core.userfile import job_hook
 from batchplane.v1 import constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
@@ -29,6 +34,8 @@ class RunningConstructor:
     address: str
     server: grpc.Server
     pipeline: StepPipeline
+    security: Security
+    health: HealthServicer
     _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self, job: JobSettings, process: ProcessSettings, ranks: tuple[int, ...]) -> None:
@@ -36,7 +43,7 @@ class RunningConstructor:
         saying the oldest step it may still need: a restarted planner resumes there even when
         this constructor asks for no plan for a while (its ranks are busy, or past the end of
         data). Runs on a thread of its own."""
-        with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+        with create_channel(process.planner, peer="planner", security=self.security, max_message_bytes=job.network.max_message_bytes) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             while not self._stopped.wait(job.network.heartbeat_s):
                 step = self.pipeline.rejoin_step()
@@ -47,14 +54,19 @@ class RunningConstructor:
                 except grpc.RpcError:
                     continue  # the planner is restarting: the next round tells it
 
+    def serving(self) -> bool:
+        return serving_status(self.health)
+
     def stop(self, grace_s: float) -> None:
         self._stopped.set()
         self.pipeline.stop()  # first: wakes requests waiting for batches
         self.server.stop(grace_s).wait()
 
 
-def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningConstructor:
-    """Starts constructor `process.index` of `job` and registers it with the planner.
+def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
+    """Starts constructor `process.index` of `job` and registers it with the planner. It serves
+    its trainer with local credentials (core.tls: a Unix socket in a folder only the pod's group
+    enters, or loopback TCP) and calls the planner and loaders over mutual TLS.
 
     Raises:
         ConfigError: a bad index or no planner address.
@@ -66,19 +78,25 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         raise ConfigError("--planner", "is required for a constructor", None)
     ranks = job.constructor_ranks(process.index)
     metrics = ConstructorMetrics(registry)
+    if process.listen:
+        prepare_socket_folder(process.listen)
+        os.umask(0o007)  # the socket: owner and group read and write, nobody else
     server, port, health = create_grpc_server(
         host=process.listen or job.network.host,
         port=process.port,
         metrics=ServerMetrics("constructor", registry),
         max_message_bytes=job.network.max_message_bytes,
+        security=security,
+        local=True,
     )
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
-    registered = _register(job, process, address, ranks)
+    registered = _register(job, process, security, address, ranks)
     info = registered.job
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
     pipeline = StepPipeline(
         job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
-        rejoin=lambda step: _register(job, process, address, ranks, next_step=step),
+        connect=lambda peer_address, peer: create_channel(peer_address, peer=peer, security=security, max_message_bytes=job.network.max_message_bytes),
+        rejoin=lambda step: _register(job, process, security, address, ranks, next_step=step),
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
         oldest_step=registered.oldest_step,
     )
@@ -86,7 +104,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     server.start()
     set_serving(health, "batchplane.v1.Constructor")
     log.info("serving ranks %s", list(ranks))
-    running = RunningConstructor(address, server, pipeline)
+    running = RunningConstructor(address, server, pipeline, security, health)
     threading.Thread(target=running.keep_registered, args=(job, process, ranks), name="register", daemon=True).start()
     return running
 
@@ -98,7 +116,35 @@ def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, 
 
 
 def _register(
-    job: JobSettings, process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
+    job: JobSettings, process: ProcessSettings, security: Security, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
 ) -> planner_pb2.RegisterConstructorResponse:
     request = _request(process, address, ranks, next_step=next_step)
-    return register_with_planner(job, process, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")
+    return register_with_planner(job, process, security, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")
+
+
+def prepare_socket_folder(listen: str) -> None:
+    """Makes the folder of the trainer's socket before the server binds it: only its owner and
+    group (the pod's fsGroup, shared with a trainer running as another user) enter it, and new
+    files there take that group (set-group-id). The caller sets the umask that makes the socket
+    itself owner-and-group only, so nothing outside the group can connect at any moment.
+
+    Raises:
+        ConfigError: the folder cannot be made, or exists and others may enter it.
+    """
+    path = pathlib.Path(listen.removeprefix("unix://").removeprefix("unix:"))
+    folder = path.parent
+    try:
+        try:
+            folder.mkdir(parents=True, mode=0o700)
+        except FileExistsError:  # made by this pod's other constructor, or before a restart
+            pass
+        else:
+            os.chmod(folder, 0o2770)  # mkdir's mode is cut by the umask; set it before any bind
+        mode = folder.stat().st_mode
+    except OSError as exc:
+        raise ConfigError("--listen", f"cannot make the socket folder {folder}: {exc.strerror or exc}", listen) from None
+    if mode & 0o007:
+        raise ConfigError(
+            "--listen", f"the socket folder {folder} lets every user in (mode {stat.S_IMODE(mode):o}); "
+            "point --listen into a folder of its own, which the constructor makes with mode 2770", listen,
+        )

@@ -1,5 +1,5 @@
-"""The Constructor gRPC servicer: parses requests, asks the pipeline for batches, streams them.
-No logic of its own."""
+"""The Constructor gRPC servicer: parses requests, checks them against the job (`bounds`), asks
+the pipeline for batches, streams them. No logic of its own."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import grpc
 
 from batchplane.constructor.assemble import TensorLayout
+from batchplane.constructor.bounds import check_batch_request, check_report
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import Delivery, StepPipeline
 from batchplane.core.mesh import ClientPlaceTree
-from batchplane.core.errors import InvalidArgument
-from batchplane.core.rpc import MAX_WAIT_MS, stream_payload
+from batchplane.core.rpc import stream_payload, wait_seconds
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
@@ -54,19 +54,18 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         return constructor_pb2.GetInfoResponse(job=self._job, ranks=self._pipeline.ranks)
 
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
+        check_report(step=request.step, losses=request.losses, sources=self._job.sources)
         return self._pipeline.report(request)
 
     def GetLength(self, request: constructor_pb2.GetLengthRequest, context: grpc.ServicerContext) -> constructor_pb2.GetLengthResponse:
-        if request.wait_ms < 0:
-            raise InvalidArgument(f"wait_ms must be >= 0, got {request.wait_ms}")
-        return constructor_pb2.GetLengthResponse(length=self._pipeline.job_length(wait_ms=min(request.wait_ms, MAX_WAIT_MS)))
+        wait_ms = round(wait_seconds(request.wait_ms, context) * 1000)
+        return constructor_pb2.GetLengthResponse(length=self._pipeline.job_length(wait_ms=wait_ms))
 
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
-        if request.step < 0:
-            raise InvalidArgument(f"step must be >= 0, got {request.step}")
-        wait_ms = min(request.wait_ms, MAX_WAIT_MS) if request.wait_ms > 0 else DEFAULT_WAIT_MS
+        check_batch_request(rank=request.rank, step=request.step, world=self._pipeline.mesh.world, resume=request.resume)
         delivery = self._pipeline.batch(
-            request.rank, request.step, timeout_s=wait_ms / 1000, resume=dict(request.resume), restart=request.restart
+            request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
+            resume=dict(request.resume), restart=request.restart,
         )
         if delivery is None:
             yield constructor_pb2.GetBatchResponse(

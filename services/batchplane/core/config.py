@@ -198,7 +198,9 @@ class LoaderSettings:
     #: Samples a loader reads ahead of the planner's cursor, per source.
     read_ahead_samples: int = 4096
     #: Soft cap on a loader's buffered payload bytes; read-ahead pauses above it (samples the
-    #: planner is waiting for are always read).
+    #: planner is waiting for are always read), and above it a window a fetch needs is read for
+    #: that fetch alone and not kept. Also the largest payload one fetch may take (a
+    #: constructor's share of one step; more is RESOURCE_EXHAUSTED).
     buffer_bytes: int = 512 * MiB
     #: Sample order.
     shuffle: ShuffleSettings = dataclasses.field(default_factory=ShuffleSettings)
@@ -237,6 +239,11 @@ class NetworkSettings:
 
     #: Interface every service binds (gRPC and metrics).
     host: str = "127.0.0.1"
+    #: Mutual TLS between the parts, each allowed only its own calls (core.authz), and local
+    #: credentials on the constructor's socket for the trainer. `off` turns all of it off: the
+    #: parts then talk plaintext and any process that reaches a port can read training data,
+    #: register as a loader or ask for another rank's batches (every process says so at start).
+    tls: bool = True
     #: Largest gRPC message accepted or sent; bulk data is chunked well below it.
     max_message_bytes: int = 4 * MiB
     #: Deadline of one service-to-service call, and of a wait for data.

@@ -59,3 +59,13 @@ class ConfigError(BatchplaneError):
 class SourceError(BatchplaneError):
     """A source cannot be opened: a missing or unreadable file, a missing column, a column of
     the wrong type, an empty source. The message names the source and the file."""
+
+
+class Unauthenticated(BatchplaneError):
+    """The caller has no identity the service accepts (no certificate naming a role, no valid
+    token)."""
+
+
+class PermissionDenied(BatchplaneError):
+    """The caller's identity may not make this call (another role's call, or acting for
+    another index or replica than its own)."""

@@ -1,5 +1,5 @@
 """The metrics every batchplane process exposes besides its own: the registry each process
-starts from.
+starts from, and the HTTP endpoint serving it (with the health probe).
 
 A process's registry carries prometheus_client's default collectors (process_* for memory, CPU
 and open files; python_gc_* for the garbage collector; python_info for the interpreter) and
@@ -16,9 +16,13 @@ import dataclasses
 import importlib.metadata
 import json
 import platform
-from collections.abc import Mapping
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, GCCollector, Gauge, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, GCCollector, Gauge, PlatformCollector, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 #: The distribution whose version `batchplane_build_info` reports.
 DISTRIBUTION = "batchplane"
@@ -94,3 +98,38 @@ def _vcs_commit(direct_url: str | None) -> str | None:
         return None
     commit = (record.get("vcs_info") or {}).get("commit_id") if isinstance(record, dict) else None
     return commit if isinstance(commit, str) and commit else None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def start_metrics_server(
+    port: int, host: str, registry: CollectorRegistry, serving: Callable[[], bool]
+) -> tuple[WSGIServer, threading.Thread]:
+    """The process's HTTP endpoint, on a thread of its own: `/metrics` (Prometheus) and
+    `/healthz`: 200 while the service's gRPC health is SERVING, 503 otherwise (kubelet probes
+    it: its gRPC probes speak plaintext, which a mutual-TLS port refuses).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") == "/healthz":
+            ok = serving()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+        return metrics_app(environ, start_response)
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return httpd, thread

@@ -22,14 +22,17 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter
 
 from batchplane.core import logformat
 from batchplane.core.config import JobSettings, load_job
 from batchplane.core.errors import BatchplaneError, ConfigError
-from batchplane.core.metrics import build_info, process_registry
+from batchplane.core.metrics import build_info, process_registry, start_metrics_server
+
+if TYPE_CHECKING:
+    from batchplane.core.tls import Security
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class ProcessSettings:
     planner: str | None = None
     #: gRPC port; 0 picks a free one.
     port: int = 0
-    #: A Unix socket to serve gRPC on instead of host:port, e.g. "unix:///run/batchplane/constructor.sock".
+    #: A Unix socket to serve gRPC on instead of host:port, e.g.
+    #: "unix:///run/batchplane/socket/constructor.sock" (a constructor makes its folder, mode 2770).
     listen: str | None = None
     #: The address other parts reach this one at (e.g. the pod's IP and port in a cluster);
     #: None: the address it serves on.
@@ -78,12 +82,20 @@ class ProcessSettings:
     #: The job's run folder (the planner's ledger lies in <run_dir>/ledger unless the job's
     #: ledger.location says otherwise); None: the job's run_dir.
     run_dir: pathlib.Path | None = None
+    #: The process's certificate folder (ca.crt, tls.crt, tls.key) when the job's network.tls is on.
+    tls_dir: pathlib.Path | None = None
+    #: A file holding the bearer token this process sends with its calls.
+    token_file: pathlib.Path | None = None
+    #: A folder holding each role's token (one file per role) that this process's server accepts.
+    auth_tokens: pathlib.Path | None = None
 
 
 class Running(Protocol):
     """A started service (a loader also has `leave() -> bool`, run on SIGUSR1; it stops once left)."""
 
     address: str
+
+    def serving(self) -> bool: ...
 
     def stop(self, grace_s: float) -> None: ...
 
@@ -96,19 +108,27 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--shadow-of", help="run a loader as the shadow (hot standby) of this replica id of its group, e.g. 0")
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
-    parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/x.sock")
+    parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/batchplane/socket/constructor.sock (its folder is made with mode 2770)")
     parser.add_argument("--advertise", help="address other parts reach this one at (default: the served address), e.g. $(POD_IP):50052")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (default: any free port)")
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
     parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
     parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
+    parser.add_argument("--tls-dir", type=pathlib.Path, default=_env_path("BATCHPLANE_TLS_DIR"), help="certificate folder: ca.crt, tls.crt, tls.key (a mounted Secret; never subPath) (default: $BATCHPLANE_TLS_DIR)")
+    parser.add_argument("--token-file", type=pathlib.Path, default=_env_path("BATCHPLANE_TOKEN_FILE"), help="bearer token this process sends (default: $BATCHPLANE_TOKEN_FILE)")
+    parser.add_argument("--auth-tokens", type=pathlib.Path, default=_env_path("BATCHPLANE_AUTH_TOKENS"), help="folder of accepted tokens, one file per role (default: $BATCHPLANE_AUTH_TOKENS)")
     parser.add_argument("--run-dir", type=pathlib.Path, help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set")
     ns = parser.parse_args(argv)
     if ns.listen is not None and not ns.listen.startswith("unix:"):
         parser.error(f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host")
     ns.log_format = log_format_setting(ns.log_format, os.environ, parser)
     return ProcessSettings(**vars(ns))
+
+
+def _env_path(name: str) -> pathlib.Path | None:
+    value = os.environ.get(name)
+    return pathlib.Path(value) if value else None
 
 
 def log_format_setting(flag: str | None, environ: Mapping[str, str], parser: argparse.ArgumentParser) -> str:
@@ -164,14 +184,16 @@ def write_ready_file(path: pathlib.Path, info: dict) -> None:
 def run_service(
     part: str,
     argv: Sequence[str] | None,
-    start: Callable[[JobSettings, ProcessSettings, CollectorRegistry], Running],
+    start: Callable[[JobSettings, ProcessSettings, CollectorRegistry, Security], Running],
 ) -> int:
     """Runs one service process until SIGTERM/SIGINT (or its parent's exit).
 
     Args:
         part: "planner", "loader" or "constructor".
         argv: Command-line arguments (None: sys.argv).
-        start: Builds and starts the service; raises BatchplaneError for bad configuration or
+        start: Builds and starts the service with the process's transport security (core.tls:
+            mutual TLS from --tls-dir unless the job's network.tls is off, tokens from
+            --token-file and --auth-tokens); raises BatchplaneError for bad configuration or
             data, which ends the process with exit status 2 and the error in the log, and
             PortUnavailable when it cannot bind its --port (exit status 3).
     Returns:
@@ -179,6 +201,7 @@ def run_service(
         EXIT_METRICS_PORT_UNAVAILABLE (--metrics-port cannot be bound).
     """
     from batchplane.core.rpc import PortUnavailable  # here: the operator logs through this module without grpc
+    from batchplane.core.tls import process_security
 
     settings = parse_process_args(part, argv)
     name = part if part == "planner" else f"{part}-{settings.replica or settings.index}" + ("-shadow" if settings.shadow_of else "")
@@ -195,7 +218,15 @@ def run_service(
         if settings.metrics_port and not _can_bind(job.network.host, settings.metrics_port):
             log.error("cannot start %s: metrics port %d on %s is taken", name, settings.metrics_port, job.network.host)
             return EXIT_METRICS_PORT_UNAVAILABLE
-        running = start(job, settings, registry)
+        reloads = Counter(
+            f"batchplane_{part}_certificate_reloads_total",
+            "Times this process read its rotated certificate folder again (servers and channels each count).",
+            registry=registry,
+        )
+        security = process_security(
+            tls=job.network.tls, tls_dir=settings.tls_dir, token_file=settings.token_file, auth_tokens=settings.auth_tokens, on_reload=reloads.inc
+        )
+        running = start(job, settings, registry, security)
     except PortUnavailable as exc:
         log.error("cannot start %s: %s", name, exc)
         return EXIT_PORT_UNAVAILABLE
@@ -203,7 +234,7 @@ def run_service(
         log.error("cannot start %s: %s", name, exc)
         return EXIT_BAD_INPUT
     try:
-        metrics_server, _ = start_http_server(settings.metrics_port, addr=job.network.host, registry=registry)
+        metrics_server, _ = start_metrics_server(settings.metrics_port, job.network.host, registry, running.serving)
     except OSError as exc:
         if not settings.metrics_port:
             raise
@@ -237,7 +268,10 @@ def run_service(
         write_ready_file(
             settings.ready_file, {"address": running.address, "metrics_port": metrics_port, "pid": os.getpid()}
         )
-    log.info("%s serving on %s, metrics on http://%s:%d/metrics", name, running.address, job.network.host, metrics_port)
+    log.info(
+        "%s serving on %s (%s), metrics on http://%s:%d/metrics", name, running.address,
+        "mutual TLS" if security.enabled else "PLAINTEXT", job.network.host, metrics_port,
+    )
     # Wait in slices: the kernel may deliver SIGTERM to one of grpc's threads, and CPython runs
     # signal handlers only when the main thread wakes; an untimed wait can then miss it forever.
     while not stop_event.wait(0.2):

@@ -12,18 +12,22 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.rpc import call_with_retry, create_channel, reraise
+from batchplane.core.tls import Security
 from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def register_with_planner(job: JobSettings, process: ProcessSettings, *, rpc: str, request: Message, who: str) -> Message:
+def register_with_planner(
+    job: JobSettings, process: ProcessSettings, security: Security, *, rpc: str, request: Message, who: str
+) -> Message:
     """Calls Planner.<rpc>(request) until the planner answers, and returns its response (whose
     `job` is the job it serves).
 
     Args:
         job: The job as this process read it.
         process: This process's settings (planner address, config path).
+        security: This process's transport security.
         rpc: "RegisterLoader" or "RegisterConstructor".
         request: The registration request.
         who: "loader 0", "constructor 1": for errors and logs.
@@ -32,7 +36,7 @@ def register_with_planner(job: JobSettings, process: ProcessSettings, *, rpc: st
         InvalidArgument: the planner refused the registration (the message says why).
         ConfigError: the planner runs a job with another fingerprint than this process's file.
     """
-    with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+    with create_channel(process.planner, peer="planner", security=security, max_message_bytes=job.network.max_message_bytes) as channel:
         call = getattr(planner_pb2_grpc.PlannerStub(channel), rpc)
         try:
             response = call_with_retry(

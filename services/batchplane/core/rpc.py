@@ -1,6 +1,7 @@
 """gRPC plumbing shared by the services: the one table from domain errors to status codes, a
-server interceptor that applies it and counts every request, server and channel factories with
-the job's message limits, health checking, and retries for service-to-service calls.
+server interceptor that authorizes every call (core.authz), applies the table and counts every
+request, server and channel factories with the job's message limits and transport security
+(core.tls), health checking, and retries for service-to-service calls.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from batchplane.core import errors
+from batchplane.core.authz import authorize
+from batchplane.core.tls import Security
+from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2
 from batchplane.wire import WireFormatError, iter_chunks
 
@@ -34,10 +38,28 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 #: The longest a request may ask a service to wait (`wait_ms`); longer asks are cut to it.
 MAX_WAIT_MS = 60_000
+
+def wait_seconds(wait_ms: int, context: grpc.ServicerContext | None, *, default_ms: int = 0) -> float:
+    """How long a request may keep a server thread waiting for data: its `wait_ms` (0:
+    `default_ms`), cut to MAX_WAIT_MS and to what is left of the caller's deadline: a caller
+    that gave up must not hold one of the server's threads (a few dozen such calls would stall
+    every other caller of the part). `context` None: a call in process, without a deadline.
+
+    Raises:
+        InvalidArgument: `wait_ms` < 0.
+    """
+    if wait_ms < 0:
+        raise errors.InvalidArgument(f"wait_ms must be >= 0, got {wait_ms}")
+    seconds = min(wait_ms or default_ms, MAX_WAIT_MS) / 1000
+    remaining = context.time_remaining() if context is not None else None
+    return max(min(seconds, remaining), 0.0) if remaining is not None else seconds
+
 
 #: Status codes a caller retries with backoff: a peer down or restarting, one that did not answer
 #: in time, and a call cut by a peer stopping gracefully (its stop cancels the calls in flight).
@@ -77,35 +99,49 @@ class ServerMetrics:
 
 
 class _ErrorsAndMetrics(grpc.ServerInterceptor):
-    """Maps exceptions raised by servicer methods to status codes and records every call."""
+    """Authorizes every call, maps exceptions raised by servicer methods to status codes and
+    records every call."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, security: Security) -> None:
         self._metrics = metrics
+        self._security = security
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        full = handler_call_details.method
+        method = full.rsplit("/", 1)[-1]
+        parse = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+            return handler._replace(request_deserializer=parse, unary_unary=self._unary(handler.unary_unary, full, method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream, method))
-        return handler
+            return handler._replace(request_deserializer=parse, unary_stream=self._stream(handler.unary_stream, full, method))
+        return None  # no client-streaming methods: nothing unauthorized gets through
+
+    def _authorize(self, context: grpc.ServicerContext, full: str, request: Any) -> None:
+        if isinstance(request, _Unparsable):
+            raise errors.InvalidArgument(f"the request is not a valid {full.rsplit('/', 1)[-1]} message: {request.reason}")
+        identity = self._security.identify(context)
+        if identity is not None:
+            authorize(identity, full, request)
 
     def _fail(self, context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
         code = status_of(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method)
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            log.warning("%s from %s refused: %s: %s", method, context.peer(), code.name, exc)
         else:
             log.debug("%s: %s: %s", method, code.name, exc)
         self._metrics.requests.labels(method, code.name).inc()
         context.abort(code, str(exc) or type(exc).__name__)
 
-    def _unary(self, behavior: Callable, method: str) -> Callable:
+    def _unary(self, behavior: Callable, full: str, method: str) -> Callable:
         def wrapper(request, context):
             start = time.perf_counter()
             try:
+                self._authorize(context, full, request)
                 response = behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - every failure gets a status code
                 if _is_abort(exc):
@@ -118,10 +154,11 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
 
         return wrapper
 
-    def _stream(self, behavior: Callable, method: str) -> Callable:
+    def _stream(self, behavior: Callable, full: str, method: str) -> Callable:
         def wrapper(request, context):
             start = time.perf_counter()
             try:
+                self._authorize(context, full, request)
                 yield from behavior(request, context)
             except Exception as exc:  # noqa: BLE001
                 if _is_abort(exc):
@@ -132,6 +169,27 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
             self._metrics.requests.labels(method, "OK").inc()
 
         return wrapper
+
+
+class _Unparsable:
+    """A request whose bytes do not parse: refused INVALID_ARGUMENT by the interceptor (grpc
+    itself would answer INTERNAL, as if the server were at fault)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or a RuntimeWarning turned error
+            return _Unparsable(type(exc).__name__)
+
+    return tolerant
 
 
 def _is_abort(exc: BaseException) -> bool:
@@ -173,15 +231,20 @@ def create_grpc_server(
     port: int,
     metrics: ServerMetrics,
     max_message_bytes: int,
+    security: Security,
+    local: bool = False,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A gRPC server with the error/metrics interceptor and grpc.health.v1, bound but not started.
+    """A gRPC server with the authorizing error/metrics interceptor and grpc.health.v1, bound
+    but not started.
 
     Args:
         host: Interface to bind (e.g. "127.0.0.1"), or a Unix socket address "unix:///path".
         port: TCP port; 0 picks a free one; ignored for a Unix socket.
         metrics: The service's request metrics.
         max_message_bytes: Largest message accepted or sent.
+        security: The process's transport security (mutual TLS, or off).
+        local: Serve the trainer of this pod (local credentials) instead of the other parts.
         max_workers: Threads serving RPCs.
     Returns:
         (server, bound port (0 for a Unix socket), health servicer to set statuses on).
@@ -191,14 +254,14 @@ def create_grpc_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        interceptors=[_ErrorsAndMetrics(metrics)],
+        interceptors=[_ErrorsAndMetrics(metrics, security)],
         options=[*message_options(max_message_bytes), *SERVER_OPTIONS],
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = host if host.startswith("unix:") else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = security.add_local_port(server, address) if local else security.add_port(server, address)
     except RuntimeError:  # grpc raises here; older versions returned 0
         if host.startswith("unix:"):
             raise
@@ -216,14 +279,36 @@ def set_serving(health_servicer: health.HealthServicer, *services: str) -> None:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def create_channel(address: str, *, max_message_bytes: int) -> grpc.Channel:
-    """An insecure channel to a peer service with the job's message limits."""
-    return grpc.insecure_channel(address, options=message_options(max_message_bytes))
+def create_channel(address: str, *, peer: str, security: Security, max_message_bytes: int) -> grpc.Channel:
+    """A channel to a part of role `peer` ("planner", "loader") with the job's message limits,
+    over mutual TLS unless the job turned it off."""
+    return security.channel(address, peer=peer, options=message_options(max_message_bytes))
 
 
-def is_serving(address: str, *, timeout_s: float = 1.0) -> bool:
-    """True when the server at `address` answers its health check with SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def serving_status(health_servicer: health.HealthServicer) -> bool:
+    """True while the server's overall health status is SERVING."""
+    response = health_servicer.Check(health_pb2.HealthCheckRequest(), _NoContext())
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class _NoContext:
+    """What HealthServicer.Check needs of a context when asked in-process."""
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+
+def is_serving(address: str, *, peer: str, security: Security, timeout_s: float = 1.0) -> bool:
+    """True when the server of role `peer` at `address` answers its health check with SERVING
+    (a constructor's trainer socket: peer "constructor")."""
+    if peer == "constructor":
+        channel = local_channel(address)
+    else:
+        channel = security.channel(address, peer=peer)
+    with channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

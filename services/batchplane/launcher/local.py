@@ -17,6 +17,7 @@ with a warning; `endpoints.json` then names the new address.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -24,16 +25,18 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Sequence
 
-import grpc
-
 from batchplane.core.config import JobSettings, load_job
 from batchplane.core.process import EXIT_METRICS_PORT_UNAVAILABLE, EXIT_PORT_UNAVAILABLE
 from batchplane.planner.strategy import load_schedule, load_strategy
+from batchplane.core.identity import INDEXED_ROLES, Identity
+from batchplane.core.localca import LocalCA
 from batchplane.core.rpc import is_serving
+from batchplane.core.tls import TLS_OFF_WARNING, CertificateFolder, Security
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -84,8 +87,8 @@ class ServiceProcess:
 
     @property
     def port(self) -> int:
-        """The gRPC port it serves on (0 before it is ready)."""
-        return int(self.address.rsplit(":", 1)[1]) if self.address else 0
+        """The gRPC port it serves on (0 before it is ready, or on a Unix socket)."""
+        return 0 if not self.address or self.address.startswith("unix:") else _port_of(self.address)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -127,6 +130,8 @@ class LocalCluster:
         self.loaders: list[ServiceProcess] = []
         self.constructors: list[ServiceProcess] = []
         self._replicas_started = 0
+        self.ca: LocalCA | None = None
+        self.security = Security(None)
 
     @property
     def processes(self) -> list[ServiceProcess]:
@@ -146,6 +151,7 @@ class LocalCluster:
                 stopped again.
         """
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._secure()
         earlier = self._earlier_ports()
         if earlier:
             self._wait_for_leftovers(min(LEFTOVER_EXIT_S, timeout_s))
@@ -168,7 +174,7 @@ class LocalCluster:
                     for i in range(self.job.loader_count)
                 ]
             self.constructors = [
-                spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *planner_args])
+                spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *planner_args])
                 for i in range(self.job.constructor_count)
             ]
             self._wait_ready(self.loaders + self.constructors, timeout_s)
@@ -177,6 +183,31 @@ class LocalCluster:
             raise
         self._write_endpoints()
         return self
+
+    @property
+    def tls_dir(self) -> pathlib.Path:
+        """The run's certificates: ca/ (the throwaway CA) and one folder per process."""
+        return self.run_dir / "tls"
+
+    def _secure(self) -> None:
+        """With network.tls on (the default): the run's CA (made once, kept in the run folder)
+        and the launcher's own certificate (role operator: it checks health and status)."""
+        if not self.job.network.tls:
+            log.warning(TLS_OFF_WARNING)
+            return
+        self.ca = LocalCA(self.tls_dir / "ca", name=self.job.job)
+        own = self.ca.issue(Identity("operator"), self.tls_dir / "launcher")
+        self.security = Security(CertificateFolder(own))
+
+    def _trainer_socket(self, index: int) -> list[str]:
+        """With TLS on, a constructor serves its trainers on a Unix socket with local credentials,
+        as in a pod: in a folder of this run under the temporary directory (a socket path must
+        stay under 108 bytes, which a run folder's may not)."""
+        if not self.job.network.tls:
+            return []
+        digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
+        folder = pathlib.Path(tempfile.gettempdir()) / f"batchplane-{os.getuid()}" / digest
+        return ["--listen", f"unix://{folder}/constructor-{index}.sock"]
 
     def _earlier_ports(self) -> dict[str, Ports]:
         """The ports each process had in the earlier run of this job in the run folder, by
@@ -242,6 +273,8 @@ class LocalCluster:
             command += ["--port", str(ports.grpc)]
         if ports.metrics:
             command += ["--metrics-port", str(ports.metrics)]
+        if self.ca is not None:
+            command += ["--tls-dir", str(self.ca.issue(_identity_of(module, args), self.tls_dir / name))]
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.debug("started %s (pid %d): %s", name, popen.pid, " ".join(command))
@@ -273,7 +306,7 @@ class LocalCluster:
                 if p.ready_path.exists():
                     info = json.loads(p.ready_path.read_text())
                     p.address, p.metrics_port = info["address"], info["metrics_port"]
-                    if is_serving(p.address):
+                    if is_serving(p.address, peer=_role_of(p.module), security=self.security):
                         pending.remove(p)
                         _warn_if_moved(p)
             if pending and time.monotonic() > give_up:
@@ -413,7 +446,7 @@ class LocalCluster:
 
     def status(self, *, timeout_s: float = 5.0) -> planner_pb2.GetStatusResponse:
         """The planner's GetStatus."""
-        with grpc.insecure_channel(self.planner.address) as channel:
+        with self.security.channel(self.planner.address, peer="planner") as channel:
             return planner_pb2_grpc.PlannerStub(channel).GetStatus(planner_pb2.GetStatusRequest(), timeout=timeout_s)
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
@@ -441,18 +474,21 @@ class LocalCluster:
 
 
 def _ports_in(table: dict, job: JobSettings) -> dict[str, Ports]:
-    """The ports of each process named in an endpoints file of `job`, by process name.
+    """The ports of each process named in an endpoints file of `job`, by process name (a
+    constructor serving on a Unix socket has none: its socket's path is the run's own).
 
     Raises:
         AttributeError, LookupError, TypeError, ValueError: the table is not an endpoints file.
     """
     addresses = {"planner": table["planner"], **{f"loader-{k}": a for k, a in table["loaders"].items()}}
+    ports = {name: _port_of(address) for name, address in addresses.items()}
     for i in range(job.constructor_count):  # the file names constructors by the ranks they serve
         rank = str(job.constructor_ranks(i)[0])
         if rank in table["constructors"]:
-            addresses[f"constructor-{i}"] = table["constructors"][rank]
+            address = table["constructors"][rank]
+            ports[f"constructor-{i}"] = 0 if address.startswith("unix:") else _port_of(address)
     metrics = {name: urllib.parse.urlsplit(url).port or 0 for name, url in table["metrics"].items()}
-    return {name: Ports(_port_of(addresses.get(name)), metrics.get(name, 0)) for name in addresses.keys() | metrics.keys()}
+    return {name: Ports(ports.get(name, 0), metrics.get(name, 0)) for name in ports.keys() | metrics.keys()}
 
 
 def _port_of(address: str | None) -> int:
@@ -467,6 +503,22 @@ def _port_of(address: str | None) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"port {port} of {address!r} is out of range")
     return port
+
+
+def _role_of(module: str) -> str:
+    """The role of a service module, e.g. "batchplane.loader" -> "loader"."""
+    return module.rsplit(".", 1)[-1]
+
+
+def _identity_of(module: str, args: Sequence[str]) -> Identity:
+    """The identity a process started with `args` acts as: its role, and for a loader or
+    constructor its --index (a loader's replica: --replica, else the index)."""
+    role = _role_of(module)
+    if role not in INDEXED_ROLES:
+        return Identity(role)
+    flags = dict(zip(args[::2], args[1::2]))
+    index = int(flags["--index"])
+    return Identity(role, index, (flags.get("--replica") or str(index)) if role == "loader" else None)
 
 
 def _service_pid(ready_path: pathlib.Path, pid: int | None = None) -> int | None:

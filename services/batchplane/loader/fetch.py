@@ -4,28 +4,39 @@ constructor says it is done, and encoding them as an Arrow IPC payload.
 
 A sample several constructors fetch (its bucket's ranks sit in several pods, e.g. one per
 pipeline stage) comes with the number of copies; it is freed once that many have released it.
+
+What the book keeps is bounded whatever is asked: it refers to windows weakly (a window the
+stream frees, or one a fetch read outside the buffer, goes at once), keeps at most
+`bounds.MAX_HELD_STEPS` steps per constructor (the lowest: those furthest ahead are released at
+once, as if the constructor had released them), records no fetch of nothing, and refuses a
+payload larger than the loader's buffer budget.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
 
 from batchplane.core.errors import InvalidArgument
-from batchplane.loader.stream import TOKEN_TYPE, BufferedWindow, SourceStream
+from batchplane.loader.bounds import MAX_HELD_STEPS, check_payload
+from batchplane.loader.stream import TOKEN_TYPE, SourceStream
 
 PAYLOAD_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input_ids", TOKEN_TYPE)])
 
 #: How long a fetch waits for windows the loader reads again (after a restart) before UNAVAILABLE.
 REREAD_WAIT_S = 10.0
 
+#: Payload bytes a sample takes besides its tokens: its source (int32), seq (int64) and list offset (int32).
+SAMPLE_OVERHEAD_BYTES = 16
+
 #: (source index, window, samples fetched from it)
-Hold = tuple[int, BufferedWindow, int]
+Hold = tuple[int, "weakref.ref[BufferedWindow]", int]
 #: (source index, window, seq, copies) of a sample several constructors fetch
-Shared = tuple[int, BufferedWindow, int, int]
+Shared = tuple[int, "weakref.ref[BufferedWindow]", int, int]
 
 
 class FetchBook:
@@ -33,10 +44,14 @@ class FetchBook:
 
     Args:
         streams: The loader's streams by source index.
+        max_payload_bytes: The largest payload one fetch may take (default: the streams'
+            `loaders.buffer_bytes`).
     """
 
-    def __init__(self, streams: Mapping[int, SourceStream]) -> None:
+    def __init__(self, streams: Mapping[int, SourceStream], *, max_payload_bytes: int | None = None) -> None:
         self._streams = streams
+        budgets = {id(s.budget): s.budget.limit for s in streams.values()}
+        self.max_payload_bytes = max_payload_bytes if max_payload_bytes is not None else min(budgets.values(), default=0)
         self._held: dict[tuple[int, int], tuple[list[Hold], list[Shared]]] = {}
         self._copies_left: dict[tuple[int, int], int] = {}  # (source, seq) -> releases still due
         self._lock = threading.Lock()
@@ -50,6 +65,8 @@ class FetchBook:
         Raises:
             InvalidArgument: a source this loader does not serve, or mismatched arrays.
             NotFound: a position past the end of its stream, or a bad sample.
+            NotPlanned: a position the planner cannot have planned from this replica.
+            ResourceExhausted: a payload larger than `max_payload_bytes`.
             Unavailable: samples the loader is still reading again (retry).
         """
         if len(sources) != len(seqs):
@@ -66,24 +83,32 @@ class FetchBook:
         columns: dict[str, list] = {"source": [], "seq": [], "input_ids": []}
         holds: list[Hold] = []
         shared: list[Shared] = []
+        payload = 0
         for source in np.unique(sources):
             stream = self._streams[int(source)]
             mine = sources == source
             wanted, wanted_copies = seqs[mine], copies[mine]
             for window, in_window, index in stream.locate(wanted, wait_s=REREAD_WAIT_S):
+                payload += 4 * int(window.lengths[index].astype(np.int64).sum()) + SAMPLE_OVERHEAD_BYTES * len(index)
+                check_payload(payload, samples=len(seqs), limit=self.max_payload_bytes)
                 ids, _ = stream.take(window, index)
                 columns["source"].append(np.full(int(in_window.sum()), source, np.int32))
                 columns["seq"].append(wanted[in_window])
                 columns["input_ids"].append(ids)
                 single = in_window & (wanted_copies == 1)
-                holds.append((int(source), window, int(single.sum())))
+                ref = weakref.ref(window)
+                holds.append((int(source), ref, int(single.sum())))
                 for seq, n in zip(wanted[in_window & ~single].tolist(), wanted_copies[in_window & ~single].tolist()):
-                    shared.append((int(source), window, seq, n))
+                    shared.append((int(source), ref, seq, n))
+        evicted = []
         with self._lock:
-            if (constructor, step) not in self._held:  # a retry keeps the first record
+            if holds and (constructor, step) not in self._held:  # a retry keeps the first record
                 self._held[(constructor, step)] = (holds, shared)
                 for source, _, seq, n in shared:
                     self._copies_left.setdefault((source, seq), n)
+                mine = sorted(key for key in self._held if key[0] == constructor)
+                evicted = [self._held.pop(key) for key in mine[MAX_HELD_STEPS:]]  # the furthest ahead
+        self._free(evicted)
         if not holds:
             return pa.RecordBatch.from_pylist([], schema=PAYLOAD_SCHEMA)
         return pa.record_batch(
@@ -100,19 +125,33 @@ class FetchBook:
         with self._lock:
             done = [key for key in self._held if key[0] == constructor and key[1] < below_step]
             records = [self._held.pop(key) for key in done]
+        return self._free(records)
+
+    @property
+    def held_steps(self) -> int:
+        """(constructor, step) fetches recorded and not released."""
+        with self._lock:
+            return len(self._held)
+
+    def _free(self, records: list[tuple[list[Hold], list[Shared]]]) -> int:
+        """Releases the holds of `records` (taken out of the book); returns samples freed."""
+        with self._lock:
             holds = [h for singles, _ in records for h in singles]
             for _, shared in records:
-                for source, window, seq, _ in shared:
-                    left = self._copies_left[(source, seq)] - 1
-                    if left:
+                for source, ref, seq, _ in shared:
+                    left = self._copies_left.get((source, seq), 1) - 1
+                    if left > 0:
                         self._copies_left[(source, seq)] = left
                     else:
-                        del self._copies_left[(source, seq)]
-                        holds.append((source, window, 1))
-        for source, window, count in holds:
-            if count:
+                        self._copies_left.pop((source, seq), None)
+                        holds.append((source, ref, 1))
+        freed = 0
+        for source, ref, count in holds:
+            window = ref()
+            if count and window is not None:  # a window freed since is not affected
                 self._streams[source].release(window, count)
-        return sum(count for _, _, count in holds)
+            freed += count
+        return freed
 
 
 def encode_payload(batch: pa.RecordBatch) -> pa.Buffer:

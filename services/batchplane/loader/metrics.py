@@ -80,6 +80,14 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.fetches_refused = Counter(
+            "batchplane_loader_fetches_refused_total",
+            "Fetches refused before anything was read or sent, by reason: not_planned (positions the planner cannot have "
+            "planned from this replica yet, answered UNAVAILABLE), too_big (a payload larger than loaders.buffer_bytes, "
+            "answered RESOURCE_EXHAUSTED).",
+            ["reason"],
+            registry=registry,
+        )
         self.hook_failures = Counter(
             "batchplane_loader_hook_failures_total",
             "Fetches refused because the strategy's loader_do_plan hook raised or broke the plan.",

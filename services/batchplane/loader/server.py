@@ -11,6 +11,7 @@ import time
 import uuid
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import JobSettings
@@ -18,7 +19,9 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.userfile import job_hook
-from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, set_serving
+from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
+from batchplane.core.tls import Security
+from batchplane.loader.bounds import FetchLimits
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.core.order import SampleOrder
@@ -78,18 +81,31 @@ class RunningLoader:
     job: JobSettings | None = None
     process: ProcessSettings | None = None
     registration: planner_pb2.RegisterLoaderRequest | None = None
+    security: Security | None = None
+    health: HealthServicer | None = None
     _done_registering: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def serving(self) -> bool:
+        return self.health is not None and serving_status(self.health)
+
+    def _planner_channel(self) -> grpc.Channel:
+        job = self.job
+        return create_channel(self.process.planner, peer="planner", security=self.security, max_message_bytes=job.network.max_message_bytes)
 
     def keep_registered(self) -> None:
         """Registers again every `network.heartbeat_s` (idempotent), so that a restarted planner, which
         knows no loader, learns of this replica at once; runs on a thread of its own."""
         job, process, request = self.job, self.process, self.registration
-        with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+        with self._planner_channel() as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             known = True
             while not self._done_registering.wait(job.network.heartbeat_s):
                 try:
-                    self.took_role(stub.RegisterLoader(request, timeout=max(job.network.heartbeat_s * 2, 1.0)).shadow)
+                    answer = stub.RegisterLoader(request, timeout=max(job.network.heartbeat_s * 2, 1.0))
+                    self.took_role(answer.shadow)
+                    for r in answer.restore:  # how far the planner has asked this group: fetches may reach there
+                        if r.source in self.streams:
+                            self.streams[r.source].asked_through(r.through_seq)
                 except grpc.RpcError as exc:
                     if known:
                         log.warning("the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name)
@@ -124,7 +140,7 @@ class RunningLoader:
             return True
         request = planner_pb2.DeregisterLoaderRequest(loader_index=process.index, replica=replica_id(process))
         try:
-            with create_channel(process.planner, max_message_bytes=job.network.max_message_bytes) as channel:
+            with self._planner_channel() as channel:
                 response = planner_pb2_grpc.PlannerStub(channel).DeregisterLoader(request, timeout=job.network.rpc_timeout_s)
         except grpc.RpcError as exc:
             log.error("cannot leave loader group %d, serving on: %s: %s", process.index, exc.code().name, exc.details())
@@ -148,7 +164,7 @@ class RunningLoader:
         self.server.stop(grace_s).wait()
 
 
-def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningLoader:
+def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningLoader:
     """Starts loader `process.index` of `job` and registers it with the planner.
 
     Raises:
@@ -161,19 +177,22 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     metrics = LoaderMetrics(registry)
     streams = open_streams(job, process.index, metrics, replica=process.shadow_of or replica_id(process))
     try:
-        servicer = LoaderServicer(streams, FetchBook(streams), metrics)
+        servicer = LoaderServicer(streams, FetchBook(streams), metrics, limits=FetchLimits.of(job))
         server, port, health = create_grpc_server(
             host=process.listen or job.network.host,
             port=process.port,
             metrics=ServerMetrics("loader", registry),
             max_message_bytes=job.network.max_message_bytes,
+            security=security,
         )
         loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
-        running = RunningLoader(address, server, streams, job, process, registration=_registration(process, address, streams))
+        running = RunningLoader(
+            address, server, streams, job, process, registration=_registration(process, address, streams), security=security, health=health
+        )
         who = f"loader {process.index}" + (f" (shadow of replica {process.shadow_of!r})" if process.shadow_of else "")
-        registered = register_with_planner(job, process, rpc="RegisterLoader", request=running.registration, who=who)
+        registered = register_with_planner(job, process, security, rpc="RegisterLoader", request=running.registration, who=who)
         if registered.shadow:
             log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica)
         running.registration.shadow_of = running.streams_replica if registered.shadow else ""

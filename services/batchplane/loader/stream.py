@@ -5,9 +5,12 @@ from it and release them.
 Memory: a window (a few row groups, transformed and shuffled) is the unit read and freed. The
 reader reads ahead of the planner's cursor up to `read_ahead_samples` while the loader's
 buffered bytes stay under `buffer_bytes`; it always reads when the planner waits for data, so
-the planner never deadlocks on a full buffer. A loader group may run as several replicas: each
-reads only the windows the planner routes to it (`core.routing`; the routes come with every
-summary request) and drops windows it read ahead that a new route gave to another replica.
+the planner never deadlocks on a full buffer. A fetch reads only positions the planner may have
+planned from this replica, and a window it misses goes into the buffer only while the buffer is
+under budget; over it, the fetch reads the window itself and keeps nothing (`bounds`). A loader
+group may run as several replicas: each reads only the windows the planner routes to it
+(`core.routing`; the routes come with every summary request) and drops windows it read ahead
+that a new route gave to another replica.
 
 A window is freed once every position in it is planned and either every good sample in it has
 been released by the constructors that fetched it, or every constructor has handed its ranks
@@ -42,8 +45,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.core.errors import NotFound, Unavailable
-from batchplane.core.order import SampleOrder, Window
+from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
+from batchplane.loader.bounds import FetchFrontier, plan_fetch_reads
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.reporting import SampleReport
 from batchplane.loader.source import ParquetSource
@@ -55,12 +59,14 @@ TOKEN_TYPE = pa.list_(pa.int32())
 
 
 class ByteBudget:
-    """Buffered payload bytes of one loader, shared by its sources."""
+    """Buffered payload bytes of one loader, shared by its sources; `direct` serializes the
+    loader's reads that fetches make outside the buffer (over budget: `bounds.plan_fetch_reads`)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._used = 0
         self._lock = threading.Lock()
+        self.direct = threading.Lock()
 
     def add(self, nbytes: int) -> None:
         with self._lock:
@@ -145,6 +151,7 @@ class SourceStream:
         self._delivered_below = 0  # every rank was handed every step below it
         self._urgent: dict[int, bool] = {}  # window number -> replay: windows someone waits for
         self._feature_names: tuple[str, ...] | None = None  # set by the first good row group
+        self._frontier = FetchFrontier(order, replica, self.end_seq)  # how far fetches may reach
         self._closed = False
         self._thread = threading.Thread(target=self._read_loop, name=f"read-{source.name}", daemon=True)
         self._thread.start()
@@ -152,6 +159,11 @@ class SourceStream:
     @property
     def name(self) -> str:
         return self.source.name
+
+    @property
+    def budget(self) -> ByteBudget:
+        """The loader's buffered-bytes budget (shared by its streams)."""
+        return self._budget
 
     # ---- planner side --------------------------------------------------------------------
 
@@ -180,6 +192,7 @@ class SourceStream:
             after them); n may be 0 after waiting `wait_s` for the reader.
         """
         with self._cond:
+            self._frontier.asked(from_seq)
             if self._start_seq is None:
                 self._seek(from_seq)
             elif from_seq < self._start_seq:
@@ -221,6 +234,7 @@ class SourceStream:
         `from_seq`: reads that window (without waiting for it) and takes the progress, so it
         holds what the replica holds."""
         with self._cond:
+            self._frontier.asked(from_seq)
             if self._start_seq is None:
                 self._seek(from_seq)
             if routes is not None and routes != self._routes:
@@ -237,6 +251,7 @@ class SourceStream:
         fetch (the planner's replay of its ledger: `from_seq` is its cursor at the oldest step a
         rank has not been handed). Returns the samples to read again."""
         with self._cond:
+            self._frontier.restored(through_seq)
             self._seek(from_seq)
             self._routes = routes
             self._follow(planned_seq, planned_steps, delivered_below)
@@ -248,6 +263,12 @@ class SourceStream:
                     replay += span.end - span.start
                 span = window_span(self.order, span.number + 1)
             return replay
+
+    def asked_through(self, through_seq: int) -> None:
+        """The planner has asked this replica's group about every window before `through_seq`
+        (`SourceRestore.through_seq`, e.g. of a heartbeat's answer): fetches may reach there."""
+        with self._cond:
+            self._frontier.restored(through_seq)
 
     def _follow(self, planned_seq: int, planned_steps: int, delivered_below: int) -> None:
         """Takes the planner's progress and frees what it makes unneeded (lock held)."""
@@ -333,31 +354,58 @@ class SourceStream:
 
     # ---- constructor side ----------------------------------------------------------------
 
-    def locate(self, seqs: np.ndarray, *, wait_s: float) -> list[tuple[BufferedWindow, np.ndarray, np.ndarray]]:
-        """The windows holding positions `seqs`: (window, which of `seqs` it holds as a mask,
-        their indices in it). Windows not held are read now, waiting up to `wait_s`.
+    def locate(self, seqs: np.ndarray, *, wait_s: float) -> Iterator[tuple[BufferedWindow, np.ndarray, np.ndarray]]:
+        """The windows holding positions `seqs`, one after another: (window, which of `seqs` it
+        holds as a mask, their indices in it). Windows not held are read now, waiting up to
+        `wait_s`: into the buffer while it is under its budget, else by this call, one window
+        at a time for the whole loader, kept only while the caller takes from it
+        (`bounds.plan_fetch_reads`).
 
         Raises:
             NotFound: a position past the end of the stream (no plan holds it).
+            NotPlanned: a position the planner cannot have planned from this replica (nothing
+                is read; `bounds.FetchFrontier`).
             Unavailable: windows still being read after `wait_s`, or the loader is stopping (retry).
         """
         give_up = time.monotonic() + wait_s
+        direct: tuple[int, ...] = ()
         with self._cond:
             beyond = seqs[seqs >= self.end_seq] if self.end_seq is not None else seqs[:0]
             if len(beyond):
                 raise NotFound(f"source {self.name!r}: positions {beyond[:5].tolist()} lie past the end of the stream at {self.end_seq}")
+            self._frontier.check(seqs, routing=self._routes, source=self.name)
             while True:  # windows held before may be freed while others are read: check them all again
-                missing = seqs[~self._held(seqs)]
+                held = self._held(seqs)
+                missing = seqs[~held]
                 if not len(missing):
                     break
                 if self._closed or time.monotonic() >= give_up:
                     raise Unavailable(f"source {self.name!r}: positions {missing[:5].tolist()} are being read again; retry")
-                for number in {window_of(self.order, int(s)).number for s in missing}:
-                    self._want(number, replay=True)
+                windows = sorted({window_of(self.order, int(s)).number for s in missing})
+                reads = plan_fetch_reads(windows, queued=self._urgent, used=self._budget.used, limit=self._budget.limit)
+                if not reads.waits:
+                    direct = reads.direct
+                    break
+                if reads.want is not None:
+                    self._want(reads.want, replay=True)
                 self._cond.wait(timeout=give_up - time.monotonic())
             starts = np.array([w.seq_start for w in self._windows], np.int64)
-            slot = np.searchsorted(starts, seqs, side="right") - 1
-            return [(self._windows[i], slot == i, seqs[slot == i] - starts[i]) for i in np.unique(slot).tolist()]
+            slot = np.where(held, np.searchsorted(starts, seqs, side="right") - 1, -1)
+            found = [(self._windows[i], slot == i, seqs[slot == i] - starts[i]) for i in np.unique(slot[held]).tolist()]
+        yield from found
+        for number in direct:
+            with self._budget.direct:
+                span = window_span(self.order, number)
+                try:
+                    window = self._read_window(span.start)
+                except Exception as exc:  # noqa: BLE001 - like the reader's: the fetch is retried
+                    log.exception("source %r: reading at position %d for a fetch failed", self.name, span.start)
+                    raise Unavailable(f"source {self.name!r}: reading position {span.start} failed; retry") from exc
+                self._metrics.samples_replayed.labels(self.name).inc(len(window.rows))
+                mine = ~held & (seqs >= span.start) & (seqs < span.end)
+                yield window, mine, seqs[mine] - span.start
+                del window
+                pa.default_memory_pool().release_unused()
 
     def _held(self, seqs: np.ndarray) -> np.ndarray:
         """bool [n]: whether a buffered window holds each position (lock held)."""

@@ -8,8 +8,11 @@ Fields the resource leaves out get the chart's values: the planner at
 UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. spec.loader's pod fields
 (env, envFrom, volumes, volumeMounts, serviceAccountName, automountServiceAccountToken,
 nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraints) are read and
-checked by `batchplane.operator.podfields`. `declared_schedule`
-reads spec.mixture's staged or curriculum schedule, for scaling ahead of a declared change.
+checked by `batchplane.operator.podfields`. spec.loader.tls.secretName and
+spec.loader.authTokens.secretName name the Secrets loader pods mount for mutual TLS and for the
+per-role bearer tokens (absent: neither; `batchplane.operator.manifests` says how they are
+mounted). `declared_schedule` reads spec.mixture's staged or curriculum schedule, for scaling
+ahead of a declared change.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ DEFAULT_INTERVAL_S = 30.0
 DEFAULT_WEIGHT = 1.0
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: Volumes the operator adds to loader pods for TLS and tokens (a user volume may not take them).
+TLS_VOLUME = "batchplane-tls"
+AUTH_TOKENS_VOLUME = "batchplane-auth-tokens"
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 #: spec.scaling field -> ScalingSettings field, for messages in the resource's spelling.
@@ -89,6 +96,12 @@ class LoaderTemplate:
     #: The pod fields of spec.loader (env, volumes, serviceAccountName, nodeSelector, ...;
     #: batchplane.operator.podfields), validated.
     pod: PodOptions = dataclasses.field(default_factory=PodOptions)
+    #: spec.loader.tls.secretName: the loader's certificate Secret (keys ca.crt, tls.crt,
+    #: tls.key), mounted as a directory for --tls-dir; None: no TLS flags (tls.mode disabled).
+    tls_secret: str | None = None
+    #: spec.loader.authTokens.secretName: the Secret of per-role bearer tokens (one key per role),
+    #: mounted whole for --auth-tokens, with the loader's own key as --token-file; None: none.
+    auth_tokens_secret: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +345,10 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         pod = parse_pod_options(raw, at="spec.loader")
     except ConfigError as exc:
         raise SpecError(exc.field, exc.problem, exc.value) from None
+    mounted = {field: _secret_name(raw, field) for field in ("tls", "authTokens")}
+    for i, volume in enumerate(pod.volumes):
+        if volume.get("name") in (TLS_VOLUME, AUTH_TOKENS_VOLUME):
+            raise SpecError(f"spec.loader.volumes[{i}].name", f"is used by batchplane ({TLS_VOLUME} and {AUTH_TOKENS_VOLUME} are reserved)", volume.get("name"))
     return LoaderTemplate(
         image=image,
         planner_address=address,
@@ -345,7 +362,23 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         pod_labels=maps["podLabels"],
         pod_annotations=maps["podAnnotations"],
         pod=pod,
+        tls_secret=mounted["tls"],
+        auth_tokens_secret=mounted["authTokens"],
     )
+
+
+def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
+    """spec.loader.<field>.secretName: a Secret's name, or None when <field> is absent."""
+    if loader.get(field) is None:
+        return None
+    section = _mapping(loader[field], f"spec.loader.{field}")
+    unknown = sorted(set(section) - {"secretName"})
+    if unknown:
+        raise SpecError(f"spec.loader.{field}.{unknown[0]}", "unknown field; known fields: secretName", section[unknown[0]])
+    name = section.get("secretName")
+    if not (isinstance(name, str) and _DNS_SUBDOMAIN.fullmatch(name) and len(name) <= 253):
+        raise SpecError(f"spec.loader.{field}.secretName", "must be a Secret name (a DNS subdomain)", name)
+    return name
 
 # ---- the declared schedule ----------------------------------------------------------------------
 

@@ -19,10 +19,19 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   $(POD_IP):<grpcPort> --metrics-port <metricsPort>` (POD_NAME and POD_IP from the downward
   API); a preStop hook that asks the loader to leave its group (SIGUSR1) and waits while it serves
   the windows routed to it, within a termination grace period longer than its drain timeout;
-  ports `grpc` and `metrics`,
-  gRPC health probes, the group's resources, the job ConfigMap at /etc/batchplane and an
-  emptyDir at /tmp, non-root with a read-only root filesystem, no privilege escalation, all
-  capabilities dropped and the RuntimeDefault seccomp profile;
+  ports `grpc` and `metrics`, probes on `GET /healthz` of the metrics port (200 once the
+  loader's grpc.health.v1 is SERVING: kubelet's own gRPC probe speaks plaintext and cannot pass
+  mutual TLS), the group's resources, the job ConfigMap at /etc/batchplane and an emptyDir at
+  /tmp, non-root with a read-only root filesystem, no privilege escalation, all capabilities
+  dropped and the RuntimeDefault seccomp profile;
+- with spec.loader.tls.secretName: that Secret (ca.crt, tls.crt, tls.key) as volume
+  `batchplane-tls`, mounted read-only as a directory at /etc/batchplane/tls (never with
+  subPath: a subPath mount never sees a renewed certificate) and `--tls-dir
+  /etc/batchplane/tls`;
+- with spec.loader.authTokens.secretName: that Secret (one bearer token per role) as volume
+  `batchplane-auth-tokens`, mounted read-only as a directory at /etc/batchplane/auth-tokens,
+  with `--auth-tokens /etc/batchplane/auth-tokens` (the tokens the loader's server accepts)
+  and `--token-file /etc/batchplane/auth-tokens/loader` (the one it presents to the planner);
 - spec.loader's pod fields (`batchplane.operator.podfields`): `env`, `envFrom` and
   `volumeMounts` appended to the loader container's own, `volumes` appended to the pod's own,
   `serviceAccountName`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName` and
@@ -42,7 +51,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from batchplane.operator.dataplane import API_VERSION, KIND, DataPlaneSpec, SourceGroup, deployment_name
+from batchplane.operator.dataplane import AUTH_TOKENS_VOLUME, API_VERSION, KIND, TLS_VOLUME, DataPlaneSpec, SourceGroup, deployment_name
 
 #: Labels the operator sets on every loader Deployment and pod.
 LABEL_DATAPLANE = "batchplane.dev/dataplane"
@@ -57,6 +66,16 @@ ANNOTATION_SPEC_HASH = "batchplane.dev/spec-hash"
 #: Where the job ConfigMap is mounted in loader pods, and the job file in it.
 CONFIG_DIR = "/etc/batchplane"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
+#: Where the loader's certificate Secret is mounted (--tls-dir), and the tokens Secret
+#: (--auth-tokens; --token-file is its `loader` key).
+TLS_DIR = f"{CONFIG_DIR}/tls"
+AUTH_TOKENS_DIR = f"{CONFIG_DIR}/auth-tokens"
+#: The loader's role: its token's key in the tokens Secret.
+ROLE = "loader"
+#: File mode of the mounted Secrets' files: readable by root and the pod's fsGroup only.
+SECRET_MODE = 0o440
+#: The HTTP path of the metrics port that answers 200 while grpc.health.v1 is SERVING.
+HEALTH_PATH = "/healthz"
 #: The loader container's name.
 CONTAINER = "loader"
 #: PodSpec fields a loader Deployment has only when the DataPlane sets them (an update removes
@@ -125,7 +144,29 @@ def loader_args(spec: DataPlaneSpec, group: SourceGroup) -> list[str]:
         f"$(POD_IP):{port}",
         "--metrics-port",
         str(spec.loader.metrics_port),
+        *security_args(spec),
     ]
+
+
+def security_args(spec: DataPlaneSpec) -> list[str]:
+    """--tls-dir, --auth-tokens and --token-file, as spec.loader's Secrets say."""
+    args = []
+    if spec.loader.tls_secret:
+        args += ["--tls-dir", TLS_DIR]
+    if spec.loader.auth_tokens_secret:
+        args += ["--auth-tokens", AUTH_TOKENS_DIR, "--token-file", f"{AUTH_TOKENS_DIR}/{ROLE}"]
+    return args
+
+
+def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts) of the Secrets spec.loader names: whole Secrets as read-only
+    directories, never subPath (a subPath mount never sees a renewed certificate)."""
+    volumes, mounts = [], []
+    for secret, volume, path in ((spec.loader.tls_secret, TLS_VOLUME, TLS_DIR), (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR)):
+        if secret:
+            volumes.append({"name": volume, "secret": {"secretName": secret, "defaultMode": SECRET_MODE}})
+            mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+    return volumes, mounts
 
 
 def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int) -> dict[str, Any]:
@@ -140,6 +181,8 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
     """
     loader = spec.loader
     labels = {**loader.pod_labels, LABEL_COMPONENT: "loader", **selector_labels(spec, group), LABEL_MANAGED_BY: MANAGER}
+    health = {"path": HEALTH_PATH, "port": loader.metrics_port}
+    secret_volumes, secret_mounts = security_volumes(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": loader.image,
@@ -155,10 +198,11 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
             {"name": "grpc", "containerPort": loader.grpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": loader.metrics_port, "protocol": "TCP"},
         ],
-        # grpc.health.v1 turns SERVING once the loader has registered with the planner.
-        "startupProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 2, "failureThreshold": 150},
-        "readinessProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 10},
-        "livenessProbe": {"grpc": {"port": loader.grpc_port}, "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 6},
+        # /healthz answers 200 once grpc.health.v1 is SERVING, which it turns once the loader
+        # has registered with the planner (kubelet's gRPC probe cannot speak mutual TLS).
+        "startupProbe": {"httpGet": dict(health), "periodSeconds": 2, "failureThreshold": 150},
+        "readinessProbe": {"httpGet": dict(health), "periodSeconds": 10},
+        "livenessProbe": {"httpGet": dict(health), "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 6},
         # Scaled in: leave the group and serve the windows routed here first (the loader exits
         # when done, which ends this hook; the grace period bounds it).
         "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", LEAVE_COMMAND]}}},
@@ -176,6 +220,7 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
         "volumeMounts": [
             {"name": "batchplane-job", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *secret_mounts,
         ],
     }
     extra = loader.pod.container_fields()
@@ -201,6 +246,7 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
         "volumes": [
             {"name": "batchplane-job", "configMap": {"name": loader.job_config_map}},
             {"name": "tmp", "emptyDir": {}},
+            *secret_volumes,
             *pod_fields.pop("volumes", []),
         ],
         **pod_fields,

@@ -33,6 +33,7 @@ from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
 from batchplane.planner.adaptive import AdaptiveState, check_report, state_to_json as adaptive_to_json, update
+from batchplane.planner.bounds import plan_lead, report_refusal
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.journal import LedgerReader, LedgerWriter
@@ -41,8 +42,8 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan
-from batchplane.planner.progress import PlanProgress, Replan, Start, start_step
-from batchplane.planner.restore import delivered_floor, new_generation, restore_adaptive, restore_mixture, rewind_horizon
+from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start, start_step
+from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
 from batchplane.planner.length import JobLength, job_length
 from batchplane.planner.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
@@ -83,6 +84,7 @@ class PlanBook:
         self._store = store
         self._metrics = metrics
         self._ledger_storage = ledger if ledger is not None else MemoryStorage()
+        membership.expect_sources(expected_sources(LedgerReader(self._ledger_storage), job=job))  # a restarted planner's loaders
         self._writer: LedgerWriter | None = None
         self.resumed_across: tuple[str, ...] = ()
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
@@ -107,7 +109,7 @@ class PlanBook:
         self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
         rules = DeliveryRules(self.mesh, axis=self.strategy.primary.axis, pulling_ranks=job.constructors.pulling_ranks)
         pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
-        self._progress = PlanProgress(range(job.constructor_count), pulling=pulling)
+        self._progress = PlanProgress(range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps))
         self._mixture: Mixture | None = None
         self._state: MixtureState | None = None
         self.end_step: int | None = None
@@ -152,7 +154,7 @@ class PlanBook:
                 oldest step the ledger can re-plan, or planning failed for good (the message
                 says why, e.g. a cost function that returns negative costs).
             Unavailable: the plan is not ready within `timeout_s` (loaders not registered or
-                slow); retry.
+                slow), or the step stayed ahead of the planning window (`bounds.plan_lead`); retry.
         """
         with self._cond:
             decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
@@ -161,16 +163,31 @@ class PlanBook:
                     self._membership.rejoin_at(constructor, min(step, delivered_below))
                 self._start(step, timeout_s=timeout_s, resume=resume or {})
                 decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
+            give_up = time.monotonic() + timeout_s
+            while isinstance(decision, Ahead):  # nothing is planned for it: wait for the window to reach it
+                if self.end_step is not None and step >= self.end_step:
+                    return END_OF_DATA
+                if self._stopped or self._failure:
+                    break
+                self._wanted = max(self._wanted, decision.limit + 1)  # plan what the window allows meanwhile
+                self._cond.notify_all()
+                if not self._cond.wait(timeout=max(give_up - time.monotonic(), 0)) and time.monotonic() >= give_up:
+                    raise Unavailable(
+                        f"step {step} is ahead of the planning window (steps up to {decision.limit}: constructors.prefetch_steps + 2 "
+                        f"past the step below which every constructor's ranks were handed every step); retry once they move on"
+                    )
+                decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
             if isinstance(decision, Replan):
                 self._begin_replan(decision.step, constructor)
             self._forget_consumed()
             if self.end_step is not None and step >= self.end_step:
                 return END_OF_DATA
-            self._wanted = max(self._wanted, step + 1)  # plan one step ahead of the fastest rank
+            if not isinstance(decision, Ahead):  # (stopped or failed while it waited)
+                self._wanted = max(self._wanted, step + 1)  # plan one step ahead of the fastest rank
             self._cond.notify_all()
             ready = self._cond.wait_for(
                 lambda: step in self._plans or (self.end_step is not None and step >= self.end_step) or self._failure or self._stopped,
-                timeout=timeout_s,
+                timeout=max(give_up - time.monotonic(), 0),
             )
             if self._stopped:
                 raise Unavailable("the planner is stopping")
@@ -216,10 +233,13 @@ class PlanBook:
             positions = self._membership.rejoined()
             step = min(positions.values())
             log.info("restarted: the constructors need steps %s; resuming at step %d", self._membership.rejoined(), step)
+        elif step != start_step(step, floor=None, rejoined={}, resume=bool(resume)):
+            log.info("a fresh job starts at step 0: the first request, for step %d, resumes from no checkpoint", step)
+            step = 0
         self._mixture = self._make_mixture()
         log.info("mixture: %s", self._mixture.describe())
         self._state = self._restore(step, resume, reader)
-        self._writer = new_generation(reader, step, job=self._job)
+        self._writer = new_generation(reader, step, job=self._job, source_facts=self._membership.commit_sources())
         self._progress.started(step, horizon=rewind_horizon(reader, step, adaptive=self._adaptive is not None), positions=positions)
         self._wanted = step
         self._store.start(self._state.cursors, step=step)
@@ -281,12 +301,15 @@ class PlanBook:
 
     def report(self, step: int, losses: Mapping[str, float]) -> tuple[bool, str]:
         """Records the training report of `step` (mean loss per source) for adaptive mixing,
-        durably before it counts.
+        durably before it counts. Only for a step planned and not yet past
+        (`bounds.report_refusal`): a future step's report is refused, so the reports stored are
+        bounded by the planning window; a repeated report is taken when it equals the one that
+        stands.
 
         Returns:
             (accepted, reason): not accepted when the mixture is not adaptive, the step precedes
-            this run's start, or the step was already reported with other losses (the first
-            report stands).
+            this run's start, is not planned yet, is past, or was already reported with other
+            losses (the first report stands).
         Raises:
             InvalidArgument: a negative step, a name that is no source, or a loss that is not a
                 finite number >= 0.
@@ -301,12 +324,16 @@ class PlanBook:
         except ScheduleError as exc:
             raise InvalidArgument(f"report of step {step}: {exc.problem}, got {exc.value!r}") from exc
         with self._cond:
-            writer, start = self._writer, self.start_step
+            writer = self._writer
+            refusal = None if writer is None else report_refusal(
+                step, start=self.start_step, applied_through=self._applied_through, handed_below=self._progress.handed_below
+            )
         if writer is None:
             raise Unavailable("the job has not started: no constructor has asked for a step yet")
-        if step < start:
-            return False, f"step {step} is before step {start}, where this run of the job started, so its report is not used"
         losses = {name: float(loss) for name, loss in losses.items()}
+        if refusal is not None:  # a retry of a report that was applied is still taken
+            accepted = refusal.applied and writer.report(step) == {"losses": losses}
+            return accepted, "" if accepted else refusal.reason
         stored = writer.put_report(step, {"losses": losses})["losses"]
         if stored != losses:
             return False, f"step {step} was already reported with other losses; the first report stands"
@@ -412,7 +439,7 @@ class PlanBook:
         with self._cond:
             self._reports.clear()
         state = self._restore(step, {}, reader)
-        writer = new_generation(reader, step, job=self._job)
+        writer = new_generation(reader, step, job=self._job, source_facts=self._membership.commit_sources())
         with self._cond:
             self._writer, self._state = writer, state
             self._wanted = max(self._wanted, step)
@@ -504,7 +531,7 @@ class PlanBook:
                 group = self._job.loader_of(k)
                 self._waiting_on = (
                     f"waiting for summaries of source {self._job.sources[k].name!r} "
-                    f"(positions {start}..{start + count - 1}) from loader {group} (replicas {self._membership.replicas(group)})"
+                    f"(positions {start}..{start + count - 1}) from loader {group} ({len(self._membership.replicas(group))} replicas)"
                 )
             rows, lengths, features = got
             seq = np.arange(start, start + count, dtype=np.int64)

@@ -135,6 +135,9 @@ class Generation:
     start_step: int
     fingerprints: Mapping[str, str]
     sources: tuple[str, ...]
+    #: Source name -> [rows, row groups digest] as the run's loaders reported them (absent in
+    #: ledgers written before it was recorded).
+    source_facts: Mapping[str, list] | None = None
 
 
 class LedgerReader:
@@ -151,7 +154,9 @@ class LedgerReader:
             m = _GEN.match(key)
             if m:
                 head = json.loads(storage.get(key))
-                self.generations.append(Generation(int(m.group(1)), head["start_step"], head["fingerprints"], tuple(head["sources"])))
+                self.generations.append(
+                    Generation(int(m.group(1)), head["start_step"], head["fingerprints"], tuple(head["sources"]), head.get("source_facts"))
+                )
         self.generations.sort(key=lambda g: g.gen)
         self._index: dict[int, dict[int, str]] = {}  # gen -> step -> key of the record or segment
         self._segments: collections.OrderedDict[str, list[bytes]] = collections.OrderedDict()  # a few, as raw lines
@@ -229,6 +234,8 @@ class LedgerWriter:
         sources: The job's source names.
         keep_detail_steps: Thin segments that end this many steps or more before the slowest
             rank (see the module docstring); None keeps every record whole.
+        source_facts: Source name -> (rows, row groups digest) as the loaders reported them (a
+            restarted planner expects them of every loader that registers).
     """
 
     def __init__(
@@ -239,13 +246,16 @@ class LedgerWriter:
         fingerprints: Mapping[str, str],
         sources: tuple[str, ...],
         keep_detail_steps: int | None = None,
+        source_facts: Mapping[str, tuple[int, str]] | None = None,
     ) -> None:
         self.storage = storage = reader.storage
         gen = (reader.generations[-1].gen + 1) if reader.generations else 1
         head = {"start_step": start_step, "fingerprints": dict(fingerprints), "sources": list(sources), "created": time.time()}
+        if source_facts:
+            head["source_facts"] = {name: list(facts) for name, facts in source_facts.items()}
         while not storage.put_if_absent(f"{_gen_prefix(gen)}head.json", _encode(head)):
             gen += 1  # another planner claimed it: never share a generation
-        self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources))
+        self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources), head.get("source_facts"))
         self._earlier = [g.gen for g in reader.generations if g.gen < gen]  # whose loose steps to fold once
         self._prefix = _gen_prefix(gen)
         self._next_segment = start_step  # a generation's first segment ends at the next multiple of SEGMENT_STEPS
@@ -269,6 +279,13 @@ class LedgerWriter:
         if self.storage.put_if_absent(key, _encode(report)):
             return dict(report)
         return json.loads(self.storage.get(key))
+
+    def report(self, step: int) -> dict | None:
+        """The training report of `step` stored in this generation, or None."""
+        try:
+            return json.loads(self.storage.get(_report_key(self.generation.gen, step)))
+        except NotFound:
+            return None
 
     def compact(self, below_step: int, *, report_delay: int | None = None) -> int:
         """Folds every whole segment of this generation's steps below `below_step` (which every

@@ -22,8 +22,9 @@ failed replica that registers again (a local restart, under its id) serves its w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from batchplane.core.config import JobSettings
@@ -40,6 +41,9 @@ class Joined:
     restarted: bool = False
     #: It serves as the shadow of its replica id (it reads, the planner routes nothing to it).
     shadow: bool = False
+    #: The group's earlier replicas were dropped: they had reported other source facts than
+    #: the job's ledger records, and this loader reported those (see `expect_sources`).
+    displaced: bool = False
 
 
 class SummaryTarget(NamedTuple):
@@ -55,6 +59,10 @@ class SummaryTarget(NamedTuple):
     owner: tuple[int, str]
     #: Address of the owner's shadow, which follows the same requests ("" for none).
     shadow: str = ""
+    #: The source's rows (what a summary's rows must lie below).
+    num_rows: int | None = None
+    #: Where the source's stream ends (epochs x rows; None: it never ends).
+    stream_end: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +72,16 @@ class SourceFacts:
     name: str
     num_rows: int
     row_group_sizes: tuple[int, ...] = ()
+
+    @property
+    def digest(self) -> str:
+        """A digest of the row groups (what the ledger records of them)."""
+        return row_groups_digest(self.row_group_sizes)
+
+
+def row_groups_digest(sizes: Sequence[int]) -> str:
+    """A digest of a source's row group sizes: 16 hex digits."""
+    return hashlib.sha256(",".join(str(int(n)) for n in sizes).encode()).hexdigest()[:16]
 
 
 class Membership:
@@ -88,6 +106,8 @@ class Membership:
         self._failed: dict[tuple[int, str], str | None] = {}  # (group, failed replica) -> its adopter (None: none yet)
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
         self._rejoined: dict[int, int] = {}
+        self._expected: dict[str, tuple[int, str]] = {}  # source name -> (rows, row groups digest) the job ran with
+        self._committed = False  # the job started: the sources' facts are final
 
     def register_loader(
         self, index: int, address: str, sources: Sequence[SourceFacts], *, replica: str = "", incarnation: str = "", shadow_of: str = ""
@@ -98,9 +118,18 @@ class Membership:
         comes back after its shadow took over becomes the shadow; a promoted shadow is the
         replica.
 
+        A replica id that left the group (`deregister_loader`) joins again when its process
+        restarted (a new incarnation): it is then a new replica of the group.
+
+        Before the job starts, a loader whose facts are those the job's ledger records
+        (`expect_sources`) displaces the group's replicas that reported other facts: whoever
+        registered first does not decide them.
+
         Raises:
             InvalidArgument: an index outside the job, sources other than the configuration
-                assigns it, an empty source, or a source whose row count or row groups changed.
+                assigns it, an empty source, or a source whose row count or row groups differ
+                from the group's other replicas' (its files changed under a running job).
+            FailedPrecondition: the replica left the group and registers as the same process.
         """
         replica = replica or str(index)
         job = self._job
@@ -111,9 +140,14 @@ class Membership:
         if got != expected:
             raise InvalidArgument(f"loader {index} must serve sources {expected}, it reported {got}")
         with self._lock:
+            displaced = self._vouched_over(index, sources)
+            if displaced:
+                self._forget_group(index)
             for k, facts in zip(job.loader_sources(index), sources):
                 if facts.num_rows <= 0:
                     raise InvalidArgument(f"source {facts.name!r} has no rows")
+                if any(n < 0 for n in facts.row_group_sizes):
+                    raise InvalidArgument(f"source {facts.name!r}: row groups of a negative size")
                 known = self._num_rows.get(k)
                 if known is not None and known != facts.num_rows:
                     raise InvalidArgument(
@@ -130,7 +164,9 @@ class Membership:
                 self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
             replica = shadow_of or replica
             if (index, replica) in self._departed:
-                raise FailedPrecondition(f"replica {replica!r} left loader group {index}; it cannot join again under that id")
+                if shadow_of or self._incarnations.get((index, replica, False)) == incarnation:
+                    raise FailedPrecondition(f"replica {replica!r} left loader group {index}; it joins again once restarted")
+                del self._departed[(index, replica)]  # it restarted: it joins as a new replica
             replicas = self._replicas.setdefault(index, {})
             current = replicas.get(replica)
             shadow = current != address and (bool(shadow_of) or ((index, replica) in self._promoted and current is not None))
@@ -147,7 +183,38 @@ class Membership:
                     self._reroute(index)
             before = self._incarnations.get((index, replica, shadow))
             self._incarnations[(index, replica, shadow)] = incarnation
-            return Joined(restarted=before is not None and before != incarnation, shadow=shadow)
+            return Joined(restarted=before is not None and before != incarnation, shadow=shadow, displaced=displaced)
+
+    def _vouched_over(self, index: int, sources: Sequence[SourceFacts]) -> bool:
+        """Whether a registration of group `index` reporting `sources` displaces the group's
+        replicas: the job has not started, the ledger records the group's sources, these facts
+        are the ones it records, and the group's replicas reported others (lock held)."""
+        if self._committed:
+            return False
+        got = {f.name: (f.num_rows, f.digest) for f in sources}
+        ks = self._job.loader_sources(index)
+        names = [self._job.sources[k].name for k in ks]
+        if not names or any(self._expected.get(n) is None or got.get(n) != self._expected[n] for n in names):
+            return False
+        known = {
+            self._job.sources[k].name: (self._num_rows[k], row_groups_digest(self._orders[k].row_group_sizes.tolist()))
+            for k in ks
+            if k in self._num_rows and k in self._orders
+        }
+        return any(facts != self._expected[name] for name, facts in known.items())
+
+    def _forget_group(self, index: int) -> None:
+        """Forgets group `index`'s replicas and what they reported (before the job starts: nothing
+        was planned from them; lock held)."""
+        for k in self._job.loader_sources(index):
+            for table in (self._num_rows, self._orders, self._routing, self._frontier):
+                table.pop(k, None)
+        self._replicas.pop(index, None)
+        for table in (self._departed, self._shadows, self._failed):
+            for key in [key for key in table if key[0] == index]:
+                del table[key]
+        self._promoted = {key for key in self._promoted if key[0] != index}
+        self._incarnations = {key: v for key, v in self._incarnations.items() if key[0] != index}
 
     def promote(self, index: int, replica: str) -> str | None:
         """The shadow of replica `replica` of group `index` takes over: plans name its address
@@ -168,10 +235,12 @@ class Membership:
     def adopt(self, index: int, replica: str) -> str | None:
         """Replica `replica` of group `index` failed and has no shadow: a live replica of the group
         serves its windows, including those it had adopted, and new windows go to the live ones.
-        Returns the adopter's id; None when no replica is live (the next to join adopts them)."""
+        Returns the adopter's id; None when no replica is live (the next to join adopts them).
+        A replica that left the group and fails while it drains is adopted the same way."""
         with self._lock:
             replicas = self._replicas.get(index, {})
-            if replica not in replicas or (index, replica) in self._failed:
+            known = replica in replicas or (index, replica) in self._departed
+            if not known or (index, replica) in self._failed:
                 return None
             live = sorted(r for r in replicas if r != replica and (index, r) not in self._failed)
             adopter = live[0] if live else None
@@ -201,7 +270,8 @@ class Membership:
         """((group, replica), its address) of every replica not known to have failed: what the
         planner probes."""
         with self._lock:
-            return [((g, r), a) for g, replicas in self._replicas.items() for r, a in replicas.items() if (g, r) not in self._failed]
+            live = [((g, r), a) for g, replicas in self._replicas.items() for r, a in replicas.items() if (g, r) not in self._failed]
+            return live + [(key, a) for key, a in self._departed.items() if key not in self._failed]
 
     def _address(self, index: int, replica: str) -> str:
         """Where replica `replica`'s windows are served: its address, its adopter's, or (one that
@@ -228,6 +298,25 @@ class Membership:
                 for k in self._job.loader_sources(index)
                 if k in self._routing
             ]
+
+    def expect_sources(self, facts: Mapping[str, tuple[int, str]]) -> None:
+        """The sources as the job ran with them (a restarted planner's ledger): name -> (rows,
+        `row_groups_digest`). Until the job starts, a loader reporting these facts displaces
+        replicas that reported others: a false registration that came first cannot pin facts
+        that lock the real loaders out."""
+        with self._lock:
+            self._expected = {name: (int(rows), str(digest)) for name, (rows, digest) in facts.items()}
+
+    def commit_sources(self) -> dict[str, tuple[int, str]]:
+        """The job starts with the sources as its loaders reported them: from now on those
+        facts are final (a loader reporting others is refused). Returns them, name -> (rows,
+        `row_groups_digest`), for the ledger to record."""
+        with self._lock:
+            self._committed = True
+            return {
+                self._job.sources[k].name: (rows, row_groups_digest(self._orders[k].row_group_sizes.tolist()))
+                for k, rows in sorted(self._num_rows.items())
+            }
 
     def register_constructor(self, index: int, address: str, ranks: Sequence[int], *, next_step: int | None = None) -> None:
         """Records constructor `index` serving `ranks`; registering again replaces its address.
@@ -280,11 +369,13 @@ class Membership:
             may not know, and would wait for in vain.
         Raises:
             InvalidArgument: no such replica. FailedPrecondition: it is the group's last one.
+        A replica that left is still watched: if it fails before its windows were consumed, a
+        live replica of the group adopts them; restarted, it joins again (`register_loader`).
         """
         with self._lock:
             replicas = self._replicas.get(index, {})
-            if replica not in replicas:
-                raise InvalidArgument(f"loader {index} has no replica {replica!r}; replicas: {sorted(replicas)}")
+            if replica not in replicas:  # the message names no replica: ids are not handed out
+                raise InvalidArgument(f"loader {index} has no such replica")
             if len(replicas) == 1:
                 raise FailedPrecondition(f"replica {replica!r} is the last of loader {index}: its sources would have no loader")
             self._departed[(index, replica)] = replicas.pop(replica)
@@ -330,7 +421,9 @@ class Membership:
             index = self._job.loader_of(source)
             owner = routing.owner(span.number)
             address = self._address(index, owner)
-            return SummaryTarget(address, span.end, routing, (index, owner), self._shadows.get((index, owner), ""))
+            rows = self._num_rows.get(source)
+            end = None if self._job.epochs is None or rows is None else self._job.epochs * rows
+            return SummaryTarget(address, span.end, routing, (index, owner), self._shadows.get((index, owner), ""), rows, end)
 
     def holders(self, source: int, seqs: Sequence[int]) -> list[str]:
         """The address of the replica holding each of `source`'s positions `seqs` (all asked

@@ -48,6 +48,14 @@ class PlannerMetrics:
             ["group"],
             registry=registry,
         )
+        self.malformed_responses = Counter(
+            "batchplane_planner_malformed_responses_total",
+            "Answers of loader replicas refused as malformed (a summary that is not what was asked: wrong start, too many "
+            "samples, unequal lengths, rows outside the source, a false end of stream), by loader group; each also counts "
+            "as a failed observation of the replica.",
+            ["group"],
+            registry=registry,
+        )
         self.promotions = Counter(
             "batchplane_planner_shadow_promotions_total",
             "Shadow loaders promoted to serve in place of a failed replica, by loader group.",

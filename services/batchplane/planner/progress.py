@@ -5,9 +5,17 @@ threads, clocks, I/O or grpc; `PlanBook` drives it under its lock and does what 
 Rules (each a test in tests/unit/test_plan_progress.py):
 - The first request starts the job (`Start`); `started` says at which step and from which step
   on the ledger can re-plan (its *horizon*: the first step of its oldest generation).
-- A constructor asking for step s is done with every earlier step it asked for; asking for an
-  earlier step is refused as consumed, unless the request says `rewind` (a trainer restarted
-  from an older checkpoint while the data plane kept running).
+- A step whose plan is kept, or is still to be planned, is served to whoever asks, in any order
+  (retrying returns the same plan): what one request for a constructor says never makes that
+  constructor's own later requests fail. A step whose plan was dropped (every constructor was
+  believed to have handed it) is planned again from the ledger (`Replan`), as for a rewind (a
+  trainer restarted from an older checkpoint while the data plane kept running, `rewind`): the
+  plan sequence is deterministic, so a false claim of delivery costs a re-plan, never a step.
+  A step before the job's start is refused unless the request says `rewind`.
+- A request for a step more than `lead` steps past `consumed_below` (see `bounds.plan_lead`)
+  changes nothing and is told to wait (`Ahead`); the planner plans no further than that either.
+- What a request or heartbeat says was delivered is believed up to the planning cursor only:
+  no rank can have been handed a step that is not planned.
 - A rewind to s is served from the plans kept when s is among them (`Serve`), else the planner
   must re-plan from s (`Replan`): the plan sequence is a function of configuration, seed and the
   ledger's record of s - 1, so re-planning reproduces it byte for byte. From the decision on, the
@@ -44,11 +52,23 @@ class Replan:
     step: int
 
 
-Decision = Start | Serve | Replan
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """The step is more than the window ahead of what every constructor was handed: nothing
+    changed; wait until `consumed_below` reaches `step - lead` (the planner plans up to `limit`
+    meanwhile), or give up (UNAVAILABLE)."""
+
+    #: The furthest step a request may ask for now.
+    limit: int
 
 
-def start_step(asked: int, *, floor: int | None, rejoined: Mapping[int, int]) -> int:
-    """The step a job starts at when its first plan request asks for `asked`.
+Decision = Start | Serve | Replan | Ahead
+
+
+def start_step(asked: int, *, floor: int | None, rejoined: Mapping[int, int], resume: bool = False) -> int:
+    """The step a job starts at when its first plan request asks for `asked`. The first caller
+    does not choose it: a fresh job starts at 0, a restarted planner where its ledger and its
+    rejoined constructors say, and only a resume from a checkpoint at the step it asks for.
 
     Args:
         asked: The step the first request asks for (a fresh job: 0; a resume: the step after
@@ -57,10 +77,11 @@ def start_step(asked: int, *, floor: int | None, rejoined: Mapping[int, int]) ->
             had been handed its batch; None for a fresh start or a resume.
         rejoined: For a restarted planner, the oldest step each constructor that rejoined may
             still ask for.
+        resume: The request carries the fingerprints of the checkpoint a trainer resumes from.
     """
-    if floor is None:
-        return asked
-    return min([asked, floor, *rejoined.values()])
+    if floor is not None:
+        return min([asked, floor, *rejoined.values()])
+    return asked if resume else 0
 
 
 class PlanProgress:
@@ -69,12 +90,15 @@ class PlanProgress:
     Args:
         constructors: The job's constructor indices.
         pulling: Those with a rank that asks for data (the ones waited for).
+        lead: How many steps past `consumed_below` a request may ask for (`bounds.plan_lead`);
+            None: no bound.
     """
 
-    def __init__(self, constructors: Iterable[int], *, pulling: Iterable[int] | None = None) -> None:
+    def __init__(self, constructors: Iterable[int], *, pulling: Iterable[int] | None = None, lead: int | None = None) -> None:
         self._constructors = tuple(constructors)
         waited = tuple(pulling) if pulling is not None else self._constructors
         self._waited = waited or self._constructors
+        self._lead = lead
         self.start: int | None = None
         #: The oldest step a rewind can re-plan (the first step of the ledger's oldest generation).
         self.horizon = 0
@@ -97,25 +121,27 @@ class PlanProgress:
         below it reached all of its ranks; `rewind`: a rank restarted from an older checkpoint.
 
         Raises:
-            FailedPrecondition: a step before the job's start or one the constructor moved past
-                (without `rewind`), or a rewind before the horizon (the message names it).
+            FailedPrecondition: a step before the job's start (without `rewind`), or a re-plan
+                before the horizon (the message names it).
         """
         if self.start is None:
             return Start()
+        limit = self.limit
+        if limit is not None and step > limit:
+            return Ahead(limit)
         latest = self._asked.get(constructor, step)
-        behind = step < latest or step < self.start
-        if behind and not rewind:
-            if step < self.start:
-                raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
-            raise FailedPrecondition(f"step {step} was already consumed: constructor {constructor} asked for step {latest} since")
         replan = step < self._kept[0]
+        if step < self.start and not rewind:
+            raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
         if replan and step < self.horizon:
             raise rewind_refused(step, self.horizon)
-        self._asked[constructor] = step
-        if behind:  # a rewind: its ranks need the steps from `step` again
-            self._delivered[constructor] = min(self._delivered.get(constructor, step), delivered_below, step)
+        below = min(delivered_below, self.next_to_plan)
+        if replan or (rewind and step < latest):  # its ranks need the steps from `step` again
+            self._asked[constructor] = step
+            self._delivered[constructor] = min(self._delivered.get(constructor, step), below, step)
         else:
-            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), delivered_below)
+            self._asked[constructor] = max(latest, step)
+            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
         if not replan:
             return Serve()
         self.start = min(self.start, step)
@@ -123,9 +149,10 @@ class PlanProgress:
         return Replan(step)
 
     def delivered(self, constructor: int, below: int) -> None:
-        """Constructor `constructor` says (a heartbeat) every step below `below` reached its ranks."""
+        """Constructor `constructor` says (a heartbeat) every step below `below` reached its ranks;
+        believed up to the planning cursor."""
         if self.start is not None:
-            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
+            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), min(below, self.next_to_plan))
 
     def restarted(self, constructor: int) -> int:
         """Constructor `constructor` registered anew (restarted): it may ask again for the steps
@@ -164,6 +191,22 @@ class PlanProgress:
     def next_to_plan(self) -> int:
         """The step the plan sequence continues at."""
         return self._kept[1]
+
+    @property
+    def limit(self) -> int | None:
+        """The furthest step a request may ask for, and the planner plan, now: `lead` steps past
+        `consumed_below` (None: no bound, or not started)."""
+        if self._lead is None or self.start is None:
+            return None
+        return self.consumed_below + self._lead
+
+    @property
+    def handed_below(self) -> int:
+        """No rank can have been handed a step at or after it: the planning cursor, or the end
+        of the window where that is further (a restarted planner's ranks may hold steps its
+        previous run planned)."""
+        limit = self.limit
+        return self.next_to_plan if limit is None else max(self.next_to_plan, limit + 1)
 
     def finished(self, end_step: int | None) -> bool:
         """Whether every constructor that pulls data handed its ranks every step of a job whose

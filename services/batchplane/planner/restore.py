@@ -143,8 +143,23 @@ def rewind_horizon(reader: LedgerReader, step: int, *, adaptive: bool) -> int:
     return min(starts)
 
 
-def new_generation(reader: LedgerReader, step: int, *, job: JobSettings) -> LedgerWriter:
-    """Opens a new generation of the ledger that plans from `step` on."""
+def new_generation(reader: LedgerReader, step: int, *, job: JobSettings, source_facts: Mapping[str, tuple[int, str]] | None = None) -> LedgerWriter:
+    """Opens a new generation of the ledger that plans from `step` on; `source_facts`: what the
+    loaders reported of each source (name -> (rows, row groups digest))."""
     return LedgerWriter(
-        reader, start_step=step, fingerprints=job.fingerprints, sources=job.source_names, keep_detail_steps=job.ledger.keep_detail_steps
+        reader, start_step=step, fingerprints=job.fingerprints, sources=job.source_names, keep_detail_steps=job.ledger.keep_detail_steps,
+        source_facts=source_facts,
     )
+
+
+def expected_sources(reader: LedgerReader, *, job: JobSettings) -> dict[str, tuple[int, str]]:
+    """What the job's sources were when the newest generation that recorded them started (name
+    -> (rows, row groups digest)), for the sources this job still has; empty for a new ledger or
+    one whose data settings differ. A restarted planner expects them of its loaders
+    (`Membership.expect_sources`)."""
+    for g in reversed(reader.generations):
+        if g.source_facts:
+            if g.fingerprints.get("data") != job.fingerprints["data"]:
+                return {}  # another job's data: its sources say nothing of this one's
+            return {name: (int(f[0]), str(f[1])) for name, f in g.source_facts.items() if name in job.source_names}
+    return {}

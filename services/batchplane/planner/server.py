@@ -10,11 +10,13 @@ import os
 import socket
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import JobSettings
 from batchplane.core.process import EXIT_FENCED, ProcessSettings
-from batchplane.core.rpc import ServerMetrics, create_grpc_server, set_serving
+from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
+from batchplane.core.tls import Security
 from batchplane.planner.book import PlanBook
 from batchplane.planner.fencing import Fenced, FencedStorage, claim_epoch
 from batchplane.planner.journal import open_ledger_storage
@@ -36,6 +38,10 @@ class RunningPlanner:
     book: PlanBook
     puller: SummaryPuller
     watch: ReplicaWatch
+    health: HealthServicer
+
+    def serving(self) -> bool:
+        return serving_status(self.health)
 
     def stop(self, grace_s: float) -> None:
         self.watch.stop()
@@ -49,7 +55,7 @@ def summary_lookahead(job: JobSettings) -> int:
     return min(max(2 * job.batch.global_batch_size, 256), 65536)
 
 
-def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry) -> RunningPlanner:
+def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningPlanner:
     """Starts the planner of `job`: opens its ledger (`ledger.location`, else `ledger/` in the
     run folder, `process.run_dir` or the job's `run_dir`) and claims the next writer epoch of
     it, fencing any planner still writing it.
@@ -70,9 +76,13 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     epoch = claim_epoch(storage, owner={"host": socket.gethostname(), "pid": os.getpid()})
     ledger = FencedStorage(storage, epoch=epoch, on_fenced=_exit_fenced)
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
-    watch = ReplicaWatch(membership, job.loaders.failover, metrics, shadows=job.loaders.shadow)
+
+    def connect(address: str) -> grpc.Channel:
+        return create_channel(address, peer="loader", security=security, max_message_bytes=job.network.max_message_bytes)
+
+    watch = ReplicaWatch(membership, job.loaders.failover, metrics, connect=connect, shadows=job.loaders.shadow)
     puller = SummaryPuller(
-        store, num_sources=len(job.sources), target=membership.summary_target, max_message_bytes=job.network.max_message_bytes,
+        store, num_sources=len(job.sources), target=membership.summary_target, connect=connect,
         observe=watch.observe,
     )
     server, port, health = create_grpc_server(
@@ -80,6 +90,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
         port=process.port,
         metrics=ServerMetrics("planner", registry),
         max_message_bytes=job.network.max_message_bytes,
+        security=security,
     )
     planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book, store, metrics), server)
     server.start()
@@ -89,7 +100,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
         "job %r (fingerprint %s): %d sources, mesh %s, ledger in %s (writer epoch %d)",
         job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe(), epoch,
     )
-    return RunningPlanner(address, server, book, puller, watch)
+    return RunningPlanner(address, server, book, puller, watch, health)
 
 
 def _exit_fenced(error: Fenced) -> None:

@@ -1,16 +1,19 @@
-"""The Planner gRPC servicer: parses requests, calls membership and the plan book, builds
-responses. No logic of its own."""
+"""The Planner gRPC servicer: parses requests, bounds their fields (`bounds`), calls membership
+and the plan book, builds responses. No logic of its own."""
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
-from batchplane.core.errors import InvalidArgument, NotFound
-from batchplane.core.rpc import MAX_WAIT_MS
+from batchplane.core.errors import NotFound
+from batchplane.core.rpc import wait_seconds
 from batchplane.planner.book import PlanBook
+from batchplane.planner.bounds import check_address, check_name, check_resume, check_step
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
 from batchplane.planner.metrics import PlannerMetrics
@@ -20,6 +23,8 @@ from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
 DEFAULT_WAIT_MS = 30_000
+
+log = logging.getLogger(__name__)
 
 
 def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
@@ -83,6 +88,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._store = store
         self._metrics = metrics
         self._info = job_info(job, book.strategy)
+        self._fingerprints = job.fingerprints
         self._membership = membership
         self._book = book
         self._rules = DeliveryRules(
@@ -95,12 +101,20 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._fetchers = self._rules.fetchers([job.constructor_ranks(c) for c in range(job.constructor_count)])
 
     def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
+        check_address("address", request.address)
+        for field in ("replica", "incarnation", "shadow_of"):
+            check_name(field, getattr(request, field))
         facts = [SourceFacts(name=s.name, num_rows=s.num_rows, row_group_sizes=tuple(s.row_group_sizes)) for s in request.sources]
         joined = self._membership.register_loader(
             request.loader_index, request.address, facts, replica=request.replica, incarnation=request.incarnation, shadow_of=request.shadow_of
         )
         if joined.restarted:
             self._metrics.loader_restarts.labels(str(request.loader_index)).inc()
+        if joined.displaced:
+            log.warning(
+                "loader group %d: dropped the replicas registered before, which reported other source facts than the job's ledger "
+                "records; this loader reports those", request.loader_index,
+            )
         self._book.notify_membership()
         return planner_pb2.RegisterLoaderResponse(job=self._info, restore=self._restore(request.loader_index), shadow=joined.shadow)
 
@@ -124,10 +138,13 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         ]
 
     def DeregisterLoader(self, request: planner_pb2.DeregisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.DeregisterLoaderResponse:
-        drain = self._membership.deregister_loader(request.loader_index, request.replica)
+        drain = self._membership.deregister_loader(request.loader_index, check_name("replica", request.replica))
         return planner_pb2.DeregisterLoaderResponse(drain_through=drain)
 
     def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
+        check_address("address", request.address)
+        if request.rejoin:  # believed up to what the planner planned (`progress.PlanProgress.delivered`)
+            check_step("next_step", request.next_step)
         self._membership.register_constructor(
             request.constructor_index, request.address, list(request.ranks), next_step=request.next_step if request.rejoin else None
         )
@@ -140,9 +157,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return planner_pb2.RegisterConstructorResponse(job=self._info, resume_step=resume_step, oldest_step=self._book.oldest_step)
 
     def GetJob(self, request: planner_pb2.GetJobRequest, context: grpc.ServicerContext) -> planner_pb2.GetJobResponse:
-        if request.wait_ms < 0:
-            raise InvalidArgument(f"wait_ms must be >= 0, got {request.wait_ms}")
-        self._book.wait_ready(timeout_s=min(request.wait_ms, MAX_WAIT_MS) / 1000)
+        self._book.wait_ready(timeout_s=wait_seconds(request.wait_ms, context))
         length = self._book.length()
         return planner_pb2.GetJobResponse(
             job=self._info,
@@ -154,15 +169,13 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         ranks = self._membership.constructor_ranks(request.constructor_index)
         if ranks is None:  # NOT_FOUND tells a constructor whose planner restarted to register again
             raise NotFound(f"constructor {request.constructor_index} has not registered")
-        if request.step < 0:
-            raise InvalidArgument(f"step must be >= 0, got {request.step}")
-        wait_ms = min(request.wait_ms, MAX_WAIT_MS) if request.wait_ms > 0 else DEFAULT_WAIT_MS
+        check_step("step", request.step)
         plan = self._book.plan_for(
             request.constructor_index,
             request.step,
-            timeout_s=wait_ms / 1000,
-            resume=dict(request.resume),
-            delivered_below=min(request.delivered_below, request.step),
+            timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
+            resume=check_resume(request.resume, self._fingerprints),
+            delivered_below=min(max(request.delivered_below, 0), request.step),  # its ranks were handed no step it has not asked for
             rewind=request.rewind,
         )
         if plan is None:
@@ -192,6 +205,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         )
 
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
+        check_step("step", request.step)
+        for name in request.losses:
+            check_name("losses: a source name", name)
         accepted, reason = self._book.report(request.step, dict(request.losses))
         return common_pb2.ReportResponse(accepted=accepted, reason=reason)
 

@@ -6,7 +6,10 @@ the cursor, one thread per source calling GetSummary of the replica that owns th
 each call also tells the replica the cursor and the source's routes, which is what lets it read
 its next windows ahead. The call, once answered, is passed on to the replica's shadow, if it has
 one (`follow`), so the shadow holds the same windows; every call's outcome is an observation of
-the replica's health for the failure detector.
+the replica's health for the failure detector. An answer that is not what was asked
+(`bounds.check_summary`) is refused: it counts as a failed observation (logged with the
+replica's address, counted by the watch's metric) and the request is retried with backoff; no
+error ends a source's pulling.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import grpc
 import numpy as np
 
 from batchplane.core.routing import Routing
+from batchplane.planner.bounds import MAX_NAME_CHARS, MalformedSummary, check_summary
 from batchplane.planner.membership import SummaryTarget
-from batchplane.core.rpc import create_channel
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
-from batchplane.wire import decode_array
+from batchplane.wire import WireFormatError, decode_array
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,29 @@ class SummaryStore:
             return known.rows[lo : lo + count], known.lengths[lo : lo + count], features
 
 
+def parse_summary(
+    response: loader_pb2.GetSummaryResponse, request: loader_pb2.GetSummaryRequest, target: SummaryTarget
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """A loader's summary answer as (rows, lengths, features), views of its bytes (no copy),
+    once it is what `request` asked of `target`.
+
+    Raises:
+        MalformedSummary, WireFormatError: it is not (the message says why).
+    """
+    rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
+    lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
+    if any(len(name) > MAX_NAME_CHARS for name in response.features):
+        raise MalformedSummary(f"a feature name longer than {MAX_NAME_CHARS} characters")
+    features = {
+        name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1) for name, array in response.features.items()
+    }
+    check_summary(
+        rows, lengths, features, start_seq=response.start_seq, end_of_stream=response.end_of_stream, from_seq=request.from_seq,
+        max_samples=request.max_samples, num_rows=target.num_rows, stream_end=target.stream_end,
+    )
+    return rows, lengths, features
+
+
 def route_messages(routing: Routing) -> list[common_pb2.Route]:
     """A source's routes as messages."""
     return [common_pb2.Route(from_window=r.from_window, replicas=r.replicas) for r in routing.routes]
@@ -181,7 +207,7 @@ class SummaryPuller:
         store: The store to fill.
         target: (source, from_seq) -> where to ask (`membership.SummaryTarget`), or None before
             the source has a loader.
-        max_message_bytes: Channel message limit.
+        connect: Opens a channel to a loader at an address (with the job's message limits and security).
         wait_ms: How long a loader may wait for data before answering empty.
     """
 
@@ -191,17 +217,17 @@ class SummaryPuller:
         *,
         num_sources: int,
         target: Callable[[int, int], SummaryTarget | None],
-        max_message_bytes: int,
+        connect: Callable[[str], grpc.Channel],
         wait_ms: int = 1000,
-        observe: Callable[[tuple[int, str], str, bool], None] | None = None,
+        observe: Callable[..., None] | None = None,
     ) -> None:
         self._store = store
         self._target = target
-        self._observe = observe or (lambda owner, address, ok: None)
+        self._observe = observe or (lambda owner, address, ok, **_: None)
         self._followers: dict[str, futures.ThreadPoolExecutor] = {}  # shadow address -> its own ordered queue
         self._following: dict[str, int] = {}  # shadow address -> requests queued
         self._follow_lock = threading.Lock()
-        self._max_message_bytes = max_message_bytes
+        self._connect = connect
         self._wait_ms = wait_ms
         self._stopped = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
@@ -216,59 +242,67 @@ class SummaryPuller:
     def _stub(self, address: str) -> loader_pb2_grpc.LoaderStub:
         with self._channels_lock:
             if address not in self._channels:
-                self._channels[address] = create_channel(address, max_message_bytes=self._max_message_bytes)
+                self._channels[address] = self._connect(address)
             return loader_pb2_grpc.LoaderStub(self._channels[address])
 
     def _pull_loop(self, source: int) -> None:
         backoff = 0.05
         while not self._stopped.is_set():
-            with self._store.cond:
-                self._store.cond.wait_for(lambda: self._stopped.is_set() or self._store.wanted(source) is not None, timeout=1.0)
-                want = self._store.wanted(source)
-                planned_steps, delivered_below = self._store.planned_steps, self._store.delivered_below
-            if self._stopped.is_set() or want is None:
-                continue
-            from_seq, planned_seq = want
             try:
-                target = self._target(source, from_seq)
-            except Exception:  # noqa: BLE001 - a bug here must not silently end this source's pulling
-                log.exception("source %d: cannot route the summary request from %d; retrying", source, from_seq)
+                backoff = self._pull(source, backoff)
+            except Exception:  # noqa: BLE001 - nothing a peer sends, and no bug, ends this source's pulling
+                log.exception("source %d: pulling summaries failed; retrying", source)
                 self._stopped.wait(1.0)
-                continue
-            if target is None or not target.address:  # no loader yet, or a replica that has not registered again
-                self._stopped.wait(0.05)
-                continue
-            request = loader_pb2.GetSummaryRequest(
-                source=source,
-                from_seq=from_seq,
-                planned_seq=planned_seq,
-                max_samples=min(self._store.lookahead, target.window_end - from_seq),
-                wait_ms=self._wait_ms,
-                routes=route_messages(target.routing),
-                planned_steps=planned_steps,
-                delivered_below=delivered_below,
-            )
-            try:
-                response = self._stub(target.address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
-            except grpc.RpcError as exc:
-                log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details())
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self._observe(target.owner, target.address, False)
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 0.5 if target.shadow else 2.0)
-                continue
-            self._observe(target.owner, target.address, True)
-            backoff = 0.05
-            rows = decode_array(response.row, field="row", dtype="int64", ndim=1)
-            lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
-            features = {
-                name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1)
-                for name, array in response.features.items()
-            }
-            self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
-            if target.shadow and len(rows):
-                request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
-                self._pass_on(target.shadow, request)
+
+    def _pull(self, source: int, backoff: float) -> float:
+        """One summary request for `source`, if one is wanted; returns the next backoff."""
+        with self._store.cond:
+            self._store.cond.wait_for(lambda: self._stopped.is_set() or self._store.wanted(source) is not None, timeout=1.0)
+            want = self._store.wanted(source)
+            planned_steps, delivered_below = self._store.planned_steps, self._store.delivered_below
+        if self._stopped.is_set() or want is None:
+            return backoff
+        from_seq, planned_seq = want
+        try:
+            target = self._target(source, from_seq)
+        except Exception:  # noqa: BLE001 - a bug here must not silently end this source's pulling
+            log.exception("source %d: cannot route the summary request from %d; retrying", source, from_seq)
+            self._stopped.wait(1.0)
+            return backoff
+        if target is None or not target.address:  # no loader yet, or a replica that has not registered again
+            self._stopped.wait(0.05)
+            return backoff
+        request = loader_pb2.GetSummaryRequest(
+            source=source,
+            from_seq=from_seq,
+            planned_seq=planned_seq,
+            max_samples=min(self._store.lookahead, target.window_end - from_seq),
+            wait_ms=self._wait_ms,
+            routes=route_messages(target.routing),
+            planned_steps=planned_steps,
+            delivered_below=delivered_below,
+        )
+        try:
+            response = self._stub(target.address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
+        except grpc.RpcError as exc:
+            log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details())
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._observe(target.owner, target.address, False)
+            self._stopped.wait(backoff)
+            return min(backoff * 2, 0.5 if target.shadow else 2.0)
+        try:
+            rows, lengths, features = parse_summary(response, request, target)
+        except (MalformedSummary, WireFormatError) as exc:  # refused: the replica answered, but not what was asked
+            log.warning("GetSummary(source %d from %d) at loader %s: a malformed answer, refused: %s", source, from_seq, target.address, exc)
+            self._observe(target.owner, target.address, False, malformed=True)
+            self._stopped.wait(backoff)
+            return min(backoff * 2, 2.0)
+        self._observe(target.owner, target.address, True)
+        self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
+        if target.shadow and len(rows):
+            request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
+            self._pass_on(target.shadow, request)
+        return 0.05
 
     def _pass_on(self, address: str, request: loader_pb2.GetSummaryRequest) -> None:
         """Queues an answered summary request for the replica's shadow, in order; a shadow that

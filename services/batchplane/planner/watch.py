@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,11 +41,15 @@ class ReplicaWatch:
         membership: The job's membership (replicas and shadows).
         settings: `loaders.failover`.
         metrics: The planner's metrics.
+        connect: Opens a channel to a loader at an address.
         shadows: `loaders.shadow`: every replica should have a shadow (warns when one has none).
     """
 
-    def __init__(self, membership: Membership, settings: FailoverSettings, metrics: PlannerMetrics, *, shadows: bool = False) -> None:
+    def __init__(
+        self, membership: Membership, settings: FailoverSettings, metrics: PlannerMetrics, *, connect: Callable[[str], grpc.Channel], shadows: bool = False
+    ) -> None:
         self._membership = membership
+        self._connect = connect
         self._shadows = shadows
         self._unshadowed: dict[tuple[int, str], float | None] = {}  # replica -> since when it has no shadow (None: warned)
         self._interval = settings.probe_interval_s
@@ -57,11 +62,15 @@ class ReplicaWatch:
         self._thread = threading.Thread(target=self._probe_loop, name="replica-watch", daemon=True)
         self._thread.start()
 
-    def observe(self, owner: tuple[int, str], address: str, ok: bool) -> None:
+    def observe(self, owner: tuple[int, str], address: str, ok: bool, *, malformed: bool = False) -> None:
         """One observation of replica `owner` = (group, replica id) at `address`: a request it
-        answered or failed to answer (an RPC deadline, a broken stream, a refused connection).
-        Observations of an address that no longer serves the replica (late answers from a
-        replaced process) do not count."""
+        answered or failed to answer (an RPC deadline, a broken stream, a refused connection);
+        `malformed`: it answered, but not what was asked (counted, and a failure: a replica that
+        keeps answering so is replaced like one that does not answer). Observations of an
+        address that no longer serves the replica (late answers from a replaced process) do
+        not count."""
+        if malformed:
+            self._metrics.malformed_responses.labels(str(owner[0])).inc()
         with self._lock:
             if self._membership.failed(*owner) or self._membership.serving(*owner) != address:
                 return  # known to have failed, or replaced: nothing more to decide
@@ -131,7 +140,7 @@ class ReplicaWatch:
     def _healthy(self, address: str) -> bool:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            channel = self._channels[address] = self._connect(address)
         try:
             # A busy replica may answer late; a dead one is refused at once.
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=max(4 * self._interval, 0.5))

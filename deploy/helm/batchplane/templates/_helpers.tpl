@@ -2,12 +2,14 @@
 Names, labels, the job configuration and the pieces trainer pods include.
 
 Templates meant for users' own pod specs (see deploy/helm/README.md):
+  batchplane.podSecurityContext   the pod's securityContext: its fsGroup is the group that may enter the socket folder
   batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
-  batchplane.volumes              the socket emptyDir, the job ConfigMap and a /tmp emptyDir
+  batchplane.volumes              the socket emptyDir, the job ConfigMap, a /tmp emptyDir, the sidecar's certificate and token Secrets
   batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR, where the sidecar publishes its index, and the index's inputs
   batchplane.trainerVolumeMounts  the socket folder, for the trainer container
   batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
   batchplane.trainerPodAnnotations  scrape annotations for the sidecar's metrics port
+  batchplane.trainerEgressRules   NetworkPolicy egress rules the sidecar needs (planner, loaders, DNS)
 Each takes this chart's context: `.` inside this chart, `.Subcharts.batchplane` in a parent chart.
 */}}
 
@@ -15,11 +17,22 @@ Each takes this chart's context: `.` inside this chart, `.Subcharts.batchplane` 
 {{- define "batchplane.plannerGrpcPort" -}}50051{{- end }}
 {{- define "batchplane.loaderGrpcPort" -}}50052{{- end }}
 {{- define "batchplane.metricsPort" -}}9100{{- end }}
+{{/* The emptyDir the trainer container and the sidecar share (the socket's folder and the index file). */}}
 {{- define "batchplane.socketDir" -}}/run/batchplane{{- end }}
+{{/* The trainer's socket: in a folder of its own, which the constructor makes (mode 2770, the pod's
+fsGroup) before it binds; the emptyDir itself lets every user in, so the socket cannot lie there. */}}
+{{- define "batchplane.socketAddress" -}}unix:///run/batchplane/socket/constructor.sock{{- end }}
 {{/* Where the sidecar writes its constructor index for the trainer container (--publish-index). */}}
 {{- define "batchplane.indexFile" -}}/run/batchplane/constructor-index{{- end }}
 {{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
+{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir. */}}
+{{- define "batchplane.tlsDir" -}}/etc/batchplane/tls{{- end }}
+{{/* Where servers mount the whole tokens Secret (--auth-tokens), and callers only their own key (--token-file). */}}
+{{- define "batchplane.authTokensDir" -}}/etc/batchplane/auth-tokens{{- end }}
+{{- define "batchplane.tokenDir" -}}/etc/batchplane/token{{- end }}
+{{/* The HTTP path of every service's metrics port that answers 200 while its grpc.health.v1 is SERVING. */}}
+{{- define "batchplane.healthPath" -}}/healthz{{- end }}
 
 {{- define "batchplane.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
@@ -228,7 +241,7 @@ say (cross-field rules).
 {{- fail (printf "job.settings.%s: set by the chart; use the chart's own value instead" $key) }}
 {{- end }}
 {{- end }}
-{{- range $pair := list (list "network" "host") (list "batch" "global_batch_size") (list "batch" "microbatches") (list "constructors" "ranks_per_constructor") }}
+{{- range $pair := list (list "network" "host") (list "network" "tls") (list "batch" "global_batch_size") (list "batch" "microbatches") (list "constructors" "ranks_per_constructor") }}
 {{- $section := get $settings (index $pair 0) }}
 {{- if and (kindIs "map" $section) (hasKey $section (index $pair 1)) }}
 {{- fail (printf "job.settings.%s.%s: set by the chart; use the chart's own value instead" (index $pair 0) (index $pair 1)) }}
@@ -249,6 +262,13 @@ say (cross-field rules).
 {{- end }}
 {{- if and (eq $kind "jobset") (mod (include "batchplane.trainerPods" . | int) (int $v.example.jobsetJobs)) }}
 {{- fail (printf "example.jobsetJobs: must divide the %s trainer pods, got %d" (include "batchplane.trainerPods" .) (int $v.example.jobsetJobs)) }}
+{{- end }}
+{{- end }}
+{{- if eq $v.tls.mode "existingSecret" }}
+{{- range $component := include "batchplane.tlsComponents" . | splitList " " }}
+{{- if not (get $v.tls.existingSecret $component) }}
+{{- fail (printf "tls.existingSecret.%s: name the %s's Secret (keys ca.crt, tls.crt, tls.key); tls.mode existingSecret needs one for each of %s" $component $component (include "batchplane.tlsComponents" $ | splitList " " | join ", ")) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- include "batchplane.validatePodFields" (dict "at" "loader" "fields" $v.loader "reserveVolumes" true) }}
@@ -284,7 +304,7 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
 {{- $_ := set $seen $e.name true }}
 {{- end }}
 {{- if .reserveVolumes }}
-{{- $reservedVolumes := list "batchplane-job" "tmp" }}
+{{- $reservedVolumes := list "batchplane-job" "tmp" "batchplane-tls" "batchplane-auth-tokens" }}
 {{- $volumes := dict }}
 {{- range $i, $vol := (default list .fields.volumes) }}
 {{- if has $vol.name $reservedVolumes }}
@@ -335,7 +355,7 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
   "run_dir" (printf "%s/run" (include "batchplane.stateDir" .))
   "batch" (dict "global_batch_size" (int $v.batch.globalBatchSize) "microbatches" (int $v.batch.microbatches))
   "constructors" (dict "ranks_per_constructor" (int $v.trainer.ranksPerPod))
-  "network" (dict "host" "0.0.0.0")
+  "network" (include "batchplane.jobNetwork" . | fromYaml)
   "loaders" (dict "groups" $groups)
 }}
 {{- $_ := set $job "epochs" (ternary $v.job.epochs (int $v.job.epochs) (kindIs "string" $v.job.epochs)) }}
@@ -345,6 +365,16 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
 {{- $_ := set $merged "ledger" (merge (dict "location" .) (default dict (get $merged "ledger"))) }}
 {{- end }}
 {{- toYaml $merged }}
+{{- end }}
+
+{{/* job.yaml's `network` as the chart sets it: every part binds all interfaces (a pod is reached
+at its IP, probes and scrapes included); with tls.mode disabled, `tls: false` (network.tls off:
+plaintext gRPC between pods, no identities). */}}
+{{- define "batchplane.jobNetwork" -}}
+host: 0.0.0.0
+{{- if eq .Values.tls.mode "disabled" }}
+tls: false
+{{- end }}
 {{- end }}
 
 {{/* The job ConfigMap's data: job.yaml and the strategy files. */}}
@@ -381,9 +411,12 @@ job.yaml: |
     - --planner
     - {{ include "batchplane.plannerAddress" . }}
     - --listen
-    - unix://{{ include "batchplane.socketDir" . }}/constructor.sock
+    - {{ include "batchplane.socketAddress" . }}
     - --metrics-port
     - {{ $port | quote }}
+    {{- with include "batchplane.securityArgs" (dict "root" . "role" "constructor" "server" false) | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
   env:
     {{- with include "batchplane.indexSourceEnv" . | trim }}
     {{- . | nindent 4 }}
@@ -393,22 +426,23 @@ job.yaml: |
     - name: bp-ctor-metrics
       containerPort: {{ $port }}
       protocol: TCP
-  # The metrics endpoint opens only after the constructor registered with the planner and
-  # serves on its socket, so the trainer starts once its data is reachable.
+  # /healthz on the metrics port answers 200 once the constructor's grpc.health.v1 is SERVING,
+  # which it is only after it registered with the planner and serves on its socket, so the
+  # trainer starts once its data is reachable.
   startupProbe:
     httpGet:
-      path: /metrics
+      path: {{ include "batchplane.healthPath" . }}
       port: {{ $port }}
     periodSeconds: 2
     failureThreshold: {{ max 1 (div (int .Values.constructor.startupTimeoutSeconds) 2) }}
   readinessProbe:
     httpGet:
-      path: /metrics
+      path: {{ include "batchplane.healthPath" . }}
       port: {{ $port }}
     periodSeconds: 10
   livenessProbe:
     httpGet:
-      path: /metrics
+      path: {{ include "batchplane.healthPath" . }}
       port: {{ $port }}
     periodSeconds: 20
     timeoutSeconds: 5
@@ -425,9 +459,18 @@ job.yaml: |
       readOnly: true
     - name: batchplane-tmp
       mountPath: /tmp
+    {{- with include "batchplane.securityVolumeMounts" (dict "root" . "server" false) | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
-{{/* The volumes the sidecar needs: put them in the trainer pod's volumes. */}}
+{{/*
+The volumes the sidecar needs: put them in the trainer pod's volumes. The socket folder is an
+emptyDir that only the trainer container and the sidecar mount; the constructor makes its own
+folder in it (mode 2770, group: the pod's fsGroup) before it binds, so the trainer must run with
+the pod's fsGroup among its groups (batchplane.podSecurityContext sets it; it may run as another
+UID). The sidecar's certificate and token Secrets are mounted in the sidecar only.
+*/}}
 {{- define "batchplane.volumes" -}}
 - name: batchplane-socket
   emptyDir: {}
@@ -436,6 +479,9 @@ job.yaml: |
     name: {{ include "batchplane.jobConfigMapName" . }}
 - name: batchplane-tmp
   emptyDir: {}
+{{- with include "batchplane.securityVolumes" (dict "root" . "role" "constructor" "server" false) | trim }}
+{{ . }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -483,7 +529,7 @@ index itself (constructor.indexFrom indexed-job: the completion index), BATCHPLA
 */}}
 {{- define "batchplane.trainerEnv" -}}
 - name: BATCHPLANE_CONSTRUCTOR
-  value: unix://{{ include "batchplane.socketDir" . }}/constructor.sock
+  value: {{ include "batchplane.socketAddress" . }}
 - name: BATCHPLANE_CONSTRUCTOR_INDEX_FILE
   value: {{ include "batchplane.indexFile" . }}
 - name: BATCHPLANE_CONSTRUCTOR_INDEX_FROM
@@ -526,12 +572,305 @@ app.kubernetes.io/name: {{ include "batchplane.name" . }}
 app.kubernetes.io/component: operator
 {{- end }}
 
-{{- define "batchplane.networkPolicy.fromMonitoring" -}}
+{{/* The Prometheus scraper's pods, as one peer (namespaceSelector AND podSelector). */}}
+{{- define "batchplane.networkPolicy.prometheusPeer" -}}
+{{- $p := .Values.networkPolicy.prometheus -}}
+- namespaceSelector:
+    {{- toYaml $p.namespaceSelector | nindent 4 }}
+  podSelector:
+    {{- toYaml $p.podSelector | nindent 4 }}
+{{- end }}
+
+{{/* Ingress from the scraper to a metrics port: (dict "root" . "port" 9100). */}}
+{{- define "batchplane.networkPolicy.fromPrometheus" -}}
 - from:
-    - namespaceSelector:
-        matchLabels:
-          kubernetes.io/metadata.name: {{ .Values.networkPolicy.monitoringNamespace }}
+    {{- include "batchplane.networkPolicy.prometheusPeer" .root | nindent 4 }}
   ports:
-    - port: {{ include "batchplane.metricsPort" . }}
+    - port: {{ .port }}
       protocol: TCP
+{{- end }}
+
+{{/* Egress to the cluster DNS (UDP and TCP 53). */}}
+{{- define "batchplane.networkPolicy.toDns" -}}
+{{- $dns := .Values.networkPolicy.dns -}}
+- to:
+    - namespaceSelector:
+        {{- toYaml $dns.namespaceSelector | nindent 8 }}
+      podSelector:
+        {{- toYaml $dns.podSelector | nindent 8 }}
+    {{- range $dns.cidrs }}
+    - ipBlock:
+        cidr: {{ . }}
+    {{- end }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- end }}
+
+{{/* Egress to CIDRs on TCP ports: (dict "cidrs" list "ports" list); nothing when either is empty. */}}
+{{- define "batchplane.networkPolicy.toCidrs" -}}
+{{- if and .cidrs .ports -}}
+- to:
+    {{- range .cidrs }}
+    - ipBlock:
+        cidr: {{ . }}
+    {{- end }}
+  ports:
+    {{- range .ports }}
+    - port: {{ . }}
+      protocol: TCP
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Egress to the object store (networkPolicy.objectStore): sources, the ledger, the journal. */}}
+{{- define "batchplane.networkPolicy.toObjectStore" -}}
+{{- include "batchplane.networkPolicy.toCidrs" (dict "cidrs" .Values.networkPolicy.objectStore.cidrs "ports" .Values.networkPolicy.objectStore.ports) }}
+{{- end }}
+
+{{/* Egress to the planner's gRPC port. */}}
+{{- define "batchplane.networkPolicy.toPlanner" -}}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "batchplane.componentSelectorLabels" (dict "root" . "component" "planner") | nindent 10 }}
+  ports:
+    - port: {{ include "batchplane.plannerGrpcPort" . }}
+      protocol: TCP
+{{- end }}
+
+{{/* Egress to this DataPlane's loaders' gRPC port. */}}
+{{- define "batchplane.networkPolicy.toLoaders" -}}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "batchplane.networkPolicy.loaderSelector" . | nindent 10 }}
+  ports:
+    - port: {{ include "batchplane.loaderGrpcPort" . }}
+      protocol: TCP
+{{- end }}
+
+{{/*
+The egress rules a trainer pod's constructor sidecar needs: the planner's and the loaders' gRPC
+ports and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
+next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
+  egress: {{- include "batchplane.trainerEgressRules" $bp | nindent 4 }}
+*/}}
+{{- define "batchplane.trainerEgressRules" -}}
+{{ include "batchplane.networkPolicy.toPlanner" . }}
+{{ include "batchplane.networkPolicy.toLoaders" . }}
+{{ include "batchplane.networkPolicy.toDns" . }}
+{{- end }}
+
+
+{{/* ---- transport security: certificates and tokens ----------------------------------------- */}}
+
+{{/* The parts with a certificate of their own (the operator makes no gRPC call). */}}
+{{- define "batchplane.tlsComponents" -}}planner loader constructor{{- end }}
+
+{{/* "true" when the parts speak mutual TLS between pods (tls.mode is not disabled). */}}
+{{- define "batchplane.tlsEnabled" -}}{{ ne .Values.tls.mode "disabled" }}{{- end }}
+
+{{/* The Secret of the chart's own CA (tls.mode generated or certManager without an issuerRef). */}}
+{{- define "batchplane.tlsCaName" -}}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "ca") }}
+{{- end }}
+
+{{/* "true" when tls.mode certManager uses the chart's own CA (no tls.certManager.issuerRef). */}}
+{{- define "batchplane.tlsOwnIssuer" -}}
+{{- and (eq .Values.tls.mode "certManager") (not .Values.tls.certManager.issuerRef.name) }}
+{{- end }}
+
+{{/* The Secret holding a part's certificate: (dict "root" . "component" "planner"). */}}
+{{- define "batchplane.tlsSecretName" -}}
+{{- if eq .root.Values.tls.mode "existingSecret" }}
+{{- get .root.Values.tls.existingSecret .component }}
+{{- else }}
+{{- include "batchplane.componentName" (dict "root" .root "suffix" (printf "%s-tls" .component)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The DNS names of a part's certificate: (dict "root" . "component" "planner"). Every part's
+`<role>.batchplane`, the name its peers verify it by; the planner's also its Service's names.
+*/}}
+{{- define "batchplane.tlsDnsNames" -}}
+- {{ .component }}.batchplane
+{{- if eq .component "planner" }}
+{{- $svc := include "batchplane.componentName" (dict "root" .root "suffix" "planner") }}
+{{- $ns := .root.Release.Namespace }}
+- {{ $svc }}
+- {{ $svc }}.{{ $ns }}
+- {{ $svc }}.{{ $ns }}.svc
+- {{ $svc }}.{{ $ns }}.svc.{{ .root.Values.tls.clusterDomain }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret of the per-role bearer tokens (auth.tokens). */}}
+{{- define "batchplane.authTokensSecretName" -}}
+{{- default (include "batchplane.componentName" (dict "root" . "suffix" "auth-tokens")) .Values.auth.tokens.existingSecret }}
+{{- end }}
+
+{{/*
+"true" when the parts carry bearer tokens: auth.tokens.enabled, or tls.mode generated. Helm's
+genSignedCert cannot write the URI SAN batchplane://<role> that names a part's role, so with
+generated certificates the role comes from the part's token (the servers take a token's role when
+the certificate names none), and the certificate proves it belongs to the job's CA.
+*/}}
+{{- define "batchplane.tokensEnabled" -}}
+{{- or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated") }}
+{{- end }}
+
+{{/* The roles that have a token: one key each in the tokens Secret. */}}
+{{- define "batchplane.tokenRoles" -}}planner loader constructor operator{{- end }}
+
+{{/*
+A part's flags for transport security: (dict "root" . "role" "planner" "server" true).
+--tls-dir (unless tls.mode is disabled); with tokens (batchplane.tokensEnabled), a server (planner, loaders)
+gets --auth-tokens (the whole tokens Secret) and presents its own key of it as --token-file, a
+caller only (the constructor) --token-file with its own key alone.
+*/}}
+{{- define "batchplane.securityArgs" -}}
+{{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
+- --tls-dir
+- {{ include "batchplane.tlsDir" .root }}
+{{- end }}
+{{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
+{{- if .server }}
+- --auth-tokens
+- {{ include "batchplane.authTokensDir" .root }}
+- --token-file
+- {{ include "batchplane.authTokensDir" .root }}/{{ .role }}
+{{- else }}
+- --token-file
+- {{ include "batchplane.tokenDir" .root }}/{{ .role }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A part's certificate and token volumes: (dict "root" . "role" "planner" "server" true). Whole
+Secrets as directories (never subPath, which never sees a renewed certificate), files readable by
+root and the pod's fsGroup only (defaultMode 0440 = 288); a caller's token volume holds its own
+key only (items).
+*/}}
+{{- define "batchplane.securityVolumes" -}}
+{{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
+- name: batchplane-tls
+  secret:
+    secretName: {{ include "batchplane.tlsSecretName" (dict "root" .root "component" .role) }}
+    defaultMode: 288
+{{- end }}
+{{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
+{{- if .server }}
+- name: batchplane-auth-tokens
+  secret:
+    secretName: {{ include "batchplane.authTokensSecretName" .root }}
+    defaultMode: 288
+{{- else }}
+- name: batchplane-token
+  secret:
+    secretName: {{ include "batchplane.authTokensSecretName" .root }}
+    defaultMode: 288
+    items:
+      - key: {{ .role }}
+        path: {{ .role }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Their mounts: (dict "root" . "server" true). */}}
+{{- define "batchplane.securityVolumeMounts" -}}
+{{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
+- name: batchplane-tls
+  mountPath: {{ include "batchplane.tlsDir" .root }}
+  readOnly: true
+{{- end }}
+{{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
+{{- if .server }}
+- name: batchplane-auth-tokens
+  mountPath: {{ include "batchplane.authTokensDir" .root }}
+  readOnly: true
+{{- else }}
+- name: batchplane-token
+  mountPath: {{ include "batchplane.tokenDir" .root }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Secrets of tls.mode generated: (dict "root" . "found" (dict <Secret name> <Secret object>)),
+where `found` holds what `lookup` found of them (templates/tls/generated-secrets.yaml; a test
+passes its own). The CA (ECDSA P-256, Secret <name>-ca with its key) is kept when found; each
+part's certificate is kept when found and issued by that CA, else issued anew: so an upgrade
+keeps the CA and the certificates, and a deleted CA Secret re-issues everything. Helm's
+genSignedCert can write DNS names only, no URI SAN: these certificates carry `<role>.batchplane`
+(also their common name), not `batchplane://<role>`, so generated mode turns the bearer tokens on
+(batchplane.tokensEnabled): the servers take a caller's role from its token.
+*/}}
+{{- define "batchplane.tls.generatedSecrets" -}}
+{{- $root := .root }}
+{{- $g := $root.Values.tls.generated }}
+{{- $caName := include "batchplane.tlsCaName" $root }}
+{{- $caData := get (get .found $caName | default dict) "data" | default dict }}
+{{- $ca := dict }}
+{{- $caKept := false }}
+{{- if and (get $caData "tls.crt") (get $caData "tls.key") }}
+{{- $ca = buildCustomCert (get $caData "tls.crt") (get $caData "tls.key") }}
+{{- $caKept = true }}
+{{- else }}
+{{- $ca = genCAWithKey (printf "%s batchplane CA" (include "batchplane.fullname" $root)) (int $g.caValidityDays) (genPrivateKey "ecdsa") }}
+{{- end }}
+{{- $caCrt := $ca.Cert | b64enc }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $caName }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "batchplane.componentLabels" (dict "root" $root "component" "tls") | nindent 4 }}
+type: kubernetes.io/tls
+data:
+  ca.crt: {{ $caCrt }}
+  tls.crt: {{ $caCrt }}
+  tls.key: {{ $ca.Key | b64enc }}
+{{- range $component := include "batchplane.tlsComponents" $root | splitList " " }}
+{{- $name := include "batchplane.tlsSecretName" (dict "root" $root "component" $component) }}
+{{- $data := get (get $.found $name | default dict) "data" | default dict }}
+---
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "batchplane.componentLabels" (dict "root" $root "component" $component) | nindent 4 }}
+type: kubernetes.io/tls
+data:
+  ca.crt: {{ $caCrt }}
+{{- if and $caKept (get $data "tls.crt") (get $data "tls.key") (eq (get $data "ca.crt") $caCrt) }}
+  tls.crt: {{ get $data "tls.crt" }}
+  tls.key: {{ get $data "tls.key" }}
+{{- else }}
+{{- $dns := include "batchplane.tlsDnsNames" (dict "root" $root "component" $component) | fromYamlArray }}
+{{- $cert := genSignedCertWithKey (printf "%s.batchplane" $component) (list) $dns (int $g.validityDays) $ca (genPrivateKey "ecdsa") }}
+  tls.crt: {{ $cert.Cert | b64enc }}
+  tls.key: {{ $cert.Key | b64enc }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The tokens Secret's data (batchplane.tokensEnabled without existingSecret): (dict "root" . "found"
+<the Secret as lookup found it, or an empty dict>). One random 48-character token per role, each
+kept when the found Secret has it, so an upgrade keeps them.
+*/}}
+{{- define "batchplane.auth.tokensData" -}}
+{{- $old := get (.found | default dict) "data" | default dict }}
+{{- range $role := include "batchplane.tokenRoles" .root | splitList " " }}
+{{ $role }}: {{ get $old $role | default (randAlphaNum 48 | b64enc) }}
+{{- end }}
 {{- end }}

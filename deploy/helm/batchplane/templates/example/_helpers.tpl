@@ -16,6 +16,18 @@ trainer"), with constructor.indexFrom matching the kind.
 {{/* The port torchrun's static rendezvous (the master's TCP store) listens on. */}}
 {{- define "batchplane.example.rendezvousPort" -}}29500{{- end }}
 
+{{/*
+The trainer container's securityContext: the chart's lockdown, but as example.runAsUser and
+example.runAsGroup, not the sidecar's UID, so the example shows that the trainer reaches the
+constructor's socket through the pod's fsGroup alone.
+*/}}
+{{- define "batchplane.example.trainerSecurityContext" -}}
+{{- $ctx := include "batchplane.containerSecurityContext" . | fromYaml }}
+{{- $_ := set $ctx "runAsUser" (int .Values.example.runAsUser) }}
+{{- $_ := set $ctx "runAsGroup" (int .Values.example.runAsGroup) }}
+{{- toYaml $ctx }}
+{{- end }}
+
 {{/* Metadata of an example trainer pod template. */}}
 {{- define "batchplane.example.podMetadata" -}}
 labels:
@@ -90,7 +102,7 @@ containers:
     resources:
       {{- toYaml $root.Values.example.resources | nindent 6 }}
     securityContext:
-      {{- include "batchplane.containerSecurityContext" $root | nindent 6 }}
+      {{- include "batchplane.example.trainerSecurityContext" $root | nindent 6 }}
     volumeMounts:
       {{- include "batchplane.trainerVolumeMounts" $root | nindent 6 }}
       - name: trainer-tmp

@@ -1,0 +1,139 @@
+"""A throwaway certificate authority for a job on one machine: `batchplane up` makes one in the
+run folder and issues every process a certificate naming its identity, so the tested path is
+the production path (mutual TLS, one identity per part). Tests mint certificates of any identity
+from it.
+
+A certificate folder is written the way Kubernetes writes a mounted Secret: the files live in a
+fresh sub-folder and `..data` is a symlink swapped atomically, with ca.crt, tls.crt and tls.key
+linking through it. A reader never sees a new certificate with an old key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import time
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from batchplane.core.identity import Identity, server_name
+from batchplane.core.tls import CA_FILE, CERT_FILE, KEY_FILE
+
+#: How long the local CA and the certificates it issues are valid.
+CA_DAYS = 365
+LEAF_DAYS = 30
+#: Clock skew allowed between processes.
+_SKEW = datetime.timedelta(minutes=5)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+class LocalCA:
+    """A CA whose key lies in `folder` (ca.key readable by its owner only).
+
+    Args:
+        folder: Where ca.crt and ca.key are; made when missing or expiring within a day.
+        name: The CA's common name (the job's name).
+    """
+
+    def __init__(self, folder: pathlib.Path, *, name: str = "batchplane") -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        cert_path, key_path = folder / CA_FILE, folder / "ca.key"
+        if cert_path.exists() and key_path.exists():
+            self.cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            self.key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            if self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
+                return
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} local CA")])
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(_now() - _SKEW)
+            .not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                    key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        _write_private(key_path, _pem_key(self.key))
+        cert_path.write_bytes(self.pem)
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, identity: Identity, folder: pathlib.Path, *, days: int = LEAF_DAYS) -> pathlib.Path:
+        """Writes a certificate folder (ca.crt, tls.crt, tls.key) for `identity`, replacing
+        what is there atomically; returns `folder`. The certificate serves and authenticates:
+        its names are the identity's URI and `<role>.batchplane`."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri())]
+        if identity.role != "trainer":
+            names.insert(0, x509.DNSName(server_name(identity.role)))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.uri()[:64])]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(_now() - _SKEW)
+            .not_valid_after(_now() + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        write_certificate_folder(folder, ca=self.pem, cert=cert.public_bytes(serialization.Encoding.PEM), key=_pem_key(key))
+        return folder
+
+
+def write_certificate_folder(folder: pathlib.Path, *, ca: bytes, cert: bytes, key: bytes) -> None:
+    """Writes the three files as Kubernetes writes a Secret volume: into a new `..<stamp>`
+    folder, then `..data` swapped to it by one rename; the previous version is removed."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    version = folder / f"..{time.time_ns()}"
+    version.mkdir(mode=0o700)
+    (version / CA_FILE).write_bytes(ca)
+    (version / CERT_FILE).write_bytes(cert)
+    _write_private(version / KEY_FILE, key)
+    data = folder / "..data"
+    previous = os.readlink(data) if data.is_symlink() else None
+    swap = folder / "..data_tmp"
+    swap.unlink(missing_ok=True)
+    swap.symlink_to(version.name)
+    os.replace(swap, data)
+    for name in (CA_FILE, CERT_FILE, KEY_FILE):
+        link = folder / name
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(f"..data/{name}")
+    if previous is not None and previous != version.name:
+        for old in (folder / previous).iterdir():
+            old.unlink()
+        (folder / previous).rmdir()
+
+
+def _write_private(path: pathlib.Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

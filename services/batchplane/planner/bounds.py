@@ -1,0 +1,212 @@
+"""Bounds on what a peer may send the planner: the fields of every request, and every loader's
+summary response, checked against what the job has planned or can plan, once, at the edge.
+Pure: no grpc, no I/O, no clocks. The servicer, the plan book and the summary puller call it;
+`progress.PlanProgress` applies the step window (`plan_lead`) to its own state.
+
+Each bound and why it holds for every correct peer:
+
+- **Steps ahead** (`plan_lead`). A constructor builds at most `constructors.prefetch_steps` steps
+  past its slowest rank, and a rank asks for step s only once it was handed s - 1; the trainers of
+  one job move in lockstep (every step ends in a collective), so the ranks of other constructors
+  were handed every step up to one below it. One more step covers a hand-over the planner has not
+  heard of yet (constructors tell it with their next plan request or heartbeat). So a correct
+  constructor asks for steps at most `prefetch_steps + 2` past the step below which every rank
+  was handed every step (`PlanProgress.consumed_below`). A request further ahead is not refused
+  for good (a constructor whose peers' hand-overs are late is correct): it waits for the window
+  to reach it, then gets UNAVAILABLE, and nothing is planned for it. The planner never plans past
+  the window, so a request for step 10^15 costs nothing.
+- **Delivered steps**. `delivered_below` and a rejoining constructor's `next_step` claim that
+  ranks were handed steps: never more than the planner planned (`PlanProgress` clamps them to its
+  planning cursor), never more than the step asked for (the servicer clamps `delivered_below`).
+- **Names and addresses** (`check_name`, `check_address`): replica ids and incarnations are pod
+  names or uuids (a Kubernetes name has at most 253 characters); an address is a DNS name (253)
+  with a scheme and a port, or a Unix socket path (at most 107 bytes): 512 characters leave room.
+  Printable characters only, so a log line stays one line.
+- **Resume fingerprints** (`check_resume`): group names and 16-hex-digit digests; a checkpoint of
+  any version fits in `MAX_RESUME_ENTRIES` entries of `MAX_FINGERPRINT_CHARS`. A checkpoint whose
+  "data" fingerprint differs names other samples: refused (the client refuses it too).
+- **Reports** (`report_refusal`): only for a step that is planned and not yet past (see there),
+  so the reports waiting to be applied are at most the steps between the last applied one and
+  the planning cursor, and report files on the ledger as many; at most one per step.
+- **Summaries** (`check_summary`): a loader's answer must be what was asked: starting at the
+  position asked, no more samples than asked, equal lengths, rows of the source, lengths >= 0,
+  finite features, and an end of stream only where the stream ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from batchplane.core.errors import InvalidArgument
+
+#: Characters of a replica id, incarnation or shadow's replica id (a Kubernetes object name has
+#: at most 253).
+MAX_NAME_CHARS = 253
+#: Characters of a part's address: a DNS name (253) with scheme and port, or "unix://" and a
+#: Unix socket path (at most 107 bytes), with room to spare.
+MAX_ADDRESS_CHARS = 512
+#: Entries of a resume's fingerprint map (a job has four groups; later versions may add some).
+MAX_RESUME_ENTRIES = 32
+#: Characters of a fingerprint group name or digest (digests have 16 hex digits).
+MAX_FINGERPRINT_CHARS = 128
+
+
+class MalformedSummary(ValueError):
+    """A loader's summary response is not what was asked; the text says what is wrong."""
+
+
+def plan_lead(prefetch_steps: int) -> int:
+    """How many steps past `consumed_below` a plan request may ask for (see the module
+    docstring): `prefetch_steps + 2`.
+
+    Args:
+        prefetch_steps: `constructors.prefetch_steps`.
+    """
+    return prefetch_steps + 2
+
+
+def check_step(field: str, value: int) -> int:
+    """`value` if it is a step (>= 0).
+
+    Raises:
+        InvalidArgument: a negative value (the message names the field).
+    """
+    if value < 0:
+        raise InvalidArgument(f"{field} must be >= 0, got {value}")
+    return value
+
+
+def check_name(field: str, value: str) -> str:
+    """`value` if it can be a replica id or an incarnation ("" allowed: the default).
+
+    Raises:
+        InvalidArgument: longer than MAX_NAME_CHARS or with characters that are not printable
+            (the message names the field, not the value).
+    """
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"{field} must have at most {MAX_NAME_CHARS} characters, got {len(value)}")
+    if not value.isprintable():
+        raise InvalidArgument(f"{field} must have printable characters only")
+    return value
+
+
+def check_address(field: str, value: str) -> str:
+    """`value` if it can be a part's address.
+
+    Raises:
+        InvalidArgument: empty, longer than MAX_ADDRESS_CHARS, or with blanks or characters that
+            are not printable.
+    """
+    if not value:
+        raise InvalidArgument(f"{field} is required")
+    if len(value) > MAX_ADDRESS_CHARS:
+        raise InvalidArgument(f"{field} must have at most {MAX_ADDRESS_CHARS} characters, got {len(value)}")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise InvalidArgument(f"{field} must have printable characters and no blanks only")
+    return value
+
+
+def check_resume(resume: Mapping[str, str], fingerprints: Mapping[str, str]) -> dict[str, str]:
+    """The fingerprints of the checkpoint a plan request resumes from, if they can be.
+
+    Args:
+        resume: The request's `resume` map (empty: a fresh start).
+        fingerprints: The job's settings fingerprints.
+    Raises:
+        InvalidArgument: more than MAX_RESUME_ENTRIES entries, a name or value longer than
+            MAX_FINGERPRINT_CHARS, or a "data" fingerprint other than the job's (its positions
+            name other samples).
+    """
+    if len(resume) > MAX_RESUME_ENTRIES:
+        raise InvalidArgument(f"resume must have at most {MAX_RESUME_ENTRIES} entries, got {len(resume)}")
+    for name, value in resume.items():
+        if len(name) > MAX_FINGERPRINT_CHARS or len(value) > MAX_FINGERPRINT_CHARS:
+            raise InvalidArgument(f"resume: names and fingerprints must have at most {MAX_FINGERPRINT_CHARS} characters")
+    if "data" in resume and resume["data"] != fingerprints.get("data"):
+        raise InvalidArgument(
+            "resume: the checkpoint's data settings (sources, transforms, seed, epochs or shuffle) differ from the job's: "
+            "its positions name other samples"
+        )
+    return dict(resume)
+
+
+class ReportRefusal(NamedTuple):
+    """Why a training report is not taken."""
+
+    reason: str
+    #: The step's report was applied already: a retry of the report that was is still taken.
+    applied: bool = False
+
+
+def report_refusal(step: int, *, start: int, applied_through: int, handed_below: int) -> ReportRefusal | None:
+    """Why the training report of `step` is not taken, or None when it is.
+
+    A report is taken for a step that is planned and not yet past. *Planned*: below
+    `handed_below`, the first step no rank can have been handed (a trainer reports a step it
+    trained on). *Past*: its report was applied already (step <= applied_through: the steps
+    planned since used it, or counted it missing), or the step precedes this run's start (its
+    report belongs to an earlier run's ledger). At most one report per step stands: the first
+    (the caller compares a repeated one with it).
+
+    Args:
+        start: The step this run of the job started at.
+        applied_through: The last step whose report the adaptive state holds.
+        handed_below: No rank can have been handed a step at or after it
+            (`PlanProgress.handed_below`).
+    """
+    if step < start:
+        return ReportRefusal(f"step {step} is before step {start}, where this run of the job started, so its report is not used")
+    if step <= applied_through:
+        return ReportRefusal(f"step {step} is past: the reports through step {applied_through} were applied already", applied=True)
+    if step >= handed_below:
+        return ReportRefusal(f"step {step} is not planned yet (steps below {handed_below} may be): a report is taken for a step trained on")
+    return None
+
+
+def check_summary(
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    features: Mapping[str, np.ndarray],
+    *,
+    start_seq: int,
+    end_of_stream: bool,
+    from_seq: int,
+    max_samples: int,
+    num_rows: int | None,
+    stream_end: int | None,
+) -> None:
+    """Checks a loader's summary response against its request (decoded arrays, no copy).
+
+    Args:
+        from_seq: The position asked from; the answer must start there.
+        max_samples: The most samples asked for.
+        num_rows: The source's rows (None: unknown, rows are only checked >= 0).
+        stream_end: Where the source's stream ends (epochs x rows; None: it never ends).
+    Raises:
+        MalformedSummary: the answer is not what was asked (the message says what).
+    """
+    n = len(rows)
+    if start_seq != from_seq:
+        raise MalformedSummary(f"starts at position {start_seq}, asked from {from_seq}")
+    if n > max_samples:
+        raise MalformedSummary(f"{n} samples, at most {max_samples} asked for")
+    if len(lengths) != n:
+        raise MalformedSummary(f"{len(lengths)} lengths for {n} rows")
+    for name, values in features.items():
+        if len(values) != n:
+            raise MalformedSummary(f"feature {name[:MAX_FINGERPRINT_CHARS]!r}: {len(values)} values for {n} rows")
+        if n and not np.all(np.isfinite(values)):
+            raise MalformedSummary(f"feature {name[:MAX_FINGERPRINT_CHARS]!r}: values that are not finite")
+    if n:
+        if rows.min() < 0 or (num_rows is not None and rows.max() >= num_rows):
+            raise MalformedSummary(f"rows outside [0, {num_rows if num_rows is not None else 'rows'})")
+        if lengths.min() < 0:
+            raise MalformedSummary("negative lengths")
+    if stream_end is not None and start_seq + n > stream_end:
+        raise MalformedSummary(f"positions up to {start_seq + n - 1}, past the stream's end at {stream_end}")
+    if end_of_stream and (stream_end is None or start_seq + n != stream_end):
+        where = "the stream never ends" if stream_end is None else f"the stream ends at {stream_end}"
+        raise MalformedSummary(f"says the stream ends at {start_seq + n}, but {where}")

@@ -1,0 +1,317 @@
+"""Well-formed but hostile requests to the planner (issue 15, point 3), replayed against the
+real servicer, plan book and membership with a fake loader filling the summary store: no sockets.
+Each test is one row of the issue's attack table: refused, and nothing lost, repeated or
+stalled (every sample is still planned exactly once, and the job ends where it should)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from batchplane.core.config import job_from_mapping
+from batchplane.core.errors import InvalidArgument, NotFound, Unavailable
+from batchplane.core.storage import MemoryStorage
+from batchplane.planner.book import PlanBook
+from batchplane.planner.bounds import MAX_ADDRESS_CHARS, MAX_NAME_CHARS
+from batchplane.planner.membership import Membership
+from batchplane.planner.metrics import PlannerMetrics
+from batchplane.planner.service import PlannerServicer
+from batchplane.planner.summaries import SummaryStore
+from batchplane.v1 import common_pb2, planner_pb2
+from batchplane.wire import decode_array
+
+ROWS = 48  # one source, 48 rows in 4 row groups: 12 steps of 4 samples
+GROUPS = (12, 12, 12, 12)
+STEPS = ROWS // 4
+RULE = {"initial": {"a": 1}, "delay_steps": 2}
+
+
+def _job(**settings):
+    return job_from_mapping(
+        {
+            "job": "hostile",
+            "sources": [{"name": "a", "path": "a"}],
+            "mesh": {"dp": 2},
+            "batch": {"global_batch_size": 4, "microbatches": 1},
+            **settings,
+        }
+    )
+
+
+class Plane:
+    """A planner with one registered loader (a thread answering the store's wants) and its two
+    constructors registered."""
+
+    def __init__(self, job, *, ledger: MemoryStorage | None = None) -> None:
+        self.job = job
+        self.ledger = ledger if ledger is not None else MemoryStorage()
+        self.membership = Membership(job)
+        self.store = SummaryStore(1, lookahead=16)
+        metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
+        self.book = PlanBook(job, membership=self.membership, store=self.store, metrics=metrics, ledger=self.ledger)
+        self.service = PlannerServicer(job, self.membership, self.book, self.store, metrics)
+        self._stop = threading.Event()
+        self._feeder = threading.Thread(target=self._feed, daemon=True)
+        self._feeder.start()
+
+    def join(self) -> None:
+        self.service.RegisterLoader(
+            planner_pb2.RegisterLoaderRequest(
+                loader_index=0, address="loader:0", incarnation="i0",
+                sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS, row_group_sizes=GROUPS)],
+            ),
+            None,
+        )
+        for c in (0, 1):
+            self.service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=c, address=f"c:{c}", ranks=[c]), None)
+
+    def _feed(self) -> None:
+        """The loader: rows of seqs in order, every length 8."""
+        end = None if self.job.epochs is None else self.job.epochs * ROWS
+        while not self._stop.is_set():
+            with self.store.cond:
+                self.store.cond.wait_for(lambda: self._stop.is_set() or self.store.wanted(0) is not None, timeout=0.2)
+                want = self.store.wanted(0)
+            if want is None:
+                continue
+            start = want[0]
+            stop = start + 16 if end is None else min(start + 16, end)
+            seq = np.arange(start, stop, dtype=np.int64)
+            self.store.add(0, start, seq % ROWS, np.full(len(seq), 8, np.int32), end is not None and stop == end)
+
+    def plan(self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 5000, **fields) -> planner_pb2.GetPlanResponse:
+        below = step if delivered_below is None else delivered_below
+        request = planner_pb2.GetPlanRequest(constructor_index=constructor, step=step, delivered_below=below, wait_ms=wait_ms, **fields)
+        return self.service.GetPlan(request, None)
+
+    def run(self, first: int = 0) -> dict[int, list[tuple[int, int]]]:
+        """Both constructors take every step from `first` to the end, in lockstep, as trainers do;
+        returns per step the (source, seq) of its samples over both ranks."""
+        steps: dict[int, list[tuple[int, int]]] = {}
+        step = first
+        while True:
+            got = [self.plan(c, step) for c in (0, 1)]
+            if any(r.end_of_data for r in got):
+                assert all(r.end_of_data for r in got)
+                return steps
+            steps[step] = [pair for r in got for rank in r.ranks for pair in _samples(rank)]
+            step += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.book.stop()
+
+
+def _samples(rank: planner_pb2.RankPlan) -> Iterator[tuple[int, int]]:
+    source = decode_array(rank.samples.source, field="source").tolist()
+    seq = decode_array(rank.samples.seq, field="seq").tolist()
+    return zip(source, seq)
+
+
+def _assert_exactly_once(steps: dict[int, list[tuple[int, int]]], *, first: int = 0) -> None:
+    assert sorted(steps) == list(range(first, STEPS)), "every step, in order, none skipped"
+    seen = [pair for step in sorted(steps) for pair in steps[step]]
+    assert sorted(seen) == [(0, s) for s in range(first * 4, ROWS)], "every sample once"
+
+
+@pytest.fixture
+def plane() -> Iterator[Plane]:
+    p = Plane(_job())
+    p.join()
+    yield p
+    p.stop()
+
+
+def _threaded(fn, *, timeout_s: float):
+    """Runs `fn` in a thread; returns (finished, outcome) after at most `timeout_s`."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive(), outcome[0] if outcome else None
+
+
+# ---- a: GetPlan{step: 1e9, delivered_below: 1e9} per constructor --------------------------------
+
+
+def test_a_far_step_with_a_far_delivered_below_is_refused_and_ends_nothing(plane: Plane) -> None:
+    first = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in _samples(r)] for step in range(3)}
+    for c in (0, 1):
+        with pytest.raises(Unavailable, match="ahead of the planning window"):
+            plane.plan(c, 10**9, delivered_below=10**9, wait_ms=50)
+    assert not plane.book.finished and plane.book.end_step is None, "nothing was planned for the far step"
+    assert plane.book.steps_planned <= 3 + 4 + 2
+    rest = plane.run(first=3)
+    _assert_exactly_once(first | rest)
+    assert plane.book.finished
+
+
+# ---- b: RegisterConstructor{rejoin, next_step: 1e9} ---------------------------------------------
+
+
+def test_b_a_rejoin_far_ahead_drops_no_kept_plan(plane: Plane) -> None:
+    """As constructor 1 (authorized as itself, so authorization alone does not stop it): its
+    heartbeat claims every step below 1e9 was handed. Believed up to the planning cursor only:
+    constructor 0's plans stay kept, and a restarted constructor 1 resumes at a planned step."""
+    got = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in _samples(r)] for step in range(3)}
+    plane.service.RegisterConstructor(
+        planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1], rejoin=True, next_step=10**9), None
+    )
+    assert not plane.book.finished
+    restarted = plane.service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1]), None)
+    assert restarted.resume_step <= plane.book.steps_planned, "a restarted constructor builds again from a planned step, not from 1e9"
+    got |= plane.run(first=3)
+    _assert_exactly_once(got)
+    with pytest.raises(InvalidArgument, match="next_step must be >= 0"):
+        plane.service.RegisterConstructor(
+            planner_pb2.RegisterConstructorRequest(constructor_index=0, address="c:0", ranks=[0], rejoin=True, next_step=-1), None
+        )
+
+
+# ---- c: the first GetPlan of a fresh job asks for step 100; step 1e15 on an infinite job -------
+
+
+def test_c_the_first_request_does_not_choose_the_start_of_a_fresh_job(plane: Plane) -> None:
+    with pytest.raises(Unavailable, match="ahead of the planning window"):
+        plane.plan(0, 100, wait_ms=50)
+    assert plane.book.start_step == 0
+    _assert_exactly_once(plane.run())
+
+
+def test_c_a_far_step_on_an_infinite_job_is_refused_without_planning_up_to_it() -> None:
+    plane = Plane(_job(epochs="infinite"))
+    try:
+        plane.join()
+        finished, outcome = _threaded(lambda: plane.plan(0, 10**15, wait_ms=100), timeout_s=5)
+        assert finished, "the planner kept planning (or fast-forwarding) towards step 1e15"
+        assert isinstance(outcome, Unavailable)
+        assert plane.book.start_step == 0 and plane.book.steps_planned <= 2 + 4
+        assert [plane.plan(c, 0).step for c in (0, 1)] == [0, 0], "the job runs on"
+    finally:
+        plane.stop()
+
+
+# ---- d: GetPlan naming another constructor's index with a later step ---------------------------
+
+
+def test_d_a_request_for_another_constructor_does_not_make_its_own_fail(plane: Plane) -> None:
+    got = {0: [pair for c in (0, 1) for r in plane.plan(c, 0).ranks for pair in _samples(r)]}
+    plane.plan(1, 3, delivered_below=3)  # the hostile request, as constructor 1, within the window
+    got |= plane.run(first=1)  # constructor 1 asks for steps 1, 2, ... : served, not "already consumed"
+    _assert_exactly_once(got)
+
+
+# ---- g: pre-sent reports for future steps; report floods ------------------------------------------
+
+
+def _report(plane: Plane, step: int, loss: float = 1.0) -> common_pb2.ReportResponse:
+    return plane.service.Report(common_pb2.ReportRequest(step=step, losses={"a": loss}), None)
+
+
+def test_g_reports_only_for_steps_planned_and_not_past_at_most_one_each() -> None:
+    plane = Plane(_job(mixture={"schedule": {"kind": "adaptive", "adaptive": RULE}}))
+    try:
+        plane.join()
+        for c in (0, 1):
+            plane.plan(c, 0)
+        flood = [_report(plane, step) for step in range(5, 400)] + [_report(plane, 10**9)]
+        assert not any(r.accepted for r in flood)
+        assert all("not planned yet" in r.reason for r in flood)
+        assert not [k for k in plane.ledger.list("gen-") if "/reports/" in k], "no report of a future step is stored"
+        assert _report(plane, 0, 2.0).accepted, "the trainer's own report of a step it trained on"
+        assert _report(plane, 0, 2.0).accepted, "the same report again: idempotent"
+        refused = _report(plane, 0, 3.0)
+        assert not refused.accepted and "first report stands" in refused.reason
+        step = 1
+        while True:  # the job runs to its end: every report the planner waits for is taken
+            got = [plane.plan(c, step) for c in (0, 1)]
+            if got[0].end_of_data:
+                break
+            assert _report(plane, step).accepted
+            step += 1
+        assert step == STEPS
+        assert _report(plane, 0, 2.0).accepted, "a retry of an applied report is still taken"
+        assert not _report(plane, 0, 3.0).accepted
+        assert len([k for k in plane.ledger.list("gen-") if "/reports/" in k]) <= STEPS
+    finally:
+        plane.stop()
+
+
+# ---- e and h: registrations and departures ----------------------------------------------------------
+
+
+def test_e_a_false_registration_after_a_restart_does_not_lock_the_real_loader_out() -> None:
+    ledger = MemoryStorage()
+    first = Plane(_job(), ledger=ledger)
+    first.join()
+    first.plan(0, 0)  # the job starts: its ledger records the sources as its loaders reported them
+    first.stop()
+    restarted = Plane(_job(), ledger=ledger)
+    try:
+        false = planner_pb2.RegisterLoaderRequest(
+            loader_index=0, address="evil:1", incarnation="x", sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS + 1, row_group_sizes=(13, 12, 12, 12))]
+        )
+        restarted.service.RegisterLoader(false, None)  # wins the race
+        restarted.join()  # the real loader, heartbeating: taken
+        assert restarted.membership.replicas(0) == {"0": "loader:0"}
+        with pytest.raises(InvalidArgument):
+            restarted.service.RegisterLoader(false, None)
+        restarted.join()
+    finally:
+        restarted.stop()
+
+
+# ---- audit: every other field, well-formed but hostile ---------------------------------------------
+
+
+def test_every_other_field_is_bounded(plane: Plane) -> None:
+    service = plane.service
+    with pytest.raises(InvalidArgument, match="step must be >= 0"):
+        plane.plan(0, -1)
+    with pytest.raises(InvalidArgument, match="wait_ms must be >= 0"):
+        plane.plan(0, 0, wait_ms=-5)
+    with pytest.raises(NotFound):
+        plane.plan(7, 0)
+    with pytest.raises(InvalidArgument, match="resume must have at most"):
+        plane.plan(0, 0, resume={str(i): "x" for i in range(1000)})
+    with pytest.raises(InvalidArgument, match="at most 128 characters"):
+        plane.plan(0, 0, resume={"mixture": "f" * 10**6})
+    with pytest.raises(InvalidArgument, match="data settings"):
+        plane.plan(0, 0, resume={"data": "0" * 16})
+    with pytest.raises(InvalidArgument, match="replica must have at most"):
+        service.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, address="x:1", replica="r" * (MAX_NAME_CHARS + 1)), None)
+    with pytest.raises(InvalidArgument, match="address must have at most"):
+        service.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, address="x" * (MAX_ADDRESS_CHARS + 1)), None)
+    with pytest.raises(InvalidArgument, match="address is required"):
+        service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=0, ranks=[0]), None)
+    with pytest.raises(InvalidArgument, match="incarnation must have printable"):
+        service.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, address="x:1", incarnation="a\nb"), None)
+    with pytest.raises(InvalidArgument, match="negative size"):
+        service.RegisterLoader(
+            planner_pb2.RegisterLoaderRequest(
+                loader_index=0, address="x:1", replica="r2", sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS, row_group_sizes=(60, -12))]
+            ),
+            None,
+        )
+    with pytest.raises(InvalidArgument, match="step must be >= 0"):
+        service.Report(common_pb2.ReportRequest(step=-1), None)
+    with pytest.raises(InvalidArgument, match="at most 253 characters"):
+        service.Report(common_pb2.ReportRequest(step=0, losses={"a" * 10**5: 1.0}), None)
+    with pytest.raises(InvalidArgument, match="wait_ms must be >= 0"):
+        service.GetJob(planner_pb2.GetJobRequest(wait_ms=-1), None)
+    began = time.monotonic()
+    service.GetJob(planner_pb2.GetJobRequest(wait_ms=2**31 - 1), None)  # ready: answers at once; capped anyway
+    assert time.monotonic() - began < 5
+    _assert_exactly_once(plane.run())
