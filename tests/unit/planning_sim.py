@@ -35,6 +35,11 @@ class SimJob:
     epochs: int | None = 1
     seed: int = 0
     window_row_groups: int = 2
+    #: Per source, passes per epoch (SourceSettings.repeat); None: 1 for every source.
+    repeats: tuple[int, ...] | None = None
+
+    def repeat(self, k: int) -> int:
+        return 1 if self.repeats is None else self.repeats[k]
 
     def orders(self) -> list[SampleOrder]:
         return [
@@ -48,7 +53,7 @@ class SimJob:
         ]
 
     def mixture(self) -> Mixture:
-        ends = [None if self.epochs is None else self.epochs * len(s.lengths) for s in self.sources]
+        ends = [None if self.epochs is None else self.epochs * self.repeat(k) * len(s.lengths) for k, s in enumerate(self.sources)]
         return Mixture(Static(self.weights), global_batch_size=self.global_batch_size, stream_ends=ends)
 
 

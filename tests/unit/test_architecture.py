@@ -59,6 +59,7 @@ PURE = (
     "batchplane.planner.mixture",
     "batchplane.planner.plan",
     "batchplane.planner.balance",
+    "batchplane.planner.padded",
     "batchplane.planner.cost",
     "batchplane.planner.ledger",
     "batchplane.planner.membership",

@@ -91,6 +91,11 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("string-for-columns", _source(0, columns="abc"), "sources[0].columns", "abc"),
     ("int-in-columns", _source(0, columns=["a", 1]), "sources[0].columns[1]", 1),
     ("list-for-transform-args", _source(0, transform_args=[1]), "sources[0].transform_args", [1]),
+    ("repeat-zero", _source(1, repeat=0), "sources[1].repeat", 0),
+    ("repeat-negative", _source(0, repeat=-2), "sources[0].repeat", -2),
+    ("repeat-fraction", _source(0, repeat=1.5), "sources[0].repeat", 1.5),
+    ("repeat-string", _source(0, repeat="2"), "sources[0].repeat", "2"),
+    ("repeat-bool", _source(0, repeat=True), "sources[0].repeat", True),
     ("string-weight", _with(**{"mixture.weights": {"web": "1"}}), "mixture.weights.web", "1"),
     ("negative-keep-detail", _with(**{"ledger.keep_detail_steps": -1}), "ledger.keep_detail_steps", -1),
     ("group-unknown-source", _with(**{"loaders.groups": [["web", "wbe"]]}), "loaders.groups[0]", ["web", "wbe"]),
@@ -625,3 +630,32 @@ def test_loader_groups_assign_sources_by_name() -> None:
     assert job.loader_count == 2
     assert [job.loader_of(k) for k in range(3)] == [0, 1, 0]
     assert job.loader_sources(0) == (0, 2) and job.loader_sources(1) == (1,)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, None])
+def test_a_bad_repeat_says_it_must_be_an_integer_of_at_least_1(value: Any) -> None:
+    data = _base()
+    data["sources"][1]["repeat"] = value
+    with pytest.raises(ConfigError, match=r"^sources\[1\]\.repeat: must be an integer >= 1, got "):
+        job_from_mapping(data)
+
+
+def test_repeat_multiplies_a_sources_passes_and_stream_end() -> None:
+    data = _base()
+    data["sources"][1]["repeat"] = 3
+    job = job_from_mapping({**data, "epochs": 2})
+    assert [s.repeat for s in job.sources] == [1, 3]
+    assert (job.passes(0), job.passes(1)) == (2, 6)
+    assert (job.stream_end(0, 10), job.stream_end(1, 10), job.stream_end(1, None)) == (20, 60, None)
+    endless = job_from_mapping({**data, "epochs": "infinite"})
+    assert (endless.passes(1), endless.stream_end(1, 10)) == (None, None)
+
+
+def test_repeat_is_part_of_the_data_fingerprint_only_when_set() -> None:
+    base = job_from_mapping(_fingerprint_base())
+    one = _fingerprint_base()
+    one["sources"][0]["repeat"] = 1
+    two = _fingerprint_base()
+    two["sources"][0]["repeat"] = 2
+    assert job_from_mapping(one).fingerprints == base.fingerprints  # jobs written before `repeat` keep theirs
+    assert job_from_mapping(two).fingerprints["data"] != base.fingerprints["data"]

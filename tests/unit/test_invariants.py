@@ -4,12 +4,14 @@ I4 determinism (including resume), I5 mixture fidelity. Pure: no processes, no f
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planning_sim import SimJob, SimSource, delivered, fingerprint, simulate
 
+from batchplane.core.order import job_epoch
 from batchplane.planner.mixture import Mixture, MixtureState, drift_bound
 from batchplane.planner.schedule import Static
 
@@ -17,7 +19,7 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 @st.composite
-def jobs(draw, *, epochs=1, bad_rows=True):
+def jobs(draw, *, epochs=1, bad_rows=True, repeats=False):
     n_sources = draw(st.integers(1, 4))
     sources = []
     for k in range(n_sources):
@@ -42,6 +44,7 @@ def jobs(draw, *, epochs=1, bad_rows=True):
         epochs=epochs,
         seed=draw(st.integers(0, 2**32)),
         window_row_groups=draw(st.integers(1, 3)),
+        repeats=tuple(draw(st.lists(st.integers(1, 3), min_size=n_sources, max_size=n_sources))) if repeats else None,
     )
 
 
@@ -64,6 +67,33 @@ def test_i1_every_pass_of_a_multi_epoch_job_delivers_each_row_once(job: SimJob) 
     per_epoch = collections.Counter((s, r, e) for s, r, e in got)
     assert set(per_epoch.values()) == {1}
     assert len(got) == 2 * sum(len(s.lengths) for s in job.sources)
+
+
+@SETTINGS
+@given(jobs(repeats=True), st.sampled_from([1, 2]))
+def test_i1_a_source_with_repeat_k_delivers_each_row_exactly_k_times_per_epoch(job: SimJob, epochs: int) -> None:
+    job = dataclasses.replace(job, epochs=epochs)
+    got = delivered(simulate(job))
+    # Each pass is its own identity: (source, row, pass) at most once.
+    assert set(collections.Counter(got).values()) == {1}
+    # The sample's epoch is its pass over the source; pass p lies in job epoch p // repeat.
+    rows = [src.lengths.size for src in job.sources]
+    per_epoch = collections.Counter((s, r, job_epoch(p * rows[s], num_rows=rows[s], repeat=job.repeat(s))) for s, r, p in got)
+    for k, src in enumerate(job.sources):
+        good = np.flatnonzero(src.lengths > 0).tolist()
+        for e in range(epochs):
+            assert {r: per_epoch[(k, r, e)] for r in good} == {r: job.repeat(k) for r in good}, (k, e)
+        assert {p for s, _, p in got if s == k} <= set(range(epochs * job.repeat(k)))
+    assert sum(per_epoch.values()) == sum(epochs * job.repeat(k) * int((s.lengths > 0).sum()) for k, s in enumerate(job.sources))
+
+
+@SETTINGS
+@given(jobs(repeats=True), st.data())
+def test_i4_a_job_with_repeats_resumes_exactly(job: SimJob, data) -> None:
+    plans = simulate(job)
+    k = data.draw(st.integers(0, len(plans) - 1))
+    resumed = simulate(job, start_step=k)
+    assert [fingerprint(p) for p in resumed] == [fingerprint(p) for p in plans[k:]]
 
 
 @SETTINGS

@@ -51,12 +51,14 @@ STEP3 = _table(
 ALLOC3 = Allocation(step=3, starts=(10, 0, 0), counts=(3, 2, 0))
 AFTER = MixtureState(step=4, cursors=(13, 2, 0))
 
-# Per-rank costs over dp=2 by hand: round robin takes items 0,2 | 1,3 -> [89, 13];
-# greedy and Karmarkar-Karp both give {64} | {25, 9, 4} -> [64, 38].
+# Per-rank costs over dp=2, one microbatch each, as the constructor builds it (every row padded
+# to the microbatch's longest; good lengths 5, 3, 8, 2): round robin takes items 0,2 | 1,3 ->
+# lengths {5, 8} | {3, 2} -> [2 x 64, 2 x 9] = [128, 18]; greedy and Karmarkar-Karp both give
+# {8} | {5, 2, 3} -> [64, 3 x 25] = [64, 75] (their unpadded sums were [64, 38]).
 EXPECTED_SPREAD = {
-    "round_robin": (89 / 13, 89 / 51),
-    "greedy": (64 / 38, 64 / 51),
-    "karmarkar_karp": (64 / 38, 64 / 51),
+    "round_robin": (128 / 18, 128 / 73),
+    "greedy": (75 / 64, 75 / 69.5),
+    "karmarkar_karp": (75 / 64, 75 / 69.5),
 }
 
 

@@ -182,20 +182,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SourceStatus(_message.Message):
-    __slots__ = ("name", "target_weight", "samples", "tokens", "bad_samples", "target_samples")
+    __slots__ = ("name", "target_weight", "samples", "tokens", "bad_samples", "target_samples", "configured_samples")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BAD_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TARGET_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
     target_weight: float
     samples: int
     tokens: int
     bad_samples: int
     target_samples: float
-    def __init__(self, name: _Optional[str] = ..., target_weight: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., bad_samples: _Optional[int] = ..., target_samples: _Optional[float] = ...) -> None: ...
+    configured_samples: float
+    def __init__(self, name: _Optional[str] = ..., target_weight: _Optional[float] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., bad_samples: _Optional[int] = ..., target_samples: _Optional[float] = ..., configured_samples: _Optional[float] = ...) -> None: ...
 
 class BalanceFigure(_message.Message):
     __slots__ = ("method", "mean_max_over_min", "mean_max_over_mean")

@@ -54,6 +54,11 @@ class SourceSettings:
     transform_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: Columns to read; None reads all. The default transform reads only `token_column`.
     columns: tuple[str, ...] | None = None
+    #: Passes over this source within one job epoch (an integer >= 1; fractions are not
+    #: supported): 2 upsamples a small source so it lasts twice as long at its weight, each row
+    #: delivered twice per epoch, once per pass, every pass in its own shuffled order. Its
+    #: stream holds `epochs * repeat` passes; pass p is job epoch p // repeat.
+    repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +298,17 @@ class JobSettings:
     def source_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
 
+    def passes(self, source: int) -> int | None:
+        """Passes over source `source` in the whole job: `epochs` x its `repeat`; None when the
+        job is endless."""
+        return None if self.epochs is None else self.epochs * self.sources[source].repeat
+
+    def stream_end(self, source: int, num_rows: int | None) -> int | None:
+        """The seq where source `source`'s stream ends (its passes x `num_rows`); None when the job
+        is endless or the row count is not known yet."""
+        passes = self.passes(source)
+        return None if passes is None or num_rows is None else passes * num_rows
+
     @property
     def weights(self) -> tuple[float, ...]:
         """Configured weight of each source, in source order (not normalized)."""
@@ -357,7 +373,7 @@ class JobSettings:
         may change (source paths are left out on purpose: moving a dataset keeps the job; a
         changed row count is caught at registration):
 
-        - "data": the sources, their transforms, the seed, epochs and shuffle, i.e. which sample
+        - "data": the sources, their transforms and repeats, the seed, epochs and shuffle, i.e. which sample
           each position of each source's stream is. A resume cannot honour a change;
         - "mixture": the per-source weights and their schedule;
         - "topology": the mesh and how it is delivered to (CP slicing, PP tensors);
@@ -366,7 +382,11 @@ class JobSettings:
         """
         groups = {
             "data": {
-                "sources": [[s.name, s.token_column, s.transform, dict(s.transform_args), s.columns] for s in self.sources],
+                # `repeat` only when set, so the fingerprints of jobs without it stay as they were.
+                "sources": [
+                    [s.name, s.token_column, s.transform, dict(s.transform_args), s.columns, *([s.repeat] if s.repeat != 1 else [])]
+                    for s in self.sources
+                ],
                 "seed": self.seed,
                 "epochs": self.epochs,
                 "shuffle": dataclasses.asdict(self.loaders.shuffle),
@@ -443,11 +463,20 @@ def job_from_mapping(data: Any, *, base_dir: str | pathlib.Path = ".") -> JobSet
             raise ConfigError("epochs", "must be a positive integer or 'infinite'", None)
         if data["epochs"] == "infinite":
             data["epochs"] = None
+    _check_repeats(data.get("sources"))
     job = dataclasses.replace(_build(JobSettings, data, ""), base_dir=str(base_dir))
     _validate(job)
     if job.strategy is not None:
         job = dataclasses.replace(job, strategy_digest=_digest(job.resolve(job.strategy)))
     return job
+
+
+def _check_repeats(sources: Any) -> None:
+    """`sources[i].repeat` as written: an integer >= 1 (1.5, "2" or 0 named with one message)."""
+    for i, source in enumerate(sources if isinstance(sources, (list, tuple)) else ()):
+        value = source.get("repeat", 1) if isinstance(source, Mapping) else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"sources[{i}].repeat", "must be an integer >= 1", value)
 
 
 def _digest(path: pathlib.Path) -> str:
@@ -541,6 +570,8 @@ def _validate(job: JobSettings) -> None:
         seen[s.name] = i
         if not s.path:
             raise ConfigError(f"sources[{i}].path", "must not be empty", s.path)
+        if s.repeat < 1:
+            raise ConfigError(f"sources[{i}].repeat", "must be an integer >= 1", s.repeat)
         if s.transform is not None and ":" not in s.transform:
             raise ConfigError(f"sources[{i}].transform", "must be an import path 'module:callable'", s.transform)
     for name, w in job.mixture.weights.items():

@@ -7,6 +7,11 @@ a loader reads and frees, so memory stays bounded by a few windows, however larg
 while samples of several row groups (often several files) are mixed. The order is a function
 of (seed, source name, epoch) only, so every process that knows the configuration computes the
 same stream, and `seq = epoch * num_rows + position` names one row forever.
+
+Here "epoch" is a pass over the source. A source with `repeat: r` (see
+`batchplane.core.config.SourceSettings`) makes r passes per job epoch, so pass p belongs to job
+epoch p // r (`job_epoch`); each pass has its own order and its own seqs, so (source, seq)
+stays a sample's identity and every row is taken exactly r times per job epoch.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ import numpy as np
 def stable_key(name: str) -> int:
     """A 64-bit integer from a name, equal in every process (unlike hash())."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def job_epoch(seq: int, *, num_rows: int, repeat: int = 1) -> int:
+    """The job epoch of stream position `seq` of a source of `num_rows` rows making `repeat`
+    passes per job epoch."""
+    return seq // num_rows // repeat
 
 
 @dataclasses.dataclass(frozen=True)

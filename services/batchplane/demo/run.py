@@ -187,7 +187,8 @@ def summary(stats: list[dict], status, memory: dict[str, int | None]) -> str:
             f"{src.tokens / planned_tokens:>22.3f}"
         )
     lines.append(
-        f"per-rank step cost (quadratic in length), max/min averaged over {status.steps_planned} planned steps:"
+        f"per-rank step cost of the microbatches as built (padded; quadratic in length), max/min averaged over "
+        f"{status.steps_planned} planned steps:"
     )
     for figure in status.balance:
         configured = "  (configured)" if figure.method == status.balance[0].method else ""

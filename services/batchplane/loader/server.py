@@ -62,7 +62,7 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
         )
         streams[k] = SourceStream(
             k, source, order, transform,
-            epochs=job.epochs, read_ahead_samples=job.loaders.read_ahead_samples, budget=budget, metrics=metrics,
+            epochs=job.passes(k), read_ahead_samples=job.loaders.read_ahead_samples, budget=budget, metrics=metrics,
             replica=replica or str(loader_index),
         )
         log.info("source %r: %d rows in %d file(s), %d row groups", settings.name, source.num_rows, len(source.files), len(source.row_groups))

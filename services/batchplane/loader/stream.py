@@ -111,7 +111,7 @@ class SourceStream:
         source: Its open files.
         order: Its consumption order.
         transform: Its sample transform.
-        epochs: Passes over the source (None: endless).
+        epochs: Passes over the source in the whole job (epochs x its repeat; None: endless).
         read_ahead_samples: How far to read past the planner's cursor.
         budget: The loader's buffered-bytes budget.
         metrics: The loader's metrics.

@@ -264,7 +264,7 @@ class PlanBook:
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
         ends = [
-            None if self._job.epochs is None else self._job.epochs * self._membership.num_rows(k)
+            self._job.stream_end(k, self._membership.num_rows(k))
             for k in range(len(self._job.sources))
         ]
         return Mixture(
@@ -467,7 +467,8 @@ class PlanBook:
             return  # stopped or rewound while waiting
         waited = time.perf_counter() - begin
         plan = self.strategy.run(
-            state.step, table, self.mesh, default_cost=self._cost_fn, max_length=self._job.max_length, length_policy=self._job.batch.length_policy
+            state.step, table, self.mesh, default_cost=self._cost_fn, max_length=self._job.max_length, length_policy=self._job.batch.length_policy,
+            packed=self._job.batch.packing,
         )
         record = self.ledger.record(allocation, plan, after)
         record["delivered_below"] = self._progress.consumed_below  # where a restarted planner may resume

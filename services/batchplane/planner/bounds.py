@@ -184,7 +184,7 @@ def check_summary(
         from_seq: The position asked from; the answer must start there.
         max_samples: The most samples asked for.
         num_rows: The source's rows (None: unknown, rows are only checked >= 0).
-        stream_end: Where the source's stream ends (epochs x rows; None: it never ends).
+        stream_end: Where the source's stream ends (epochs x repeat x rows; None: it never ends).
     Raises:
         MalformedSummary: the answer is not what was asked (the message says what).
     """

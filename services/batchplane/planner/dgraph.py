@@ -45,6 +45,7 @@ import numpy as np
 
 from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
 from batchplane.planner.cost import CostFn, make_cost_fn
+from batchplane.planner.padded import rows_of
 from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
 
 BUILTIN_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
@@ -302,6 +303,7 @@ class Strategy:
         default_cost: CostFn,
         max_length: int | None = None,
         length_policy: str = "split",
+        packed: bool = False,
     ) -> StepPlan:
         """Plans one step.
 
@@ -314,6 +316,11 @@ class Strategy:
             length_policy: The job's `batch.length_policy`. Under "split", a graph over
                 "length" costs a sample longer than max_length as its chunks (`sample_costs`)
                 and its token budget counts their rows; the plan's loss tokens count them too.
+            packed: The job packs microbatches (`batch.packing`). Unless it does, a primary
+                graph over "length" balanced by "karmarkar_karp" or "greedy" balances the cost
+                of its microbatches padded as the constructor builds them, and groups similar
+                lengths into a microbatch (`plan.assign`); the plan's `built_rank_costs` are
+                padded costs.
         Returns:
             The step's plan; a function of the arguments (I4).
         Raises:
@@ -328,10 +335,16 @@ class Strategy:
         metadata = _metadata(samples, primary)
         costs = _costs(primary, metadata, samples, default_cost, **limit)
         buckets = mesh.buckets(primary.axis)
+        rows = None
+        if primary.metadata == "length":
+            try:
+                rows = rows_of(primary.cost_fn or default_cost, metadata, samples.features, costs, padded=not packed, **limit)
+            except ValueError as exc:
+                raise StrategyError(f"graph {primary.name!r}: {exc}") from exc
         if primary.raw is not None:
             microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
         else:
-            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), **_limit_of(primary, **limit))
+            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), rows=rows, **_limit_of(primary, **limit))
         subplans = []
         for g in self.secondary:
             values = _metadata(samples, g, required=False)
@@ -349,7 +362,7 @@ class Strategy:
             subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values))
         return StepPlan(
             step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans),
-            **limit,
+            rows=rows, **limit,
         )
 
 

@@ -4,7 +4,8 @@ Consumption is contiguous per source (see `mixture`), so a step's record is one 
 source plus the rank and microbatch of every sample, and the mixture state after the step (what
 a resume restores). The ledger also keeps running totals: the
 realized mixture per source and, for the balancing figures, each step's per-rank cost spread
-under the configured method and, on the same samples, under the other methods.
+under the configured method and, on the same samples, under the other methods: the cost of the
+microbatches as the constructor builds them, padding included (`StepPlan.built_rank_costs`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from batchplane.planner.balance import METHODS, partition, spread
 from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.mixture import Allocation, MixtureState
-from batchplane.planner.plan import StepPlan
+from batchplane.planner.plan import Balancing, StepPlan, assign
 
 
 @dataclasses.dataclass
@@ -31,6 +32,10 @@ class SourceTotals:
     bad_samples: int = 0
     #: Sum over steps of the target share times the step's samples: what the schedule asked for.
     target_samples: float = 0.0
+    #: Sum over steps of the configured share times the step's samples: what the schedule's
+    #: weights ask for over every source they weigh, sources that have run out included (the
+    #: target renormalizes over the others; this does not, so running out shows as drift).
+    configured_samples: float = 0.0
 
 
 @dataclasses.dataclass
@@ -55,6 +60,20 @@ class BalanceTotals:
     @property
     def mean_max_over_mean(self) -> float:
         return self.sum_max_over_mean / self.steps if self.steps else float("nan")
+
+
+def _built_costs(plan: StepPlan, method: str) -> np.ndarray:
+    """Per-bucket cost of the plan's samples balanced by `method` instead, into as many
+    microbatches per bucket, as the constructor would build them (padding included unless the
+    job packs); without the plan's `rows`, the sum of the samples' costs per bucket."""
+    if plan.rows is None:
+        return np.array([plan.costs[g].sum() for g in partition(plan.costs, plan.dp, method)])
+    microbatches = assign(
+        plan.costs, plan.samples.length.astype(np.int64), buckets=plan.dp,
+        balancing=Balancing(method=method, microbatches=max(plan.num_microbatches, 1)), rows=plan.rows,
+        max_length=plan.max_length, length_policy=plan.length_policy,
+    )
+    return plan.rows.bucket_costs(microbatches)
 
 
 class Ledger:
@@ -116,11 +135,13 @@ class Ledger:
             totals.tokens += int(tokens[k])
             totals.bad_samples += allocation.counts[k] - int(good[k])
             totals.target_samples += allocation.shares[k] * allocation.total if allocation.shares else 0.0
+            configured = allocation.configured or allocation.shares
+            totals.configured_samples += configured[k] * allocation.total if configured else 0.0
         if len(plan.samples) >= plan.dp:
-            self.balance[self.method].add(plan.rank_costs())
+            self.balance[self.method].add(plan.built_rank_costs())
             for method, totals in self.balance.items():
                 if method != self.method:
-                    totals.add(np.array([plan.costs[g].sum() for g in partition(plan.costs, plan.dp, method)]))
+                    totals.add(_built_costs(plan, method))
         return {
             "step": plan.step,
             "shares": [round(float(x), 9) for x in allocation.shares],

@@ -61,7 +61,7 @@ class SummaryTarget(NamedTuple):
     shadow: str = ""
     #: The source's rows (what a summary's rows must lie below).
     num_rows: int | None = None
-    #: Where the source's stream ends (epochs x rows; None: it never ends).
+    #: Where the source's stream ends (epochs x repeat x rows; None: it never ends).
     stream_end: int | None = None
 
 
@@ -422,7 +422,7 @@ class Membership:
             owner = routing.owner(span.number)
             address = self._address(index, owner)
             rows = self._num_rows.get(source)
-            end = None if self._job.epochs is None or rows is None else self._job.epochs * rows
+            end = self._job.stream_end(source, rows)
             return SummaryTarget(address, span.end, routing, (index, owner), self._shadows.get((index, owner), ""), rows, end)
 
     def holders(self, source: int, seqs: Sequence[int]) -> list[str]:

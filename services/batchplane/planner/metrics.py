@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,8 @@ from batchplane.planner.balance import spread
 from batchplane.planner.ledger import Ledger
 from batchplane.planner.mixture import Allocation
 from batchplane.planner.plan import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class PlannerMetrics:
@@ -133,14 +136,33 @@ class PlannerMetrics:
             ["source"],
             registry=registry,
         )
+        self.configured_drift = Gauge(
+            "batchplane_planner_mixture_configured_drift_ratio",
+            "Realized minus configured share of samples since the planner started, by source (the source's name): the "
+            "configured share is what the schedule's weights give over every source they weigh, sources that have run "
+            "out included, so a source that ran out in a finite job shows here (negative), where the drift against the "
+            "renormalized target stays 0.",
+            ["source"],
+            registry=registry,
+        )
+        self.exhausted = Counter(
+            "batchplane_planner_source_exhausted_total",
+            "Sources whose stream ended (all epochs x repeat passes taken) in a step this planner planned, by source "
+            "(the source's name): 1 from that step on (once per planner process, also across rewinds), 0 before.",
+            ["source"],
+            registry=registry,
+        )
+        self._exhausted: set[int] = set()
         self.imbalance = Gauge(
             "batchplane_planner_rank_cost_imbalance_ratio",
-            "Max over min per-rank cost of the last planned step under the configured balancing.",
+            "Max over min per-rank cost of the last planned step under the configured balancing: the cost of each "
+            "rank's microbatches as built, padding included unless the job packs.",
             registry=registry,
         )
         for name, weight in zip(self._names, target_weights):
             self.target.labels(name).set(weight)  # until the first step is planned
             self.weight.labels(name).set(weight)
+            self.exhausted.labels(name)  # exported as 0 until the source runs out
 
     def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
         """Records one planned step."""
@@ -164,6 +186,21 @@ class PlannerMetrics:
             self.realized_tokens.labels(name).set(totals.tokens / total_tokens)
             self.target.labels(name).set(totals.target_samples / total)
             self.drift.labels(name).set((totals.samples - totals.target_samples) / total)
-        max_over_min, _ = spread(plan.rank_costs())
+            self.configured_drift.labels(name).set((totals.samples - totals.configured_samples) / total)
+        self._observe_exhausted(allocation)
+        max_over_min, _ = spread(plan.built_rank_costs())
         if np.isfinite(max_over_min):
             self.imbalance.set(max_over_min)
+
+    def _observe_exhausted(self, allocation: Allocation) -> None:
+        """Logs and counts each source that ran out in `allocation`'s step, once per source."""
+        for k in allocation.exhausted:
+            if k in self._exhausted:
+                continue
+            self._exhausted.add(k)
+            self.exhausted.labels(self._names[k]).inc()
+            log.info(
+                "source %r ran out at step %d (its last sample is in this step); from step %d on the other sources share "
+                "its places, so the mixture differs from the configured one (batchplane_planner_mixture_configured_drift_ratio)",
+                self._names[k], allocation.step, allocation.step + 1,
+            )

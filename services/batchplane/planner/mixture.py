@@ -51,6 +51,13 @@ last changed, after any sub-step, and B = drift_bound(m):
 When a source runs out inside a sub-step, the others fill its places beyond their bounds and
 the next sub-step starts a fresh phase without it.
 
+Running out. A source runs out when its cursor reaches its stream end (epochs x repeat x
+rows, see `batchplane.core.config.SourceSettings.repeat`); `Allocation.exhausted` names the
+sources that run out in a step, so the planner can log and count the moment. The targets then
+renormalize over the others, which hides the change from the drift against them, so every
+allocation also carries `configured`: the shares the schedule's weights give over all the
+sources it weighs, run out or not. The drift against those shows what running out cost.
+
 End of data. A sub-step whose schedule weighs only sources that have run out takes nothing; a
 step that takes nothing ends the job's data (`Allocation.end_of_data`), even if a later stage
 would weigh sources that still have samples.
@@ -111,12 +118,19 @@ class Allocation:
         shares: Per source, its target share of the step (summing to 1 over the sources; with
             microbatch granularity the sub-steps' shares weighted by their sizes); all 0 when
             the data has ended.
+        configured: Per source, its configured share of the step: the schedule's weights
+            normalized over every source they weigh, including sources that have run out
+            (weighted over the sub-steps as `shares`); equal to `shares` until a source runs
+            out. () when unknown, e.g. for an allocation built by hand.
+        exhausted: The sources whose stream ends within this step (their last sample is in it).
     """
 
     step: int
     starts: tuple[int, ...]
     counts: tuple[int, ...]
     shares: tuple[float, ...] = ()
+    configured: tuple[float, ...] = ()
+    exhausted: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -194,11 +208,13 @@ class Mixture:
         for t, size in self._substeps(state.step):
             part = self._substep(run, t, size)
             if part is not None:  # None: the schedule weighs only sources that have run out
-                counts, shares, run = part
-                parts.append((counts, shares))
+                counts, shares, configured, run = part
+                parts.append((counts, shares, configured))
         if not parts:
-            return Allocation(state.step, state.cursors, (0,) * self.num_sources, (0.0,) * self.num_sources), state
-        counts, shares = _combined(parts)
+            zeros = (0.0,) * self.num_sources
+            return Allocation(state.step, state.cursors, (0,) * self.num_sources, zeros, zeros), state
+        counts, shares = _combined([(c, s) for c, s, _ in parts])
+        _, configured = _combined([(c, g) for c, _, g in parts])
         after = MixtureState(
             step=state.step + 1,
             cursors=run.cursors,
@@ -208,7 +224,10 @@ class Mixture:
             phase_shares=run.phase_shares,
             phase_offsets=run.phase_offsets,
         )
-        return Allocation(state.step, state.cursors, counts, shares), after
+        exhausted = tuple(
+            k for k, end in enumerate(self.stream_ends) if end is not None and state.cursors[k] < end <= after.cursors[k]
+        )
+        return Allocation(state.step, state.cursors, counts, shares, configured, exhausted), after
 
     def fast_forward(self, state: MixtureState, step: int) -> MixtureState:
         """The state before `step`, replaying the allocations from `state` (no data needed).
@@ -256,9 +275,11 @@ class Mixture:
             if size + (m < extra):
                 yield step + m / self.microbatches, size + (m < extra)
 
-    def _substep(self, run: MixtureState, t: float, size: int) -> tuple[tuple[int, ...], tuple[float, ...], MixtureState] | None:
-        """Counts and shares of a sub-step at position `t`, and the state after it; None when
-        no source with weight > 0 at `t` has samples left."""
+    def _substep(
+        self, run: MixtureState, t: float, size: int
+    ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...], MixtureState] | None:
+        """Counts, target shares and configured shares of a sub-step at position `t`, and the
+        state after it; None when no source with weight > 0 at `t` has samples left."""
         remaining = [
             math.inf if end is None else max(end - cursor, 0)
             for end, cursor in zip(self.stream_ends, run.cursors)
@@ -280,7 +301,8 @@ class Mixture:
             phase_shares=run.phase_shares,
             phase_offsets=run.phase_offsets,
         )
-        return counts, run.phase_shares, after
+        configured = _shares(weights, tuple(k for k in range(self.num_sources) if weights[k] > 0))
+        return counts, run.phase_shares, configured, after
 
     def _enter_phase(self, run: MixtureState, active: tuple[int, ...], shares: tuple[float, ...]) -> MixtureState:
         """`run`, in a new phase when the active sources or their shares changed."""

@@ -26,6 +26,7 @@ import numpy as np
 from batchplane.core import lengths as sample_lengths
 from batchplane.planner.balance import partition
 from batchplane.planner.cost import CostFn
+from batchplane.planner.padded import Rows, group, rebalance, rows_of
 from batchplane.planner.token_budget import token_budget
 
 
@@ -136,6 +137,8 @@ class StepPlan:
         costs: Cost of each sample in `samples` under the primary graph's model.
         axis: The buckets' axis: "DP" (one per data-parallel replica) or "CP" (DP x CP).
         subplans: Secondary graphs' assignments.
+        rows: What the primary graph's microbatches cost as the constructor builds them
+            (padding included; see `batchplane.planner.padded`); None: the sum of `costs`.
         max_length, length_policy: The job's `batch.max_length` (None: no limit) and
             `batch.length_policy`, which decide how the constructor lays the samples out.
     """
@@ -149,6 +152,7 @@ class StepPlan:
     subplans: tuple[SubPlan, ...] = ()
     max_length: int | None = None
     length_policy: str = "split"
+    rows: Rows | None = None
 
     @property
     def dp(self) -> int:
@@ -169,8 +173,15 @@ class StepPlan:
         return self.samples.take(index), offsets
 
     def rank_costs(self) -> np.ndarray:
-        """Total cost of each bucket (float64 [buckets])."""
+        """Total cost of each bucket (float64 [buckets]): the sum of its samples' costs."""
         return np.array([sum(float(self.costs[mb].sum()) for mb in rank) for rank in self.microbatches])
+
+    def built_rank_costs(self) -> np.ndarray:
+        """Cost of each bucket's microbatches as the constructor builds them (float64
+        [buckets]): padding included unless the job packs; `rank_costs` without `rows`."""
+        if self.rows is None:
+            return self.rank_costs()
+        return self.rows.bucket_costs(self.microbatches)
 
     @property
     def loss_tokens(self) -> int:
@@ -273,8 +284,16 @@ def assign(
     balancing: Balancing,
     max_length: int | None = None,
     length_policy: str = "split",
+    rows: Rows | None = None,
 ) -> tuple[tuple[np.ndarray, ...], ...]:
     """Spreads items over `buckets` buckets and each bucket's microbatches.
+
+    With `rows` of padded microbatches (no packing) and the built-in "karmarkar_karp" or
+    "greedy" with `intra`, the cost balanced is that of the microbatches as built: after the
+    buckets are balanced by the items' own costs, each bucket's items are sorted by length and
+    cut into the microbatches of least padded cost (`padded.group`), and items are moved between
+    buckets while that lowers the highest bucket's padded cost (`padded.rebalance`). Other
+    methods, `intra=False`, packing and token budgets are unchanged.
 
     Args:
         costs: float64 cost of each item.
@@ -283,10 +302,13 @@ def assign(
         balancing: How.
         max_length, length_policy: How the constructor lays out items longer than max_length
             (token budgets count the rows of split items); None: no limit.
+        rows: What microbatches of the items cost as built (`padded.rows_of`); None: the
+            sum of `costs`.
     Returns:
         result[bucket][m] = ascending item indices; the same number of microbatches per bucket.
     """
     b = balancing
+    aware = rows is not None and rows.padded and b.intra and b.method in ("karmarkar_karp", "greedy")
     if b.method == "token_budget":
         per_rank = token_budget(
             lengths, costs, ranks=buckets, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded, min_microbatches=b.microbatches,
@@ -302,8 +324,13 @@ def assign(
             ranks += [members[r] for r in split(costs[members], b.group_size, b.method)]
     else:
         ranks = split(costs, buckets, b.method)
+    ranks = fill_short_groups(ranks, costs, minimum=b.microbatches)
+    if aware:
+        size = b.group_size if b.group_size and b.group_size < buckets else buckets
+        ranks = [r for lo in range(0, buckets, size) for r in rebalance(ranks[lo : lo + size], b.microbatches, rows, minimum=b.microbatches)]
+        return tuple(tuple(group(rank_index, b.microbatches, rows)) for rank_index in ranks)
     result = []
-    for rank_index in fill_short_groups(ranks, costs, minimum=b.microbatches):
+    for rank_index in ranks:
         if b.microbatches == 1:  # the bucket is its one microbatch: nothing to split
             result.append((np.sort(rank_index),))
         elif b.intra:
@@ -331,6 +358,7 @@ def build_step_plan(
     cost_fn: CostFn,
     max_length: int | None = None,
     length_policy: str = "split",
+    packed: bool = False,
 ) -> StepPlan:
     """Balances one step's allocated samples over `dp` buckets x `microbatches` microbatches
     (the single-graph strategy; see `batchplane.planner.dgraph` for the general one).
@@ -344,6 +372,7 @@ def build_step_plan(
         cost_fn: Per-sample cost from int64 lengths and the samples' features.
         max_length, length_policy: The job's `batch.max_length` (None: no limit) and
             `batch.length_policy`.
+        packed: The job packs microbatches (`batch.packing`): no padding to balance.
     Returns:
         The plan; a function of its arguments only (I4).
     """
@@ -351,11 +380,15 @@ def build_step_plan(
     limit = {"max_length": max_length, "length_policy": length_policy}
     lengths = samples.length.astype(np.int64)
     costs = np.asarray(sample_costs(cost_fn, lengths, samples.features, **limit), dtype=np.float64)
+    rows = rows_of(cost_fn, lengths, samples.features, costs, padded=not packed, **limit)
     return StepPlan(
         step=step,
         samples=samples,
-        microbatches=assign(costs, lengths, buckets=dp, balancing=Balancing(method=method, microbatches=microbatches), **limit),
+        microbatches=assign(
+            costs, lengths, buckets=dp, balancing=Balancing(method=method, microbatches=microbatches), rows=rows, **limit
+        ),
         bad_samples=bad,
         costs=costs,
+        rows=rows,
         **limit,
     )

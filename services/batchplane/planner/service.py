@@ -229,7 +229,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             finished=self._book.finished,
             sources=[
                 planner_pb2.SourceStatus(
-                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples, target_samples=t.target_samples
+                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples, target_samples=t.target_samples,
+                    configured_samples=t.configured_samples,
                 )
                 for name, w, t in zip(self._job.source_names, weights, ledger.sources)
             ],
