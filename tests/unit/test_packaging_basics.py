@@ -3,8 +3,10 @@ markers that tell type checkers the client and the services are typed."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -49,3 +51,26 @@ def test_typed_markers_are_in_the_packages_the_wheel_takes(marker: str) -> None:
     assert not wheel.get("exclude") and not wheel.get("only-include")
     ignored = subprocess.run(["git", "check-ignore", "-q", marker], cwd=ROOT, capture_output=True)
     assert ignored.returncode == 1, f"{marker} is git-ignored, so hatchling leaves it out of the wheel"
+
+
+def test_every_library_the_services_import_is_a_declared_dependency() -> None:
+    """A library the services import but only a test extra brings (cryptography came with
+    moto) would pass CI and break `pip install batchplane[services]`: each is declared in the
+    base dependencies, `services` or the optional `fsspec` extra."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["services"], *project["optional-dependencies"]["fsspec"]]
+    declared = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+    providers = importlib.metadata.packages_distributions()
+    missing = set()
+    for path in (root / "services" / "batchplane").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("batchplane", "__future__"):
+                    continue
+                dists = {d.lower().replace("_", "-") for d in providers.get(top, [top])}
+                if not dists & declared:
+                    missing.add(f"{path.relative_to(root)}: {top} ({', '.join(sorted(dists))})")
+    assert sorted(missing) == []
