@@ -68,3 +68,12 @@ def test_the_client_refuses_a_2_to_the_40_byte_header_before_allocating() -> Non
             connection.batch(0, 1, pin=False)
     finally:
         connection.close()
+
+
+def test_the_sizes_it_checks_are_the_dtypes_the_client_lays_out() -> None:
+    import torch
+
+    from batchplane.client.bounds import ITEM_BYTES
+    from batchplane.client.tensors import TORCH_DTYPES
+
+    assert {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in TORCH_DTYPES.items()} == ITEM_BYTES
