@@ -16,6 +16,7 @@ with a warning; `endpoints.json` then names the new address.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -205,9 +206,12 @@ class LocalCluster:
         stay under 108 bytes, which a run folder's may not)."""
         if not self.job.network.tls:
             return []
+        return ["--listen", f"unix://{self._socket_folder}/constructor-{index}.sock"]
+
+    @property
+    def _socket_folder(self) -> pathlib.Path:
         digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
-        folder = pathlib.Path(tempfile.gettempdir()) / f"batchplane-{os.getuid()}" / digest
-        return ["--listen", f"unix://{folder}/constructor-{index}.sock"]
+        return pathlib.Path(tempfile.gettempdir()) / f"batchplane-{os.getuid()}" / digest
 
     def _earlier_ports(self) -> dict[str, Ports]:
         """The ports each process had in the earlier run of this job in the run folder, by
@@ -465,6 +469,11 @@ class LocalCluster:
                 p.popen.kill()
                 p.popen.wait()
             p.ready_path.unlink(missing_ok=True)
+        if self.job.network.tls:  # the constructors' socket folder, once they are gone
+            for socket_path in self._socket_folder.glob("constructor-*.sock"):
+                socket_path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self._socket_folder.rmdir()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
