@@ -74,8 +74,8 @@ def test_i1_every_pass_of_a_multi_epoch_job_delivers_each_row_once(job: SimJob) 
 def test_i1_a_source_with_repeat_k_delivers_each_row_exactly_k_times_per_epoch(job: SimJob, epochs: int) -> None:
     job = dataclasses.replace(job, epochs=epochs)
     got = delivered(simulate(job))
-    # Each pass is its own identity: (source, row, pass) at most once.
-    assert set(collections.Counter(got).values()) == {1}
+    # Each pass is its own identity: (source, row, pass) at most once (a job of bad rows only delivers none).
+    assert set(collections.Counter(got).values()) <= {1}
     # The sample's epoch is its pass over the source; pass p lies in job epoch p // repeat.
     rows = [src.lengths.size for src in job.sources]
     per_epoch = collections.Counter((s, r, job_epoch(p * rows[s], num_rows=rows[s], repeat=job.repeat(s))) for s, r, p in got)
