@@ -221,3 +221,56 @@ def test_the_imbalance_gauge_reports_the_padded_cost() -> None:
     got = registry.get_sample_value("batchplane_planner_rank_cost_imbalance_ratio")
     assert got == pytest.approx(max(padded) / min(padded))
     assert ledger.balance["karmarkar_karp"].mean_max_over_min == pytest.approx(max(padded) / min(padded))
+
+
+# ---- rebalancing's internals -----------------------------------------------------------------
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(st.integers(0, 10**6), st.integers(1, 4), st.integers(1, 12), st.integers(0, 12))
+def test_least_swaps_are_the_least_bounds_over_the_partners_candidates(seed: int, partners: int, m: int, w: int) -> None:
+    from batchplane.planner.padded import _least_swaps
+
+    rng = np.random.default_rng(seed)
+    # Few distinct values, so that ties and equal keys are common.
+    kept = rng.integers(0, 6, m).astype(np.float64) + 10
+    joins_b = rng.integers(0, 6, (partners, m)).astype(np.float64)
+    joins_a = rng.integers(0, 6, (partners, w)).astype(np.float64)
+    joins_a[rng.random((partners, w)) < 0.2] = np.inf  # partners with fewer candidates
+    left_b = rng.integers(0, 6, (partners, w)).astype(np.float64) + 8
+    brute = np.maximum(kept[None, :, None] + joins_a[:, None, :], left_b[:, None, :] + joins_b[:, :, None])
+    want = brute.min(axis=2) if w else np.full((partners, m), np.inf)
+    np.testing.assert_array_equal(_least_swaps(kept, joins_b, joins_a, left_b), want)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.integers(0, 10**6), st.integers(0, 80), st.integers(1, 5), st.integers(1, 5))
+def test_a_layout_costs_exactly_what_its_microbatches_cost(seed: int, n: int, parts: int, split_at: int) -> None:
+    from batchplane.planner.padded import _Layout, bucket_cost
+
+    lengths = skewed_lengths(n, seed=seed, long_share=0.3, long=3000)
+    rows = rows_of(QUADRATIC, lengths, {}, QUADRATIC(lengths), max_length=1000 * split_at)
+    index = np.arange(n, dtype=np.int64)
+    layout = _Layout.of(index, parts, rows, ascending=True)
+    assert layout.total == bucket_cost(index, parts, rows)
+    groups = group(index, parts, rows)
+    assert [len(g) for g in groups] == [int(layout.cuts[g + 1] - layout.cuts[g]) for g in layout.ranked]
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.integers(0, 10**6), st.integers(0, 160), st.integers(2, 12), st.integers(1, 4))
+def test_rebalance_keeps_every_sample_once_and_the_minimum(seed: int, n: int, dp: int, microbatches: int) -> None:
+    from batchplane.planner.padded import bucket_cost, rebalance
+
+    lengths = lognormal_lengths(n, seed=seed)
+    rows = rows_of(QUADRATIC, lengths, {}, QUADRATIC(lengths))
+    start = [np.arange(n)[b::dp] for b in range(dp)]
+    got = rebalance(start, microbatches, rows, minimum=microbatches)
+    assert sorted(np.concatenate(got).tolist()) == list(range(n))
+    for before, after in zip(start, got):
+        assert np.array_equal(after, np.sort(after))
+        assert len(after) >= min(len(before), microbatches)
+    cost = lambda buckets: max(bucket_cost(b, microbatches, rows) for b in buckets)  # noqa: E731
+    assert cost(got) <= cost(start)
+    again = rebalance(start, microbatches, rows, minimum=microbatches)
+    assert [b.tolist() for b in got] == [b.tolist() for b in again]  # I4

@@ -62,6 +62,18 @@ class BalanceTotals:
         return self.sum_max_over_mean / self.steps if self.steps else float("nan")
 
 
+#: The other balancing methods are compared on every one of the first COMPARE_ALL steps, then on
+#: every COMPARE_EVERY-th (each comparison plans the step again per method; their means are then
+#: over that sample of the steps).
+COMPARE_ALL = 32
+COMPARE_EVERY = 8
+
+
+def _compared(step_count: int) -> bool:
+    """Whether the `step_count`-th recorded step (from 1) is compared with the other methods."""
+    return step_count <= COMPARE_ALL or step_count % COMPARE_EVERY == 0
+
+
 def _built_costs(plan: StepPlan, method: str) -> np.ndarray:
     """Per-bucket cost of the plan's samples balanced by `method` instead, into as many
     microbatches per bucket, as the constructor would build them (padding included unless the
@@ -103,54 +115,84 @@ class Ledger:
         """Continues from a recorded step (a resume): its consumption is the past's."""
         self.consumed = [IntervalSet.from_list(record["consumed"].get(name, [])) for name in self.source_names]
 
-    def record(self, allocation: Allocation, plan: StepPlan, after: MixtureState) -> dict[str, Any]:
+    def record(
+        self,
+        allocation: Allocation | None,
+        plan: StepPlan,
+        after: MixtureState,
+        *,
+        taken: Sequence[IntervalSet] | None = None,
+        window: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Adds one planned step; returns its record (JSON-ready):
 
-        - step; shares: the target share of each source; take: {source: [first seq, count]};
+        - step; shares: the target share of each source; take: {source: [first seq, count]}, what
+          the mixture allocated to the step;
         - tokens: {source: tokens of its good samples}; bad: samples left out as bad;
         - ranks: per bucket, per microbatch, [source, row, epoch] of each sample;
         - after: the mixture state after the step (`state_to_json`);
         - consumed: {source: [[first, end), ...]}: every seq consumed up to this step, across
-          resumes (a snapshot: a resume restores it from the step before).
+          resumes (a snapshot: a resume restores it from the step before);
+        - with a planning window (`batchplane.planner.window`): window, the window's
+          `Window.to_json`, and samples: {source: [[first, end), ...]}, the seqs the step
+          consumed (its samples may come from anywhere in the window's range).
 
+        Args:
+            allocation: What the mixture allocated to the step; None for a step of a window
+                that a resume across a settings change began (its samples were allocated to
+                the window before): it then has no target of its own.
+            plan: The step's plan.
+            after: The mixture's state after the step.
+            taken: Per source, the seqs the step consumes; default: the allocation's ranges.
+            window: The step's window (`Window.to_json`), recorded as is.
         Raises:
-            ValueError: the allocation takes a seq already consumed (I1 guard).
+            ValueError: the step takes a seq already consumed (I1 guard).
         """
-        if allocation.step != plan.step:
+        if allocation is not None and allocation.step != plan.step:
             raise ValueError(f"allocation of step {allocation.step} with plan of step {plan.step}")
-        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
-            if count and self.consumed[k].overlaps(start, start + count):
+        if taken is None:
+            taken = [IntervalSet([(start, start + count)]) if count else IntervalSet.empty() for start, count in zip(allocation.starts, allocation.counts)]
+        for k, spans in enumerate(taken):
+            again = spans.intersection(self.consumed[k])
+            if not again.is_empty:
                 raise ValueError(
-                    f"step {plan.step} would take seqs {start}..{start + count - 1} of source {self.source_names[k]!r} again "
+                    f"step {plan.step} would take seqs {again.to_list()} of source {self.source_names[k]!r} again "
                     f"(consumed: {self.consumed[k].to_list()}); refusing to deliver a sample twice (I1)"
                 )
-        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
-            if count:
-                self.consumed[k] = self.consumed[k].add(start, start + count)
+        for k, spans in enumerate(taken):
+            self.consumed[k] = self.consumed[k].union(spans)
         self.steps += 1
         tokens = np.bincount(plan.samples.source, weights=plan.samples.length, minlength=len(self.sources))
         good = np.bincount(plan.samples.source, minlength=len(self.sources))
+        counts = [spans.count for spans in taken]
+        total = sum(counts)
         for k, totals in enumerate(self.sources):
-            totals.samples += allocation.counts[k]
+            totals.samples += counts[k]
             totals.tokens += int(tokens[k])
-            totals.bad_samples += allocation.counts[k] - int(good[k])
+            totals.bad_samples += counts[k] - int(good[k])
+            if allocation is None:  # no target of its own: it counts as on target
+                totals.target_samples += counts[k]
+                totals.configured_samples += counts[k]
+                continue
             totals.target_samples += allocation.shares[k] * allocation.total if allocation.shares else 0.0
             configured = allocation.configured or allocation.shares
             totals.configured_samples += configured[k] * allocation.total if configured else 0.0
         if len(plan.samples) >= plan.dp:
             self.balance[self.method].add(plan.built_rank_costs())
-            for method, totals in self.balance.items():
-                if method != self.method:
-                    totals.add(_built_costs(plan, method))
-        return {
+            if _compared(self.steps):
+                for method, totals in self.balance.items():
+                    if method != self.method:
+                        totals.add(_built_costs(plan, method))
+        shares = allocation.shares if allocation is not None else [c / total if total else 0.0 for c in counts]
+        record = {
             "step": plan.step,
-            "shares": [round(float(x), 9) for x in allocation.shares],
+            "shares": [round(float(x), 9) for x in shares],
             "take": {
                 name: [start, count]
                 for name, start, count in zip(self.source_names, allocation.starts, allocation.counts)
                 if count
-            },
-            "tokens": {name: int(tokens[k]) for k, name in enumerate(self.source_names) if allocation.counts[k]},
+            } if allocation is not None else {},
+            "tokens": {name: int(tokens[k]) for k, name in enumerate(self.source_names) if counts[k]},
             "bad": plan.bad_samples,
             "ranks": [
                 [
@@ -162,6 +204,10 @@ class Ledger:
             "after": state_to_json(after),
             "consumed": {name: c.to_list() for name, c in zip(self.source_names, self.consumed) if not c.is_empty},
         }
+        if window is not None:
+            record["window"] = window
+            record["samples"] = {name: spans.to_list() for name, spans in zip(self.source_names, taken) if not spans.is_empty}
+        return record
 
 
 def state_to_json(state: MixtureState) -> dict[str, Any]:

@@ -24,6 +24,7 @@ of their arguments only (I4): ties go to the lower index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -144,49 +145,153 @@ def group(index: np.ndarray, parts: int, rows: Rows) -> list[np.ndarray]:
         the group of shorter samples last), empty ones last.
     """
     index = np.asarray(index, dtype=np.int64)
-    n = len(index)
-    if n <= parts:
+    if len(index) <= parts:
         singles = [np.array([i], dtype=np.int64) for i in index[np.lexsort((index, -rows.width[index]))]]
-        return singles + [np.zeros(0, np.int64) for _ in range(parts - n)]
-    order = index[np.lexsort((index, rows.width[index]))]
-    cuts = _cuts(order, parts, rows)
-    groups = [np.sort(order[lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]
-    costs = [rows.microbatch_cost(g) for g in groups]
-    ranked = sorted(range(parts), key=lambda g: (-costs[g], -g))
-    return [groups[g] for g in ranked]
+        return singles + [np.zeros(0, np.int64) for _ in range(parts - len(index))]
+    layout = _Layout.of(index, parts, rows)
+    return [np.sort(layout.order[layout.cuts[g] : layout.cuts[g + 1]]) for g in layout.ranked]
 
 
-def _cuts(order: np.ndarray, parts: int, rows: Rows) -> list[int]:
-    """Cut positions 0 = c0 < c1 < ... < c_parts = n of samples sorted by width, minimizing the
-    sum over groups of rows x row_cost(widest); the features' part is the same for any cut."""
-    n = len(order)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A bucket's samples as `group` cuts them into microbatches, with what `rebalance` needs
+    to bound the cost of a sample leaving or joining the bucket.
+
+    Attributes:
+        index: The bucket's samples.
+        perm: int64 [n]: `group`'s order of the samples, as positions in `index` (by width;
+            with at most `parts` samples by descending width, one per microbatch).
+        order: int64 [n]: index[perm].
+        cuts: int64 [parts + 1]: microbatch g is order[cuts[g]:cuts[g + 1]] (empty ones last).
+        ranked: The microbatches in `group`'s output order.
+        groups: float64 [3, parts]: each microbatch's widest row, the cost of one featureless
+            row that wide, and its rows (all 0 for an empty one).
+        empty: bool [parts]: the microbatch is a filler.
+        total: The bucket's padded cost, summed as `bucket_cost` sums it.
+    """
+
+    index: np.ndarray
+    perm: np.ndarray
+    order: np.ndarray
+    cuts: np.ndarray
+    ranked: list[int]
+    groups: np.ndarray
+    empty: np.ndarray
+    total: float
+
+    @classmethod
+    def of(cls, index: np.ndarray, parts: int, rows: Rows, *, ascending: bool = False, own: np.ndarray | None = None) -> _Layout:
+        """The layout of samples `index` (int64; `ascending`: known to be sorted) in `parts`
+        microbatches, as `group` cuts them (`own`: `rows.row_cost(rows.width)`, if known)."""
+        n = len(index)
+        width = rows.width[index]
+        if n <= parts:
+            perm = np.lexsort((index, -width))
+        elif ascending:
+            perm = np.argsort(width, kind="stable")
+        else:
+            perm = np.lexsort((index, width))
+        order = index[perm]
+        width = width[perm]
+        if own is not None:
+            unit = own[order]
+        else:
+            unit = rows.row_cost(width) if n else np.zeros(0)
+        cum_rows = np.empty(n + 1, np.int64)
+        cum_rows[0] = 0
+        np.cumsum(rows.rows[order], out=cum_rows[1:])
+        groups = np.zeros((3, parts))
+        if n <= parts:
+            cuts = np.minimum(np.arange(parts + 1, dtype=np.int64), n)
+            last = np.arange(n)
+        else:
+            cuts = _cuts(cum_rows, unit, parts)
+            last = cuts[1:] - 1
+        counts = cum_rows[cuts[1:]] - cum_rows[cuts[:-1]]
+        groups[0, : len(last)] = width[last]
+        groups[1, : len(last)] = unit[last]
+        groups[2] = counts
+        # As `Rows.microbatch_cost` adds them up: features (summed over ascending indices),
+        # plus rows x the row cost of the widest.
+        costs = counts * groups[1]
+        extra = rows.extra[order]
+        if extra.any():
+            costs = np.array([rows.extra[np.sort(order[lo:hi])].sum() for lo, hi in zip(cuts[:-1], cuts[1:])]) + costs
+        costs = costs.tolist()
+        if n <= parts:
+            ranked = list(range(parts))
+            empty = np.arange(parts) >= n
+        else:
+            ranked = sorted(range(parts), key=lambda g: (-costs[g], -g))
+            empty = np.zeros(parts, bool)
+        return cls(
+            index=index, perm=perm, order=order, cuts=cuts, ranked=ranked, groups=groups, empty=empty,
+            total=float(sum(costs[g] for g in ranked)),
+        )
+
+
+def _cuts(cum_rows: np.ndarray, unit: np.ndarray, parts: int) -> np.ndarray:
+    """Cut positions 0 = c0 < c1 < ... < c_parts = n of n > parts samples sorted by width,
+    minimizing the sum over groups of rows x row_cost(widest); the features' part is the same
+    for any cut.
+
+    Args:
+        cum_rows: int64 [n + 1]: rows of the sorted samples, cumulated from 0.
+        unit: float64 [n]: each sorted sample's featureless row cost.
+        parts: Groups.
+    Returns:
+        int64 [parts + 1] cut positions; ties go to the lowest previous cut.
+    """
+    n = len(unit)
+    points = _points(n, parts)
+    k = len(points)
+    every = k == n + 1  # every position is a candidate cut
+    cum = (cum_rows if every else cum_rows[points]).astype(np.float64)
+    # seg[j, i]: the cost of group (points[i], points[j]) for i < j (inf otherwise): its rows
+    # padded to the width of its last (widest) sample.
+    last = np.empty(k)
+    last[0] = 0.0
+    last[1:] = unit if every else unit[points[1:] - 1]
+    seg = np.subtract.outer(cum, cum)
+    seg *= last[:, None]
+    seg += _not_after(k)
+    best = seg[:, 0].copy()  # best[j]: one group over (0, points[j])
+    back = []
+    rows = np.arange(k)
+    total = np.empty((k, k))
+    for _ in range(2, parts):
+        np.add(best, seg, out=total)
+        arg = total.argmin(axis=1)  # first minimum: the lowest previous cut
+        back.append(arg)
+        best = total[rows, arg]
+    cuts = [k - 1]
+    if parts > 1:  # the last group ends at n: only that row
+        cuts.append(int(np.argmin(best + seg[k - 1])))
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    cuts.append(0)
+    return points[np.array(cuts[::-1], dtype=np.int64)]
+
+
+@functools.lru_cache(maxsize=256)
+def _points(n: int, parts: int) -> np.ndarray:
+    """The candidate cut positions of n sorted samples (every one up to `MAX_CUTS` samples)."""
     if n > MAX_CUTS:
         points = np.unique(np.linspace(0, n, MAX_CUTS + 1).round().astype(np.int64))
     else:
         points = np.arange(n + 1, dtype=np.int64)
     if len(points) - 1 < parts:  # too few candidate cuts: every position
         points = np.arange(n + 1, dtype=np.int64)
-    k = len(points)
-    cum_rows = np.concatenate([[0], np.cumsum(rows.rows[order])])[points].astype(np.float64)
-    # The cost of group (points[i], points[j]) for i < j: its rows padded to the width of its
-    # last (widest) sample.
-    unit = np.zeros(k)
-    unit[1:] = rows.row_cost(rows.width[order[points[1:] - 1]])
-    span = cum_rows[None, :] - cum_rows[:, None]
-    valid = np.triu(np.ones((k, k), bool), 1)
-    seg = np.where(valid, span * unit[None, :], np.inf)
-    best = seg[0].copy()  # best[j]: one group over (0, points[j])
-    back = []
-    for _ in range(1, parts):
-        total = best[:, None] + seg
-        arg = np.argmin(total, axis=0)  # first minimum: the lowest previous cut
-        back.append(arg)
-        best = total[arg, np.arange(k)]
-    cuts = [k - 1]
-    for arg in reversed(back):
-        cuts.append(int(arg[cuts[-1]]))
-    cuts.append(0)
-    return [int(points[c]) for c in reversed(cuts)]
+    points.flags.writeable = False
+    return points
+
+
+@functools.lru_cache(maxsize=256)
+def _not_after(k: int) -> np.ndarray:
+    """float64 [k, k]: inf where i >= j (no group (points[i], points[j])), else 0."""
+    mask = np.triu(np.full((k, k), np.inf))
+    mask.flags.writeable = False
+    return mask
 
 
 def bucket_cost(index: np.ndarray, parts: int, rows: Rows) -> float:
@@ -202,8 +307,11 @@ def rebalance(buckets: list[np.ndarray], parts: int, rows: Rows, *, minimum: int
     the two buckets' new costs under their current microbatches, and the best is taken when
     their regrouped costs (`group`) are both below the expensive bucket's. It stops when no
     candidate lowers it, or after `ROUNDS_PER_BUCKET` x buckets (at most `MAX_ROUNDS`) accepted
-    changes. A bucket
-    keeps at least `minimum` samples when it had more.
+    changes. A bucket keeps at least `minimum` samples when it had more.
+
+    Each bucket's microbatches and the bounds of its candidates leaving it are kept, and
+    recomputed only for the two buckets a change touches; all moves and swaps with the partners
+    are bounded at once, as arrays (see `_Table.best_exchange`).
 
     Args:
         buckets: Sample indices per bucket.
@@ -217,99 +325,207 @@ def rebalance(buckets: list[np.ndarray], parts: int, rows: Rows, *, minimum: int
     k = len(buckets)
     if k < 2 or not rows.padded:
         return buckets
-    groups = [group(b, parts, rows) for b in buckets]
-    totals = np.array([sum(rows.microbatch_cost(g) for g in gs) for gs in groups])
+    table = _Table(k, parts, rows)
+    for b, index in enumerate(buckets):
+        table.set(b, _Layout.of(index, parts, rows, ascending=True, own=table.own))
     for _ in range(min(ROUNDS_PER_BUCKET * k, MAX_ROUNDS)):
-        a = int(np.argmax(totals))
-        partners = [int(b) for b in np.argsort(totals, kind="stable") if b != a][:PARTNERS]
-        best = None
-        for b in partners:
-            found = _best_exchange(buckets[a], groups[a], totals[a], buckets[b], groups[b], totals[b], rows, minimum=minimum)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = (found[0], b, found[1], found[2])
+        a = int(np.argmax(table.totals))
+        partners = np.argsort(table.totals, kind="stable")
+        partners = partners[partners != a][:PARTNERS]
+        best = table.best_exchange(a, partners, minimum=minimum)
         if best is None:
             break
         _, b, give, take = best
-        new_a = buckets[a][buckets[a] != give] if give >= 0 else buckets[a]
-        new_b = buckets[b][buckets[b] != take] if take >= 0 else buckets[b]
+        new_a, new_b = _without(buckets[a], give), buckets[b]
         if take >= 0:
-            new_a = np.sort(np.append(new_a, take))
-        if give >= 0:
-            new_b = np.sort(np.append(new_b, give))
-        groups_a, groups_b = group(new_a, parts, rows), group(new_b, parts, rows)
-        cost_a = sum(rows.microbatch_cost(g) for g in groups_a)
-        cost_b = sum(rows.microbatch_cost(g) for g in groups_b)
-        if max(cost_a, cost_b) >= totals[a] * (1 - 1e-12):
+            new_a, new_b = _with(new_a, take), _without(new_b, take)
+        new_b = _with(new_b, give)
+        layout_a = _Layout.of(new_a, parts, rows, ascending=True, own=table.own)
+        layout_b = _Layout.of(new_b, parts, rows, ascending=True, own=table.own)
+        if max(layout_a.total, layout_b.total) >= table.totals[a] * (1 - 1e-12):
             break
-        buckets[a], buckets[b], groups[a], groups[b] = new_a, new_b, groups_a, groups_b
-        totals[a], totals[b] = cost_a, cost_b
+        buckets[a], buckets[b] = new_a, new_b
+        table.set(a, layout_a)
+        table.set(b, layout_b)
     return buckets
 
 
-def _best_exchange(
-    index_a: np.ndarray, groups_a: list[np.ndarray], total_a: float, index_b: np.ndarray, groups_b: list[np.ndarray], total_b: float, rows: Rows, *, minimum: int,
-) -> tuple[float, int, int] | None:
-    """The move (a sample of A to B) or swap (one of A for one of B) whose bound of max(new A,
-    new B) is lowest and below A's cost: (bound, sample given by A, sample taken from B, -1
-    for a move); None when none is.
+def _without(index: np.ndarray, sample: int) -> np.ndarray:
+    """Ascending `index` less `sample` (which it holds)."""
+    at = int(np.searchsorted(index, sample))
+    return np.concatenate((index[:at], index[at + 1 :]))
+
+
+def _with(index: np.ndarray, sample: int) -> np.ndarray:
+    """Ascending `index` plus `sample` (which it lacks), ascending."""
+    at = int(np.searchsorted(index, sample))
+    return np.concatenate((index[:at], [sample], index[at:]))
+
+
+# Rows of `_Table.features`: per candidate sample.
+_WIDTH, _ROWS, _OWN, _PADDED, _EXTRA, _REMOVAL = range(6)
+
+
+class _Table:
+    """`rebalance`'s state, as arrays over the buckets (so that a bucket's partners are
+    bounded at once): per bucket its cost, its microbatches (`_Layout.groups`), and its
+    candidate samples (at most `CANDIDATES`, evenly spaced in index order) with their
+    `features`: width, rows, cost of a featureless row as wide, rows x that, the features'
+    part, and what leaving the bucket saves at least (its rows padded to its microbatch's
+    widest, and its features' part)."""
+
+    def __init__(self, k: int, parts: int, rows: Rows) -> None:
+        self.rows = rows
+        own = rows.row_cost(rows.width) if len(rows.width) else np.zeros(0)
+        self.own = own
+        self.per_sample = np.stack([rows.width, rows.rows, own, rows.rows * own, rows.extra]).astype(np.float64)
+        # A row of width 0 costs row_cost(0) in an empty microbatch, not 0 x its unit.
+        self.fillers = bool(np.any(rows.width <= 0))
+        self.totals = np.zeros(k)
+        self.sizes = np.zeros(k, np.int64)
+        self.groups = np.zeros((3, parts, k))  # microbatches first, for `_joining`
+        self.empty = np.zeros((parts, k), bool)
+        self.count = np.zeros(k, np.int64)
+        self.candidates = np.zeros((k, CANDIDATES), np.int64)
+        self.features = np.zeros((k, 6, CANDIDATES))
+
+    def set(self, b: int, layout: _Layout) -> None:
+        """Records bucket b's layout."""
+        n = len(layout.index)
+        at = _candidate_positions(n)
+        m = len(at)
+        samples = layout.index[at]
+        self.totals[b] = layout.total
+        self.sizes[b] = n
+        self.groups[:, :, b] = layout.groups
+        self.empty[:, b] = layout.empty
+        self.count[b] = m
+        self.candidates[b, :m] = samples
+        features = self.features[b]
+        features[:_REMOVAL, :m] = self.per_sample[:, samples]
+        features[:, m:] = 0.0
+        position = np.empty(n, np.int64)
+        position[layout.perm] = np.arange(n)
+        owner = np.searchsorted(layout.cuts, position[at], side="right") - 1
+        features[_REMOVAL, :m] = features[_ROWS, :m] * layout.groups[1, owner] + features[_EXTRA, :m]
+
+    def _joining(self, of: np.ndarray, into: np.ndarray, empty: np.ndarray) -> np.ndarray:
+        """What joining a bucket costs at most, per sample: joining its cheapest microbatch for
+        it (the microbatch widened to the sample when it is wider).
+
+        Args:
+            of: float64 [..., 6, m]: the samples' `features`.
+            into: float64 [3, parts, ..., 1]: the buckets' `groups`, microbatches first (the
+                axes between broadcast with the samples' leading axes).
+            empty: bool [parts, ..., 1]: the buckets' fillers.
+        Returns:
+            float64 [..., m].
+        """
+        width, padded, own, r = of[..., _WIDTH, :], of[..., _PADDED, :], of[..., _OWN, :], of[..., _ROWS, :]
+        widest, unit, group_rows = into[0], into[1], into[2]  # [parts, ..., 1]: microbatches first
+        cost = np.where(width > widest, padded + group_rows * (own - unit), r * unit)
+        if self.fillers:
+            cost = np.where(empty, padded, cost)
+        return cost.min(axis=0) + of[..., _EXTRA, :]
+
+    def best_exchange(self, a: int, partners: np.ndarray, *, minimum: int) -> tuple[float, int, int, int] | None:
+        """The move (a sample of A to a partner) or swap (one of A's for one of the partner's)
+        whose bound of max(new A, new partner) is lowest and below A's cost: (bound, partner,
+        sample given by A, sample taken from the partner or -1 for a move); None when none is.
+        Ties: the earlier partner, then the lower sample given, a move before a swap, then the
+        lower sample taken.
+
+        The least bound of each (partner, A's candidate) over the partner's candidates comes
+        from `_least_swaps`; the moves, and the swaps of the rows within a relative 1e-9 of the
+        best, are then bounded exactly, so rounding never changes the choice.
+        """
+        m = int(self.count[a])
+        p = len(partners)
+        if not m or not p:
+            return None
+        total_a = self.totals[a]
+        limit = total_a * (1 - 1e-9)
+        of_a = self.features[a, :, :m]
+        kept = total_a - of_a[_REMOVAL]  # A's cost after giving each candidate, at most
+        total_b = self.totals[partners]
+        joins_b = self._joining(of_a, self.groups[:, :, partners, None], self.empty[:, partners, None])  # [p, m]
+        counts = self.count[partners]
+        width = int(counts.max())
+        best = np.inf
+        moves = None
+        if self.sizes[a] > minimum:
+            moves = np.maximum(kept, total_b[:, None] + joins_b)  # [p, m]
+            best = float(moves.min())
+        if width:
+            of_b = self.features[partners, :, :width]
+            joins_a = self._joining(of_b, self.groups[:, :, a, None, None], self.empty[:, a, None, None])  # [p, width]
+            if width > counts.min():
+                joins_a[np.arange(width)[None, :] >= counts[:, None]] = np.inf
+            left_b = total_b[:, None] - of_b[:, _REMOVAL]  # [p, width]
+            least = _least_swaps(kept, joins_b, joins_a, left_b)  # [p, m]
+            best = min(best, float(least.min()))
+        if not best < limit:
+            return None
+        # The exact bounds: (bound, partner rank, give, take), least first.
+        cand_a = self.candidates[a, :m]
+        options = []
+        if moves is not None:
+            give = np.argmin(moves, axis=1)
+            bound = moves[np.arange(p), give]
+            options += zip(bound.tolist(), range(p), cand_a[give].tolist(), [-1] * p)
+        if width:
+            rank, give = np.nonzero(least <= best + 1e-9 * abs(best))
+            bound = np.maximum(kept[give][:, None] + joins_a[rank], left_b[rank] + joins_b[rank, give][:, None])
+            take = np.argmin(bound, axis=1)
+            bound = bound[np.arange(len(take)), take]
+            options += zip(bound.tolist(), rank.tolist(), cand_a[give].tolist(), self.candidates[partners[rank], take].tolist())
+        bound, rank, give, take = min(options)
+        if not bound < limit:
+            return None
+        return bound, int(partners[rank]), give, take
+
+
+def _least_swaps(kept: np.ndarray, joins_b: np.ndarray, joins_a: np.ndarray, left_b: np.ndarray) -> np.ndarray:
+    """float64 [p, m]: per partner and candidate i of A, the least over the partner's
+    candidates j of the bound of swapping them, max(kept[i] + joins_a[p, j], left_b[p, j] +
+    joins_b[p, i]) (up to rounding).
+
+    The first term is the larger exactly when left_b[p, j] - joins_a[p, j] <= kept[i] -
+    joins_b[p, i]: the least is that of joins_a over the j below that threshold (a prefix
+    minimum over the j sorted by the difference) or of left_b over the j above it (a suffix
+    minimum).
+
+    Args:
+        kept: float64 [m]: A's cost after giving each of its candidates.
+        joins_b: float64 [p, m]: each partner's cost increase taking each of them.
+        joins_a: float64 [p, w]: A's cost increase taking each partner's candidate (inf: none).
+        left_b: float64 [p, w]: each partner's cost after giving each of its candidates.
+    Returns:
+        The least bounds (inf where the partner has no candidate).
     """
-    cand_a = _candidates(index_a)
-    cand_b = _candidates(index_b)
-    rem_a, add_b = _removal(cand_a, groups_a, rows), _addition(cand_a, groups_b, rows)
-    rem_b, add_a = _removal(cand_b, groups_b, rows), _addition(cand_b, groups_a, rows)
-    options = []
-    if len(index_a) > minimum:  # moves a -> B
-        bound = np.maximum(total_a - rem_a, total_b + add_b)
-        j = int(np.argmin(bound))
-        options.append((float(bound[j]), int(cand_a[j]), -1))
-    if len(cand_b):  # swaps
-        new_a = total_a - rem_a[:, None] + add_a[None, :]
-        new_b = total_b - rem_b[None, :] + add_b[:, None]
-        bound = np.maximum(new_a, new_b)
-        flat = int(np.argmin(bound))
-        i, j = divmod(flat, len(cand_b))
-        options.append((float(bound[i, j]), int(cand_a[i]), int(cand_b[j])))
-    options = [o for o in options if o[0] < total_a * (1 - 1e-9)]
-    return min(options) if options else None
+    p, w = joins_a.shape
+    threshold = kept[None, :] - joins_b  # [p, m]
+    diff = left_b - joins_a  # [p, w]
+    rows = np.arange(p)[:, None]
+    by_diff = np.argsort(diff, axis=1)
+    ordered = diff[rows, by_diff]
+    # count[p, i]: the partner's candidates j whose first term is the larger (a prefix of by_diff).
+    count = np.empty(threshold.shape, np.int64)
+    for q in range(p):
+        count[q] = np.searchsorted(ordered[q], threshold[q], side="right")
+    first = np.full((p, w + 1), np.inf)
+    np.minimum.accumulate(joins_a[rows, by_diff], axis=1, out=first[:, 1:])
+    second = np.full((p, w + 1), np.inf)
+    second[:, :w] = np.minimum.accumulate(left_b[rows, by_diff[:, ::-1]], axis=1)[:, ::-1]
+    return np.minimum(kept[None, :] + first[rows, count], joins_b + second[rows, count])
 
 
-def _candidates(index: np.ndarray) -> np.ndarray:
-    """At most `CANDIDATES` of a bucket's samples, evenly spaced in index order."""
-    if len(index) <= CANDIDATES:
-        return index
-    return index[np.unique(np.linspace(0, len(index) - 1, CANDIDATES).round().astype(np.int64))]
-
-
-def _removal(samples: np.ndarray, groups: list[np.ndarray], rows: Rows) -> np.ndarray:
-    """What leaving its bucket saves at least, per sample, its group keeping its width: its
-    rows padded to the group's widest and its features' part."""
-    width_of = np.zeros(0)
-    owner = {}
-    widest = []
-    for g, members in enumerate(groups):
-        widest.append(int(rows.width[members].max()) if members.size else 0)
-        for i in members.tolist():
-            owner[i] = g
-    width_of = np.array([widest[owner[int(i)]] for i in samples], dtype=np.int64)
-    return rows.rows[samples] * rows.row_cost(width_of) + rows.extra[samples]
-
-
-def _addition(samples: np.ndarray, groups: list[np.ndarray], rows: Rows) -> np.ndarray:
-    """What joining a bucket costs at most, per sample: joining its cheapest microbatch for it
-    (the microbatch widened to the sample when it is wider)."""
-    if not groups:
-        return np.full(len(samples), np.inf)
-    w = rows.width[samples]
-    own = rows.row_cost(w)
-    best = np.full(len(samples), np.inf)
-    for members in groups:
-        if not members.size:
-            best = np.minimum(best, rows.rows[samples] * own)
-            continue
-        widest = int(rows.width[members].max())
-        unit = rows.row_cost(np.array([widest]))[0]
-        group_rows = float(rows.rows[members].sum())
-        wider = w > widest
-        cost = np.where(wider, rows.rows[samples] * own + group_rows * (own - unit), rows.rows[samples] * unit)
-        best = np.minimum(best, cost)
-    return best + rows.extra[samples]
+@functools.lru_cache(maxsize=256)
+def _candidate_positions(n: int) -> np.ndarray:
+    """At most `CANDIDATES` positions of a bucket's n samples, evenly spaced in index order."""
+    if n <= CANDIDATES:
+        at = np.arange(n, dtype=np.int64)
+    else:
+        at = np.unique(np.linspace(0, n - 1, CANDIDATES).round().astype(np.int64))
+    at.flags.writeable = False
+    return at
