@@ -345,7 +345,14 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
             "thinned": lineage.is_thinned(record),
             "microbatches": rows,
         }
+        if "window" in record:  # token budgets planned over several steps (planner.window)
+            window = record["window"]
+            result["window"] = {"first": window["first"], "steps": window["steps"], "leftover": bool(window.get("leftover"))}
+            result["samples"] = record["samples"]
         text = [f"step {args.step} (generation {result['generation']}): " + ", ".join(f"{k} {v:.3f}" for k, v in result["shares"].items())]
+        if "window" in result:
+            w = result["window"]
+            text.append(f"  planned in the window of steps {w['first']}..{w['first'] + w['steps'] - 1}; seqs consumed {result['samples']}")
         if result["thinned"]:
             text.append(f"  thinned (ledger.keep_detail_steps): seqs taken per source {record['take']}; per-rank samples not kept")
         text += [f"  bucket {r['bucket']} microbatch {r['microbatch']}: {r['samples']} samples  {' '.join(r['ids'])}" for r in rows]
@@ -360,6 +367,11 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
         text = [f"{args.sample}: seen {len(seen)} time(s)"] + [f"  step {s.step} bucket {s.bucket} microbatch {s.microbatch} epoch {s.epoch}" for s in seen]
         if thinned:
             text.append(f"  steps {thinned[0]}..{thinned[-1]} are thinned (ledger.keep_detail_steps): {len(thinned)} steps not searched")
+        result["substitutions"] = lineage.substitutions(reader.records(), sources[source], row)
+        for e in result["substitutions"]:
+            bad = f"{e['source']}:{e['bad'][0]}" + (f"@{e['bad'][1]}" if e["bad"][1] else "")
+            by = "no substitute (none left within the search bound)" if e["by"] is None else f"{e['source']}:{e['by'][0]}" + (f"@{e['by'][1]}" if e["by"][1] else "")
+            text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); stood in for by {by}")
     else:
         result = lineage.realized_mixture(reader.records(args.first, args.last), sources)
         text = [f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"]

@@ -62,6 +62,18 @@ def write_source(
     return SourceData(name, folder, rows)
 
 
+def corrupt_row_group(path: pathlib.Path, index: int) -> int:
+    """Flips bytes inside the data pages of one row group; returns its row count."""
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(index).column(0)
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    data = bytearray(path.read_bytes())
+    for i in range(start + 20, start + column.total_compressed_size - 4, 7):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return meta.row_group(index).num_rows
+
+
 def skewed_lengths(n: int, *, seed: int, long_share: float = 0.1, short: int = 48, long: int = 600) -> list[int]:
     """Mostly short samples with a long tail."""
     rng = np.random.default_rng(seed)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from harness import assert_same_batches, collect, peer_channel, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
+from harness import assert_same_batches, collect, corrupt_row_group, peer_channel, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
 
 from batchplane.client import Client, InvalidRequestError, StepUnavailableError
 from batchplane.core.errors import ConfigError
@@ -98,18 +98,6 @@ def test_a_bad_source_stops_the_start_naming_the_source_and_file(tmp_path, good,
 
 
 # ---- run time: a corrupt row group ---------------------------------------------------------
-
-
-def corrupt_row_group(path: pathlib.Path, index: int) -> int:
-    """Flips bytes inside the data pages of one row group; returns its row count."""
-    meta = pq.ParquetFile(path).metadata
-    column = meta.row_group(index).column(0)
-    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
-    data = bytearray(path.read_bytes())
-    for i in range(start + 20, start + column.total_compressed_size - 4, 7):
-        data[i] ^= 0x5A
-    path.write_bytes(bytes(data))
-    return meta.row_group(index).num_rows
 
 
 def test_a_corrupt_row_group_is_skipped_counted_and_logged_and_nothing_else_is_lost(tmp_path, good) -> None:

@@ -107,13 +107,16 @@ def _request(from_seq: int = 0, max_samples: int = 8) -> loader_pb2.GetSummaryRe
     return loader_pb2.GetSummaryRequest(source=0, from_seq=from_seq, max_samples=max_samples)
 
 
-def _response(start: int = 0, n: int = 8, *, rows=None, lengths=None, end: bool = False, **features) -> loader_pb2.GetSummaryResponse:
+def _response(
+    start: int = 0, n: int = 8, *, rows=None, lengths=None, end: bool = False, bad_reason=None, **features
+) -> loader_pb2.GetSummaryResponse:
     return loader_pb2.GetSummaryResponse(
         start_seq=start,
         row=encode_array(np.arange(start, start + n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)),
         length=encode_array(np.full(n, 5, np.int32) if lengths is None else np.asarray(lengths, np.int32)),
         end_of_stream=end,
         features={k: encode_array(np.asarray(v, np.float64)) for k, v in features.items()},
+        bad_reason=None if bad_reason is None else encode_array(np.asarray(bad_reason)),
     )
 
 
@@ -129,6 +132,8 @@ def _response(start: int = 0, n: int = 8, *, rows=None, lengths=None, end: bool 
         (_response(end=True), "says the stream ends at 8, but the stream ends at 40"),
         (_response(cost=[1.0] * 7), "7 values for 8 rows"),
         (_response(cost=[float("nan")] * 8), "not finite"),
+        (_response(bad_reason=np.zeros(7, np.uint8)), "7 bad reasons for 8 rows"),
+        (_response(bad_reason=np.zeros(9, np.uint8)), "9 bad reasons for 8 rows"),
     ],
 )
 def test_f_a_summary_that_is_not_what_was_asked_is_refused(response, problem) -> None:
@@ -143,8 +148,25 @@ def test_f_bytes_that_do_not_match_their_shape_are_refused_before_anything_is_al
         parse_summary(response, _request(), _target())
 
 
+@pytest.mark.parametrize(
+    "bad_reason", [np.zeros(8, np.int32), np.zeros(8, np.float64), np.zeros((2, 4), np.uint8)], ids=["int32", "float64", "2d"]
+)
+def test_f_bad_reasons_of_another_dtype_or_shape_are_refused(bad_reason) -> None:
+    with pytest.raises(WireFormatError, match="bad_reason"):
+        parse_summary(_response(bad_reason=bad_reason), _request(), _target())
+
+
+def test_f_bad_reasons_are_taken_or_zero_when_not_sent() -> None:
+    codes = np.array([0, 1, 2, 3, 4, 5, 0, 200], np.uint8)  # 200: a code of a later version, "unknown"
+    *_, reasons = parse_summary(_response(lengths=[0, 0, 0, 0, 0, 0, 5, 0], bad_reason=codes), _request(), _target())
+    assert reasons.tolist() == codes.tolist()
+    for sent in (None, np.zeros(0, np.uint8)):  # an older loader
+        *_, reasons = parse_summary(_response(bad_reason=sent), _request(), _target())
+        assert reasons.dtype == np.uint8 and reasons.tolist() == [0] * 8
+
+
 def test_f_an_end_of_stream_only_where_the_stream_ends() -> None:
-    rows, _, _ = parse_summary(_response(start=32, end=True), _request(32), _target())
+    rows, _, _, _ = parse_summary(_response(start=32, end=True), _request(32), _target())
     assert len(rows) == 8
     with pytest.raises(MalformedSummary, match="never ends"):
         parse_summary(_response(end=True), _request(), _target(stream_end=None))
@@ -231,3 +253,13 @@ def test_check_summary_takes_what_was_asked() -> None:
     rows = np.arange(4, dtype=np.int64)
     check_summary(rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None)
     check_summary(rows[:0], np.zeros(0, np.int32), {}, start_seq=8, end_of_stream=True, from_seq=8, max_samples=4, num_rows=4, stream_end=8)
+    check_summary(
+        rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None,
+        reasons=np.ones(4, np.uint8),
+    )
+    for reasons, problem in ((np.ones(3, np.uint8), "3 bad reasons for 4 rows"), (np.ones(4, np.int32), "dtype int32"), (np.ones((4, 1), np.uint8), r"shape \(4, 1\)")):
+        with pytest.raises(MalformedSummary, match=problem):
+            check_summary(
+                rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None,
+                reasons=reasons,
+            )

@@ -9,21 +9,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import InvalidArgument, NotFound, Unavailable
 from batchplane.core.storage import MemoryStorage
-from batchplane.planner.book import PlanBook
 from batchplane.planner.bounds import MAX_ADDRESS_CHARS, MAX_NAME_CHARS
-from batchplane.planner.membership import Membership
-from batchplane.planner.metrics import PlannerMetrics
-from batchplane.planner.service import PlannerServicer
-from batchplane.planner.summaries import SummaryStore
 from batchplane.v1 import common_pb2, planner_pb2
-from batchplane.wire import decode_array
+
+import planner_plane
 
 ROWS = 48  # one source, 48 rows in 4 row groups: 12 steps of 4 samples
 GROUPS = (12, 12, 12, 12)
@@ -43,74 +37,15 @@ def _job(**settings):
     )
 
 
-class Plane:
-    """A planner with one registered loader (a thread answering the store's wants) and its two
-    constructors registered."""
+class Plane(planner_plane.Plane):
+    """The planner of `_job`'s shape: one source of ROWS rows, every sample 8 tokens."""
 
     def __init__(self, job, *, ledger: MemoryStorage | None = None) -> None:
-        self.job = job
-        self.ledger = ledger if ledger is not None else MemoryStorage()
-        self.membership = Membership(job)
-        self.store = SummaryStore(1, lookahead=16)
-        metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
-        self.book = PlanBook(job, membership=self.membership, store=self.store, metrics=metrics, ledger=self.ledger)
-        self.service = PlannerServicer(job, self.membership, self.book, self.store, metrics)
-        self._stop = threading.Event()
-        self._feeder = threading.Thread(target=self._feed, daemon=True)
-        self._feeder.start()
-
-    def join(self) -> None:
-        self.service.RegisterLoader(
-            planner_pb2.RegisterLoaderRequest(
-                loader_index=0, address="loader:0", incarnation="i0",
-                sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS, row_group_sizes=GROUPS)],
-            ),
-            None,
-        )
-        for c in (0, 1):
-            self.service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=c, address=f"c:{c}", ranks=[c]), None)
-
-    def _feed(self) -> None:
-        """The loader: rows of seqs in order, every length 8."""
-        end = None if self.job.epochs is None else self.job.epochs * ROWS
-        while not self._stop.is_set():
-            with self.store.cond:
-                self.store.cond.wait_for(lambda: self._stop.is_set() or self.store.wanted(0) is not None, timeout=0.2)
-                want = self.store.wanted(0)
-            if want is None:
-                continue
-            start = want[0]
-            stop = start + 16 if end is None else min(start + 16, end)
-            seq = np.arange(start, stop, dtype=np.int64)
-            self.store.add(0, start, seq % ROWS, np.full(len(seq), 8, np.int32), end is not None and stop == end)
-
-    def plan(self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 5000, **fields) -> planner_pb2.GetPlanResponse:
-        below = step if delivered_below is None else delivered_below
-        request = planner_pb2.GetPlanRequest(constructor_index=constructor, step=step, delivered_below=below, wait_ms=wait_ms, **fields)
-        return self.service.GetPlan(request, None)
+        super().__init__(job, row_groups=[GROUPS], ledger=ledger)
 
     def run(self, first: int = 0) -> dict[int, list[tuple[int, int]]]:
-        """Both constructors take every step from `first` to the end, in lockstep, as trainers do;
-        returns per step the (source, seq) of its samples over both ranks."""
-        steps: dict[int, list[tuple[int, int]]] = {}
-        step = first
-        while True:
-            got = [self.plan(c, step) for c in (0, 1)]
-            if any(r.end_of_data for r in got):
-                assert all(r.end_of_data for r in got)
-                return steps
-            steps[step] = [pair for r in got for rank in r.ranks for pair in _samples(rank)]
-            step += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.book.stop()
-
-
-def _samples(rank: planner_pb2.RankPlan) -> Iterator[tuple[int, int]]:
-    source = decode_array(rank.samples.source, field="source").tolist()
-    seq = decode_array(rank.samples.seq, field="seq").tolist()
-    return zip(source, seq)
+        """Per step, the (source, seq) of its samples over both ranks (see `planner_plane.Plane.run`)."""
+        return {step: planner_plane.step_samples(answers) for step, answers in super().run(first).items()}
 
 
 def _assert_exactly_once(steps: dict[int, list[tuple[int, int]]], *, first: int = 0) -> None:
@@ -147,7 +82,7 @@ def _threaded(fn, *, timeout_s: float):
 
 
 def test_a_far_step_with_a_far_delivered_below_is_refused_and_ends_nothing(plane: Plane) -> None:
-    first = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in _samples(r)] for step in range(3)}
+    first = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in planner_plane.samples(r)] for step in range(3)}
     for c in (0, 1):
         with pytest.raises(Unavailable, match="ahead of the planning window"):
             plane.plan(c, 10**9, delivered_below=10**9, wait_ms=50)
@@ -165,7 +100,7 @@ def test_b_a_rejoin_far_ahead_drops_no_kept_plan(plane: Plane) -> None:
     """As constructor 1 (authorized as itself, so authorization alone does not stop it): its
     heartbeat claims every step below 1e9 was handed. Believed up to the planning cursor only:
     constructor 0's plans stay kept, and a restarted constructor 1 resumes at a planned step."""
-    got = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in _samples(r)] for step in range(3)}
+    got = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in planner_plane.samples(r)] for step in range(3)}
     plane.service.RegisterConstructor(
         planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1], rejoin=True, next_step=10**9), None
     )
@@ -207,7 +142,7 @@ def test_c_a_far_step_on_an_infinite_job_is_refused_without_planning_up_to_it() 
 
 
 def test_d_a_request_for_another_constructor_does_not_make_its_own_fail(plane: Plane) -> None:
-    got = {0: [pair for c in (0, 1) for r in plane.plan(c, 0).ranks for pair in _samples(r)]}
+    got = {0: [pair for c in (0, 1) for r in plane.plan(c, 0).ranks for pair in planner_plane.samples(r)]}
     plane.plan(1, 3, delivered_below=3)  # the hostile request, as constructor 1, within the window
     got |= plane.run(first=1)  # constructor 1 asks for steps 1, 2, ... : served, not "already consumed"
     _assert_exactly_once(got)

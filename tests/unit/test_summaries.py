@@ -186,6 +186,92 @@ def test_store_holds_exactly_the_contiguous_prefix_it_was_given(reports, cursor)
     assert store.get(0, cursor, known - cursor + 1) is None
 
 
+# ---- bad samples' reasons --------------------------------------------------------------------
+
+
+def _reasons(start: int, count: int) -> np.ndarray:
+    """Recognisable reason codes for seqs [start, start + count): every third seq is bad."""
+    seqs = np.arange(start, start + count)
+    return np.where(seqs % 3 == 0, seqs % 5 + 1, 0).astype(np.uint8)
+
+
+def _add_bad(store: SummaryStore, source: int, start: int, count: int, *, end: bool = False) -> None:
+    store.add(source, start, _rows(start, count), _lengths(start, count), end, reasons=_reasons(start, count))
+
+
+def test_reasons_are_none_until_all_are_known_and_then_sliced_like_get() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    assert store.reasons(0, 0, 1) is None
+    _add_bad(store, 0, 0, 5)
+    assert store.reasons(0, 0, 6) is None
+    got = store.reasons(0, 1, 4)
+    assert got.dtype == np.uint8
+    assert got.tolist() == _reasons(1, 4).tolist()
+    assert store.reasons(0, 5, 0).tolist() == []
+    # A report overlapping what is known keeps the known reasons.
+    store.add(0, 3, _rows(3, 4), _lengths(3, 4), False, reasons=np.full(4, 5, np.uint8))
+    assert store.reasons(0, 0, 7).tolist() == _reasons(0, 5).tolist() + [5, 5]
+    assert _get(store, 0, 0, 5) == _expected(0, 5), "get is unchanged"
+
+
+def test_reasons_not_sent_are_zero() -> None:
+    store = SummaryStore(1, lookahead=100)
+    store.start((0,))
+    _add(store, 0, 0, 3)  # no reasons: an older loader
+    store.add(0, 3, _rows(3, 2), _lengths(3, 2), False, reasons=np.zeros(0, np.uint8))  # empty: the same
+    _add_bad(store, 0, 5, 4)
+    assert store.reasons(0, 0, 9).tolist() == [0] * 5 + _reasons(5, 4).tolist()
+
+
+def test_reasons_survive_advance_and_rewind() -> None:
+    store = SummaryStore(2, lookahead=100)
+    store.start((0, 0))
+    _add_bad(store, 0, 0, 10)
+    _add_bad(store, 1, 0, 3)
+    store.advance((4, 3))
+    with pytest.raises(ValueError, match=r"before the store's base 4"):
+        store.reasons(0, 3, 1)
+    assert store.reasons(0, 4, 6).tolist() == _reasons(4, 6).tolist()
+    assert store.reasons(1, 3, 1) is None
+    _add_bad(store, 1, 3, 6)
+    assert store.reasons(1, 3, 6).tolist() == _reasons(3, 6).tolist()
+    store.advance((12, 3))  # past what is known: everything dropped
+    assert store.reasons(0, 12, 1) is None
+    _add_bad(store, 0, 10, 5)
+    assert store.reasons(0, 12, 3).tolist() == _reasons(12, 3).tolist()
+    store.rewind((2, 1), step=0, delivered_below=0)
+    assert store.reasons(0, 2, 1) is None and store.reasons(1, 1, 1) is None
+    _add_bad(store, 0, 2, 4)
+    assert store.reasons(0, 2, 4).tolist() == _reasons(2, 4).tolist()
+    assert _get(store, 0, 2, 4) == _expected(2, 4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    reports=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 15)), max_size=20),
+    cursors=st.lists(st.integers(0, 80), max_size=4),
+)
+def test_reasons_stay_aligned_with_rows(reports, cursors) -> None:
+    store = SummaryStore(1, lookahead=1000)
+    store.start((0,))
+    cursor = 0
+    for i, (start, count) in enumerate(reports):
+        _add_bad(store, 0, start, count)
+        if i < len(cursors):
+            cursor = max(cursor, cursors[i])
+            store.advance((cursor,))
+    with store.cond:
+        count = store.wanted(0)[0] - cursor
+    if count < 0:  # the cursor moved past what is known
+        assert store.get(0, cursor, 0) is None and store.reasons(0, cursor, 0) is None
+        return
+    rows, _, _ = store.get(0, cursor, count)
+    assert ((rows - 7) // 100).tolist() == list(range(cursor, cursor + count))
+    assert store.reasons(0, cursor, count).tolist() == _reasons(cursor, count).tolist()
+    assert store.reasons(0, cursor, count + 1) is None
+
+
 # ---- wait_for_summary ------------------------------------------------------------------------
 
 

@@ -90,6 +90,23 @@ class LedgerSettings:
     keep_detail_steps: int | None = None
 
 
+BAD_SAMPLE_POLICIES = ("substitute", "skip", "fail")
+
+
+@dataclasses.dataclass(frozen=True)
+class BadSampleSettings:
+    """What a step does about a bad sample among those the mixture allocated to it (a row group
+    that cannot be read, a failed transform, an empty or rejected token list)."""
+
+    #: "substitute": the next good sample of the same source stands in for it, so the step keeps
+    #: its number of samples and the source its share (the ledger names both); "skip": the step
+    #: trains without it; "fail": substitute, but stop the job with FAILED_PRECONDITION once a
+    #: planning window holds more than `max_per_window` bad samples.
+    policy: str = "substitute"
+    #: Policy "fail": bad samples a planning window tolerates (substituted) before the job fails.
+    max_per_window: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     """Shape of every step's batch."""
@@ -119,6 +136,8 @@ class BatchSettings:
     #: nothing is lost), "truncate" to its first max_length tokens, or "reject" (skipped as a
     #: bad sample: counted, logged with file and row, never delivered).
     length_policy: str = "split"
+    #: Bad samples: substituted (default), skipped, or fatal past a bound.
+    bad_samples: BadSampleSettings = dataclasses.field(default_factory=BadSampleSettings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +182,13 @@ class BalanceSettings:
     max_tokens: int | None = None
     #: Cost budget of one microbatch for "token_budget", instead of `max_tokens`.
     max_cost: float | None = None
+    #: "token_budget": steps planned together (`batchplane.planner.window`): the samples of
+    #: window_steps consecutive steps are grouped by length at once, which pads less and needs
+    #: fewer microbatches; window_steps * global_batch_size must not exceed
+    #: `loaders.read_ahead_samples`. None: as many steps as hold about 4096 samples, within the
+    #: read-ahead (1 under an adaptive mixture, which sets each step's weights from the reports
+    #: of the steps before).
+    window_steps: int | None = None
     #: The cost model balanced.
     cost: CostSettings = dataclasses.field(default_factory=CostSettings)
 
@@ -618,6 +644,10 @@ def _validate(job: JobSettings) -> None:
         value = getattr(job.batch, name)
         if not -(2**bits) <= value < 2**bits:
             raise ConfigError(f"batch.{name}", f"must fit batch.token_dtype ({job.batch.token_dtype})", value)
+    if job.batch.bad_samples.policy not in BAD_SAMPLE_POLICIES:
+        raise ConfigError("batch.bad_samples.policy", f"must be one of {BAD_SAMPLE_POLICIES}", job.batch.bad_samples.policy)
+    if isinstance(job.batch.bad_samples.max_per_window, bool) or job.batch.bad_samples.max_per_window < 0:
+        raise ConfigError("batch.bad_samples.max_per_window", "must be an integer >= 0", job.batch.bad_samples.max_per_window)
     if job.balance.method not in BALANCE_METHODS:
         raise ConfigError("balance.method", f"must be one of {BALANCE_METHODS}", job.balance.method)
     budgets = {"balance.max_tokens": job.balance.max_tokens, "balance.max_cost": job.balance.max_cost}
@@ -627,6 +657,18 @@ def _validate(job: JobSettings) -> None:
         raise ConfigError("balance.max_cost", "must be a finite number > 0", job.balance.max_cost)
     if job.balance.method == "token_budget" and sum(v is not None for v in budgets.values()) != 1:
         raise ConfigError("balance.max_tokens", "method 'token_budget' needs exactly one of balance.max_tokens and balance.max_cost", budgets)
+    window = job.balance.window_steps
+    if window is not None:
+        _positive("balance.window_steps", window)
+        if window * job.batch.global_batch_size > job.loaders.read_ahead_samples:
+            raise ConfigError(
+                "balance.window_steps",
+                f"window_steps * batch.global_batch_size = {window * job.batch.global_batch_size} samples must not exceed "
+                f"loaders.read_ahead_samples = {job.loaders.read_ahead_samples}: the planner needs a whole window's summaries",
+                window,
+            )
+        if window > 1 and job.strategy is None and job.balance.method != "token_budget":
+            raise ConfigError("balance.window_steps", f"windows of several steps apply to method 'token_budget', not {job.balance.method!r}", window)
     cost = job.balance.cost
     if not cost.kind.strip():
         raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS}, a model name or 'module:callable'", cost.kind)

@@ -78,7 +78,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
                 planned_steps=request.planned_steps, delivered_below=request.delivered_below, routes=routes,
             )
             return loader_pb2.GetSummaryResponse(start_seq=request.from_seq)
-        rows, lengths, features, end = stream.summary(
+        rows, lengths, reasons, features, end = stream.summary(
             from_seq=request.from_seq,
             planned_seq=request.planned_seq,
             max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
@@ -91,6 +91,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             start_seq=request.from_seq,
             row=encode_array(rows),
             length=encode_array(lengths),
+            bad_reason=encode_array(reasons),
             end_of_stream=end,
             features={name: encode_array(values) for name, values in features.items()},
         )

@@ -26,8 +26,9 @@ the windows the planner says are still needed (`restore`), so constructors seldo
 
 Bad data is skipped, never silently: a row group that cannot be read or decoded, or whose
 transform fails, becomes a run of bad samples (length 0); so do null or empty token lists. Bad
-samples keep their positions (the plan does not depend on them, I4), are counted in metrics
-and logged with file, row group and rows. So is a sample longer than `batch.max_length` under
+samples keep their positions (the plan does not depend on them, I4), carry the reason in the
+summaries (`core.bad`: the ledger records it), are counted in metrics and logged with file, row
+group and rows. So is a sample longer than `batch.max_length` under
 `batch.length_policy` "reject" (reason too_long); under "truncate" it is cut to its first
 max_length tokens before anyone sees it, counted and logged once per row group.
 """
@@ -44,6 +45,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
+from batchplane.core import bad
 from batchplane.core.errors import NotFound, Unavailable
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
@@ -89,6 +91,8 @@ class BufferedWindow:
     ids: pa.ListArray
     rows: np.ndarray
     lengths: np.ndarray
+    #: uint8 [n]: why each bad sample (length 0) is bad (`core.bad` codes); 0 for good ones.
+    reasons: np.ndarray
     features: dict[str, np.ndarray]
     nbytes: int
     #: Good samples at or after the stream's start that are not yet released.
@@ -177,9 +181,9 @@ class SourceStream:
         routes: Routing | None = None,
         planned_steps: int = 0,
         delivered_below: int = 0,
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
-        """Rows, lengths and features of positions from `from_seq` on, as far as read. A window
-        not held (never read, or dropped) is read now.
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
+        """Rows, lengths, bad reasons and features of positions from `from_seq` on, as far as
+        read. A window not held (never read, or dropped) is read now.
 
         Args:
             routes: The source's current routes (None: keep the last ones); `from_seq` lies in
@@ -188,8 +192,9 @@ class SourceStream:
                 an earlier one.
             delivered_below: Every rank was handed every step below it.
         Returns:
-            (rows int64 [n], lengths int32 [n], features {name: float64 [n]}, end_of_stream
-            after them); n may be 0 after waiting `wait_s` for the reader.
+            (rows int64 [n], lengths int32 [n], reasons uint8 [n] (`core.bad` codes, 0 for good
+            samples), features {name: float64 [n]}, end_of_stream after them); n may be 0 after
+            waiting `wait_s` for the reader.
         """
         with self._cond:
             self._frontier.asked(from_seq)
@@ -203,7 +208,7 @@ class SourceStream:
             if not self._is_end(from_seq) and not self._holds(from_seq):
                 self._want(window_of(self.order, from_seq).number, replay=False)
                 self._cond.wait_for(lambda: self._holds(from_seq) or self._closed, timeout=wait_s)
-            rows, lengths = [], []
+            rows, lengths, reasons = [], [], []
             names = self._feature_names or ()
             features: dict[str, list[np.ndarray]] = {name: [] for name in names}
             count = 0
@@ -216,6 +221,7 @@ class SourceStream:
                 hi = min(len(w.rows), lo + max_samples - count)
                 rows.append(w.rows[lo:hi])
                 lengths.append(w.lengths[lo:hi])
+                reasons.append(w.reasons[lo:hi])
                 for name in names:
                     features[name].append(w.features[name][lo:hi] if name in w.features else np.zeros(hi - lo))
                 count += hi - lo
@@ -224,8 +230,9 @@ class SourceStream:
             self._cond.notify_all()  # the planner's cursor moved: read ahead
         rows_out = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         lengths_out = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+        reasons_out = np.concatenate(reasons) if reasons else np.zeros(0, bad.DTYPE)
         features_out = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in features.items()}
-        return rows_out, lengths_out, features_out, self._is_end(seq)
+        return rows_out, lengths_out, reasons_out, features_out, self._is_end(seq)
 
     def follow(
         self, *, from_seq: int, count: int, planned_seq: int, planned_steps: int, delivered_below: int, routes: Routing | None
@@ -486,26 +493,32 @@ class SourceStream:
     def _read_window(self, seq: int) -> BufferedWindow:
         epoch, position = divmod(seq, self.num_rows)
         window = self.order.window_at(epoch, position)
-        parts, feature_parts, failed = [], [], set()
+        parts, feature_parts, reason_parts, failed = [], [], [], set()
         for g in window.row_groups:
             got = self._read_row_group(g)
-            if got is None:
+            n = self.source.row_groups[g].num_rows
+            if isinstance(got, int):  # a reason code: the row group is a run of bad samples
                 failed.add(g)
-                n = self.source.row_groups[g].num_rows
+                reason_parts.append(np.full(n, got, bad.DTYPE))
                 got = pa.nulls(n, TOKEN_TYPE), {}
+            else:
+                reason_parts.append(np.zeros(n, bad.DTYPE))
             parts.append(got[0])
             feature_parts.append(got[1])
         perm = self.order.permutation(epoch, window)
         ids = pa.concat_arrays(parts).take(pa.array(perm))
+        reasons = np.concatenate(reason_parts)[perm] if reason_parts else np.zeros(0, bad.DTYPE)
         features = {
             name: np.concatenate([f.get(name, np.zeros(len(p))) for f, p in zip(feature_parts, parts)])[perm]
             for name in self._feature_names or ()
         }
         rows = self.order.window_rows(epoch, window)
         self._report.bad(window, failed, ids, rows)
+        reasons = _bad_reasons(ids, reasons)
         ids, over = self.transform.limit(ids)  # batch.max_length: truncate or reject
         self._report.over_length(window, rows, over)
         lengths = lengths_of(ids)
+        reasons[over & (lengths == 0) & (reasons == 0)] = bad.TOO_LONG  # rejected by limit (a cut one keeps tokens)
         seq_start = epoch * self.num_rows + window.start
         # Positions before the stream's start were consumed before it (a resumed job): never
         # fetched, so not counted; a window wholly before it is one read again for a fetch.
@@ -517,14 +530,16 @@ class SourceStream:
             ids=ids,
             rows=rows,
             lengths=lengths,
+            reasons=reasons,
             features=features,
-            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + sum(f.nbytes for f in features.values()),
+            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + reasons.nbytes + sum(f.nbytes for f in features.values()),
             unreleased=int(np.count_nonzero(lengths[first_counted:] > 0)),
         )
 
-    def _read_row_group(self, g: int) -> tuple[pa.ListArray, dict[str, np.ndarray]] | None:
-        """The transformed token lists and features of row group g; None when it cannot be read
-        or transformed (logged and counted here)."""
+    def _read_row_group(self, g: int) -> tuple[pa.ListArray, dict[str, np.ndarray]] | int:
+        """The transformed token lists and features of row group g; when it cannot be read or
+        transformed, the reason code of its samples instead (`bad.UNREADABLE`, `bad.TRANSFORM`;
+        logged and counted here)."""
         row_group = self.source.row_groups[g]
         where = self.source.describe(row_group)
         try:
@@ -533,7 +548,7 @@ class SourceStream:
             log.error("source %r: %s is unreadable, skipping its %d rows: %s", self.name, where, row_group.num_rows, exc)
             self._metrics.corrupt_row_groups.labels(self.name).inc()
             self._metrics.bad_samples.labels(self.name, "unreadable").inc(row_group.num_rows)
-            return None
+            return bad.UNREADABLE
         try:
             ids, features = self.transform(table)
             ids = ids.cast(TOKEN_TYPE)
@@ -544,7 +559,7 @@ class SourceStream:
         except Exception as exc:  # noqa: BLE001 - user code: any failure skips the row group
             log.error("source %r: transform failed on %s, skipping its %d rows: %s", self.name, where, row_group.num_rows, exc)
             self._metrics.bad_samples.labels(self.name, "transform").inc(row_group.num_rows)
-            return None
+            return bad.TRANSFORM
         return ids, features
 
     def close(self) -> None:
@@ -553,3 +568,14 @@ class SourceStream:
             self._cond.notify_all()
         self._thread.join(timeout=5)
 
+
+def _bad_reasons(ids: pa.ListArray, groups: np.ndarray) -> np.ndarray:
+    """uint8 [n]: the `core.bad` reason of each sample of transformed token lists `ids`:
+    `groups`' code where it has one (a row group that could not be read or transformed), else
+    REJECTED for a null list, EMPTY for an empty one, 0 for the others."""
+    valid = ids.is_valid().to_numpy(zero_copy_only=False)
+    reasons = groups.astype(bad.DTYPE, copy=True)
+    free = reasons == 0
+    reasons[free & ~valid] = bad.REJECTED
+    reasons[free & valid & (lengths_of(ids) == 0)] = bad.EMPTY
+    return reasons

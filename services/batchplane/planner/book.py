@@ -9,7 +9,8 @@ since; the planner logs what changed. Without that record (a new run folder) it 
 mixture without touching data, which is exact only if the mixture is unchanged: a resume whose
 checkpoint says the mixture changed is then refused. Every step's record is written durably
 before its plan is served. Each step is planned by the job's strategy (see `dgraph`) over the
-job's ClientPlaceTree.
+job's ClientPlaceTree; token budgets are planned a window of several steps at a time (see
+`window`, which also decides how a resume inside a window goes on).
 
 What a request means (start, serve, rewind, refuse) and which plans are kept is decided by the
 pure `progress.PlanProgress`; this class drives it. A rewind (a trainer restarted from an older
@@ -20,15 +21,17 @@ as a restarted planner does, opens a new ledger generation there and plans the s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from concurrent import futures
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from batchplane.core.config import JobSettings
+from batchplane.core.bad import reason_name
 from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
@@ -41,6 +44,7 @@ from batchplane.planner.ledger import Ledger
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
+from batchplane.planner.substitute import MAX_SEARCH, Match, bad_of, entries, match
 from batchplane.planner.plan import SampleTable, StepPlan
 from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start, start_step
 from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
@@ -48,6 +52,7 @@ from batchplane.planner.length import JobLength, job_length
 from batchplane.planner.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
+from batchplane.planner.window import Resume, Window, allocate as allocate_window, home_steps, resume_inside, taken, window_steps, without
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,8 @@ class PlanBook:
         self._wanted = -1
         self._waiting_on = ""
         self._replan_to: int | None = None  # a rewind the planning thread must carry out
+        self._window_steps = window_steps(job, self.strategy, adaptive=self._adaptive is not None)
+        self._resume: Resume | None = None  # a resume inside a window, for the planning thread
         self._epoch = 0  # counts rewinds: a step planned across one is not kept
         self._failure: str | None = None
         self._length: JobLength | None = None
@@ -254,12 +261,21 @@ class PlanBook:
             self.ledger.restore(restored.record)
         elif step:
             self.ledger.assume_consumed(restored.state.cursors)
+        self._resume = resume_inside(restored.record, step, changed=bool(restored.changed), source_names=self._job.source_names)
+        if self._resume is not None:
+            how = "planned again as it was" if not self._resume.window.leftover else "its rest planned as a new window (settings changed)"
+            log.info("step %d lies inside the planning window of steps %d..%d: %s", step, *self._resume_span(restored.record), how)
         if self._adaptive is not None:
             adaptive = restore_adaptive(step, rule=self._adaptive, reader=reader, changed=restored.changed)
             self._adaptive_state, self._applied_through = adaptive.state, adaptive.applied_through
             with self._cond:
                 self._reports.update(adaptive.reports)
-        return restored.state
+        return restored.state if self._resume is None else self._resume.window.before
+
+    @staticmethod
+    def _resume_span(record: Mapping) -> tuple[int, int]:
+        window = record["window"]
+        return window["first"], window["first"] + window["steps"] - 1
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
@@ -451,46 +467,160 @@ class PlanBook:
         log.info("rewound to step %d: planning again from the ledger's record of step %d (generation %d)", step, step - 1, writer.generation.gen)
 
     def _plan_next(self, state: MixtureState, epoch: int) -> None:
+        """Plans the next window (`batchplane.planner.window`; one step unless the job plans
+        token budgets over several): records its steps and keeps their plans."""
         applied = self._adapt(state.step) if self._adaptive is not None else []
         if applied is None:
             return  # stopped or rewound while waiting
-        allocation, after = self._mixture.allocate(state)
-        if allocation.end_of_data:
-            with self._cond:
-                self.end_step = state.step
-                self._cond.notify_all()
-            log.info("end of data: the last step is %d", state.step - 1)
-            return
+        resume, self._resume = self._resume, None
+        if resume is not None:  # a resume or rewind inside a window: plan it again, keep it from resume.step on
+            window, keep_from = resume.window, resume.step
+            if window.leftover:
+                allocations, afters = [None] * window.steps, [window.end] * window.steps
+            else:
+                allocations, afters = allocate_window(self._mixture, window.before, window.steps)
+        else:
+            allocations, afters = allocate_window(self._mixture, state, self._window_steps)
+            if not allocations:
+                with self._cond:
+                    self.end_step = state.step
+                    self._cond.notify_all()
+                log.info("end of data: the last step is %d", state.step - 1)
+                return
+            window, keep_from = Window(first=state.step, steps=len(allocations), before=state, end=afters[-1]), state.step
         begin = time.perf_counter()
-        table = self._allocated_samples(allocation)
+        table = self._allocated_samples(window.ranges)
         if table is None:
+            self._resume = resume
             return  # stopped or rewound while waiting
+        table = without(table, window.skip)
+        home = np.zeros(len(table), np.int64) if window.leftover else home_steps(table, allocations)
+        substituted: dict[int, list[dict]] = {}
+        if not window.leftover and self._job.batch.bad_samples.policy != "skip":
+            found = self._substitute(window, allocations[-1], table, home)
+            if found is None:
+                self._resume = resume
+                return  # stopped or rewound while waiting
+            window, table, home, substituted = found
+            afters[-1] = window.end
         waited = time.perf_counter() - begin
-        plan = self.strategy.run(
-            state.step, table, self.mesh, default_cost=self._cost_fn, max_length=self._job.max_length, length_policy=self._job.batch.length_policy,
-            packed=self._job.batch.packing,
-        )
-        record = self.ledger.record(allocation, plan, after)
-        record["delivered_below"] = self._progress.consumed_below  # where a restarted planner may resume
-        if self._adaptive is not None:
-            record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
-        self._writer.append(record)
+        plans = self._plan_window(window, table, home)
+        recorded = window.to_json() if window.steps > 1 or window.leftover else None
+        planned_s = time.perf_counter() - begin - waited
+        kept = []
+        for i, plan in enumerate(plans):
+            if plan.step < keep_from:
+                continue  # planned and consumed before the resume: planned again only to plan the rest identically
+            spans = taken(plan, table, home, i, len(self._job.sources)) if recorded is not None or substituted else None
+            record = self.ledger.record(allocations[i], plan, afters[i], taken=spans, window=recorded)
+            if i in substituted:
+                record["substituted"] = substituted[i]
+            record["delivered_below"] = self._progress.consumed_below  # where a restarted planner may resume
+            if self._adaptive is not None:
+                record["adaptive"] = {"applied": applied, "applied_through": self._applied_through, "state": adaptive_to_json(self._adaptive_state)}
+            self._writer.append(record)
+            kept.append((allocations[i], plan, None if spans is None else [x.count for x in spans]))
         with self._cond:
             if epoch != self._epoch:  # a rewind came in while it was planned: the sequence goes back
                 return
-            self._store.advance(after.cursors, steps=after.step)
-            self._progress.planned(state.step)
-            self._plans[state.step] = plan
-            self._cursors_before[state.step] = state.cursors
-            self._state = after
-            self.shares = allocation.shares
+            self._store.advance(window.end.cursors, steps=window.end.step)
+            for _, plan, _ in kept:
+                self._progress.planned(plan.step)
+                self._plans[plan.step] = plan
+                self._cursors_before[plan.step] = window.before.cursors
+            self._state = window.end
+            if allocations[-1] is not None:
+                self.shares = allocations[-1].shares
             self._cond.notify_all()
-        self._metrics.observe_step(allocation, plan, self.ledger, waited_s=waited, planned_s=time.perf_counter() - begin - waited)
+        for allocation, plan, counts in kept:
+            self._metrics.observe_step(allocation, plan, self.ledger, counts=counts, waited_s=waited / len(kept), planned_s=planned_s / len(kept))
         if self._compacting is None or self._compacting.done():  # compaction never stalls planning
             self._compacting = self._compactor.submit(
                 self._writer.compact, self._progress.consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None
             )
             self._compacting.add_done_callback(_log_failure)
+
+    def _substitute(
+        self, window: Window, last: Allocation, table: SampleTable, home: np.ndarray
+    ) -> tuple[Window, SampleTable, np.ndarray, dict[int, list[dict]]] | None:
+        """Finds substitutes for the window's bad samples (`substitute`): the samples after the
+        mixture's end of the window, waited for unless a resume's recorded window holds them
+        already. Returns the window with its end moved past them, its samples and steps with
+        them, and the ledger's entries by window step; None when stopped or rewound.
+
+        Raises:
+            FailedPrecondition: policy "fail" and more bad samples than it tolerates.
+        """
+        job = self._job
+        alloc_end = [start + count for start, count in zip(last.starts, last.counts)]
+        cursors = list(window.end.cursors)
+        matches: dict[int, Match] = {}
+        extra = []
+        for k in range(len(job.sources)):
+            bad_seqs, bad_homes = bad_of(table, home, k, alloc_end[k])
+            if not len(bad_seqs):
+                continue
+            end = self._mixture.stream_ends[k]
+            if cursors[k] > alloc_end[k]:  # a window planned again: its samples after the range are in the table
+                mine = np.flatnonzero((table.source == k) & (table.seq >= alloc_end[k]))
+                mine = mine[np.argsort(table.seq[mine], kind="stable")]
+                m = match(bad_seqs, bad_homes, table.length[mine], after_start=alloc_end[k], stream_end=alloc_end[k] + len(mine))
+                home = home.copy()
+                home[mine[: m.consumed]] = m.homes
+            else:
+                room = MAX_SEARCH if end is None else min(MAX_SEARCH, end - alloc_end[k])
+                for count in dict.fromkeys((min(4 * len(bad_seqs) + 16, room), room)):
+                    got = self._allocated_samples([(alloc_end[k], count) if j == k else (0, 0) for j in range(len(job.sources))])
+                    if got is None:
+                        return None
+                    m = match(bad_seqs, bad_homes, got.length, after_start=alloc_end[k], stream_end=end)  # got is in seq order
+                    if m.done:
+                        break
+                extra.append(got.take(np.arange(m.consumed)))
+                home = np.concatenate([home, m.homes])
+                cursors[k] = alloc_end[k] + m.consumed
+            matches[k] = m
+        if not matches:
+            return window, table, home, {}
+        table = SampleTable.concat([table, *extra]) if extra else table
+        bad = int(np.count_nonzero(table.length <= 0))
+        policy = job.batch.bad_samples
+        if policy.policy == "fail" and bad > policy.max_per_window:
+            where = "; ".join(f"{job.sources[k].name!r} positions {[b for b, _, _ in m.pairs][:10]}" for k, m in matches.items())
+            raise FailedPrecondition(
+                f"batch.bad_samples.policy is 'fail' and the planning window of steps {window.first}..{window.first + window.steps - 1} "
+                f"holds {bad} bad samples, more than batch.bad_samples.max_per_window = {policy.max_per_window}: {where} "
+                f"(the loaders' logs name their files and row groups)"
+            )
+        reasons = {k: self._bad_reasons(k, table) for k in matches}
+        found = entries(matches, table, reasons, job.source_names)
+        for k, m in matches.items():
+            for bad_seq, sub, _ in m.pairs:
+                if sub >= 0:
+                    self._metrics.substitutions.labels(job.sources[k].name, reasons[k].get(bad_seq, "unknown")).inc()
+        end = dataclasses.replace(window.end, cursors=tuple(cursors))
+        return dataclasses.replace(window, end=end), table, home, found
+
+    def _bad_reasons(self, source: int, table: SampleTable) -> dict[int, str]:
+        """Why each bad sample of `source` in the table is bad, as its loader said (by seq)."""
+        seqs = np.sort(table.seq[(table.source == source) & (table.length <= 0)])
+        if not len(seqs):
+            return {}
+        codes = self._store.reasons(source, int(seqs[0]), int(seqs[-1]) - int(seqs[0]) + 1)
+        if codes is None:
+            return {}
+        return {int(s): reason_name(int(codes[s - seqs[0]])) for s in seqs}
+
+    def _plan_window(self, window: Window, table: SampleTable, home: np.ndarray) -> list[StepPlan]:
+        """The plans of a window's steps by the job's strategy."""
+        job = self._job
+        limit = {"default_cost": self._cost_fn, "max_length": job.max_length, "length_policy": job.batch.length_policy, "packed": job.batch.packing}
+        if self.strategy.windowed:
+            return self.strategy.run_window(window.first, table, home, self.mesh, steps=window.steps, **limit)
+        # The rest of a window after a resume that also left token budgets: its samples in
+        # (source, seq) order, cut into its steps.
+        parts = np.array_split(np.lexsort((table.seq, table.source)), window.steps)
+        return [self.strategy.run(window.first + i, table.take(np.sort(part)), self.mesh, **limit) for i, part in enumerate(parts)]
 
     def _adapt(self, step: int) -> list[tuple[int, dict | None]] | None:
         """Applies the reports of the steps up to step - delay_steps (waiting for them) and sets
@@ -518,9 +648,11 @@ class PlanBook:
         self.schedule.schedule.forget_before(step)
         return applied
 
-    def _allocated_samples(self, allocation: Allocation) -> SampleTable | None:
+    def _allocated_samples(self, ranges: Sequence[tuple[int, int]]) -> SampleTable | None:
+        """The samples of (first seq, count) of every source, once their summaries are known;
+        None when stopped or rewound while waiting."""
         tables = []
-        for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
+        for k, (start, count) in enumerate(ranges):
             if not count:
                 continue
             while True:

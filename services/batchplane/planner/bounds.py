@@ -30,7 +30,8 @@ Each bound and why it holds for every correct peer:
   the planning cursor, and report files on the ledger as many; at most one per step.
 - **Summaries** (`check_summary`): a loader's answer must be what was asked: starting at the
   position asked, no more samples than asked, equal lengths, rows of the source, lengths >= 0,
-  finite features, and an end of stream only where the stream ends.
+  finite features, bad reasons as uint8 codes, one per sample or none (an older loader), and an
+  end of stream only where the stream ends.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from batchplane.core import bad
 from batchplane.core.errors import InvalidArgument
 
 #: Characters of a replica id, incarnation or shadow's replica id (a Kubernetes object name has
@@ -177,10 +179,12 @@ def check_summary(
     max_samples: int,
     num_rows: int | None,
     stream_end: int | None,
+    reasons: np.ndarray | None = None,
 ) -> None:
     """Checks a loader's summary response against its request (decoded arrays, no copy).
 
     Args:
+        reasons: The bad samples' reason codes (`core.bad`; None or empty: not sent).
         from_seq: The position asked from; the answer must start there.
         max_samples: The most samples asked for.
         num_rows: The source's rows (None: unknown, rows are only checked >= 0).
@@ -195,6 +199,11 @@ def check_summary(
         raise MalformedSummary(f"{n} samples, at most {max_samples} asked for")
     if len(lengths) != n:
         raise MalformedSummary(f"{len(lengths)} lengths for {n} rows")
+    if reasons is not None:
+        if reasons.dtype != bad.DTYPE or reasons.ndim != 1:
+            raise MalformedSummary(f"bad reasons of dtype {reasons.dtype} and shape {reasons.shape}, not {np.dtype(bad.DTYPE)} [n]")
+        if len(reasons) not in (0, n):
+            raise MalformedSummary(f"{len(reasons)} bad reasons for {n} rows")
     for name, values in features.items():
         if len(values) != n:
             raise MalformedSummary(f"feature {name[:MAX_FINGERPRINT_CHARS]!r}: {len(values)} values for {n} rows")

@@ -45,8 +45,9 @@ import numpy as np
 
 from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
 from batchplane.planner.cost import CostFn, make_cost_fn
-from batchplane.planner.padded import rows_of
+from batchplane.planner.padded import Rows, rows_of
 from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
+from batchplane.planner.token_budget import token_budget_steps
 
 BUILTIN_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
 BROADCAST_DIMS = ("TP",)
@@ -327,24 +328,106 @@ class Strategy:
             StrategyError: a hook or cost model returned something unusable.
         """
         limit = {"max_length": max_length, "length_policy": length_policy}
+        if self.windowed:
+            return self.run_window(step, allocated, np.zeros(len(allocated), np.int64), mesh, steps=1, default_cost=default_cost, packed=packed, **limit)[0]
         samples, bad = good_samples(allocated)
+        samples, metadata, costs, rows = self._prepare(samples, default_cost, packed=packed, **limit)
+        primary = self.primary
+        buckets = mesh.buckets(primary.axis)
+        if primary.raw is not None:
+            microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
+        else:
+            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), rows=rows, **_limit_of(primary, **limit))
+        return StepPlan(
+            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis,
+            subplans=self._subplans(samples, mesh, default_cost, **limit), rows=rows, **limit,
+        )
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the primary graph plans token budgets, which `run_window` plans over several
+        steps at once."""
+        return self.primary.raw is None and self.primary.balancing.method == "token_budget"
+
+    def run_window(
+        self,
+        first: int,
+        allocated: SampleTable,
+        home: np.ndarray,
+        mesh: ClientPlaceTree,
+        *,
+        steps: int,
+        default_cost: CostFn,
+        max_length: int | None = None,
+        length_policy: str = "split",
+        packed: bool = False,
+    ) -> list[StepPlan]:
+        """Plans the `steps` steps of a token-budget window from step `first` at once
+        (`batchplane.planner.window`): the window's good samples are grouped together by
+        `token_budget_steps` and each step trains the groups dealt to it; secondary graphs
+        balance each step's own samples.
+
+        Args:
+            first: The window's first step.
+            allocated: The samples of the whole window, bad ones included.
+            home: int64 per allocated sample: the step of the window (0 .. steps - 1) a bad one
+                counts against (the step the mixture allocated it to).
+            mesh, default_cost, max_length, length_policy, packed: As for `run`.
+            steps: Steps in the window, >= 1.
+        Returns:
+            The plans of steps first .. first + steps - 1; a function of the arguments (I4).
+        Raises:
+            StrategyError: the primary graph does not plan token budgets, or a hook or cost
+                model returned something unusable.
+        """
+        if not self.windowed:
+            raise StrategyError(f"graph {self.primary.name!r}: only 'token_budget' plans over windows of several steps")
+        limit = {"max_length": max_length, "length_policy": length_policy}
+        samples, _ = good_samples(allocated)
+        bad = np.bincount(np.asarray(home, np.int64)[np.asarray(allocated.length) <= 0], minlength=steps)
+        samples, metadata, costs, rows = self._prepare(samples, default_cost, packed=packed, **limit)
+        primary, b = self.primary, self.primary.balancing
+        per_step = token_budget_steps(
+            metadata, costs, ranks=mesh.buckets(primary.axis), steps=steps, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded,
+            min_microbatches=b.microbatches, **_limit_of(primary, **limit),
+        )
+        plans = []
+        for s, ranks in enumerate(per_step):
+            mine = np.sort(np.concatenate([mb for rank in ranks for mb in rank]))
+            own = samples.take(mine)
+            own_rows = None
+            if rows is not None:
+                own_rows = rows_of(primary.cost_fn or default_cost, metadata[mine], own.features, costs[mine], padded=not packed, **limit)
+            plans.append(StepPlan(
+                step=first + s, samples=own, bad_samples=int(bad[s]), costs=costs[mine], axis=primary.axis,
+                microbatches=tuple(tuple(np.searchsorted(mine, mb).astype(np.int64) for mb in rank) for rank in ranks),
+                subplans=self._subplans(own, mesh, default_cost, **limit), rows=own_rows, **limit,
+            ))
+        return plans
+
+    def _prepare(
+        self, samples: SampleTable, default_cost: CostFn, *, max_length: int | None, length_policy: str, packed: bool
+    ) -> tuple[SampleTable, np.ndarray, np.ndarray, Rows | None]:
+        """The good samples with the summary hooks' features, and the primary graph's metadata,
+        costs and padded rows (None unless it balances lengths) of each."""
+        limit = {"max_length": max_length, "length_policy": length_policy}
         for g in (self.primary, *self.secondary):
             if g.summary is not None:
                 samples = _with_features(samples, g.summary(samples), g.name)
         primary = self.primary
         metadata = _metadata(samples, primary)
         costs = _costs(primary, metadata, samples, default_cost, **limit)
-        buckets = mesh.buckets(primary.axis)
         rows = None
         if primary.metadata == "length":
             try:
                 rows = rows_of(primary.cost_fn or default_cost, metadata, samples.features, costs, padded=not packed, **limit)
             except ValueError as exc:
                 raise StrategyError(f"graph {primary.name!r}: {exc}") from exc
-        if primary.raw is not None:
-            microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
-        else:
-            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), rows=rows, **_limit_of(primary, **limit))
+        return samples, metadata, costs, rows
+
+    def _subplans(self, samples: SampleTable, mesh: ClientPlaceTree, default_cost: CostFn, *, max_length: int | None, length_policy: str) -> tuple[SubPlan, ...]:
+        """The secondary graphs' assignments of one step's samples."""
+        limit = {"max_length": max_length, "length_policy": length_policy}
         subplans = []
         for g in self.secondary:
             values = _metadata(samples, g, required=False)
@@ -360,10 +443,7 @@ class Strategy:
                 parts = assign(graph_costs[members], values[members], buckets=n, balancing=balancing, **_limit_of(g, **limit))
                 groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
             subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values))
-        return StepPlan(
-            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis, subplans=tuple(subplans),
-            rows=rows, **limit,
-        )
+        return tuple(subplans)
 
 
 def default_strategy(*, method: str, microbatches: int, cost_fn: CostFn, max_tokens: int | None = None, max_cost: float | None = None, padded: bool = True) -> Strategy:

@@ -49,6 +49,18 @@ def find(records: Iterable[Mapping[str, Any]], source: int, row: int) -> tuple[l
     return seen, thinned
 
 
+def substitutions(records: Iterable[Mapping[str, Any]], source: str, row: int) -> list[dict[str, Any]]:
+    """The substitutions a sample took part in (`planner.substitute`), in step order: each
+    {"step", "source", "bad": [row, epoch], "by": [row, epoch] or None, "reason"} where it is
+    the bad sample or the one that stood in for it."""
+    out = []
+    for record in records:
+        for entry in record.get("substituted", ()):
+            if entry["source"] == source and (entry["bad"][0] == row or (entry["by"] is not None and entry["by"][0] == row)):
+                out.append({"step": record["step"], **entry})
+    return out
+
+
 def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
     """Per source over the records: target share (the mean of the steps' shares), realized share
     of samples and of tokens, and drift (realized - target share of samples).
@@ -65,7 +77,7 @@ def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str
         first = record["step"] if first is None else first
         last = record["step"]
         for i, name in enumerate(sources):
-            samples[i] += record["take"].get(name, [0, 0])[1]
+            samples[i] += step_samples(record, name)
             tokens[i] += record["tokens"].get(name, 0)
             target[i] += record["shares"][i]
     total, total_tokens = sum(samples) or 1, sum(tokens) or 1
@@ -82,6 +94,15 @@ def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str
         for i, name in enumerate(sources)
     ]
     return {"steps": steps, "first": first, "last": last, "samples": sum(samples), "tokens": sum(tokens), "sources": rows}
+
+
+def step_samples(record: Mapping[str, Any], source: str) -> int:
+    """Samples (bad ones included) a step consumed of `source`: those of its "samples" intervals
+    when it belongs to a planning window (its samples may come from anywhere in the window),
+    else what the mixture allocated to it ("take")."""
+    if "samples" in record:
+        return sum(hi - lo for lo, hi in record["samples"].get(source, ()))
+    return record["take"].get(source, [0, 0])[1]
 
 
 def parse_sample(text: str, sources: Sequence[str]) -> tuple[int, int]:

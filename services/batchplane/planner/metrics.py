@@ -145,6 +145,13 @@ class PlannerMetrics:
             ["source"],
             registry=registry,
         )
+        self.substitutions = Counter(
+            "batchplane_planner_substitutions_total",
+            "Bad samples replaced by the next good sample of their source (batch.bad_samples.policy substitute), by "
+            "source and the reason the loader gave: unreadable, transform, rejected, empty, too_long, unknown",
+            ["source", "reason"],
+            registry=registry,
+        )
         self.exhausted = Counter(
             "batchplane_planner_source_exhausted_total",
             "Sources whose stream ended (all epochs x repeat passes taken) in a step this planner planned, by source "
@@ -164,10 +171,15 @@ class PlannerMetrics:
             self.weight.labels(name).set(weight)
             self.exhausted.labels(name)  # exported as 0 until the source runs out
 
-    def observe_step(self, allocation: Allocation, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float) -> None:
-        """Records one planned step."""
+    def observe_step(
+        self, allocation: Allocation | None, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float, counts: Sequence[int] | None = None
+    ) -> None:
+        """Records one planned step: `counts` samples of each source (the seqs it consumed, bad
+        ones included; default: the allocation's); `allocation`: what the mixture allocated to
+        it (None: nothing of its own, see `Ledger.record`)."""
+        counts = allocation.counts if counts is None else counts
         self.steps.inc()
-        self.step.set(allocation.step)
+        self.step.set(plan.step)
         self.plan_latency.observe(planned_s)
         self.summary_wait.inc(waited_s)
         good = np.bincount(plan.samples.source, minlength=len(self._names))
@@ -175,19 +187,20 @@ class PlannerMetrics:
         total = sum(t.samples for t in ledger.sources) or 1
         total_tokens = sum(t.tokens for t in ledger.sources) or 1
         for k, name in enumerate(self._names):
-            if allocation.counts[k]:
-                self.samples.labels(name).inc(allocation.counts[k])
+            if counts[k]:
+                self.samples.labels(name).inc(counts[k])
                 self.tokens.labels(name).inc(int(tokens[k]))
-                self.bad_samples.labels(name).inc(allocation.counts[k] - int(good[k]))
+                self.bad_samples.labels(name).inc(counts[k] - int(good[k]))
             totals = ledger.sources[k]
-            if allocation.shares:
+            if allocation is not None and allocation.shares:
                 self.weight.labels(name).set(allocation.shares[k])
             self.realized.labels(name).set(totals.samples / total)
             self.realized_tokens.labels(name).set(totals.tokens / total_tokens)
             self.target.labels(name).set(totals.target_samples / total)
             self.drift.labels(name).set((totals.samples - totals.target_samples) / total)
             self.configured_drift.labels(name).set((totals.samples - totals.configured_samples) / total)
-        self._observe_exhausted(allocation)
+        if allocation is not None:
+            self._observe_exhausted(allocation)
         max_over_min, _ = spread(plan.built_rank_costs())
         if np.isfinite(max_over_min):
             self.imbalance.set(max_over_min)

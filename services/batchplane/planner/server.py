@@ -24,6 +24,8 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.service import PlannerServicer
 from batchplane.planner.strategy import load_schedule, load_strategy
+from batchplane.planner.substitute import MAX_SEARCH
+from batchplane.planner.window import window_steps
 from batchplane.planner.summaries import SummaryPuller, SummaryStore
 from batchplane.planner.watch import ReplicaWatch
 from batchplane.v1 import planner_pb2_grpc
@@ -50,9 +52,11 @@ class RunningPlanner:
         self.server.stop(grace_s).wait()
 
 
-def summary_lookahead(job: JobSettings) -> int:
-    """Samples per source the planner wants to know ahead of its cursor: two full steps."""
-    return min(max(2 * job.batch.global_batch_size, 256), 65536)
+def summary_lookahead(job: JobSettings, *, window: int = 1) -> int:
+    """Samples per source the planner wants to know ahead of its cursor: two full steps, and at
+    least a whole planning window of `window` steps (which it needs before planning it) and the
+    substitutes of its bad samples after it (`substitute.MAX_SEARCH`)."""
+    return max(min(max(2 * job.batch.global_batch_size, 256), 65536), window * job.batch.global_batch_size + MAX_SEARCH)
 
 
 def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningPlanner:
@@ -71,7 +75,8 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     schedule = load_schedule(job, strategy)
     metrics = PlannerMetrics(registry, source_names=job.source_names, target_weights=schedule.initial_shares)
     membership = Membership(job)
-    store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job))
+    window = window_steps(job, strategy, adaptive=schedule.adaptive is not None)
+    store = SummaryStore(len(job.sources), lookahead=summary_lookahead(job, window=window))
     storage = open_ledger_storage(job, run_dir)
     epoch = claim_epoch(storage, owner={"host": socket.gethostname(), "pid": os.getpid()})
     ledger = FencedStorage(storage, epoch=epoch, on_fenced=_exit_fenced)

@@ -1,5 +1,6 @@
-"""The planner's view of the loaders' buffers: per source, the rows and lengths of the samples
-from the planner's cursor on, pulled window by window from the replica each window is routed to.
+"""The planner's view of the loaders' buffers: per source, the rows, lengths and bad samples'
+reasons of the samples from the planner's cursor on, pulled window by window from the replica
+each window is routed to.
 
 `SummaryStore` holds what is known (no I/O). `SummaryPuller` keeps it filled a look-ahead past
 the cursor, one thread per source calling GetSummary of the replica that owns the next window;
@@ -24,6 +25,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from batchplane.core import bad
 from batchplane.core.routing import Routing
 from batchplane.planner.bounds import MAX_NAME_CHARS, MalformedSummary, check_summary
 from batchplane.planner.membership import SummaryTarget
@@ -38,6 +40,7 @@ class _Known:
     base: int = 0  # seq of rows[0]
     rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    reasons: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bad.DTYPE))  # core.bad codes
     features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     end: int | None = None  # the stream ends here, once known
     cursor: int = 0  # the planner's next seq
@@ -82,6 +85,7 @@ class SummaryStore:
                 known.base = known.cursor = cursor
                 known.rows = known.rows[:0]
                 known.lengths = known.lengths[:0]
+                known.reasons = known.reasons[:0]
                 known.features = {}
             self.planned_steps = step
             self.delivered_below = delivered_below
@@ -107,7 +111,7 @@ class SummaryStore:
             for known, cursor in zip(self._known, cursors):
                 drop = min(cursor - known.base, len(known.rows))
                 if drop > 0:
-                    known.rows, known.lengths = known.rows[drop:], known.lengths[drop:]
+                    known.rows, known.lengths, known.reasons = known.rows[drop:], known.lengths[drop:], known.reasons[drop:]
                     known.features = {name: values[drop:] for name, values in known.features.items()}
                     known.base += drop
                 known.cursor = cursor
@@ -121,9 +125,11 @@ class SummaryStore:
         lengths: np.ndarray,
         end_of_stream: bool,
         features: dict[str, np.ndarray] | None = None,
+        reasons: np.ndarray | None = None,
     ) -> None:
         """Appends what a loader reported; entries that are already known or stale are ignored.
-        A feature missing from one report is 0 for its samples."""
+        A feature missing from one report is 0 for its samples; so are `reasons` (uint8 `core.bad`
+        codes, one per sample) when None or empty."""
         with self.cond:
             known = self._known[source]
             skip = known.known_through - start_seq
@@ -139,6 +145,8 @@ class SummaryStore:
                     known.features[name] = np.concatenate([values, new])
                 known.rows = np.concatenate([known.rows, rows[skip:]])
                 known.lengths = np.concatenate([known.lengths, lengths[skip:]])
+                new_reasons = reasons[skip:] if reasons is not None and len(reasons) else np.zeros(len(rows) - skip, bad.DTYPE)
+                known.reasons = np.concatenate([known.reasons, new_reasons.astype(bad.DTYPE, copy=False)])
             if end_of_stream:
                 known.end = start_seq + len(rows)
             self.cond.notify_all()
@@ -158,21 +166,43 @@ class SummaryStore:
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
         """Rows, lengths and features of seqs [start, start + count), or None while not all known."""
         with self.cond:
-            known = self._known[source]
-            lo = start - known.base
-            if lo < 0:
-                raise ValueError(f"source {source}: seq {start} is before the store's base {known.base}")
-            if known.known_through < start + count:
+            known, lo = self._at(source, start, count)
+            if known is None:
                 return None
             features = {name: values[lo : lo + count] for name, values in known.features.items()}
             return known.rows[lo : lo + count], known.lengths[lo : lo + count], features
 
+    def reasons(self, source: int, start: int, count: int) -> np.ndarray | None:
+        """uint8 [count]: the `core.bad` reason codes of seqs [start, start + count) (0 for a good
+        sample, and for a bad one whose loader did not say why), or None while not all known.
+
+        Raises:
+            ValueError: `start` lies before what the store keeps (as `get`).
+        """
+        with self.cond:
+            known, lo = self._at(source, start, count)
+            return None if known is None else known.reasons[lo : lo + count]
+
+    def _at(self, source: int, start: int, count: int) -> tuple[_Known | None, int]:
+        """The source's known metadata and the index of seq `start` in it; (None, 0) while seqs
+        [start, start + count) are not all known (lock held).
+
+        Raises:
+            ValueError: `start` lies before what the store keeps.
+        """
+        known = self._known[source]
+        lo = start - known.base
+        if lo < 0:
+            raise ValueError(f"source {source}: seq {start} is before the store's base {known.base}")
+        return (known, lo) if known.known_through >= start + count else (None, 0)
+
 
 def parse_summary(
     response: loader_pb2.GetSummaryResponse, request: loader_pb2.GetSummaryRequest, target: SummaryTarget
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """A loader's summary answer as (rows, lengths, features), views of its bytes (no copy),
-    once it is what `request` asked of `target`.
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    """A loader's summary answer as (rows, lengths, features, bad reasons), views of its bytes
+    (no copy), once it is what `request` asked of `target`. The reasons are uint8 `core.bad`
+    codes, one per sample; zeros (unknown) when the loader sent none (an older loader).
 
     Raises:
         MalformedSummary, WireFormatError: it is not (the message says why).
@@ -184,11 +214,18 @@ def parse_summary(
     features = {
         name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1) for name, array in response.features.items()
     }
+    reasons = (
+        decode_array(response.bad_reason, field="bad_reason", dtype=np.dtype(bad.DTYPE).name, ndim=1)
+        if response.HasField("bad_reason")
+        else None
+    )
     check_summary(
         rows, lengths, features, start_seq=response.start_seq, end_of_stream=response.end_of_stream, from_seq=request.from_seq,
-        max_samples=request.max_samples, num_rows=target.num_rows, stream_end=target.stream_end,
+        max_samples=request.max_samples, num_rows=target.num_rows, stream_end=target.stream_end, reasons=reasons,
     )
-    return rows, lengths, features
+    if reasons is None or len(reasons) != len(rows):
+        reasons = np.zeros(len(rows), bad.DTYPE)
+    return rows, lengths, features, reasons
 
 
 def route_messages(routing: Routing) -> list[common_pb2.Route]:
@@ -291,14 +328,14 @@ class SummaryPuller:
             self._stopped.wait(backoff)
             return min(backoff * 2, 0.5 if target.shadow else 2.0)
         try:
-            rows, lengths, features = parse_summary(response, request, target)
+            rows, lengths, features, reasons = parse_summary(response, request, target)
         except (MalformedSummary, WireFormatError) as exc:  # refused: the replica answered, but not what was asked
             log.warning("GetSummary(source %d from %d) at loader %s: a malformed answer, refused: %s", source, from_seq, target.address, exc)
             self._observe(target.owner, target.address, False, malformed=True)
             self._stopped.wait(backoff)
             return min(backoff * 2, 2.0)
         self._observe(target.owner, target.address, True)
-        self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features)
+        self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features, reasons=reasons)
         if target.shadow and len(rows):
             request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
             self._pass_on(target.shadow, request)

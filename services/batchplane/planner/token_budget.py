@@ -105,6 +105,67 @@ def token_budget(
             different sizes, lengths not integers > 0, costs negative or not finite.
         TypeError: ranks, min_microbatches or max_tokens not an integer.
     """
+    return token_budget_steps(
+        lengths, costs, ranks=ranks, steps=1, max_tokens=max_tokens, max_cost=max_cost, padded=padded,
+        min_microbatches=min_microbatches, max_length=max_length, length_policy=length_policy,
+    )[0]
+
+
+def token_budget_steps(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    *,
+    ranks: int,
+    steps: int,
+    max_tokens: int | None = None,
+    max_cost: float | None = None,
+    padded: bool = True,
+    min_microbatches: int = 1,
+    max_length: int | None = None,
+    length_policy: str = "split",
+) -> list[list[list[np.ndarray]]]:
+    """Token-budget batching over a planning window of `steps` steps: the samples of all of
+    them grouped at once, then cut into steps with the same number of microbatches on every
+    rank of a step (`token_budget` is the window of one step).
+
+    Grouping over many steps' samples lets similar lengths from anywhere in the window share a
+    microbatch, which is what brings padding and the step count down to those of an offline
+    global grouping (ODB groups within each rank's buffer; the planner sees every rank's window
+    at once).
+
+    Algorithm:
+        1. Grouping as in `token_budget` (step 1), over the whole window.
+        2. Alignment: T = max(steps * min_microbatches, ceil(G / ranks)) microbatch slots per
+           rank over the window; groups are split as in `token_budget` (step 2) until
+           G == ranks * T, or every group is a single sample.
+        3. Rounds: groups in descending total cost (ties: the one holding the smaller sample
+           index first) are cut into rounds of `ranks` consecutive groups; round j belongs to
+           step j mod `steps`. Every step s thus holds M_s = ceil((T - s) / steps) rounds (T
+           split as evenly as possible, the first steps taking one more), and a cross-section
+           of the window's lengths: long and short groups alike are dealt to every step, so a
+           step's cost, and the share of a source whose lengths differ from the others', stays
+           close to the window's mean.
+        4. Per step, its groups are assigned and ordered as in `token_budget` (steps 3 and 4)
+           with M_s per rank: every rank of step s has exactly M_s >= min_microbatches
+           microbatches.
+
+    Guarantees (per step, as `token_budget`'s per call): every index 0..n-1 appears in exactly
+    one microbatch of exactly one step (I1); every rank of a step has the same number of
+    microbatches (I2); a microbatch of two or more samples fits the budget. Empty
+    microbatches occur only when n < ranks * T (a window with fewer samples than microbatch
+    slots), always after the non-empty ones of their rank.
+
+    Args:
+        lengths, costs, ranks, max_tokens, max_cost, padded, min_microbatches, max_length,
+            length_policy: As for `token_budget`.
+        steps: Steps of the window, >= 1.
+    Returns:
+        result[step][rank] = list of that step's M_s int64 arrays of sample indices, each sorted
+        ascending. A function of the arguments' values only.
+    Raises:
+        ValueError, TypeError: As `token_budget`; `steps` not an integer >= 1.
+    """
+    steps = _positive_int(steps, "steps")
     if (max_tokens is None) == (max_cost is None):
         raise ValueError(
             f"exactly one of max_tokens and max_cost must be given, got max_tokens={max_tokens!r} "
@@ -124,11 +185,20 @@ def token_budget(
         if not (math.isfinite(budget) and budget > 0):
             raise ValueError(f"max_cost must be finite and > 0, got {max_cost!r}")
         groups = _group_costs(lens, c.tolist(), budget)
-    m = max(min_microbatches, -(-len(groups) // ranks))
-    _split_until(groups, ranks * m)
+    slots = max(steps * min_microbatches, -(-len(groups) // ranks))
+    _split_until(groups, ranks * slots)
     values = c.tolist()
-    per_rank = _assign(groups, values, ranks=ranks, per_rank=m)
-    return [_ordered(rank_groups, values, m) for rank_groups in per_rank]
+    totals = [math.fsum(values[i] for i in g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda j: (-totals[j], min(groups[j])))
+    out = []
+    for s in range(steps):
+        rounds = range(s, slots, steps)
+        mine = [groups[j] for r in rounds for j in order[r * ranks : (r + 1) * ranks]]
+        per_rank = _assign(mine, values, ranks=ranks, per_rank=len(rounds))
+        out.append([_ordered(rank_groups, values, len(rounds)) for rank_groups in per_rank])
+    return out
+
+
 
 
 def loss_weights(loss_tokens: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -1,0 +1,127 @@
+"""Failure-transparent substitution: a bad sample among those the mixture allocated to a window
+(a row group that cannot be read, a failed transform, an empty or rejected token list) is
+replaced by the next good sample of the same source after the window, so every step keeps its
+number of samples and every source its share, and nothing is consumed twice.
+
+The substitutes are taken in stream order right after the window's range: the i-th bad sample
+of a source (in seq order) is replaced by the i-th good sample after the range, and bad samples
+met on the way are consumed as bad too (they count against the step whose substitute was being
+sought). A source's consumption thus stays one contiguous range per window, which the mixture's
+cursors, the ledger's interval sets and a resume represent exactly; the window's grouping (token
+budgets) or balancing (fixed batches) then places each substitute by its own length and cost.
+The search is bounded (`MAX_SEARCH` samples past the window per source); a bad sample left
+without a substitute (the bound, or the stream's end) leaves its step one sample short, as
+policy "skip" does.
+
+Pure: a function of the window's samples and the samples after it, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Samples past a window's range searched for substitutes, per source and window.
+MAX_SEARCH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """The substitutes of one source's bad samples in a window.
+
+    Attributes:
+        pairs: (bad seq, substitute seq or -1 when none, window step of the bad one), in the
+            bad samples' seq order.
+        consumed: Samples after the window's range taken (substitutes and the bad samples met
+            on the way): the source's cursor moves on by this many.
+        homes: int64 [consumed]: the window step each of them counts against.
+        done: True when every bad sample has a substitute or none can be found (the search
+            bound, or the stream's end); False when more samples after the range are needed.
+    """
+
+    pairs: tuple[tuple[int, int, int], ...]
+    consumed: int
+    homes: np.ndarray
+    done: bool
+
+
+def match(
+    bad_seqs: np.ndarray,
+    bad_homes: np.ndarray,
+    after_lengths: np.ndarray,
+    *,
+    after_start: int,
+    stream_end: int | None,
+    max_search: int = MAX_SEARCH,
+) -> Match:
+    """Finds the substitutes of one source's bad samples among the samples after the window.
+
+    Args:
+        bad_seqs: int64 seqs of the source's bad samples in the window, ascending.
+        bad_homes: int64 window step of each.
+        after_lengths: Lengths of the samples from `after_start` on, as far as known (0: bad).
+        after_start: The seq right after the window's range.
+        stream_end: The seq where the source's stream ends; None: endless or not known yet.
+        max_search: Most samples after the range searched.
+    Returns:
+        The match. With `done` False, call again with more of `after_lengths`; the result for
+        a longer `after_lengths` never differs in what it had matched.
+    """
+    limit = max_search if stream_end is None else min(max_search, max(stream_end - after_start, 0))
+    lengths = np.asarray(after_lengths)[:limit]
+    pairs: list[tuple[int, int, int]] = []
+    homes: list[int] = []
+    waiting = list(zip(np.asarray(bad_seqs).tolist(), np.asarray(bad_homes).tolist()))
+    j = 0
+    while len(pairs) < len(waiting) and j < len(lengths):
+        bad, home = waiting[len(pairs)]
+        homes.append(home)
+        if lengths[j] > 0:
+            pairs.append((bad, after_start + j, home))
+        j += 1
+    searched_out = j >= limit
+    done = len(pairs) == len(waiting) or searched_out
+    if done and len(pairs) < len(waiting):
+        pairs += [(bad, -1, home) for bad, home in waiting[len(pairs) :]]
+    return Match(tuple(pairs), j, np.array(homes, np.int64), done)
+
+
+def bad_count(window_bad: int, matches: Sequence[Match], after_lengths: Sequence[np.ndarray]) -> int:
+    """Bad samples a window consumed: its own and those met while seeking substitutes."""
+    met = sum(int(np.count_nonzero(np.asarray(lengths)[: m.consumed] <= 0)) for m, lengths in zip(matches, after_lengths))
+    return window_bad + met
+
+
+def bad_of(table, home: np.ndarray, source: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seqs (ascending) and window steps of `source`'s bad samples in a window's table
+    below seq `end` (the mixture's end of the window's range)."""
+    mine = np.flatnonzero((table.source == source) & (table.seq < end) & (table.length <= 0))
+    order = mine[np.argsort(table.seq[mine], kind="stable")]
+    return table.seq[order].astype(np.int64), home[order].astype(np.int64)
+
+
+def entries(
+    matches: dict[int, Match], table, reasons: dict[int, dict[int, str]], names: Sequence[str]
+) -> dict[int, list[dict]]:
+    """The ledger's record of the substitutions, by window step: for each bad sample its source,
+    [row, epoch], the [row, epoch] of its substitute (None without one) and why it was bad.
+
+    Args:
+        matches: Per source index, its match.
+        table: The window's samples, substitutes included.
+        reasons: Per source index, per bad seq, the reason's name.
+        names: Source names.
+    """
+    where = {(int(k), int(s)): (int(r), int(e)) for k, s, r, e in zip(table.source, table.seq, table.row, table.epoch)}
+    out: dict[int, list[dict]] = {}
+    for k, m in sorted(matches.items()):
+        for bad, sub, home in m.pairs:
+            out.setdefault(home, []).append({
+                "source": names[k],
+                "bad": list(where[(k, bad)]),
+                "by": list(where[(k, sub)]) if sub >= 0 else None,
+                "reason": reasons.get(k, {}).get(bad, "unknown"),
+            })
+    return out
