@@ -384,12 +384,15 @@ class Strategy:
             raise StrategyError(f"graph {self.primary.name!r}: only 'token_budget' plans over windows of several steps")
         limit = {"max_length": max_length, "length_policy": length_policy}
         samples, _ = good_samples(allocated)
-        bad = np.bincount(np.asarray(home, np.int64)[np.asarray(allocated.length) <= 0], minlength=steps)
+        home = np.asarray(home, np.int64)
+        bad = np.bincount(home[np.asarray(allocated.length) <= 0], minlength=steps)
+        targets = np.zeros((steps, int(allocated.source.max(initial=0)) + 1))
+        np.add.at(targets, (home, allocated.source.astype(np.int64)), 1)
         samples, metadata, costs, rows = self._prepare(samples, default_cost, packed=packed, **limit)
         primary, b = self.primary, self.primary.balancing
         per_step = token_budget_steps(
             metadata, costs, ranks=mesh.buckets(primary.axis), steps=steps, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded,
-            min_microbatches=b.microbatches, **_limit_of(primary, **limit),
+            min_microbatches=b.microbatches, sources=samples.source, targets=targets, **_limit_of(primary, **limit),
         )
         plans = []
         for s, ranks in enumerate(per_step):

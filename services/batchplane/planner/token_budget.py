@@ -123,6 +123,8 @@ def token_budget_steps(
     min_microbatches: int = 1,
     max_length: int | None = None,
     length_policy: str = "split",
+    sources: np.ndarray | None = None,
+    targets: np.ndarray | None = None,
 ) -> list[list[list[np.ndarray]]]:
     """Token-budget batching over a planning window of `steps` steps: the samples of all of
     them grouped at once, then cut into steps with the same number of microbatches on every
@@ -139,12 +141,12 @@ def token_budget_steps(
            rank over the window; groups are split as in `token_budget` (step 2) until
            G == ranks * T, or every group is a single sample.
         3. Rounds: groups in descending total cost (ties: the one holding the smaller sample
-           index first) are cut into rounds of `ranks` consecutive groups; round j belongs to
-           step j mod `steps`. Every step s thus holds M_s = ceil((T - s) / steps) rounds (T
-           split as evenly as possible, the first steps taking one more), and a cross-section
-           of the window's lengths: long and short groups alike are dealt to every step, so a
-           step's cost, and the share of a source whose lengths differ from the others', stays
-           close to the window's mean.
+           index first) are cut into rounds of `ranks` consecutive groups and dealt to the
+           steps in passes of `steps` rounds, one per step and pass, each round to the step
+           holding the fewest samples so far; the r rounds of fewest samples go last, one each
+           to r steps; then the steps are ordered so that every source's running count stays
+           closest to an even spread over the window (`_deal_rounds`). Every step thus holds q
+           or q + 1 rounds (T = q * steps + r) and a cross-section of the window's lengths.
         4. Per step, its groups are assigned and ordered as in `token_budget` (steps 3 and 4)
            with M_s per rank: every rank of step s has exactly M_s >= min_microbatches
            microbatches.
@@ -159,6 +161,10 @@ def token_budget_steps(
         lengths, costs, ranks, max_tokens, max_cost, padded, min_microbatches, max_length,
             length_policy: As for `token_budget`.
         steps: Steps of the window, >= 1.
+        sources: Each sample's source (integers >= 0), whose running counts step 3 keeps close
+            to `targets`; None: one source.
+        targets: [steps, sources]: the samples of each source the mixture allocated to each
+            step; None: an even spread.
     Returns:
         result[step][rank] = list of that step's M_s int64 arrays of sample indices, each sorted
         ascending. A function of the arguments' values only.
@@ -190,15 +196,69 @@ def token_budget_steps(
     values = c.tolist()
     totals = [math.fsum(values[i] for i in g) for g in groups]
     order = sorted(range(len(groups)), key=lambda j: (-totals[j], min(groups[j])))
+    labels = np.zeros(len(lens), np.int64) if sources is None else _labels(sources, len(lens))
+    counts = np.zeros((slots, int(labels.max(initial=0)) + 1), np.int64)
+    for r in range(slots):
+        for j in order[r * ranks : (r + 1) * ranks]:
+            np.add.at(counts[r], labels[groups[j]], 1)
     out = []
-    for s in range(steps):
-        rounds = range(s, slots, steps)
+    if targets is not None:
+        targets = np.asarray(targets, np.float64)
+        if targets.shape != (steps, counts.shape[1]) and targets.shape[0] == steps and targets.shape[1] >= counts.shape[1]:
+            counts = np.pad(counts, ((0, 0), (0, targets.shape[1] - counts.shape[1])))
+        if targets.shape != (steps, counts.shape[1]):
+            raise ValueError(f"targets must have shape ({steps}, sources), got {targets.shape}")
+    for rounds in _deal_rounds(counts, steps, targets):
         mine = [groups[j] for r in rounds for j in order[r * ranks : (r + 1) * ranks]]
         per_rank = _assign(mine, values, ranks=ranks, per_rank=len(rounds))
         out.append([_ordered(rank_groups, values, len(rounds)) for rank_groups in per_rank])
     return out
 
 
+def _deal_rounds(counts: np.ndarray, steps: int, targets: np.ndarray | None = None) -> list[list[int]]:
+    """Step 3 of `token_budget_steps`: which rounds (0 = costliest) each step takes.
+
+    With T = q * steps + r rounds, the r rounds holding the fewest samples (ties: the costlier)
+    are set aside as extras. The others go out in passes of `steps` consecutive rounds in cost
+    order, one round per step and pass, the round of the pass holding the most samples to the
+    step holding the fewest so far (ties: the costlier round, the lower step); then the extras
+    the same way. Every step thus takes a cross-section of the window's cost order and about
+    the same number of samples. Finally the steps are put in the order that keeps every
+    source's running count closest to the targets': position by position, the step that
+    leaves the smallest sum of squared relative leads and lags (ties: the lower step).
+
+    Args:
+        counts: int64 [T, labels]: samples of each label (source) in each round, rounds in
+            cost order.
+        steps: Steps.
+        targets: [steps, labels]: the samples of each label each step should hold (the
+            mixture's allocation); None: an even spread.
+    Returns:
+        Per step, its rounds ascending: q or q + 1 of them.
+    """
+    sizes = counts.sum(axis=1).tolist()
+    r = len(sizes) % steps
+    extras = sorted(sorted(range(len(sizes)), key=lambda j: (sizes[j], j))[:r])
+    rest = [j for j in range(len(sizes)) if j not in set(extras)]
+    bags: list[list[int]] = [[] for _ in range(steps)]
+    held = [0] * steps
+    for rounds in [rest[lo : lo + steps] for lo in range(0, len(rest), steps)] + [extras]:
+        takers = sorted(range(steps), key=lambda s: (held[s], s))
+        for j, s in zip(sorted(rounds, key=lambda j: (-sizes[j], j)), takers):
+            bags[s].append(j)
+            held[s] += sizes[j]
+    per_bag = np.array([counts[b].sum(axis=0) if b else np.zeros(counts.shape[1], np.int64) for b in bags])
+    total = np.maximum(per_bag.sum(axis=0), 1)
+    if targets is None:
+        targets = np.tile(per_bag.sum(axis=0) / steps, (steps, 1))
+    wanted = np.cumsum(targets, axis=0)
+    order, running, left = [], np.zeros(counts.shape[1]), list(range(steps))
+    for position in range(steps):
+        worst = [float(np.sum(((running + per_bag[b] - wanted[position]) / total) ** 2)) for b in left]
+        b = left.pop(min(range(len(left)), key=lambda i: (worst[i], left[i])))
+        order.append(b)
+        running += per_bag[b]
+    return [sorted(bags[b]) for b in order]
 
 
 def loss_weights(loss_tokens: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -232,6 +292,18 @@ def loss_weights(loss_tokens: Sequence[Sequence[int]]) -> list[list[float]]:
     if total == 0:
         return [[0.0] * len(row) for row in counts]
     return [[t / total for t in row] for row in counts]
+
+
+def _labels(sources: np.ndarray, n: int) -> np.ndarray:
+    """Validated per-sample source labels as int64.
+
+    Raises:
+        ValueError: Not n integers >= 0.
+    """
+    labels = np.asarray(sources)
+    if labels.shape != (n,) or (n and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0)):
+        raise ValueError(f"sources must be {n} integers >= 0, one per sample, got dtype {labels.dtype} shape {labels.shape}")
+    return labels.astype(np.int64)
 
 
 def _positive_int(value: object, what: str) -> int:
