@@ -78,7 +78,7 @@ from batchplane.core import pod_rank
 from batchplane.core.config import LEDGER_SCHEMES, JobSettings, load_job
 from batchplane.core.process import ProcessSettings, parse_process_args
 from batchplane.entrypoint import PARTS
-from batchplane.operator import podfields
+from batchplane.operator import partition, podfields
 from batchplane.planner.strategy import load_schedule, load_strategy
 
 try:
@@ -812,7 +812,9 @@ def test_crd_is_structural_and_as_specified(kubernetes_validate: Any) -> None:
     assert {"sourceGroups", "mixture", "strategy", "mesh", "batch", "planner", "scaling"} <= set(props)
     group = props["sourceGroups"]["items"]["properties"]
     assert {"name", "sources", "minReplicas", "maxReplicas", "resources", "workersPerActor"} <= set(group)
-    assert set(group["sources"]["items"]["properties"]) == {"name", "path", "tokenColumn", "transform", "costSecondsPerSample"}
+    assert set(group["sources"]["items"]["properties"]) == {"name", "path", "tokenColumn", "transform", "repeat", "costSecondsPerSample"}
+    repeat = group["sources"]["items"]["properties"]["repeat"]
+    assert (repeat["type"], repeat["minimum"]) == ("integer", 1)
     assert props["mixture"]["x-kubernetes-preserve-unknown-fields"] is True
     assert set(props["mesh"]["properties"]) == {"dp", "cp", "tp", "pp"}
     assert set(props["batch"]["properties"]) == {"globalBatchSize", "microbatches"}
@@ -901,6 +903,14 @@ def test_job_yaml_loads_with_batchplane_config(docs: list[dict], case: str, tmp_
     dataplane = one(docs, "DataPlane")["spec"]
     assert list(job.source_names) == [s["name"] for g in dataplane["sourceGroups"] for s in g["sources"]]
     assert list(job.source_names) == [s["name"] for g in values["sourceGroups"] for s in g["sources"]]
+    # each source as the values write it: how it is read, and how many passes per epoch (repeat,
+    # which the planner plans by; the DataPlane carries it too, as it does tokenColumn)
+    valued = [s for g in values["sourceGroups"] for s in g["sources"]]
+    planned = [s for g in dataplane["sourceGroups"] for s in g["sources"]]
+    for config, source, in_dataplane in zip(job.sources, valued, planned):
+        assert (config.token_column, config.transform) == (source.get("tokenColumn", "input_ids"), source.get("transform"))
+        assert (dict(config.transform_args), config.columns) == (source.get("transformArgs", {}), tuple(source["columns"]) if "columns" in source else None)
+        assert config.repeat == source.get("repeat", 1) == in_dataplane.get("repeat", 1)
     # loader group g (the operator's --index g) serves exactly the sources of sourceGroups[g]
     assert [[job.source_names[k] for k in job.loader_sources(g)] for g in range(job.loader_count)] == [
         [s["name"] for s in group["sources"]] for group in dataplane["sourceGroups"]
@@ -919,6 +929,29 @@ def test_job_yaml_loads_with_batchplane_config(docs: list[dict], case: str, tmp_
         assert claim["persistentVolumeClaim"]["claimName"] == one(docs, "PersistentVolumeClaim")["metadata"]["name"]
     else:  # no claim: the ledger is lost with the pod, or lies in a bucket
         assert "emptyDir" in claim and not all_of(docs, "PersistentVolumeClaim")
+
+
+def test_partition_values_carry_repeat_into_job_yaml(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """`batchplane partition --format values` of a profile that upsamples a source (repeat 3),
+    installed with the chart: job.yaml's source has repeat 3 (what the planner plans by), the
+    DataPlane carries it within its CRD, and a source without it stays at 1."""
+    profiles = partition.profiles_from_mapping({"job": "j", "sources": [
+        {"name": "small", "path": "/data/small", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3, "repeat": 3},
+        {"name": "large", "path": "/data/large", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3},
+    ]})
+    result = partition.partition(profiles.sources, partition.PartitionSettings(pod_memory_bytes=8 << 30, pod_cpus=4))
+    values = partition.to_values(result)
+    assert {s["name"]: s.get("repeat") for g in values["sourceGroups"] for s in g["sources"]} == {"small": 3, "large": None}
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    docs = template(helm, "-f", path)
+    (tmp_path / "job").mkdir()
+    job = job_from_configmap(docs, tmp_path / "job")
+    assert {s.name: s.repeat for s in job.sources} == {"small": 3, "large": 1}
+    assert yaml.safe_load(one(docs, "ConfigMap", "-job")["data"]["job.yaml"])["sources"][job.source_names.index("small")]["repeat"] == 3
+    dataplane = one(docs, "DataPlane")
+    validate_dataplane(dataplane)
+    assert {s["name"]: s.get("repeat") for g in dataplane["spec"]["sourceGroups"] for s in g["sources"]} == {"small": 3, "large": None}
 
 
 def test_commands_fit_the_services_flags(docs: list[dict], tmp_path: pathlib.Path) -> None:
@@ -1723,6 +1756,10 @@ SCHEMA_ERRORS = [
     ({"sourceGroups": [dict(GROUP, name="Text_Group")]}, "sourceGroups.0.name"),
     ({"sourceGroups": [dict(GROUP, sources=[{"name": "bad name", "path": "/d"}])]}, "sourceGroups.0.sources.0.name"),
     ({"sourceGroups": [dict(GROUP, replicas=3)]}, "replicas"),
+    ({"sourceGroups": [dict(GROUP, sources=[{"name": "web", "path": "/d", "repeat": 0}])]}, "sourceGroups.0.sources.0.repeat"),
+    ({"sourceGroups": [dict(GROUP, sources=[{"name": "web", "path": "/d", "repeat": "x"}])]}, "sourceGroups.0.sources.0.repeat"),
+    ({"sourceGroups": [dict(GROUP, sources=[{"name": "web", "path": "/d", "repeat": True}])]}, "sourceGroups.0.sources.0.repeat"),
+    ({"sourceGroups": [dict(GROUP, sources=[{"name": "web", "path": "/d", "repeat": 1.5}])]}, "sourceGroups.0.sources.0.repeat"),
     ({"sourceGroups": []}, "sourceGroups"),
     ({"mesh": {"dp": 0}}, "mesh.dp"),
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),

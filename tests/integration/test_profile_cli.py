@@ -35,10 +35,14 @@ def dataset(tmp_path_factory) -> pathlib.Path:
     return root
 
 
+#: A source read twice per epoch: its `repeat` travels through the profile into the partition.
+REPEAT = {SOURCES[-1].name: 2}
+
+
 def write_job(path: pathlib.Path, paths: dict[str, str]) -> pathlib.Path:
     job = {
         "job": "profiled",
-        "sources": [{"name": name, "path": p, **TRANSFORMS.get(name, {})} for name, p in paths.items()],
+        "sources": [{"name": name, "path": p, **TRANSFORMS.get(name, {}), **({"repeat": REPEAT[name]} if name in REPEAT else {})} for name, p in paths.items()],
         "mixture": {"weights": {k: v for k, v in WEIGHTS.items() if k in paths}},
     }
     path.write_text(yaml.safe_dump(job))
@@ -73,6 +77,7 @@ def test_profile_measures_every_source(dataset, profiled) -> None:
         configured = TRANSFORMS.get(spec.name, {})
         assert (s["transform"], s["transform_args"], s["columns"]) == (
             configured.get("transform"), configured.get("transform_args", {}), configured.get("columns"))
+        assert s["repeat"] == REPEAT.get(spec.name, 1)
         assert s["samples"] == min(256, spec.num_rows)
         if profile["state_method"] == "mallinfo2":
             assert all(f["state_bytes"] > 0 for f in s["files"])
@@ -130,6 +135,7 @@ def test_partition_writes_a_dataplane_and_chart_values(dataset, profiled) -> Non
         assert [x["name"] for x in v["sources"]] == [x["name"] for x in g["sources"]]
         assert {k: x for k, x in v.items() if k != "sources"} == {k: x for k, x in g.items() if k != "sources"}
         for source, in_values in zip(g["sources"], v["sources"]):
+            assert source.get("repeat", 1) == REPEAT.get(source["name"], 1)
             configured = TRANSFORMS.get(source["name"], {})
             expected = dict(source)
             if configured:

@@ -422,6 +422,7 @@ def test_profiles_from_a_profile_document() -> None:
             {
                 "name": "a", "path": "data/a", "state_bytes": 10, "transform_s_per_sample": 0.002, "read_s_per_sample": 0.001,
                 "weight": 2, "token_column": "ids", "transform": "m:f", "transform_args": {"k": 1}, "columns": ["x"],
+                "repeat": 3,
             },
             {"name": "b", "state_bytes": 0, "transform_s_per_sample": 0},
         ],
@@ -429,7 +430,7 @@ def test_profiles_from_a_profile_document() -> None:
     assert profiles_from_mapping(document) == ProfileSet(
         job="j",
         sources=(
-            SourceProfile("a", "data/a", 10, pytest.approx(0.003), 2.0, "ids", "m:f", {"k": 1}, ("x",)),
+            SourceProfile("a", "data/a", 10, pytest.approx(0.003), 2.0, "ids", "m:f", {"k": 1}, ("x",), 3),
             SourceProfile("b", "", 0, 0.0, 1.0),
         ),
         mixture={"weights": {"a": 2}, "schedule": {"kind": "static"}},
@@ -451,6 +452,11 @@ def test_profiles_from_a_profile_document() -> None:
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": -1}]}, "sources[0].transform_s_per_sample"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "weight": "x"}]}, "sources[0].weight"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "columns": "x"}]}, "sources[0].columns"),
+        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": 0}]}, "sources[0].repeat"),
+        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": "x"}]}, "sources[0].repeat"),
+        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": True}]}, "sources[0].repeat"),
+        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": 1.5}]}, "sources[0].repeat"),
+        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}, {"name": "b", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": -2}]}, "sources[1].repeat"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}], "mesh": {"dp": 0}}, "mesh"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}], "batch": {"microbatches": 1}}, "batch"),
     ],
@@ -461,12 +467,24 @@ def test_bad_profile_documents_name_the_field(document, field) -> None:
     assert info.value.field == field
 
 
+def test_repeat_is_carried_but_does_not_change_the_sizing() -> None:
+    """A source's weight sets its share of the samples, so upsampling it (more passes per
+    epoch) leaves its demand, and so the groups, as they were."""
+    plain = partition([src("a"), src("b", cost=4e-3)], POD)
+    upsampled = partition([SourceProfile("a", "/data/a", MiB, 1e-3, repeat=3), src("b", cost=4e-3)], POD)
+    shape = [(g.name, [s.name for s in g.sources], g.actors, g.workers_per_actor, g.memory_bytes) for g in plain.groups]
+    assert [(g.name, [s.name for s in g.sources], g.actors, g.workers_per_actor, g.memory_bytes) for g in upsampled.groups] == shape
+    assert upsampled.demand == plain.demand
+    assert {s.name: s.repeat for g in upsampled.groups for s in g.sources} == {"a": 3, "b": 1}
+
+
 def test_dataplane_and_values_documents() -> None:
-    configured = SourceProfile("a", "/data/a", MiB, 1e-3, 2.0, "ids", "m:f", {"k": 1}, ("x", "y"))
+    configured = SourceProfile("a", "/data/a", MiB, 1e-3, 2.0, "ids", "m:f", {"k": 1}, ("x", "y"), repeat=3)
     result = partition([src("b", weight=2.0), configured], POD)
     resources = {"requests": {"cpu": "2", "memory": "900Mi"}, "limits": {"cpu": "2", "memory": "32Gi"}}
     group = {"name": "level0-0", "minReplicas": 1, "maxReplicas": 8, "workersPerActor": 2, "resources": resources}
-    a = {"name": "a", "path": "/data/a", "tokenColumn": "ids", "transform": "m:f", "costSecondsPerSample": 0.001}
+    # repeat shapes the job's plan: in both documents, and only where it is not 1 (b's is).
+    a = {"name": "a", "path": "/data/a", "tokenColumn": "ids", "transform": "m:f", "repeat": 3, "costSecondsPerSample": 0.001}
     b = {"name": "b", "path": "/data/b", "costSecondsPerSample": 0.001}
     assert to_dataplane(result, name="My_Job.v2") == {
         "apiVersion": "batchplane.dev/v1alpha1",

@@ -169,7 +169,7 @@ def profile_source(
 
     Returns:
         {"name", "path", "token_column", "transform" (None: the default), "transform_args",
-        "columns" (all as configured), "weight" (its configured mixture weight), "files":
+        "columns", "repeat" (all as configured), "weight" (its configured mixture weight), "files":
         [{"path", "rows", "row_groups", "state_bytes"}], "rows", "row_groups", "state_bytes"
         (the files' plus the loader's Python objects), "samples" (rows profiled),
         "read_s_per_sample" (decoding, mean over the row groups read), "transform_s_per_sample"
@@ -213,6 +213,7 @@ def profile_source(
         "transform": config.transform,
         "transform_args": dict(config.transform_args),
         "columns": None if config.columns is None else list(config.columns),
+        "repeat": config.repeat,
         "weight": job.weights[index],
         "files": files,
         "rows": source.num_rows,

@@ -130,6 +130,9 @@ class SourceProfile:
     transform: str | None = None
     transform_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     columns: tuple[str, ...] | None = None
+    #: Passes over the source per job epoch (the job's `repeat`, an integer >= 1), carried into
+    #: the output. It does not change the source's demand: its weight sets its share of samples.
+    repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,7 +547,7 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
     """The profiles in a parsed `batchplane profile` document.
 
     A source's cost is its `transform_s_per_sample` plus its `read_s_per_sample` (0 when
-    absent); its weight is `weight` (1 when absent).
+    absent); its weight is `weight` (1 when absent); its `repeat` is 1 when absent.
 
     Raises:
         ConfigError: a missing or bad field, named by its path (e.g. "sources[2].state_bytes").
@@ -581,6 +584,9 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
             raise ConfigError(f"{field}.transform_args", "must be a mapping", args)
         if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
             raise ConfigError(f"{field}.columns", "must be a list of column names or null", columns)
+        repeat = item.get("repeat", 1)
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+            raise ConfigError(f"{field}.repeat", "must be an integer >= 1", repeat)
         out.append(
             SourceProfile(
                 name=text["name"],
@@ -592,6 +598,7 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
                 transform=transform,
                 transform_args=dict(args),
                 columns=None if columns is None else tuple(columns),
+                repeat=repeat,
             )
         )
     job = data.get("job")
@@ -611,8 +618,8 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
 
 
 def source_groups(result: Partition, *, job_fields: bool = False) -> list[dict[str, Any]]:
-    """The groups as `sourceGroups` entries: name; sources (name, path, tokenColumn and
-    transform where not the defaults, profiled cost per sample in worker-seconds, and with
+    """The groups as `sourceGroups` entries: name; sources (name, path, tokenColumn, transform
+    and repeat where not the defaults, profiled cost per sample in worker-seconds, and with
     `job_fields` transformArgs and columns, which the chart's values carry into job.yaml but a
     DataPlane does not); minReplicas, the actors sized here; maxReplicas, A, for the operator
     to scale up to; workers per actor; per-pod resources (requests: what an actor needs;
@@ -628,6 +635,8 @@ def source_groups(result: Partition, *, job_fields: bool = False) -> list[dict[s
                 entry["tokenColumn"] = s.token_column
             if s.transform is not None:
                 entry["transform"] = s.transform
+            if s.repeat != 1:
+                entry["repeat"] = s.repeat
             if job_fields and s.transform_args:
                 entry["transformArgs"] = dict(s.transform_args)
             if job_fields and s.columns is not None:

@@ -343,6 +343,7 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
 {{- if $s.transform }}{{ $_ := set $src "transform" $s.transform }}{{ end }}
 {{- if $s.transformArgs }}{{ $_ := set $src "transform_args" $s.transformArgs }}{{ end }}
 {{- if $s.columns }}{{ $_ := set $src "columns" $s.columns }}{{ end }}
+{{- if hasKey $s "repeat" }}{{ $_ := set $src "repeat" (int $s.repeat) }}{{ end }}
 {{- $sources = append $sources $src }}
 {{- end }}
 {{- end }}
