@@ -135,3 +135,44 @@ def test_policy_fail_stops_the_job_naming_the_setting() -> None:
             plane.run()
     finally:
         plane.stop()
+
+
+def test_substitute_fetches_after_the_window_and_a_replan_finds_the_same_in_its_recorded_range() -> None:
+    from batchplane.planner.mixture import Allocation, MixtureState
+    from batchplane.planner.plan import SampleTable
+    from batchplane.planner.substitute import substitute
+    from batchplane.planner.window import Window
+
+    def rows(k: int, lo: int, hi: int) -> SampleTable:
+        seq = np.arange(lo, hi, dtype=np.int64)
+        return SampleTable(source=np.full(len(seq), k, np.int32), seq=seq, row=seq, length=_lengths(k, seq), epoch=np.zeros(len(seq), np.int32))
+
+    last = Allocation(1, (6, 2), (6, 2))
+    before = MixtureState(step=0, cursors=(0, 0), phase_counts=(0, 0))
+    window = Window(first=0, steps=2, before=before, end=MixtureState(step=2, cursors=(12, 4), phase_counts=(12, 4)))
+    table = SampleTable.concat([rows(0, 0, 12), rows(1, 0, 4)])
+    home = (table.seq >= np.where(table.source == 0, 6, 2)).astype(np.int64)
+    asked = []
+
+    def fetch(k, start, count):
+        asked.append((k, start, count))
+        return rows(k, start, start + count)
+
+    done = substitute(window, last, table, home, stream_ends=[None, 10], fetch=fetch)
+    assert asked[0][:2] == (0, 12) and all(a[0] in (0, 1) for a in asked)
+    assert done.window.end.cursors == (14, 5)  # a: bad seqs 3 and 10 take 12 and 13; b: bad 3 takes 4
+    assert done.matches[0].pairs == ((3, 12, 0), (10, 13, 1)) and done.matches[1].pairs == ((3, 4, 1),)
+    assert len(done.table) == len(table) + 3 and done.home[len(table):].tolist() == [0, 1, 1]
+    # Planned again (a resume): the recorded window holds the substitutes; nothing is fetched.
+    again = substitute(done.window, last, done.table, home_of(done, len(table)), stream_ends=[None, 10], fetch=lambda *a: pytest.fail("fetched"))
+    assert {k: m.pairs for k, m in again.matches.items()} == {k: m.pairs for k, m in done.matches.items()}
+    assert np.array_equal(again.home, done.home) and again.window.end == done.window.end
+    assert substitute(window, last, table, home, stream_ends=[None, 10], fetch=lambda *a: None) is None, "interrupted"
+
+
+def home_of(done, allocated: int) -> np.ndarray:
+    """The steps a re-plan starts from: the allocation's, past the range out of range (as
+    `window.home_steps` gives them)."""
+    home = done.home.copy()
+    home[allocated:] = 2
+    return home

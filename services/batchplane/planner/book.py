@@ -21,7 +21,6 @@ as a restarted planner does, opens a new ledger generation there and plans the s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -44,7 +43,7 @@ from batchplane.planner.ledger import Ledger
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
-from batchplane.planner.substitute import MAX_SEARCH, Match, bad_of, entries, match
+from batchplane.planner.substitute import check_policy, entries, substitute
 from batchplane.planner.plan import SampleTable, StepPlan
 from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start, start_step
 from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
@@ -543,63 +542,31 @@ class PlanBook:
     def _substitute(
         self, window: Window, last: Allocation, table: SampleTable, home: np.ndarray
     ) -> tuple[Window, SampleTable, np.ndarray, dict[int, list[dict]]] | None:
-        """Finds substitutes for the window's bad samples (`substitute`): the samples after the
-        mixture's end of the window, waited for unless a resume's recorded window holds them
-        already. Returns the window with its end moved past them, its samples and steps with
-        them, and the ledger's entries by window step; None when stopped or rewound.
+        """Substitutes the window's bad samples (`substitute.substitute`), waiting for the
+        summaries after the window; counts them and returns the window, its samples and steps
+        with the substitutes, and the ledger's entries by window step; None when stopped or
+        rewound.
 
         Raises:
             FailedPrecondition: policy "fail" and more bad samples than it tolerates.
         """
         job = self._job
-        alloc_end = [start + count for start, count in zip(last.starts, last.counts)]
-        cursors = list(window.end.cursors)
-        matches: dict[int, Match] = {}
-        extra = []
-        for k in range(len(job.sources)):
-            bad_seqs, bad_homes = bad_of(table, home, k, alloc_end[k])
-            if not len(bad_seqs):
-                continue
-            end = self._mixture.stream_ends[k]
-            if cursors[k] > alloc_end[k]:  # a window planned again: its samples after the range are in the table
-                mine = np.flatnonzero((table.source == k) & (table.seq >= alloc_end[k]))
-                mine = mine[np.argsort(table.seq[mine], kind="stable")]
-                m = match(bad_seqs, bad_homes, table.length[mine], after_start=alloc_end[k], stream_end=alloc_end[k] + len(mine))
-                home = home.copy()
-                home[mine[: m.consumed]] = m.homes
-            else:
-                room = MAX_SEARCH if end is None else min(MAX_SEARCH, end - alloc_end[k])
-                for count in dict.fromkeys((min(4 * len(bad_seqs) + 16, room), room)):
-                    got = self._allocated_samples([(alloc_end[k], count) if j == k else (0, 0) for j in range(len(job.sources))])
-                    if got is None:
-                        return None
-                    m = match(bad_seqs, bad_homes, got.length, after_start=alloc_end[k], stream_end=end)  # got is in seq order
-                    if m.done:
-                        break
-                extra.append(got.take(np.arange(m.consumed)))
-                home = np.concatenate([home, m.homes])
-                cursors[k] = alloc_end[k] + m.consumed
-            matches[k] = m
-        if not matches:
+
+        def fetch(source: int, start: int, count: int) -> SampleTable | None:
+            return self._allocated_samples([(start, count) if k == source else (0, 0) for k in range(len(job.sources))])
+
+        done = substitute(window, last, table, home, stream_ends=self._mixture.stream_ends, fetch=fetch)
+        if done is None:
+            return None
+        if not done.matches:
             return window, table, home, {}
-        table = SampleTable.concat([table, *extra]) if extra else table
-        bad = int(np.count_nonzero(table.length <= 0))
-        policy = job.batch.bad_samples
-        if policy.policy == "fail" and bad > policy.max_per_window:
-            where = "; ".join(f"{job.sources[k].name!r} positions {[b for b, _, _ in m.pairs][:10]}" for k, m in matches.items())
-            raise FailedPrecondition(
-                f"batch.bad_samples.policy is 'fail' and the planning window of steps {window.first}..{window.first + window.steps - 1} "
-                f"holds {bad} bad samples, more than batch.bad_samples.max_per_window = {policy.max_per_window}: {where} "
-                f"(the loaders' logs name their files and row groups)"
-            )
-        reasons = {k: self._bad_reasons(k, table) for k in matches}
-        found = entries(matches, table, reasons, job.source_names)
-        for k, m in matches.items():
+        check_policy(job.batch.bad_samples, done, job.source_names)
+        reasons = {k: self._bad_reasons(k, done.table) for k in done.matches}
+        for k, m in done.matches.items():
             for bad_seq, sub, _ in m.pairs:
                 if sub >= 0:
                     self._metrics.substitutions.labels(job.sources[k].name, reasons[k].get(bad_seq, "unknown")).inc()
-        end = dataclasses.replace(window.end, cursors=tuple(cursors))
-        return dataclasses.replace(window, end=end), table, home, found
+        return done.window, done.table, done.home, entries(done.matches, done.table, reasons, job.source_names)
 
     def _bad_reasons(self, source: int, table: SampleTable) -> dict[int, str]:
         """Why each bad sample of `source` in the table is bad, as its loader said (by seq)."""

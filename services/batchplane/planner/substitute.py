@@ -13,15 +13,22 @@ The search is bounded (`MAX_SEARCH` samples past the window per source); a bad s
 without a substitute (the bound, or the stream's end) leaves its step one sample short, as
 policy "skip" does.
 
-Pure: a function of the window's samples and the samples after it, no I/O.
+Pure: a function of the window's samples and the samples after it; `substitute` asks for the
+latter through a callback (the plan book waits for the loaders' summaries there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+
+from batchplane.core.config import BadSampleSettings
+from batchplane.core.errors import FailedPrecondition
+from batchplane.planner.plan import SampleTable
+from batchplane.planner.mixture import Allocation
+from batchplane.planner.window import Window
 
 #: Samples past a window's range searched for substitutes, per source and window.
 MAX_SEARCH = 256
@@ -88,13 +95,96 @@ def match(
     return Match(tuple(pairs), j, np.array(homes, np.int64), done)
 
 
-def bad_count(window_bad: int, matches: Sequence[Match], after_lengths: Sequence[np.ndarray]) -> int:
-    """Bad samples a window consumed: its own and those met while seeking substitutes."""
-    met = sum(int(np.count_nonzero(np.asarray(lengths)[: m.consumed] <= 0)) for m, lengths in zip(matches, after_lengths))
-    return window_bad + met
+@dataclasses.dataclass(frozen=True)
+class Substituted:
+    """A window with its bad samples substituted.
+
+    Attributes:
+        window: The window, its end moved past the samples taken after its range.
+        table: Its samples, those taken after the range appended.
+        home: int64 per sample of `table`: the window step it counts against.
+        matches: Per source index with bad samples, its match.
+    """
+
+    window: Window
+    table: SampleTable
+    home: np.ndarray
+    matches: dict[int, Match]
 
 
-def bad_of(table, home: np.ndarray, source: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+#: fetch(source, first seq, count) -> the samples of those seqs in seq order, or None when the
+#: caller was interrupted while waiting for them.
+Fetch = Callable[[int, int, int], "SampleTable | None"]
+
+
+def substitute(
+    window: Window, last: Allocation, table: SampleTable, home: np.ndarray, *, stream_ends: Sequence[int | None], fetch: Fetch
+) -> Substituted | None:
+    """Substitutes the bad samples of a window (see the module docstring).
+
+    Args:
+        window: The window; its end is the mixture's end of its range, or, for a window planned
+            again (a resume), the recorded end past its substitutes, which `table` then holds.
+        last: The mixture's allocation of the window's last step (where its range ends).
+        table: The window's samples (its whole range).
+        home: int64 per sample: the window step the mixture allocated it to.
+        stream_ends: Per source, where its stream ends (None: endless).
+        fetch: Gets samples after the range; called only when `table` does not hold them.
+    Returns:
+        The window, samples and steps with the substitutes; None when `fetch` was interrupted.
+    """
+    alloc_end = [start + count for start, count in zip(last.starts, last.counts)]
+    cursors = list(window.end.cursors)
+    matches: dict[int, Match] = {}
+    extra = []
+    for k in range(len(alloc_end)):
+        bad_seqs, bad_homes = bad_of(table, home, k, alloc_end[k])
+        if not len(bad_seqs):
+            continue
+        end = stream_ends[k]
+        if cursors[k] > alloc_end[k]:  # planned again: the samples after the range are in the table
+            mine = np.flatnonzero((table.source == k) & (table.seq >= alloc_end[k]))
+            mine = mine[np.argsort(table.seq[mine], kind="stable")]
+            m = match(bad_seqs, bad_homes, table.length[mine], after_start=alloc_end[k], stream_end=alloc_end[k] + len(mine))
+            home = home.copy()
+            home[mine[: m.consumed]] = m.homes
+        else:
+            room = MAX_SEARCH if end is None else min(MAX_SEARCH, end - alloc_end[k])
+            for count in dict.fromkeys((min(4 * len(bad_seqs) + 16, room), room)):  # a little first, then the bound
+                got = fetch(k, alloc_end[k], count)
+                if got is None:
+                    return None
+                m = match(bad_seqs, bad_homes, got.length, after_start=alloc_end[k], stream_end=end)
+                if m.done:
+                    break
+            extra.append(got.take(np.arange(m.consumed)))
+            home = np.concatenate([home, m.homes])
+            cursors[k] = alloc_end[k] + m.consumed
+        matches[k] = m
+    table = SampleTable.concat([table, *extra]) if extra else table
+    moved = dataclasses.replace(window, end=dataclasses.replace(window.end, cursors=tuple(cursors)))
+    return Substituted(moved, table, home, matches)
+
+
+def check_policy(policy: BadSampleSettings, done: Substituted, names: Sequence[str]) -> None:
+    """Refuses a window with more bad samples than policy "fail" tolerates.
+
+    Raises:
+        FailedPrecondition: names the setting, the window, the sources and their positions.
+    """
+    bad = int(np.count_nonzero(done.table.length <= 0))
+    if policy.policy != "fail" or bad <= policy.max_per_window:
+        return
+    w = done.window
+    where = "; ".join(f"{names[k]!r} positions {[b for b, _, _ in m.pairs][:10]}" for k, m in done.matches.items())
+    raise FailedPrecondition(
+        f"batch.bad_samples.policy is 'fail' and the planning window of steps {w.first}..{w.first + w.steps - 1} holds {bad} bad "
+        f"samples, more than batch.bad_samples.max_per_window = {policy.max_per_window}: {where} (the loaders' logs name their "
+        f"files and row groups)"
+    )
+
+
+def bad_of(table: SampleTable, home: np.ndarray, source: int, end: int) -> tuple[np.ndarray, np.ndarray]:
     """The seqs (ascending) and window steps of `source`'s bad samples in a window's table
     below seq `end` (the mixture's end of the window's range)."""
     mine = np.flatnonzero((table.source == source) & (table.seq < end) & (table.length <= 0))
@@ -103,7 +193,7 @@ def bad_of(table, home: np.ndarray, source: int, end: int) -> tuple[np.ndarray, 
 
 
 def entries(
-    matches: dict[int, Match], table, reasons: dict[int, dict[int, str]], names: Sequence[str]
+    matches: Mapping[int, Match], table: SampleTable, reasons: Mapping[int, Mapping[int, str]], names: Sequence[str]
 ) -> dict[int, list[dict]]:
     """The ledger's record of the substitutions, by window step: for each bad sample its source,
     [row, epoch], the [row, epoch] of its substitute (None without one) and why it was bad.
