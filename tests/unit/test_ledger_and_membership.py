@@ -126,7 +126,7 @@ def test_ledger_line_of_an_all_bad_step() -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_balance_figures_for_all_methods_configured_first(method: str) -> None:
-    ledger = Ledger(NAMES, method=method)
+    ledger = Ledger(NAMES, method=method, compare=True)
     assert list(ledger.balance)[0] == method
     assert sorted(ledger.balance) == sorted(METHODS)
     plan = _plan(3, STEP3, method=method)
@@ -365,3 +365,9 @@ def test_constructor_indices_outside_the_layout_are_rejected(index: int) -> None
 
 def _re_list(values: list[int]) -> str:
     return "\\[" + ", ".join(str(v) for v in values) + "\\]"
+
+
+def test_other_methods_are_compared_only_when_asked() -> None:
+    ledger = Ledger(NAMES, method="greedy")
+    ledger.record(ALLOC3, _plan(3, STEP3, method="greedy"), AFTER)
+    assert list(ledger.balance) == ["greedy"] and ledger.balance["greedy"].steps == 1

@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 
 from batchplane.core.errors import ConfigError
+from batchplane.core.methods import BALANCE_METHODS
 
-BALANCE_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
 COST_KINDS = ("quadratic", "linear")
 CP_SLICING = ("zigzag", "contiguous")
 LENGTH_POLICIES = ("split", "truncate", "reject")
@@ -88,6 +88,10 @@ class LedgerSettings:
     #: than this many behind the slowest rank; older segments keep per-source seq ranges,
     #: tokens, shares and cursors only (about 80 bytes a step with 4 sources). None keeps all.
     keep_detail_steps: int | None = None
+    #: Also plan steps with the other built-in partition methods and report their per-rank cost
+    #: spread beside the configured method's (GetStatus, `batchplane status`, the demo): the
+    #: first 32 steps and every 8th after, each planned again per method (planning time).
+    compare_methods: bool = False
 
 
 BAD_SAMPLE_POLICIES = ("substitute", "skip", "fail")

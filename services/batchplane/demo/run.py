@@ -56,6 +56,8 @@ loaders:
 constructors:
   ranks_per_constructor: 1
   prefetch_steps: 2
+ledger:
+  compare_methods: true
 run_dir: run
 """
 

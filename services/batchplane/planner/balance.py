@@ -18,7 +18,7 @@ from typing import Union
 
 import numpy as np
 
-METHODS = ("karmarkar_karp", "greedy", "round_robin")
+from batchplane.core.methods import PARTITION_METHODS as METHODS
 
 # Karmarkar-Karp: up to this many new subsets are inserted one by one, more are sorted in.
 _INSERT_MAX = 8

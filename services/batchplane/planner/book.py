@@ -107,7 +107,7 @@ class PlanBook:
                 "for training reports and the trainer for its batches", self._adaptive.delay_steps, job.constructors.prefetch_steps + 2,
             )
         method = self.strategy.primary.balancing.method
-        self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user")
+        self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user", compare=job.ledger.compare_methods)
         self._cond = threading.Condition()
         self._plans: dict[int, StepPlan] = {}
         self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
@@ -450,7 +450,7 @@ class PlanBook:
         if self._compacting is not None:
             futures.wait([self._compacting])  # the new generation folds what the old one left
         reader = LedgerReader(self._ledger_storage)
-        self.ledger = Ledger(self._job.source_names, method=self.ledger.method)
+        self.ledger = Ledger(self._job.source_names, method=self.ledger.method, compare=self.ledger.compare)
         with self._cond:
             self._reports.clear()
         state = self._restore(step, {}, reader)

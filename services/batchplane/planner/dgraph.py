@@ -44,12 +44,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
+from batchplane.core.methods import BALANCE_METHODS
 from batchplane.planner.cost import CostFn, make_cost_fn
 from batchplane.planner.padded import Rows, rows_of
 from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
 from batchplane.planner.token_budget import token_budget_steps
 
-BUILTIN_METHODS = ("karmarkar_karp", "greedy", "round_robin", "token_budget")
+BUILTIN_METHODS = BALANCE_METHODS
 BROADCAST_DIMS = ("TP",)
 
 

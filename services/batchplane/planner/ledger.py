@@ -93,14 +93,17 @@ class Ledger:
 
     Args:
         source_names: Source names, in source order.
-        method: The configured balancing method; the others are evaluated for comparison.
+        method: The configured balancing method.
+        compare: Also evaluate the other built-in partition methods on the recorded steps
+            (`ledger.compare_methods`; see `COMPARE_ALL`).
     """
 
-    def __init__(self, source_names: Sequence[str], *, method: str) -> None:
+    def __init__(self, source_names: Sequence[str], *, method: str, compare: bool = False) -> None:
         self.source_names = tuple(source_names)
         self.method = method
         self.sources = [SourceTotals() for _ in source_names]
-        self.balance = {m: BalanceTotals() for m in (method, *[m for m in METHODS if m != method])}
+        self.compare = compare
+        self.balance = {m: BalanceTotals() for m in (method, *([m for m in METHODS if m != method] if compare else []))}
         self.steps = 0
         #: Per source, the seqs every recorded step (and, after `restore`, every earlier
         #: generation) consumed.
@@ -179,7 +182,7 @@ class Ledger:
             totals.configured_samples += configured[k] * allocation.total if configured else 0.0
         if len(plan.samples) >= plan.dp:
             self.balance[self.method].add(plan.built_rank_costs())
-            if _compared(self.steps):
+            if self.compare and _compared(self.steps):
                 for method, totals in self.balance.items():
                     if method != self.method:
                         totals.add(_built_costs(plan, method))
