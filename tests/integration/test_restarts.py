@@ -22,28 +22,35 @@ KILL_AT = 6
 HOLD_AT = 6
 
 
-def _job(root: pathlib.Path, sources, run: str) -> pathlib.Path:
+def _job(root: pathlib.Path, sources, run: str, *, windows: bool = False) -> pathlib.Path:
     # Windows of one 10-row group: loaders free them soon after a step is fetched, so a restarted
     # constructor finds its steps' samples only if nothing was released before its trainers had them.
+    # With `windows`, token budgets planned 5 steps at a time: the restarted planner resumes from the
+    # ledger, usually inside a window (which it plans again from the window's start).
+    extra = {"balance": {"method": "token_budget", "max_tokens": 600, "window_steps": 5}} if windows else {}
     return write_job(
         root / f"{run}.yaml", sources, run_dir=str(root / run), batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-        loaders={"read_ahead_samples": 20, "shuffle": {"window_row_groups": 1}},
+        loaders={"read_ahead_samples": 40 if windows else 20, "shuffle": {"window_row_groups": 1}}, **extra,
     )
 
 
-@pytest.mark.parametrize(("part", "seed"), [("planner", 0), ("planner", 1), ("constructor", 0), ("constructor", 1), ("loader", 0), ("loader", 1)])
-def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("part", "seed", "windows"),
+    [("planner", 0, False), ("planner", 1, False), ("constructor", 0, False), ("constructor", 1, False), ("loader", 0, False), ("loader", 1, False),
+     ("planner", 1, True)],
+)
+def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int, windows: bool) -> None:
     sources = [
         write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
         write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
     ]
-    cluster = start_cluster(_job(tmp_path, sources, "undisturbed"))
+    cluster = start_cluster(_job(tmp_path, sources, "undisturbed", windows=windows))
     try:
         expected, _ = collect(cluster.endpoints_path, [0, 1])
     finally:
         cluster.stop()
 
-    cluster = start_cluster(_job(tmp_path, sources, "restarted"))
+    cluster = start_cluster(_job(tmp_path, sources, "restarted", windows=windows))
     reached = threading.Condition()
     progress = {0: -1, 1: -1}
     restarted = {}
