@@ -370,6 +370,9 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
         result["substitutions"] = lineage.substitutions(reader.records(), sources[source], row)
         for e in result["substitutions"]:
             bad = f"{e['source']}:{e['bad'][0]}" + (f"@{e['bad'][1]}" if e["bad"][1] else "")
+            if e.get("passed_over"):
+                text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); consumed while seeking a substitute")
+                continue
             by = "no substitute (none left within the search bound)" if e["by"] is None else f"{e['source']}:{e['by'][0]}" + (f"@{e['by'][1]}" if e["by"][1] else "")
             text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); stood in for by {by}")
     else:

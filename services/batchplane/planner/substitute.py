@@ -52,6 +52,8 @@ class Match:
     consumed: int
     homes: np.ndarray
     done: bool
+    #: The seq right after the window's range (where `consumed` starts).
+    start: int = 0
 
 
 def match(
@@ -92,7 +94,7 @@ def match(
     done = len(pairs) == len(waiting) or searched_out
     if done and len(pairs) < len(waiting):
         pairs += [(bad, -1, home) for bad, home in waiting[len(pairs) :]]
-    return Match(tuple(pairs), j, np.array(homes, np.int64), done)
+    return Match(tuple(pairs), j, np.array(homes, np.int64), done, after_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +198,9 @@ def entries(
     matches: Mapping[int, Match], table: SampleTable, reasons: Mapping[int, Mapping[int, str]], names: Sequence[str]
 ) -> dict[int, list[dict]]:
     """The ledger's record of the substitutions, by window step: for each bad sample its source,
-    [row, epoch], the [row, epoch] of its substitute (None without one) and why it was bad.
+    [row, epoch], the [row, epoch] of its substitute (None without one) and why it was bad; then
+    the bad samples met after the window while seeking substitutes, marked "passed_over" (they
+    are consumed as bad, and their step is not short for them).
 
     Args:
         matches: Per source index, its match.
@@ -206,6 +210,7 @@ def entries(
     """
     where = {(int(k), int(s)): (int(r), int(e)) for k, s, r, e in zip(table.source, table.seq, table.row, table.epoch)}
     out: dict[int, list[dict]] = {}
+    subs = {k: {sub for _, sub, _ in m.pairs} for k, m in matches.items()}
     for k, m in sorted(matches.items()):
         for bad, sub, home in m.pairs:
             out.setdefault(home, []).append({
@@ -214,4 +219,10 @@ def entries(
                 "by": list(where[(k, sub)]) if sub >= 0 else None,
                 "reason": reasons.get(k, {}).get(bad, "unknown"),
             })
+        for j, home in enumerate(m.homes.tolist()):
+            seq = m.start + j
+            if seq not in subs.get(k, ()):
+                out.setdefault(home, []).append(
+                    {"source": names[k], "bad": list(where[(k, seq)]), "by": None, "reason": reasons.get(k, {}).get(seq, "unknown"), "passed_over": True}
+                )
     return out
