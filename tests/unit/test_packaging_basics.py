@@ -74,3 +74,8 @@ def test_every_library_the_services_import_is_a_declared_dependency() -> None:
                 if not dists & declared:
                     missing.add(f"{path.relative_to(root)}: {top} ({', '.join(sorted(dists))})")
     assert sorted(missing) == []
+
+
+def test_python_dash_m_batchplane_is_the_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "batchplane", "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"batchplane {PYPROJECT['project']['version']}\n"), done.stderr
