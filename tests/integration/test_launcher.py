@@ -166,8 +166,11 @@ def _port(address_or_url: str) -> int:
 
 
 def _listener(port: int) -> socket.socket:
-    """A program that is not batchplane, listening on 127.0.0.1:`port`."""
+    """A program that is not batchplane, listening on 127.0.0.1:`port`. Like most servers it
+    sets SO_REUSEADDR: the connections of the processes that had the port linger in TIME_WAIT
+    (without it the bind fails on them, not on a listener)."""
     sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen()
     return sock

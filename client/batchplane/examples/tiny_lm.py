@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     stats["last_loss"] = sum(losses[-10:]) / max(len(losses[-10:]), 1)
     if args.stats:
         args.stats.write_text(json.dumps(stats))
+    # Rank 0 hosts the rendezvous store: no rank tears down while another still needs it.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -156,6 +156,11 @@ def _train(cluster: LocalCluster, workdir: pathlib.Path, *, steps: int, log_ever
     failed = [rank for rank, t in enumerate(trainers) if t.returncode != 0]
     if failed:
         print(f"batchplane demo: trainer rank(s) {failed} failed; see {workdir}/trainer-*.log", file=sys.stderr)
+        for rank in failed:
+            log = workdir / f"trainer-{rank}.log"
+            if log.exists():  # rank 0 writes to the terminal
+                tail = log.read_text(errors="replace").splitlines()[-25:]
+                print(f"--- the end of trainer-{rank}.log ---", *tail, sep="\n", file=sys.stderr)
         return None
     return [json.loads((workdir / f"trainer-{rank}.json").read_text()) for rank in range(DP)]
 
