@@ -262,19 +262,15 @@ class PlanBook:
             self.ledger.assume_consumed(restored.state.cursors)
         self._resume = resume_inside(restored.record, step, changed=bool(restored.changed), source_names=self._job.source_names)
         if self._resume is not None:
-            how = "planned again as it was" if not self._resume.window.leftover else "its rest planned as a new window (settings changed)"
-            log.info("step %d lies inside the planning window of steps %d..%d: %s", step, *self._resume_span(restored.record), how)
+            w = self._resume.window
+            how = "its rest planned as a new window (settings changed)" if w.leftover else "planned again as it was"
+            log.info("step %d lies inside the planning window of steps %d..%d: %s", step, w.first, w.first + w.steps - 1, how)
         if self._adaptive is not None:
             adaptive = restore_adaptive(step, rule=self._adaptive, reader=reader, changed=restored.changed)
             self._adaptive_state, self._applied_through = adaptive.state, adaptive.applied_through
             with self._cond:
                 self._reports.update(adaptive.reports)
         return restored.state if self._resume is None else self._resume.window.before
-
-    @staticmethod
-    def _resume_span(record: Mapping) -> tuple[int, int]:
-        window = record["window"]
-        return window["first"], window["first"] + window["steps"] - 1
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""

@@ -197,17 +197,17 @@ def token_budget_steps(
     totals = [math.fsum(values[i] for i in g) for g in groups]
     order = sorted(range(len(groups)), key=lambda j: (-totals[j], min(groups[j])))
     labels = np.zeros(len(lens), np.int64) if sources is None else _labels(sources, len(lens))
-    counts = np.zeros((slots, int(labels.max(initial=0)) + 1), np.int64)
+    width = int(labels.max(initial=0)) + 1
+    if targets is not None:
+        targets = np.asarray(targets, np.float64)
+        if targets.ndim != 2 or targets.shape[0] != steps or targets.shape[1] < width:
+            raise ValueError(f"targets must have shape ({steps}, sources) with a column for every source, got {targets.shape}")
+        width = targets.shape[1]
+    counts = np.zeros((slots, width), np.int64)
     for r in range(slots):
         for j in order[r * ranks : (r + 1) * ranks]:
             np.add.at(counts[r], labels[groups[j]], 1)
     out = []
-    if targets is not None:
-        targets = np.asarray(targets, np.float64)
-        if targets.shape != (steps, counts.shape[1]) and targets.shape[0] == steps and targets.shape[1] >= counts.shape[1]:
-            counts = np.pad(counts, ((0, 0), (0, targets.shape[1] - counts.shape[1])))
-        if targets.shape != (steps, counts.shape[1]):
-            raise ValueError(f"targets must have shape ({steps}, sources), got {targets.shape}")
     for rounds in _deal_rounds(counts, steps, targets):
         mine = [groups[j] for r in rounds for j in order[r * ranks : (r + 1) * ranks]]
         per_rank = _assign(mine, values, ranks=ranks, per_rank=len(rounds))

@@ -6,8 +6,10 @@ token-budget mode the planner therefore takes a window of `steps` consecutive st
 allocates each of them as usual (a contiguous range of every source's stream per step, so the
 window is a contiguous range too), and `token_budget_steps` groups the window's samples at once
 and cuts the groups into the window's steps. A sample may thus train in another step of its
-window than the one the mixture allocated it to; at the end of every window each source has
-consumed exactly what the schedule allocated (see `fidelity_bound`).
+window than the one the mixture allocated it to. The bound: inside a window a source's running
+count leads or lags the schedule's by at most what the schedule gives it in that window (step 3
+of `token_budget_steps` keeps it near one step's worth); at the end of every window it equals
+the schedule's, so drift there stays within the schedule's own (Tijdeman) bound.
 
 Pure: no I/O, no clocks.
 """
@@ -76,15 +78,6 @@ def window_steps(job: JobSettings, strategy: Strategy, *, adaptive: bool) -> int
     if configured is not None:
         return configured
     return default_window_steps(job.batch.global_batch_size, read_ahead_samples=job.loaders.read_ahead_samples)
-
-
-def fidelity_bound(window: int) -> str:
-    """What a window does to mixture fidelity, in words (the README and the tests state it)."""
-    return (
-        f"within a window of {window} steps a source's cumulative count may lead or lag the schedule's by at most the samples "
-        f"the schedule gives it in that window; at every window's end it equals the schedule's, so drift there stays within "
-        f"the schedule's own (Tijdeman) bound"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
