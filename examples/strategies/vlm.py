@@ -7,11 +7,21 @@ model's training FLOPs and balanced with Karmarkar-Karp over replicas and microb
 encoder graph ("images") holds the samples with images (a positive "image_tokens" feature
 reported by the loaders), spreads them over every rank of the world (the encoder runs data
 parallel on all GPUs and sends embeddings back all-to-all), costs them by a 2B ViT's FLOPs of
-their image tokens and balances them greedily (longest processing time first).
+their image tokens and balances them greedily (longest processing time first). The encoder
+graph delivers the images' pixels: each rank receives, in `batch["subbatches"]["images"]`,
+`pixel_values` and `image_grid_thw` of exactly the images it encodes, whichever replica trains
+their samples (its constructor fetches them), and the microbatches carry no pixels
+(`batchplane.client.vision.vision_inputs` turns them into a Qwen2-VL encoder's inputs).
 
-Use it by naming the file in the job configuration (relative to the configuration file):
+Use it by naming the file in the job configuration (relative to the configuration file); the
+job must declare the delivered columns in `batch.payload` (as `batchplane.demo.images.PAYLOAD`
+does) and its image source must ship them (the demo's `image_text` transform with `pixels: true`):
 
     strategy: examples/strategies/vlm.py
+    batch:
+      payload:
+        - {name: pixel_values, kind: blob, dtype: uint8, shape: [588]}
+        - {name: image_grid_thw, kind: blob, dtype: int64, shape: [3]}
 """
 
 from batchplane.planner import DGraph, models
@@ -29,4 +39,5 @@ def strategy(mesh):
     images.distribute(axis="WORLD")
     images.cost(models.VIT_2B.cost)
     images.balance("greedy")
+    images.deliver("pixel_values", "image_grid_thw")
     return text.plan(images)

@@ -118,7 +118,8 @@ def test_with_the_jobs_limits_a_fetch_names_a_constructor_and_at_most_a_step_of_
             constructor_index=constructor, step=0,
             samples=common_pb2.SampleSet(source=encode_array(np.zeros(len(seqs), np.int32)), seq=encode_array(np.asarray(seqs, np.int64))),
         )
-        return next(servicer.FetchSamples(request, None)).header.num_samples
+        first = next(servicer.FetchSamples(request, None))  # serialized already: the server passes it on
+        return loader_pb2.FetchSamplesResponse.FromString(first).header.num_samples
 
     assert fetch(1, range(12)) == 12
     with pytest.raises(InvalidArgument, match=r"constructor_index must be in \[0, 2\)"):

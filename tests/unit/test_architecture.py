@@ -134,6 +134,8 @@ CLIENT_FRAMEWORKS = {
     "batchplane.client.hf_trainer": ("transformers", "accelerate"),
     "batchplane.client.lightning": ("lightning", "pytorch_lightning"),
     "batchplane.client.torchtitan": ("torchtitan", "torchdata"),
+    # The colocated-DataLoader baseline of `bench delivery` reads Parquet as a user's would.
+    "batchplane.examples.dataloader_rank": ("pyarrow",),
 }
 
 

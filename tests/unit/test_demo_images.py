@@ -14,14 +14,17 @@ import pytest
 from PIL import Image
 
 from batchplane.core.config import SourceSettings
+from batchplane.core.payload import PayloadColumn
 from batchplane.demo.dataset import DEMO_SOURCES, ImageTextSource, write_demo_dataset
 from batchplane.demo.images import (
     IMAGE_TOKEN_ID,
+    PAYLOAD,
     RESOLUTIONS,
     SCHEMA,
     image_grid,
     image_text,
     patchify,
+    pixel_patches,
     write_image_text_source,
 )
 from batchplane.demo.run import TRANSFORMS
@@ -168,6 +171,46 @@ def test_transform_output(table: pa.Table) -> None:
         assert row[expected_tokens:] == captions[i]
 
 
+def _pixels_from_pil(data: bytes, *, patch: int, temporal: int) -> tuple[np.ndarray, list[int]]:
+    """Ground truth with no code of ours beyond `image_grid`: PIL decodes and resizes, and the
+    patches are cut one by one, channel first, each frame repeated."""
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    columns, rows = image_grid(*image.size, patch=patch)
+    if image.size != (columns * patch, rows * patch):
+        image = image.resize((columns * patch, rows * patch), Image.Resampling.BILINEAR)
+    array = np.asarray(image)
+    patches = [
+        np.stack([array[y * patch : (y + 1) * patch, x * patch : (x + 1) * patch].transpose(2, 0, 1)] * temporal, axis=1).reshape(-1)
+        for y in range(rows)
+        for x in range(columns)
+    ]
+    return np.stack(patches), [1, rows, columns]
+
+
+@pytest.mark.parametrize("temporal", [1, 2])
+def test_pixels_travel_as_raw_patches_with_their_grids(table: pa.Table, temporal: int) -> None:
+    batch = table.slice(0, 40)
+    out = image_text(batch, pixels=True, temporal_patch=temporal)
+    assert out["input_ids"].to_pylist() == image_text(batch)["input_ids"].to_pylist()  # the same tokens
+    row_bytes = 3 * temporal * 14 * 14
+    for i, images in enumerate(batch["images"].to_pylist()):
+        pixels = np.asarray(out["pixel_values"][i].as_py() or [], np.uint8)
+        grids = np.asarray(out["image_grid_thw"][i].as_py() or [], np.int64).reshape(-1, 3)
+        expected = [_pixels_from_pil(data, patch=14, temporal=temporal) for data in images]
+        want = np.concatenate([p for p, _ in expected]) if expected else np.zeros((0, row_bytes), np.uint8)
+        assert np.array_equal(pixels.reshape(-1, row_bytes), want)
+        assert grids.tolist() == [g for _, g in expected]
+        # The grids' products are the patch rows and the sample's image placeholder tokens.
+        assert int(np.prod(grids, axis=1).sum()) == len(want) == out["image_tokens"][i].as_py()
+        assert out["input_ids"][i].as_py().count(IMAGE_TOKEN_ID) == len(want)
+
+
+def test_pixel_patches_is_none_for_a_broken_jpeg() -> None:
+    assert pixel_patches(b"\xff\xd8 not a jpeg") is None
+    patches, grid = pixel_patches(_jpeg(np.full((28, 42, 3), 7, np.uint8)), patch=14)
+    assert patches.dtype == np.uint8 and patches.shape == (6, 3 * 14 * 14) and grid == (2, 3)
+
+
 def test_undecodable_images_reject_only_their_sample(table: pa.Table) -> None:
     rows = table.slice(0, 8).to_pylist()
     with_images = [i for i, row in enumerate(rows) if row["images"]][:3]
@@ -231,8 +274,10 @@ def test_demo_source_and_its_configured_transform(tmp_path: pathlib.Path) -> Non
             transform_args=config["transform_args"],
             columns=tuple(config["columns"]),
         ),
+        payload=tuple(PayloadColumn(**{**c, "shape": tuple(c["shape"])}) for c in PAYLOAD),  # the demo job declares them
     )
     batch = _read(directory).select(list(bound.columns))
     ids, features = bound(batch)
+    assert bound.apply(batch).columns["pixel_values"].type == pa.list_(pa.uint8())
     assert len(ids) == 30 and ids.null_count == 0
     assert features["image_tokens"].sum() > 0

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import ConfigError
 from batchplane.core.mesh import ClientPlaceTree
+from batchplane.demo.images import PAYLOAD
 from batchplane.planner import DGraph, Strategy, StrategyError, models
 from batchplane.planner.balance import spread
 from batchplane.planner.cost import make_cost_fn
@@ -487,7 +488,9 @@ def _vlm_step(n: int = 96, seed: int = 3) -> SampleTable:
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_example_strategies_load_and_plan_a_4d_mesh(example: str) -> None:
-    job = _job(EXAMPLES[example])
+    # vlm.py delivers the image columns, which the job must declare
+    payload = {"payload": [dict(c) for c in PAYLOAD]} if example == "vlm" else {}
+    job = _job(EXAMPLES[example], batch={"global_batch_size": 64, "microbatches": 2, **payload})
     assert job.strategy_digest == hashlib.sha256((REPO / EXAMPLES[example]).read_bytes()).hexdigest()
     strategy = load_strategy(job)
     assert isinstance(strategy, Strategy)
@@ -503,6 +506,7 @@ def test_example_strategies_load_and_plan_a_4d_mesh(example: str) -> None:
     if example == "vlm":
         (images,) = plan.subplans
         assert (images.name, images.axis, len(images.buckets)) == ("images", "WORLD", 32)
+        assert images.columns == ("pixel_values", "image_grid_thw")
         tokens = plan.samples.features["image_tokens"]
         assert np.array_equal(np.sort(np.concatenate(images.buckets)), np.flatnonzero(tokens > 0))
         np.testing.assert_allclose(images.costs[tokens > 0], models.VIT_2B.cost(tokens[tokens > 0].astype(np.int64)))

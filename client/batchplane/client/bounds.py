@@ -53,3 +53,22 @@ def check_batch_header(header: Any, *, address: str, max_bytes: int = MAX_BATCH_
     if header.payload_bytes > max_bytes:
         raise ProtocolError(f"constructor at {address}: a batch of {header.payload_bytes} bytes, more than the client's {max_bytes}")
     return header.payload_bytes
+
+
+def check_placement(placement: Any, *, slab_bytes: int, payload_bytes: int, where: str) -> None:
+    """Checks a BatchHeader's `shm` placement against the slab it names.
+
+    Args:
+        placement: The ShmPlacement (slab, offset, length).
+        slab_bytes: The slab's size (its memfd's, sealed).
+        payload_bytes: The header's payload_bytes.
+        where: The slab socket, for the error.
+    Raises:
+        ProtocolError: a length other than the payload's, an offset that is negative or not a
+            multiple of 64, or bytes past the slab's end.
+    """
+    if placement.length != payload_bytes or placement.offset < 0 or placement.offset % ALIGNMENT or placement.offset + placement.length > slab_bytes:
+        raise ProtocolError(
+            f"slab socket {where}: payload of {payload_bytes} bytes placed at [{placement.offset}, "
+            f"{placement.offset + placement.length}) of slab {placement.slab} of {slab_bytes} bytes"
+        )

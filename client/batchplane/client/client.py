@@ -76,6 +76,12 @@ class Client:
         pin_memory: Receive into pinned memory; default: when CUDA is available.
         timeout_s: How long one request keeps retrying an unavailable data plane (or waits for
             its endpoints file) before raising DataPlaneUnavailable.
+
+    Batches come through the constructor's shared memory when it serves on a Unix socket with
+    a slab socket beside it (tensors are views of it, no copy; BATCHPLANE_SHM=0 turns it off),
+    else over the gRPC stream; `transport` says which ("shm" or "grpc"), and the first batch
+    of each logs it. A shared-memory slab is released once every tensor of its step is dropped
+    (see `batchplane.client.slabs`).
     Raises:
         InvalidRequestError: no address can be found, the rank is outside the job's mesh, or
             WORLD_SIZE disagrees with it.
@@ -95,8 +101,13 @@ class Client:
         self.device = resolve_device(device)
         self._copier = DeviceCopier(self.device) if self.device is not None and self.device.type == "cuda" else None
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._connection = ConstructorConnection(AddressBook(address, rank=self.rank), timeout_s=timeout_s)
+        self._connection = ConstructorConnection(
+            AddressBook(address, rank=self.rank), timeout_s=timeout_s, pin_slabs=self._copier is not None
+        )
+        self._transport = ""
+        self._transports_logged: set[str] = set()
         info = self._connection.info()
+        self._connection.slab_channel()  # connects the slab socket, when the constructor has one
         self.job = info.job
         self.sources = tuple(info.job.sources)
         m = info.job.mesh
@@ -125,6 +136,15 @@ class Client:
     def address(self) -> str:
         """The constructor's address now."""
         return self._connection.address
+
+    @property
+    def transport(self) -> str:
+        """How the last batch arrived: "shm" (a view of the constructor's shared memory, see
+        `batchplane.client.slabs`) or "grpc" (streamed over the constructor's socket); before
+        the first batch, "shm" when the constructor's slab socket is connected."""
+        if self._transport:
+            return self._transport
+        return "shm" if self._connection.shm_session else "grpc"
 
     # ---- length --------------------------------------------------------------------------
 
@@ -191,11 +211,16 @@ class Client:
         self._resume, self._restart = {}, False
         if header.end_of_data:
             return None
+        shm = header.HasField("shm")
+        self._note_transport("shm" if shm else "grpc")
         groups = [unpack(storage, spec.tensors) for spec in header.microbatches]
         groups += [unpack(storage, sub.tensors) for sub in header.subbatches]
+        del storage
         copied = None
         if self._copier is not None:
             groups, copied = self._copier.copy(groups)
+            if shm and isinstance(copied, torch.cuda.Event):
+                copied.synchronize()  # the slab is released once the copies are done and the host views dropped
         elif self.device is not None:
             groups = [{k: v.to(self.device) for k, v in group.items()} for group in groups]
         fmt = self.job.format
@@ -226,11 +251,22 @@ class Client:
             "format": self.format,
         }, copied
 
+    def _note_transport(self, transport: str) -> None:
+        self._transport = transport
+        if transport not in self._transports_logged:
+            self._transports_logged.add(transport)
+            if transport == "shm":
+                log.info("rank %d receives its batches through shared memory from the constructor at %s", self.rank, self.address)
+            else:
+                log.info("rank %d receives batches over the gRPC stream from the constructor at %s", self.rank, self.address)
+
     @property
     def format(self) -> dict[str, Any]:
         """How the job lays out its tensors: "labels" ("next_token": labels[t] = input_ids[t + 1]
-        within a sample), "ignore_id", "pad_id", "packing", "max_length" (0: no limit) and
-        "length_policy"."""
+        within a sample), "ignore_id", "pad_id", "packing", "max_length" (0: no limit),
+        "length_policy" and "payload": the job's declared columns besides input_ids, each a dict
+        of name, kind ("token", "sample" or "blob"), dtype, shape and fill (see the README's
+        *Payload columns*)."""
         fmt = self.job.format
         return {
             "labels": fmt.labels or "next_token",
@@ -239,6 +275,7 @@ class Client:
             "packing": fmt.packing,
             "max_length": fmt.max_length,
             "length_policy": fmt.length_policy,
+            "payload": [{"name": c.name, "kind": c.kind, "dtype": c.dtype, "shape": tuple(c.shape), "fill": c.fill} for c in fmt.payload],
         }
 
     # ---- metric-driven mixing ------------------------------------------------------------

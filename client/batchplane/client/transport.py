@@ -1,6 +1,7 @@
 """Talking to the constructor: retries with backoff inside a deadline, and the one table that
 turns gRPC status codes into the client's exceptions. A retry looks the constructor's address up
-again (the endpoints file of a restarted data plane may name a new one)."""
+again (the endpoints file of a restarted data plane may name a new one). Batches come through
+shared memory when the constructor's slab socket is there (`slabs`), else over the gRPC stream."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from batchplane.client import errors
 from batchplane.client.bounds import check_batch_header
 from batchplane.client.endpoints import AddressBook
+from batchplane.client.slabs import SlabChannel, slab_socket
 from batchplane.client.tensors import allocate
 from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
@@ -42,6 +44,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 MAX_MESSAGE_BYTES = 64 << 20
 #: The longest pause between retries: a restarted constructor is reached within it.
 MAX_BACKOFF_S = 0.25
+#: How long after a failed connection to the slab socket the next try waits (unless a new
+#: socket is bound there: a restarted constructor's).
+SLAB_RETRY_S = 5.0
 
 
 class ConstructorConnection:
@@ -52,16 +57,60 @@ class ConstructorConnection:
             an AddressBook, waited for (the endpoints file may not exist yet) and looked up
             again whenever a call has to retry.
         timeout_s: How long a call may keep retrying before DataPlaneUnavailable.
+        shm: Use the constructor's shared memory when it offers it (`slabs.slab_socket`).
+        pin_slabs: Map slabs shared and register them as pinned CUDA memory (device copies
+            follow); else map them private (copy on write).
     Raises:
         DataPlaneUnavailable: no address appeared within `timeout_s`.
     """
 
-    def __init__(self, addresses: AddressBook | str, *, timeout_s: float) -> None:
+    def __init__(self, addresses: AddressBook | str, *, timeout_s: float, shm: bool = True, pin_slabs: bool = False) -> None:
         self._addresses = AddressBook(addresses, rank=0) if isinstance(addresses, str) else addresses
         self.timeout_s = timeout_s
         self.address = ""
         self._channel: grpc.Channel | None = None
+        self._shm = shm
+        self._pin_slabs = pin_slabs
+        self._slabs: SlabChannel | None = None
+        self._slabs_retry_at = 0.0
+        self._slabs_refused_inode: tuple[int, int] = (-1, -1)
         self._connect(self._addresses.wait(timeout_s=timeout_s))
+
+    @property
+    def shm_session(self) -> str:
+        """The slab session's id; empty without one."""
+        slabs = self._slabs
+        return slabs.session if slabs is not None and slabs.alive else ""
+
+    def slab_channel(self) -> SlabChannel | None:
+        """The session on the constructor's slab socket, (re)connected when the socket is there
+        and the last session ended (a restarted constructor); None: batches come over gRPC."""
+        if not self._shm:
+            return None
+        if self._slabs is not None:
+            self._slabs.poll()
+            if self._slabs.alive:
+                return self._slabs
+            self._slabs = None  # its slabs unmap once the trainer drops their tensors
+        path = slab_socket(self.address)
+        if path is None:
+            return None
+        try:
+            st = path.stat()
+            inode = (st.st_ino, st.st_ctime_ns)  # inode numbers are reused at once on tmpfs
+        except OSError:
+            return None
+        if inode == self._slabs_refused_inode and time.monotonic() < self._slabs_retry_at:
+            return None  # the socket that refused: tried again when a new one is bound, or later
+        try:
+            self._slabs = SlabChannel(path, timeout_s=min(self.timeout_s, 10.0), pin=self._pin_slabs)
+        except (OSError, errors.ProtocolError) as exc:
+            log.info("the constructor's slab socket %s refused a session (%s): batches come over gRPC", path, exc)
+            self._slabs_refused_inode = inode
+            self._slabs_retry_at = time.monotonic() + SLAB_RETRY_S
+            return None
+        log.debug("slab session %s on %s", self._slabs.session, path)
+        return self._slabs
 
     def _connect(self, address: str) -> None:
         if self._channel is not None:
@@ -96,13 +145,23 @@ class ConstructorConnection:
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             # The constructor answers before the call's deadline: a batch, or what it waits for.
             wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
-            request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart)
+            slabs = self.slab_channel()
+            request = constructor_pb2.GetBatchRequest(
+                rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart,
+                shm_session=slabs.session if slabs is not None else "",
+                released_slabs=slabs.take_releases() if slabs is not None else (),  # sent once: the constructor applies them first
+            )
             stream = self._stub.GetBatch(request, timeout=remaining)
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":
                 raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
             header = first.header
-            storage, view = allocate(check_batch_header(header, address=self.address), pin=pin)
+            size = check_batch_header(header, address=self.address)
+            if header.HasField("shm"):
+                if slabs is None or next(stream, None) is not None:
+                    raise errors.ProtocolError(f"constructor at {self.address}: a batch in shared memory without a session, or with chunks")
+                return header, slabs.view(header.shm, size)
+            storage, view = allocate(size, pin=pin)
             receiver = PayloadReceiver(view)
             try:
                 for message in stream:
@@ -151,5 +210,7 @@ class ConstructorConnection:
             self._follow_address()
 
     def close(self) -> None:
+        if self._slabs is not None:
+            self._slabs.close()
         if self._channel is not None:
             self._channel.close()

@@ -9,6 +9,12 @@ Gradients are averaged over ranks with DistributedDataParallel (gloo, CPU). The 
 microbatch is summed over its tokens and divided by the step's loss-carrying tokens over all
 ranks (`global_loss_tokens`), so a step's update is the exact token-mean gradient however the
 planner balanced samples over ranks and microbatches.
+
+Images (the demo's image-text source ships its pixels as blob columns, `batch.payload`): a tiny
+patch encoder (a Linear of each 3x14x14 patch, normalized on the device by
+`batchplane.client.vision.vision_inputs`) embeds every patch, and each embedding is added to
+the embedding of its image placeholder token (one per patch, in front of the sample's caption),
+as a Qwen2-VL-style model merges its vision tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchplane.client import Client
+from batchplane.client.vision import vision_inputs
 
 IGNORE_ID = -100
+#: The demo's image placeholder token (`batchplane.demo.images.IMAGE_TOKEN_ID`).
+IMAGE_TOKEN_ID = 1023
+#: Values in a patch row: 3 channels x 14 x 14 pixels (`batchplane.demo.images.PAYLOAD`).
+PATCH_VALUES = 3 * 14 * 14
 
 
 class TinyLM(nn.Module):
@@ -41,15 +52,35 @@ class TinyLM(nn.Module):
         self.mlps = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(2)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size)
+        self.patches = nn.Linear(PATCH_VALUES, dim)  # the tiny vision encoder
 
-    def forward(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] at the N positions where `where` ([B, L] bool) is True."""
+    def forward(self, input_ids: torch.Tensor, where: torch.Tensor, images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [N, vocab] at the N positions where `where` ([B, L] bool) is True. `images`:
+        the microbatch's pixel_values, image_grid_thw and their offsets (one row per sample)."""
         x = self.embed(input_ids)  # [B, L, D]
+        if images is not None:
+            x = x + self._vision(images, input_ids, x.shape)
+        else:  # a job without pixels: the encoder still takes part (DDP wants every parameter used)
+            x = x + 0.0 * sum(p.sum() for p in self.patches.parameters())
         for conv, mlp in zip(self.convs, self.mlps):
             h = F.pad(x.transpose(1, 2), (self.kernel - 1, 0))  # causal: pad on the left
             x = x + conv(h).transpose(1, 2)
             x = x + mlp(x)
         return self.head(self.norm(x[where]))  # only positions with a label: no padding
+
+    def _vision(self, images: dict[str, torch.Tensor], input_ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """[B, L, D]: each patch's embedding at its placeholder token (sample b's patches are its
+        first tokens), zero elsewhere. Runs on an empty set of patches too (DDP wants every
+        parameter used)."""
+        vision = vision_inputs(images, dtype=torch.float32, device=input_ids.device)
+        embedded = self.patches(vision.pixel_values)  # [ΣP, D]
+        offsets = images["pixel_values_offsets"].long()
+        counts = offsets[1:] - offsets[:-1]
+        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        columns = torch.arange(len(rows)) - torch.repeat_interleave(offsets[:-1], counts)
+        if len(rows) and not bool((input_ids[rows, columns] == IMAGE_TOKEN_ID).all()):
+            raise ValueError("a patch does not land on an image placeholder token")
+        return torch.zeros(shape).index_put((rows, columns), embedded, accumulate=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 with sync:
                     labels = mb["labels"].long()
                     where = labels != IGNORE_ID
-                    loss = F.cross_entropy(model(mb["input_ids"].long(), where), labels[where], reduction="sum")
+                    images = mb if "pixel_values" in mb and len(mb["sample_row"]) == len(mb["input_ids"]) else None
+                    loss = F.cross_entropy(model(mb["input_ids"].long(), where, images), labels[where], reduction="sum")
                     # DDP averages gradients over ranks; scale so the sum is the global token mean.
                     (loss * args.world_size / max(batch["global_loss_tokens"], 1)).backward()
                 loss_sum += loss.detach()

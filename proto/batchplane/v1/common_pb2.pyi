@@ -105,7 +105,7 @@ class JobInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., hooks: _Optional[_Union[Hooks, _Mapping]] = ..., fingerprints: _Optional[_Mapping[str, str]] = ..., format: _Optional[_Union[BatchFormat, _Mapping]] = ...) -> None: ...
 
 class BatchFormat(_message.Message):
-    __slots__ = ("pad_id", "ignore_id", "labels", "packing", "pack_length", "max_length", "length_policy")
+    __slots__ = ("pad_id", "ignore_id", "labels", "packing", "pack_length", "max_length", "length_policy", "payload")
     PAD_ID_FIELD_NUMBER: _ClassVar[int]
     IGNORE_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class BatchFormat(_message.Message):
     PACK_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     pad_id: int
     ignore_id: int
     labels: str
@@ -120,7 +121,22 @@ class BatchFormat(_message.Message):
     pack_length: int
     max_length: int
     length_policy: str
-    def __init__(self, pad_id: _Optional[int] = ..., ignore_id: _Optional[int] = ..., labels: _Optional[str] = ..., packing: bool = ..., pack_length: _Optional[int] = ..., max_length: _Optional[int] = ..., length_policy: _Optional[str] = ...) -> None: ...
+    payload: _containers.RepeatedCompositeFieldContainer[PayloadColumn]
+    def __init__(self, pad_id: _Optional[int] = ..., ignore_id: _Optional[int] = ..., labels: _Optional[str] = ..., packing: bool = ..., pack_length: _Optional[int] = ..., max_length: _Optional[int] = ..., length_policy: _Optional[str] = ..., payload: _Optional[_Iterable[_Union[PayloadColumn, _Mapping]]] = ...) -> None: ...
+
+class PayloadColumn(_message.Message):
+    __slots__ = ("name", "kind", "dtype", "shape", "fill")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FILL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    fill: float
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fill: _Optional[float] = ...) -> None: ...
 
 class JobLength(_message.Message):
     __slots__ = ("num_steps", "infinite", "unknown")

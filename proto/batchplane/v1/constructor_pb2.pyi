@@ -19,7 +19,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank", "resume", "restart")
+    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,12 +32,16 @@ class GetBatchRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SLABS_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
     resume: _containers.ScalarMap[str, str]
     restart: bool
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ...) -> None: ...
+    shm_session: str
+    released_slabs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetLengthRequest(_message.Message):
     __slots__ = ("wait_ms",)
@@ -88,7 +92,7 @@ class SubBatchSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches")
+    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches", "shm")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +104,7 @@ class BatchHeader(_message.Message):
     CP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     SUBBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     dp_rank: int
@@ -111,7 +116,18 @@ class BatchHeader(_message.Message):
     cp_rank: int
     tp_rank: int
     subbatches: _containers.RepeatedCompositeFieldContainer[SubBatchSpec]
-    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ...) -> None: ...
+    shm: ShmPlacement
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ...) -> None: ...
+
+class ShmPlacement(_message.Message):
+    __slots__ = ("slab", "offset", "length")
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    slab: int
+    offset: int
+    length: int
+    def __init__(self, slab: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ("header", "chunk")

@@ -51,12 +51,14 @@ class ConstructorServicer(object):
 
     def GetBatch(self, request, context):
         """One rank's batch for one step. The first message is a BatchHeader; then Chunks follow
-        until `BatchHeader.payload_bytes` bytes have arrived, and the stream ends. Asking for step
+        until `BatchHeader.payload_bytes` bytes have arrived, and the stream ends (with
+        `BatchHeader.shm` set the payload lies in shared memory and the header is the only message). Asking for step
         s tells the constructor the rank is done with every earlier step; the current step can be
         asked for again (a retry), an earlier one only with `restart` (a trainer restarted from an
         older checkpoint: a rewind). Waits up to `wait_ms` for the batch, then answers UNAVAILABLE
         (retry; `wait_ms` is cut to 60 s). Errors: INVALID_ARGUMENT for a rank outside the mesh or
-        not served here, a negative step or a `resume` map of more than 32 fingerprints,
+        not served here, a negative step, a `resume` map of more than 32 fingerprints or
+        `released_slabs` beyond their bounds,
         FAILED_PRECONDITION for a step the rank has already moved past (without `restart`), one
         before the oldest step the planner's ledger can re-plan (the message names it), or one more
         than a step past the furthest step the constructor's ranks have reached.

@@ -47,9 +47,14 @@ class LoaderServicer(object):
     def FetchSamples(self, request, context):
         """The payloads of planned samples, for one constructor and one step. The first message is a
         FetchHeader; then Chunks follow until `FetchHeader.payload_bytes` bytes have arrived, and
-        the stream ends. The payload is an Arrow IPC stream of one record batch with columns
-        `source` (int32), `seq` (int64) and `input_ids` (list of int32), one row per requested
-        sample. Safe to retry: the loader keeps a step's samples until the constructor
+        the stream ends. The payload is an Arrow IPC stream of one record batch, one row per
+        requested sample, with columns `source` (int32), `seq` (int64), `input_ids` (list of
+        int32), then each column the job declares in `batch.payload`, in declaration order and
+        named as declared: a "token" column as a list of its dtype with len(input_ids) *
+        prod(shape) values per sample, a "sample" column as its dtype (shape []) or a fixed-size
+        list of prod(shape) values, a "blob" column as a list of its dtype holding a multiple of
+        prod(shape) values (its rows, flattened). A source that does not return a declared column
+        sends its empty value (`fill` per token or sample, no blob rows). Safe to retry: the loader keeps a step's samples until the constructor
         releases them (`release_below_step`), and reads again a window it does not hold (after a
         restart), answering UNAVAILABLE while it reads. Only positions the planner may have planned
         from this replica are served: others are UNAVAILABLE before anything is read (the replica

@@ -128,34 +128,42 @@ class GetPlanRequest(_message.Message):
     def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ...) -> None: ...
 
 class RankPlan(_message.Message):
-    __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders")
+    __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders", "copies")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     FETCHERS_FIELD_NUMBER: _ClassVar[int]
     LOADERS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     samples: _common_pb2.SampleSet
     microbatch_offsets: _common_pb2.Array
     fetchers: int
     loaders: _common_pb2.Array
-    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., fetchers: _Optional[int] = ..., loaders: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    copies: _common_pb2.Array
+    def __init__(self, dp_rank: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., microbatch_offsets: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., fetchers: _Optional[int] = ..., loaders: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class SubPlanPart(_message.Message):
-    __slots__ = ("name", "axis", "metadata", "bucket", "samples", "values")
+    __slots__ = ("name", "axis", "metadata", "bucket", "samples", "values", "columns", "loaders", "copies")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LOADERS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     axis: str
     metadata: str
     bucket: int
     samples: _common_pb2.SampleSet
     values: _common_pb2.Array
-    def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    loaders: _common_pb2.Array
+    copies: _common_pb2.Array
+    def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., columns: _Optional[_Iterable[str]] = ..., loaders: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
     __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses", "oldest_step")

@@ -9,8 +9,10 @@ Each benchmark is a module of this package with:
   `progress(message)` reports progress on long work (printed to stderr, never to stdout).
 
 Pure of services: benchmarks drive the planning and delivery logic in process; no sockets. The
-exceptions are `chaos`, which measures failures of the services themselves, and `transport`,
-which measures what mutual TLS costs them: they run a job's processes on this machine.
+exceptions are `chaos`, which measures failures of the services themselves, `transport`, which
+measures what mutual TLS costs them, and `delivery`, which measures the bytes path into the
+trainer's tensors (a constructor server in a child process, a plain gRPC stream) and a job
+against colocated DataLoader processes: they run processes and sockets on this machine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ BENCHMARKS = {
     "ledger": "batchplane.bench.ledger",
     "chaos": "batchplane.bench.chaos",
     "transport": "batchplane.bench.transport",
+    "delivery": "batchplane.bench.delivery",
 }
 
 

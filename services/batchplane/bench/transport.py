@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = pathlib.Path(tmp)
-        data = write_demo_dataset(root / "data", sources=_sources(args.rows), vocab_size=4096, seed=0)
+        data = write_demo_dataset(root / "data", sources=text_sources(args.rows), vocab_size=4096, seed=0)
         lengths = _lengths(data)
         records = []
         for repeat in range(args.repeats):
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     return {"records": records, "summary": summary, "trainer": {"ranks": len(RANKS), "global_batch_size": args.batch, "step_seconds": 0}}
 
 
-def _sources(rows: int) -> list[DemoSource]:
+def text_sources(rows: int) -> list[DemoSource]:
+    """Four text sources of rows/4 rows each (at least 50), skewed lengths up to 1,024 tokens."""
     share = max(rows // 4, 50)
     return [
         DemoSource("web", "web text", share, 2, 100, (LogNormal(median=300, sigma=0.6),), min_length=8, max_length=1024),

@@ -11,6 +11,9 @@ From the trainer (each refusal is the trainer's request's error; nothing else is
   have started, a step past the furthest step any of them asked for plus one is
   FAILED_PRECONDITION (`progress.BuildProgress.ask`): a trainer moves one step at a time, and
   one that resumes from a checkpoint resumes at a step this data plane has reached.
+- GetBatch's shared-memory fields: at most MAX_RELEASED_SLABS `released_slabs`, each a slab the
+  request's session holds (INVALID_ARGUMENT; `check_released_slabs`). An `shm_session` the
+  constructor does not know is no error: that batch goes over gRPC.
 - Report: a step in [0, MAX_STEP] and losses only of the job's sources (so at most one per
   source), each a finite number >= 0 (INVALID_ARGUMENT); a step no rank here has been built
   is FAILED_PRECONDITION, one before the oldest step the planner's ledger keeps is not
@@ -25,16 +28,28 @@ never ends the build thread or the process.
   `fetch_payload_limit(samples, tokens)` bytes, the most the Arrow payload of the samples asked
   for can take with the lengths the plan gives them, checked before the buffer is allocated;
   then exactly the samples asked for with their planned lengths (`responses.receive_samples`).
+  With declared payload columns the announced size is bounded by the columns' declared shapes
+  (token and sample columns, from the planned lengths) and, for everything together, by
+  `fetch_bytes_cap`: the job's `loaders.buffer_bytes` plus the IPC stream's own bytes. A loader
+  never sends more: it refuses (RESOURCE_EXHAUSTED) a fetch whose samples take more than
+  `loaders.buffer_bytes`, so a larger announcement is malformed (a blob's rows are bounded by
+  nothing else the plan says).
 - The planner's GetPlan answer: the step asked for, an `oldest_step` in [0, step], per bucket
   arrays of one length n (at most one step's samples), microbatch offsets from 0 rising to n (at
-  most max(n, microbatches) microbatches), `fetchers` in [1, constructors] and lengths >= 0
-  (`check_plan_step`, `check_bucket`).
+  most max(n, microbatches) microbatches), `fetchers` in [1, constructors], per-sample `copies`
+  (when given) of length n in [1, constructors], and lengths >= 0 (`check_plan_step`,
+  `check_bucket`). Each secondary graph's part (`check_subplan_part`): an axis of the mesh and a
+  bucket one of this constructor's ranks consumes (each (graph, bucket) once), arrays of one
+  length n (at most one step's samples), lengths >= 0, a `metadata` name that is no other
+  tensor's, no sample listed twice in the graph's parts; a part that delivers `columns` names
+  each once, each a declared payload column of kind "sample" or "blob", with `loaders` of
+  length n indexing `loader_addresses` and `copies` of length n in [1, constructors].
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +63,10 @@ MAX_RESUME_KEYS = 32
 MAX_RESUME_KEY_CHARS = 64
 #: Characters of a `resume` value.
 MAX_RESUME_VALUE_CHARS = 256
+#: Slab ids one GetBatch request may release (a client releases about one per step).
+MAX_RELEASED_SLABS = 64
+#: Characters of a GetBatch request's `shm_session` (128 bits in hex).
+MAX_SESSION_CHARS = 32
 #: Bytes of an Arrow IPC stream besides its buffers: the schema and record batch messages,
 #: padding and the end-of-stream marker (a few hundred bytes in practice).
 FETCH_OVERHEAD_BYTES = 64 << 10
@@ -56,6 +75,14 @@ FETCH_OVERHEAD_BYTES = 64 << 10
 FETCH_SAMPLE_BYTES = 64
 #: Bytes of one token in a fetched payload (int32).
 TOKEN_BYTES = 4
+#: Bytes one declared column may take in a payload besides its values: its buffers' padding and
+#: metadata, and per sample a list offset and validity bit (rounded up generously).
+COLUMN_OVERHEAD_BYTES = 1024
+COLUMN_SAMPLE_BYTES = 16
+#: The axes a secondary graph's part may name (`batchplane.core.mesh.DISTRIBUTION_AXES`).
+PART_AXES = ("DP", "CP", "WORLD")
+#: Kinds of payload columns a secondary graph may deliver (a token column travels with its sequences).
+DELIVERABLE_KINDS = ("sample", "blob")
 
 
 class MalformedResponse(Unavailable):
@@ -77,6 +104,16 @@ def fetch_payload_limit(*, samples: int, tokens: int) -> int:
     """The most bytes a FetchSamples payload of `samples` samples holding `tokens` tokens (their
     planned lengths) may take."""
     return FETCH_OVERHEAD_BYTES + FETCH_SAMPLE_BYTES * samples + TOKEN_BYTES * tokens
+
+
+def fetch_bytes_cap(*, buffer_bytes: int, samples: int, columns: int) -> int:
+    """The most bytes any FetchSamples payload of `samples` samples with `columns` declared
+    columns may take: the loader's budget `loaders.buffer_bytes` (it refuses a fetch whose
+    samples take more) plus the IPC stream's own bytes (schema, padding, offsets, validity)."""
+    return (
+        buffer_bytes + FETCH_OVERHEAD_BYTES + columns * COLUMN_OVERHEAD_BYTES
+        + samples * (FETCH_SAMPLE_BYTES + columns * COLUMN_SAMPLE_BYTES)
+    )
 
 
 def check_fetch_header(payload_bytes: int, num_samples: int, *, samples: int, tokens: int, peer: str, address: str) -> None:
@@ -119,6 +156,7 @@ def check_bucket(
     microbatches: int,
     peer: str,
     address: str,
+    copies: np.ndarray | None = None,
 ) -> None:
     """Checks one RankPlan's numbers.
 
@@ -131,9 +169,10 @@ def check_bucket(
         constructors: Constructors in the job.
         max_samples: Samples one step plans (`batch.global_batch_size`).
         microbatches: Microbatches a rank has per step at least (`batch.microbatches`).
+        copies: int32 [n], per sample how many constructors fetch it (RankPlan.copies), or None.
     Raises:
         MalformedResponse: arrays of other lengths, more than one step's samples, offsets that
-            do not rise from 0 to n or make too many microbatches, fetchers outside
+            do not rise from 0 to n or make too many microbatches, fetchers or copies outside
             [1, constructors], or a negative length.
     """
     where = f"bucket {bucket}"
@@ -151,6 +190,97 @@ def check_bucket(
         raise MalformedResponse(peer, address, f"{where}: fetchers {fetchers} outside [1, {constructors}]")
     if len(lengths) and lengths.min() < 0:
         raise MalformedResponse(peer, address, f"{where}: a negative sample length")
+    if copies is not None:
+        _check_copies(copies, n=n, constructors=constructors, where=where, peer=peer, address=address)
+
+
+def _check_copies(copies: np.ndarray, *, n: int, constructors: int, where: str, peer: str, address: str) -> None:
+    if len(copies) != n:
+        raise MalformedResponse(peer, address, f"{where}: copies of {len(copies)} entries for {n} samples")
+    if n and not 1 <= copies.min() <= copies.max() <= constructors:
+        raise MalformedResponse(peer, address, f"{where}: copies outside [1, {constructors}]")
+
+
+def check_subplan_part(
+    *,
+    name: str,
+    axis: str,
+    bucket: int,
+    metadata: str,
+    sizes: Mapping[str, int],
+    lengths: np.ndarray,
+    columns: Sequence[str],
+    kinds: Mapping[str, str],
+    loaders: np.ndarray | None,
+    copies: np.ndarray | None,
+    loader_count: int,
+    constructors: int,
+    max_samples: int,
+    consumed: bool,
+    peer: str,
+    address: str,
+) -> None:
+    """Checks one SubPlanPart's numbers (a secondary graph's samples for one bucket).
+
+    Args:
+        sizes: Entries of each per-sample array (samples, values) by field name.
+        lengths: int32 [n], its samples' planned lengths.
+        columns: The payload columns it delivers (SubPlanPart.columns).
+        kinds: The job's declared payload columns, name -> kind.
+        loaders: int32 [n], each sample's loader in `loader_addresses` (None when absent).
+        copies: int32 [n], constructors fetching each sample (None when absent).
+        loader_count: Entries of the response's `loader_addresses`.
+        consumed: Whether one of this constructor's ranks consumes (axis, bucket).
+    Raises:
+        MalformedResponse: an unknown axis, a bucket no rank here consumes, arrays of other
+            lengths, more than one step's samples, a negative length, a metadata name that is a
+            tensor's (sample_*, a delivered column's), a column named twice, undeclared or of
+            kind "token", or (with columns) loaders or copies missing, of another length, or
+            out of range.
+    """
+    where = f"subplan {name[:64]!r} bucket {bucket}"
+    if axis not in PART_AXES:
+        raise MalformedResponse(peer, address, f"{where}: axis {axis[:16]!r} is none of {', '.join(PART_AXES)}")
+    if not consumed:
+        raise MalformedResponse(peer, address, f"{where}: no rank of this constructor consumes bucket {bucket} of axis {axis}")
+    counts = set(sizes.values())
+    if len(counts) > 1:
+        raise MalformedResponse(peer, address, f"{where}: per-sample arrays of different lengths {dict(sizes)}")
+    n = counts.pop() if counts else 0
+    if n > max_samples:
+        raise MalformedResponse(peer, address, f"{where}: {n} samples, more than one step's {max_samples}")
+    if len(lengths) and lengths.min() < 0:
+        raise MalformedResponse(peer, address, f"{where}: a negative sample length")
+    if len(set(columns)) != len(columns):
+        raise MalformedResponse(peer, address, f"{where}: a column is named twice in its columns")
+    for column in columns:
+        if kinds.get(column) not in DELIVERABLE_KINDS:
+            what = "is not a declared payload column" if column not in kinds else f"is a {kinds[column]} column"
+            raise MalformedResponse(peer, address, f"{where}: column {column[:64]!r} {what}; a part delivers sample or blob columns")
+    taken = {t for c in columns for t in (c, c + "_offsets")}
+    if not metadata or metadata.startswith("sample_") or metadata in taken:
+        raise MalformedResponse(peer, address, f"{where}: metadata name {metadata[:64]!r} is another tensor's")
+    if not columns:
+        return
+    if loaders is None or copies is None:
+        raise MalformedResponse(peer, address, f"{where}: delivers columns without loaders and copies per sample")
+    if len(loaders) != n:
+        raise MalformedResponse(peer, address, f"{where}: loaders of {len(loaders)} entries for {n} samples")
+    if n and not 0 <= loaders.min() <= loaders.max() < loader_count:
+        raise MalformedResponse(peer, address, f"{where}: loaders outside its {loader_count} loader addresses")
+    _check_copies(copies, n=n, constructors=constructors, where=where, peer=peer, address=address)
+
+
+def check_unique_samples(source: np.ndarray, seq: np.ndarray, *, where: str, peer: str, address: str) -> None:
+    """Raises MalformedResponse when a (source, seq) occurs twice in `where`."""
+    if len(seq) < 2:
+        return
+    order = np.lexsort((seq, source))
+    s, q = source[order], seq[order]
+    same = (s[1:] == s[:-1]) & (q[1:] == q[:-1])
+    if same.any():
+        i = int(np.flatnonzero(same)[0])
+        raise MalformedResponse(peer, address, f"{where}: sample (source {int(s[i])}, seq {int(q[i])}) is listed twice")
 
 
 def check_batch_request(*, rank: int, step: int, world: int, resume: Mapping[str, str]) -> None:
@@ -192,3 +322,28 @@ def check_report(*, step: int, losses: Mapping[str, float], sources: Sequence[st
     for name, loss in losses.items():
         if not (math.isfinite(loss) and loss >= 0):
             raise InvalidArgument(f"report of step {step}: the loss of source {name!r} must be a finite number >= 0, got {loss!r}")
+
+
+def check_released_slabs(released: Sequence[int], *, session: str, holds: Callable[[int], bool] | None) -> None:
+    """Checks a GetBatch request's shared-memory fields.
+
+    Args:
+        released: Its `released_slabs`.
+        session: Its `shm_session`.
+        holds: Whether the request's session holds a slab; None when the session is unknown
+            (then the ids are not checked against it: a constructor that restarted knows none).
+    Raises:
+        InvalidArgument: a session id past MAX_SESSION_CHARS, more than MAX_RELEASED_SLABS ids,
+            or an id the session does not hold (or repeated).
+    """
+    if len(session) > MAX_SESSION_CHARS:
+        raise InvalidArgument(f"shm_session: at most {MAX_SESSION_CHARS} characters, got {len(session)}")
+    if len(released) > MAX_RELEASED_SLABS:
+        raise InvalidArgument(f"released_slabs: at most {MAX_RELEASED_SLABS} ids, got {len(released)}")
+    if holds is None:
+        return
+    if len(set(released)) != len(released):
+        raise InvalidArgument("released_slabs: an id is repeated")
+    for slab in released:
+        if not holds(slab):
+            raise InvalidArgument(f"released_slabs: slab {slab} is not held by session {session[:MAX_SESSION_CHARS]!r}")

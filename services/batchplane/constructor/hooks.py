@@ -4,10 +4,14 @@ Pure numpy; no I/O.
 The hook gets each built microbatch (writable copies of its tensors) and a MicrobatchContext,
 and returns the microbatch's tensors: it may add tensors (per-token loss weights, document
 masks, attention biases) and rewrite built ones in place of their shape and dtype. It may not
-drop a tensor or touch the samples' identity (`sample_*`), which I1 is checked on. 2-D tensors
-are per-token, shaped like input_ids, so CP ranks get their slice of them; tensors the
-constructor does not build itself go to every pipeline stage. It runs before CP slicing and
-the stage filter, once per bucket, so every TP peer still gets the same bytes (I3).
+drop a tensor or touch the samples' identity (`sample_*`), which I1 is checked on. It sees the
+job's declared payload columns (`batch.payload`) as built: token columns [rows, width, *shape],
+sample columns [samples, *shape], blobs [Σ rows, *shape] with `<name>_offsets`. A tensor the
+hook adds is per token when it is 2-D, and must then be shaped like input_ids: it is recorded
+by name in the batch's `token_columns` (padded with 0), so CP ranks get their slice of it; any
+other tensor it adds passes CP whole. Tensors the constructor does not build itself (declared
+columns, a hook's) go to every pipeline stage. It runs before CP slicing and the stage filter,
+once per bucket, so every TP peer still gets the same bytes (I3).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def apply_constructor_hook(hook: Callable, batch: BuiltBatch, *, sources: tuple[
             not shaped like input_ids.
     """
     out = []
+    token_columns = dict(batch.token_columns)
     count = len(batch.microbatches)
     for m, (tensors, meta) in enumerate(zip(tensors_of(batch), batch.microbatches)):
         context = MicrobatchContext(batch.step, batch.rank, m, count, meta.loss_weight, sources)
@@ -67,8 +72,10 @@ def apply_constructor_hook(hook: Callable, batch: BuiltBatch, *, sources: tuple[
             result = hook(given, context)
         except Exception as exc:  # noqa: BLE001 - user code: any failure is the hook's
             raise HookError(f"{name} raised {type(exc).__name__}: {exc}") from exc
-        out.append((_checked(result, tensors, name), meta))
-    return lay_out(out, step=batch.step, rank=batch.rank, global_loss_tokens=batch.global_loss_tokens)
+        checked = _checked(result, tensors, name)
+        token_columns.update((k, 0) for k, v in checked.items() if k not in tensors and v.ndim == 2)
+        out.append((checked, meta))
+    return lay_out(out, step=batch.step, rank=batch.rank, global_loss_tokens=batch.global_loss_tokens, token_columns=token_columns)
 
 
 def _checked(result: object, built: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:

@@ -88,6 +88,34 @@ class ConstructorMetrics:
             ["peer"],
             registry=registry,
         )
+        self.shm_slabs = Gauge(
+            "batchplane_constructor_shm_slabs",
+            "Shared-memory slabs allocated now (free or in use; reused, at most constructors.shm_bytes together).",
+            registry=registry,
+        )
+        self.shm_mapped_bytes = Gauge(
+            "batchplane_constructor_shm_mapped_bytes",
+            "Bytes of the shared-memory slabs allocated now.",
+            registry=registry,
+        )
+        self.shm_placements = Counter(
+            "batchplane_constructor_shm_placements_total",
+            "Batch payloads copied into a shared-memory slab (a slab shared by ranks served the same batch counts once).",
+            registry=registry,
+        )
+        self.shm_fallbacks = Counter(
+            "batchplane_constructor_shm_fallbacks_total",
+            "Batches of a client with a shared-memory session that went over the gRPC stream instead, by reason: full "
+            "(the slabs in use fill constructors.shm_bytes), too_large (one batch is past it), unknown_session (a session "
+            "this constructor does not know: it restarted, or the session ended), session_lost (the fd could not be sent).",
+            ["reason"],
+            registry=registry,
+        )
+        self.shm_sessions = Gauge(
+            "batchplane_constructor_shm_sessions",
+            "Clients connected to the slab socket now (one per trainer process using shared memory).",
+            registry=registry,
+        )
         self.hook_failures = Counter(
             "batchplane_constructor_hook_failures_total",
             "Steps that could not be built because the strategy's constructor_do_plan hook raised or broke the delivery rules.",

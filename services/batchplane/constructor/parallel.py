@@ -2,11 +2,15 @@
 sequence packing and the pipeline-parallel (PP) stage filter. Pure numpy; no I/O, no grpc, no
 torch. They run for every microbatch of every step, so the per-token work is vectorized.
 
-A microbatch is a mapping of tensor name to array: 2-D [rows, width] tensors (input_ids,
-labels, attention_mask, position_ids, segment_ids), 1-D per-sample metadata (sample_*, one entry
-per sample), 1-D per-sequence cu_seqlens and 0-d scalars (max_seqlen). Labels are the next token
-*within a sequence* (`ignore_id` on each sequence's last token and on padding); they are
-computed before any slicing, so cutting the columns never changes a label.
+A microbatch is a mapping of tensor name to array. Which tensors are per token is said by name,
+never inferred from a shape: the built ones (TOKEN_TENSORS: input_ids, labels, attention_mask,
+position_ids, segment_ids, loss_mask, each [rows, width]) and the job's declared "token" payload
+columns (`batchplane.core.payload`, [rows, width, *shape]) are laid out like input_ids and cut
+on axis 1 by CP; everything else passes CP whole: per-sample metadata (sample_*, one entry per
+sample), the per-sequence cu_seqlens, 0-d scalars (max_seqlen), declared "sample" columns
+[samples, *shape] and "blob" columns [Σ rows, *shape] with their `<name>_offsets`. Labels are
+the next token *within a sequence* (`ignore_id` on each sequence's last token and on padding);
+they are computed before any slicing, so cutting the columns never changes a label.
 
 A sequence is a sample, or under `batch.length_policy` "split" one chunk of a sample longer than
 `batch.max_length` (see `batchplane.core.lengths`): the sample's consecutive chunks of at most
@@ -46,7 +50,11 @@ STAGE_TENSORS: Mapping[str, frozenset[str]] = MappingProxyType({
     LAST: frozenset({"labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
 })
 SAMPLE_PREFIX = "sample_"
-#: Every tensor the constructor builds; others (a constructor_do_plan hook's) go to every stage.
+#: The per-token tensors the constructor builds, [rows, width] like input_ids: CP slices them
+#: (besides these, it slices the tensors it is given pad values for: declared token columns).
+TOKEN_TENSORS = frozenset({"input_ids", "labels", "attention_mask", "position_ids", "segment_ids", "loss_mask"})
+#: Every tensor the constructor builds; others (declared payload columns, a constructor_do_plan
+#: hook's) go to every stage.
 BUILT_TENSORS = frozenset().union(*STAGE_TENSORS.values(), {"attention_mask", "input_ids", "labels"})
 
 
@@ -142,49 +150,61 @@ def cp_slice(
     mode: str,
     pad_values: Mapping[str, int | bool],
 ) -> dict[str, np.ndarray]:
-    """CP rank `rank`'s share of a microbatch: the 2-D tensors are padded on the right to
-    cp_width(...) and cut to the rank's columns (`cp_columns`); everything else passes through.
+    """CP rank `rank`'s share of a microbatch: the per-token tensors are padded on the right to
+    cp_width(...) and cut to the rank's columns (`cp_columns`) on axis 1; everything else passes
+    through whole.
+
+    The per-token tensors are chosen by name, not by shape: those of TOKEN_TENSORS present in
+    `tensors`, and every tensor named in `pad_values` (a job's declared token columns, a hook's
+    per-token tensors). A per-token tensor is [rows, width, *inner]: a token column of shape [k]
+    is [rows, width, k] and is cut on axis 1 like the others. A [samples, 3] per-sample column
+    or a [patches, 1176] blob is not named, so it passes whole.
 
     position_ids are not renumbered: each column keeps its position in the full sequence,
     which is what rotary embeddings and the causal mask of ring attention need on a rank that
     holds non-adjacent chunks. Labels were computed on the full sequence, so the label of a
     chunk's last column is still the next token of the sequence (held by another rank), and a
-    label never crosses a sample boundary. 1-D (sample_*, cu_seqlens) and 0-d (max_seqlen)
-    tensors pass through unchanged and keep describing the full rows, not the slice: for packed
-    rows, the kernel masks by segment_ids (sliced like the tokens). TransformerEngine's THD
-    layout, which splits every packed sequence in 2 * cp chunks of its own, is not this.
+    label never crosses a sample boundary. The others (sample_*, cu_seqlens, max_seqlen, sample
+    and blob columns) pass through unchanged and keep describing the full rows, not the slice:
+    for packed rows, the kernel masks by segment_ids (sliced like the tokens). TransformerEngine's
+    THD layout, which splits every packed sequence in 2 * cp chunks of its own, is not this.
 
     Args:
-        tensors: The microbatch; all 2-D tensors share one width.
+        tensors: The microbatch; all per-token tensors share one width (axis 1).
         cp: The context-parallel size.
         rank: The CP rank, in [0, cp).
         mode: "contiguous" or "zigzag".
-        pad_values: The padding of each 2-D tensor by name (e.g. pad_id for input_ids,
-            ignore_id for labels, False for attention_mask, 0 for position_ids/segment_ids).
+        pad_values: The padding of each per-token tensor by name (e.g. pad_id for input_ids,
+            ignore_id for labels, False for attention_mask, 0 for position_ids/segment_ids, a
+            declared token column's `fill`); a name not in `tensors` is ignored.
 
     Returns:
-        A new dict: each 2-D tensor as a new C-contiguous array [rows, cp_width(...) / cp] of
-        its dtype; the other tensors as they were (the same objects).
+        A new dict: each per-token tensor as a new C-contiguous array [rows, cp_width(...) / cp,
+        *inner] of its dtype; the other tensors as they were (the same objects).
 
     Raises:
-        ValueError: for a bad cp, rank or mode, 2-D tensors of different widths, or a 2-D
-            tensor without a pad value.
+        ValueError: for a bad cp, rank or mode, per-token tensors of different widths or of
+            fewer than 2 dimensions, or a TOKEN_TENSORS tensor without a pad value.
     """
-    widths = {name: t.shape[1] for name, t in tensors.items() if t.ndim == 2}
-    if len(set(widths.values())) > 1:
-        raise ValueError(f"tensors: 2-D tensors must share one width, got {widths}")
-    missing = sorted(name for name in widths if name not in pad_values)
+    missing = sorted(name for name in tensors if name in TOKEN_TENSORS and name not in pad_values)
     if missing:
         raise ValueError(f"pad_values: no pad value for {', '.join(missing)}")
+    per_token = [name for name in tensors if name in pad_values]
+    flat = sorted(name for name in per_token if tensors[name].ndim < 2)
+    if flat:
+        raise ValueError(f"tensors: per-token tensors must be [rows, width, ...], got {', '.join(f'{n} {list(tensors[n].shape)}' for n in flat)}")
+    widths = {name: tensors[name].shape[1] for name in per_token}
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"tensors: per-token tensors must share one width, got {widths}")
     width = next(iter(widths.values()), 0)
     padded, ranges = _cp_ranges(width, cp=cp, rank=rank, mode=mode)
     share = padded // cp
     out: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
-        if t.ndim != 2:
+        if name not in widths:
             out[name] = t
             continue
-        part = np.empty((t.shape[0], share), dtype=t.dtype)
+        part = np.empty((t.shape[0], share, *t.shape[2:]), dtype=t.dtype)
         at = 0
         for lo, hi in ranges:
             real = max(min(hi, width) - lo, 0)
@@ -196,6 +216,25 @@ def cp_slice(
 
 
 # --- packing ---------------------------------------------------------------------------------
+
+
+class TokenColumn:
+    """A declared token column of a microbatch's samples, for `pack` (a `batch.payload` entry
+    of kind "token", `batchplane.core.payload.PayloadColumn`, with its values; a plain class so
+    that this module imports numpy only).
+
+    Args:
+        name: The tensor's name.
+        dtype: Its NumPy dtype name.
+        shape: The shape of one token's value: () for a scalar.
+        fill: The value of padding.
+        values: Per sample, its values [len(tokens[i]), *shape].
+    """
+
+    __slots__ = ("name", "dtype", "shape", "fill", "values")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], fill: float, values: Sequence[np.ndarray]) -> None:
+        self.name, self.dtype, self.shape, self.fill, self.values = name, dtype, tuple(shape), fill, values
 
 
 def _pack_rows(lengths: list[int], max_length: int) -> np.ndarray:
@@ -219,6 +258,7 @@ def pack(
     dtype: str,
     max_sample_length: int | None = None,
     length_policy: str = "split",
+    columns: Sequence[TokenColumn] = (),
 ) -> dict[str, np.ndarray]:
     """Packs a microbatch's sequences, in order, into rows of at most `max_length` tokens.
 
@@ -240,6 +280,8 @@ def pack(
         max_sample_length: `batch.max_length`: with policy "split", longer samples are split;
             None (or another policy, which the loader applied already) splits nothing.
         length_policy: `batch.length_policy`: "split", "truncate" or "reject".
+        columns: Declared token columns to carry along; each is packed exactly like input_ids,
+            into [R, W, *shape] of its dtype with `fill` on padding.
 
     Returns:
         input_ids [R, W]; labels [R, W]: the next token within the same sequence, ignore_id on
@@ -250,7 +292,7 @@ def pack(
         varlen attention kernels take them; max_seqlen: 0-d int32, the longest sequence (0 with
         none); sample_rows int32 [S]: the row of each sample (of its first sequence);
         sample_chunks int32 [S]: the sequences of each sample (1 unless split). Without a split
-        sample, sequences are samples (Q == S).
+        sample, sequences are samples (Q == S). Then each of `columns` by its name.
 
     Raises:
         ValueError: for max_length < 1, a dtype other than int32/int64, a sample that is not
@@ -277,6 +319,7 @@ def pack(
             "max_seqlen": np.array(0, dtype=np.int32),
             "sample_rows": np.zeros(0, dtype=np.int32),
             "sample_chunks": np.zeros(0, dtype=np.int32),
+            **{c.name: np.full((1, 1, *c.shape), c.fill, dtype=c.dtype) for c in columns},
         }
     lengths = seqs.lengths  # per sequence
     n_seqs = len(lengths)
@@ -313,7 +356,17 @@ def pack(
         "max_seqlen": np.array(lengths.max(), dtype=np.int32),
         "sample_rows": rows[seqs.first],
         "sample_chunks": np.bincount(seqs.sample, minlength=count).astype(np.int32),
+        **{c.name: _scatter_column(c, mask) for c in columns},
     }
+
+
+def _scatter_column(column: TokenColumn, mask: np.ndarray) -> np.ndarray:
+    """A token column packed like input_ids: the samples' values in order at the real tokens
+    (row-major), `fill` elsewhere."""
+    out = np.full((*mask.shape, *column.shape), column.fill, dtype=column.dtype)
+    values = column.values
+    out[mask] = np.concatenate(values) if len(values) > 1 else values[0]
+    return out
 
 
 # --- pipeline parallelism --------------------------------------------------------------------
@@ -332,7 +385,9 @@ def stage_filter(
     The first stage gets STAGE_TENSORS["first"], the last STAGE_TENSORS["last"], middle stages
     STAGE_TENSORS["middle"] plus `middle`; every stage gets the per-sample metadata (names
     starting with "sample_") and tensors the constructor does not build (not in
-    BUILT_TENSORS: a constructor_do_plan hook's, which the model may need anywhere). With one stage, it is first and last and gets every tensor. When
+    BUILT_TENSORS: the job's declared payload columns of every kind, with a blob's
+    `<name>_offsets`, and a constructor_do_plan hook's tensors, which the model may need
+    anywhere: a vision encoder on one stage, a per-token loss weight on the last). With one stage, it is first and last and gets every tensor. When
     the last stage needs "loss_mask" and the microbatch has labels but no loss_mask, it is
     derived: labels != ignore_id.
 

@@ -29,19 +29,20 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, RankSamples, TensorLayout, assemble, derive, lay_out, metadata_only
+from batchplane.constructor.assemble import BuiltBatch, RankSamples, assemble, derive, metadata_only
 from batchplane.constructor.bounds import MalformedResponse, check_plan_step
 from batchplane.constructor.hooks import HookError, apply_constructor_hook
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.progress import BuildProgress
-from batchplane.constructor.responses import plan_buckets, receive_samples
+from batchplane.constructor.responses import plan_buckets, plan_subplans, receive_samples, sample_columns
+from batchplane.constructor.subbatch import FetchGroup, SubBatch, SubPart, fetch_list, lay_out_subbatches, part_group, primary_payload
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import ALL, DeliveryRules, Variant
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from batchplane.core.rpc import call_with_retry, reraise
 from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
-from batchplane.wire import decode_array, encode_array
+from batchplane.wire import encode_array
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,15 +62,6 @@ FETCH_RETRY_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
-class SubBatch:
-    """A secondary graph's per-sample data for one rank, laid out after its batch's payload."""
-
-    name: str
-    metadata: str
-    tensors: tuple[TensorLayout, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Delivery:
     """What one rank receives for one step: its (possibly shared) batch, then `extra`."""
 
@@ -77,7 +69,7 @@ class Delivery:
     rank: int
     variant: Variant
     subbatches: tuple[SubBatch, ...] = ()
-    extra: bytes = b""
+    extra: bytes | bytearray = b""
 
     @property
     def payload_bytes(self) -> int:
@@ -290,28 +282,35 @@ class StepPipeline:
         missing = sorted({v.bucket for v in variants.values()} - set(buckets))
         if missing:
             raise FailedPrecondition(f"the plan of step {step} lacks buckets {missing} this constructor's ranks consume")
-        fetch = sorted(wanted)
+        parts = plan_subplans(
+            plan, address=self._planner_address, constructors=self._job.constructor_count, max_samples=self._job.batch.global_batch_size,
+            payload=self._job.batch.payload, consumes=lambda axis, b: any(self.mesh.bucket_of(r, axis) == b for r in self.ranks),
+        )
+        # the buckets' samples and every delivering part's (`subbatch` module docstring), each once
+        groups = [FetchGroup(buckets[b].source, buckets[b].seq, buckets[b].length, buckets[b].copies, buckets[b].loaders) for b in sorted(wanted)]
+        fetch = fetch_list(groups + [part_group(p) for p in parts if p.columns], address=self._planner_address)
         tokens: dict[tuple[int, int], np.ndarray] = {}
-        if fetch:
-            sources = np.concatenate([buckets[b][0] for b in fetch])
-            seqs = np.concatenate([buckets[b][1] for b in fetch])
-            copies = np.concatenate([np.full(len(buckets[b][0]), buckets[b][6], np.int32) for b in fetch])
-            holders = np.concatenate([buckets[b][7] for b in fetch])
-            lengths = np.concatenate([buckets[b][4] for b in fetch])
+        columns: dict[str, dict[tuple[int, int], np.ndarray]] = {c.name: {} for c in self._job.batch.payload}
+        if len(fetch.seq):
             begin = time.perf_counter()
-            tokens = self._fetch(step, sources, seqs, copies, holders, lengths, list(plan.loader_addresses))
+            tokens, columns = self._fetch(step, fetch.source, fetch.seq, fetch.copies, fetch.holders, fetch.length, list(plan.loader_addresses))
             self._metrics.fetch_latency.observe(time.perf_counter() - begin)
         begin = time.perf_counter()
         batch = self._job.batch
+        payload = primary_payload(batch.payload, parts)  # delivered columns go to the subbatches
         pack_length = (batch.pack_length or self._job.balance.max_tokens or 2**31 - 1) if batch.packing else None
         built: dict[int, BuiltBatch] = {}
-        for bucket, (source, seq, row, epoch, length, offsets, _, _) in buckets.items():
+        for bucket, (source, seq, row, epoch, length, offsets, *_) in buckets.items():
             if bucket in wanted:
-                samples = RankSamples(tokens=[tokens[(int(k), int(s))] for k, s in zip(source, seq)], source=source, row=row, epoch=epoch, offsets=offsets)
+                keys = [(int(k), int(s)) for k, s in zip(source, seq)]
+                samples = RankSamples(
+                    tokens=[tokens[key] for key in keys], source=source, row=row, epoch=epoch, offsets=offsets,
+                    columns={c.name: [columns[c.name][key] for key in keys] for c in payload},
+                )
                 built[bucket] = assemble(
                     samples, step=step, rank=bucket, pad_id=batch.pad_id, ignore_id=batch.ignore_id,
                     token_dtype=batch.token_dtype, global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length,
-                    max_length=self._job.max_length, length_policy=batch.length_policy,
+                    max_length=self._job.max_length, length_policy=batch.length_policy, payload=payload,
                 )
                 if self._hook is not None:
                     try:
@@ -341,31 +340,19 @@ class StepPipeline:
                     pad_id=batch.pad_id,
                     ignore_id=batch.ignore_id,
                 )
-            deliveries.append(self._with_subplans(Delivery(variants_built[v], rank, v), plan))
+            deliveries.append(self._with_subplans(Delivery(variants_built[v], rank, v), parts, columns))
         self._metrics.build_latency.observe(time.perf_counter() - begin)
         return deliveries
 
-    def _with_subplans(self, delivery: Delivery, plan: planner_pb2.GetPlanResponse) -> Delivery:
-        """Adds the secondary graphs' per-sample data of the rank (e.g. the images it encodes)."""
-        parts = [p for p in plan.subplans if p.bucket == self.mesh.bucket_of(delivery.rank, p.axis)]
-        if not parts:
+    def _with_subplans(self, delivery: Delivery, parts: list[SubPart], columns: dict[str, dict[tuple[int, int], np.ndarray]]) -> Delivery:
+        """Adds the secondary graphs' per-sample data of the rank (e.g. the images it encodes,
+        with their pixels when the graph delivers them)."""
+        mine = [p for p in parts if p.bucket == self.mesh.bucket_of(delivery.rank, p.axis)]
+        if not mine:
             return delivery
-        arrays = [
-            {
-                "sample_source": decode_array(part.samples.source, field="subplans.samples.source", dtype="int32", ndim=1),
-                "sample_row": decode_array(part.samples.row, field="subplans.samples.row", dtype="int64", ndim=1),
-                "sample_epoch": decode_array(part.samples.epoch, field="subplans.samples.epoch", dtype="int32", ndim=1),
-                part.metadata: decode_array(part.values, field="subplans.values", dtype="int64", ndim=1),
-            }
-            for part in parts
-        ]
-        extra = lay_out([(a, MicrobatchLayout((), 0, 0, False)) for a in arrays], step=delivery.batch.step, rank=delivery.rank, global_loss_tokens=0)
         base = len(delivery.batch.payload)  # a multiple of 64: the extra tensors stay aligned
-        subbatches = tuple(
-            SubBatch(part.name, part.metadata, tuple(dataclasses.replace(s, offset=base + s.offset) for s in laid.tensors))
-            for part, laid in zip(parts, extra.microbatches)
-        )
-        return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra.payload))
+        subbatches, extra = lay_out_subbatches(mine, columns, self._job.batch.payload, step=delivery.batch.step, rank=delivery.rank, base=base)
+        return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra))
 
     def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
         """Forwards a trainer's training report to the planner, for a step built here
@@ -425,9 +412,10 @@ class StepPipeline:
 
     def _fetch(
         self, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, holders: np.ndarray, lengths: np.ndarray, addresses: list[str]
-    ) -> dict[tuple[int, int], np.ndarray]:
-        """Token ids of every (source, seq) of the step (of planned `lengths`), fetched in
-        parallel from the loader replicas that hold them (`holders` indexes `addresses`)."""
+    ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, dict[tuple[int, int], np.ndarray]]]:
+        """Token ids of every (source, seq) of the step (of planned `lengths`), and per declared
+        payload column each one's values (`responses.sample_columns`), fetched in parallel from
+        the loader replicas that hold them (`holders` indexes `addresses`)."""
         by_loader: dict[str, np.ndarray] = {}
         if len(holders) != len(seqs) or (len(holders) and not 0 <= holders.min() <= holders.max() < len(addresses)):
             raise FailedPrecondition(f"the plan of step {step} names loaders outside its {len(addresses)} loader addresses")
@@ -448,14 +436,18 @@ class StepPipeline:
                 self._fetchers.submit(self._release_at, address, step)
             self._holding.update((a, step) for a in jobs)
         tokens: dict[tuple[int, int], np.ndarray] = {}
+        columns: dict[str, dict[tuple[int, int], np.ndarray]] = {c.name: {} for c in self._job.batch.payload}
         for address, job in jobs.items():
             table = job.result()
             values = table.column("input_ids").combine_chunks()
             flat = values.values.to_numpy()
             offsets = values.offsets.to_numpy()
-            for i, (k, s) in enumerate(zip(table.column("source").to_numpy(), table.column("seq").to_numpy())):
-                tokens[(int(k), int(s))] = flat[offsets[i] : offsets[i + 1]]
-        return tokens
+            keys = [(int(k), int(s)) for k, s in zip(table.column("source").to_numpy(), table.column("seq").to_numpy())]
+            for i, key in enumerate(keys):
+                tokens[key] = flat[offsets[i] : offsets[i + 1]]
+            for name, views in sample_columns(table, self._job.batch.payload).items():
+                columns[name].update(zip(keys, views))
+        return tokens, columns
 
     def _release_at(self, address: str, step: int) -> None:
         """Tells a loader that served earlier steps what this constructor's ranks were handed
@@ -508,7 +500,10 @@ class StepPipeline:
 
         def attempt() -> pa.Table:
             stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
-            table, nbytes = receive_samples(stream, address=address, sources=sources, seqs=seqs, lengths=lengths)
+            table, nbytes = receive_samples(
+                stream, address=address, sources=sources, seqs=seqs, lengths=lengths, columns=self._job.batch.payload,
+                max_bytes=self._job.loaders.buffer_bytes,
+            )
             self._metrics.received_bytes.inc(nbytes)
             self._metrics.samples_received.inc(table.num_rows)
             return table

@@ -3,45 +3,121 @@ table, and the planner's GetPlan answer into each bucket's arrays, checked by `b
 anything is allocated from a peer's number or used. No calls and no sockets here: a stream is
 any iterator of its messages. What does not follow the contract raises
 `bounds.MalformedResponse` (an Unavailable: the step is built again from a fresh plan).
+
+A job that declares payload columns (`batch.payload`, `batchplane.core.payload`) gets them after
+input_ids, in declaration order, each of its normalized Arrow type (`payload.arrow_type`),
+without nulls: a token column's list as long as the sample's input_ids times prod(shape), a
+blob's a multiple of prod(shape). `sample_columns` turns them into per-sample views.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchplane.constructor.bounds import MalformedResponse, check_bucket, check_fetch_header, check_plan_step
-from batchplane.v1 import loader_pb2, planner_pb2
+from batchplane.constructor.bounds import (
+    COLUMN_OVERHEAD_BYTES,
+    COLUMN_SAMPLE_BYTES,
+    MalformedResponse,
+    check_bucket,
+    check_fetch_header,
+    check_plan_step,
+    check_subplan_part,
+    check_unique_samples,
+    fetch_bytes_cap,
+    fetch_payload_limit,
+)
+from batchplane.constructor.subbatch import SubPart
+from batchplane.core import payload as payload_schema
+from batchplane.core.payload import PayloadColumn
+from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
 from batchplane.wire import PayloadReceiver, WireFormatError, decode_array
 
 #: The payload of a FetchSamples stream (loader.proto): one row per sample.
 FETCH_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input_ids", pa.list_(pa.int32()))])
 
-#: One bucket's plan: (source int32, seq int64, row int64, epoch int32, length int32 [n],
-#: microbatch offsets int64 [m + 1], fetchers, loaders int32 [n]).
-Bucket = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]
+class Bucket(NamedTuple):
+    """One bucket's plan."""
+
+    source: np.ndarray  # int32 [n]
+    seq: np.ndarray  # int64 [n]
+    row: np.ndarray  # int64 [n]
+    epoch: np.ndarray  # int32 [n]
+    length: np.ndarray  # int32 [n]
+    offsets: np.ndarray  # int64 [m + 1], microbatch offsets
+    fetchers: int
+    loaders: np.ndarray  # int32 [n]
+    copies: np.ndarray  # int32 [n]: constructors fetching each sample (RankPlan.copies, else fetchers)
+
+
+#: The most values a blob column holds in one payload: its list offsets are int32 (the loader
+#: cannot send more; `payload.normalize` refuses more). `bounds.fetch_bytes_cap` bounds all
+#: blobs together far below it.
+MAX_BLOB_VALUES = 2**31 - 1
+
+
+def fetch_schema(columns: Sequence[PayloadColumn] = ()) -> pa.Schema:
+    """The schema of a FetchSamples payload of a job declaring `columns`."""
+    return pa.schema([*FETCH_SCHEMA, *payload_schema.schema_fields(columns)])
+
+
+def columns_payload_limit(columns: Sequence[PayloadColumn], *, samples: int, tokens: int) -> int:
+    """The most bytes the declared `columns` may add to a FetchSamples payload of `samples`
+    samples of `tokens` planned tokens: token and sample columns by their declared shapes; a
+    blob, whose rows no plan bounds, by MAX_BLOB_VALUES."""
+    total = 0
+    for c in columns:
+        values = {payload_schema.TOKEN: tokens * c.inner, payload_schema.SAMPLE: samples * c.inner}.get(c.kind, MAX_BLOB_VALUES)
+        total += COLUMN_OVERHEAD_BYTES + COLUMN_SAMPLE_BYTES * samples + values * np.dtype(c.dtype).itemsize
+    return total
 
 
 def receive_samples(
-    messages: Iterator[loader_pb2.FetchSamplesResponse], *, address: str, sources: np.ndarray, seqs: np.ndarray, lengths: np.ndarray
+    messages: Iterator[loader_pb2.FetchSamplesResponse],
+    *,
+    address: str,
+    sources: np.ndarray,
+    seqs: np.ndarray,
+    lengths: np.ndarray,
+    columns: Sequence[PayloadColumn] = (),
+    max_bytes: int | None = None,
 ) -> tuple[pa.Table, int]:
     """The samples a loader streams for a fetch of (`sources`, `seqs`) with planned `lengths`,
     and the payload's bytes.
 
+    Args:
+        columns: The job's declared payload columns (`batch.payload`), which the payload must
+            carry after input_ids (see the module docstring).
+        max_bytes: The job's `loaders.buffer_bytes`: with declared columns the payload may take
+            at most `bounds.fetch_bytes_cap` of it (None: no such cap).
     Raises:
         MalformedResponse: no header first, a size announced past what those samples can take
             (before anything is allocated), a payload that overflows, falls short or does not
-            parse, or rows other than the samples asked for with their planned lengths.
+            parse, rows other than the samples asked for with their planned lengths, or a
+            declared column missing, of another type, with nulls, or of lengths that break its
+            kind's rule (named in the text).
         grpc.RpcError: the call failed (the caller's retry handles it).
     """
     first = next(messages, None)
     if first is None or first.WhichOneof("part") != "header":
         raise MalformedResponse("loader", address, "the stream did not start with a header")
     tokens = int(lengths.astype(np.int64).sum())
-    check_fetch_header(first.header.payload_bytes, first.header.num_samples, samples=len(seqs), tokens=tokens, peer="loader", address=address)
+    if columns:
+        limit = fetch_payload_limit(samples=len(seqs), tokens=tokens) + columns_payload_limit(columns, samples=len(seqs), tokens=tokens)
+        if max_bytes is not None:
+            limit = min(limit, fetch_bytes_cap(buffer_bytes=max_bytes, samples=len(seqs), columns=len(columns)))
+        if not 0 <= first.header.payload_bytes <= limit:
+            raise MalformedResponse(
+                "loader", address,
+                f"payload_bytes {first.header.payload_bytes} outside [0, {limit}] for {len(seqs)} samples of {tokens} tokens and columns {[c.name for c in columns]}",
+            )
+    # with declared columns, the size was checked just above against the larger limit
+    size = 0 if columns else first.header.payload_bytes
+    check_fetch_header(size, first.header.num_samples, samples=len(seqs), tokens=tokens, peer="loader", address=address)
     buffer = bytearray(first.header.payload_bytes)
     receiver = PayloadReceiver(buffer)
     try:
@@ -53,8 +129,9 @@ def receive_samples(
         table = pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
     except (WireFormatError, pa.ArrowException) as exc:
         raise MalformedResponse("loader", address, str(exc)) from None
-    if not table.schema.equals(FETCH_SCHEMA):
-        raise MalformedResponse("loader", address, f"a payload of schema {table.schema.to_string(show_schema_metadata=False)!r}")
+    expected = fetch_schema(columns)
+    if not table.schema.equals(expected):
+        raise MalformedResponse("loader", address, _schema_problem(table.schema, expected, columns))
     if table.num_rows != len(seqs):
         raise MalformedResponse("loader", address, f"{table.num_rows} samples for {len(seqs)} requested")
     got_source = table.column("source").to_numpy()
@@ -65,7 +142,80 @@ def receive_samples(
         raise MalformedResponse("loader", address, "samples other than those requested")
     if not np.array_equal(got_length[theirs], lengths[mine]):
         raise MalformedResponse("loader", address, "samples of other lengths than planned")
+    for c in columns:
+        problem = _column_problem(c, table.column(c.name).combine_chunks(), got_length)
+        if problem:
+            raise MalformedResponse("loader", address, f"column {c.name!r} ({c.kind} {c.dtype}{list(c.shape)}): {problem}")
     return table, len(buffer)
+
+
+def _schema_problem(got: pa.Schema, expected: pa.Schema, columns: Sequence[PayloadColumn]) -> str:
+    """What is wrong with a payload's schema, naming the first declared column at fault."""
+    for c in columns:
+        if c.name not in got.names:
+            return f"declared column {c.name!r} is missing from the payload"
+        want, have = payload_schema.arrow_type(c), got.field(c.name).type
+        if have != want:
+            return f"column {c.name!r} is {have}, its declaration ({c.kind} {c.dtype}{list(c.shape)}) needs {want}"
+    extra = [n for n in got.names if n not in expected.names]
+    if extra:
+        return f"columns {extra} that the job does not declare"
+    return f"a payload of schema {got.to_string(show_schema_metadata=False)!r}"
+
+
+def _column_problem(column: PayloadColumn, array: pa.Array, token_lengths: np.ndarray) -> str:
+    """What breaks a declared column's rule in a payload whose schema is right ('' if nothing)."""
+    try:
+        array.validate(full=True)  # offsets within the values, rising
+    except pa.ArrowInvalid as exc:
+        return f"invalid: {exc}"
+    if array.null_count:
+        return "null samples"
+    if column.kind == payload_schema.SAMPLE:
+        values = array.values if column.shape else array
+        return "null values" if values.null_count else ""
+    if array.values.null_count:
+        return "null values inside a sample's list"
+    counts = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64)
+    if column.kind == payload_schema.TOKEN:
+        bad = np.flatnonzero(counts != token_lengths.astype(np.int64) * column.inner)
+        if len(bad):
+            i = int(bad[0])
+            return f"sample {i} has {int(counts[i])} values for {int(token_lengths[i])} tokens of {column.inner} each"
+        return ""
+    bad = np.flatnonzero(counts % column.inner)
+    if len(bad):
+        i = int(bad[0])
+        return f"sample {i} has {int(counts[i])} values, not a multiple of its rows of {column.inner}"
+    return ""
+
+
+def sample_columns(table: pa.Table, columns: Sequence[PayloadColumn]) -> dict[str, list[np.ndarray]]:
+    """Per declared column, per row of a received payload, a view of that sample's values:
+    [tokens, *shape] (token), [*shape] (sample) or [rows, *shape] (blob). Views into the
+    payload's buffers (bool columns, bit-packed in Arrow, are unpacked once per column)."""
+    out: dict[str, list[np.ndarray]] = {}
+    n = table.num_rows
+    for c in columns:
+        values, offsets = payload_schema.values_of(c, table.column(c.name))
+        if offsets is None:
+            inner = c.inner
+            out[c.name] = [values[i * inner : (i + 1) * inner].reshape(c.shape) for i in range(n)]
+        else:
+            bounds = offsets.tolist()
+            out[c.name] = [values[bounds[i] : bounds[i + 1]].reshape(-1, *c.shape) for i in range(n)]
+    return out
+
+
+def _sample_arrays(s: common_pb2.SampleSet) -> dict[str, np.ndarray]:
+    """A plan's SampleSet decoded, by field name (raises WireFormatError)."""
+    return {
+        "samples.source": decode_array(s.source, field="samples.source", dtype="int32", ndim=1),
+        "samples.seq": decode_array(s.seq, field="samples.seq", dtype="int64", ndim=1),
+        "samples.row": decode_array(s.row, field="samples.row", dtype="int64", ndim=1),
+        "samples.epoch": decode_array(s.epoch, field="samples.epoch", dtype="int32", ndim=1),
+        "samples.length": decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
+    }
 
 
 def plan_buckets(
@@ -87,23 +237,95 @@ def plan_buckets(
         s = rank_plan.samples
         try:
             arrays = {
-                "samples.source": decode_array(s.source, field="samples.source", dtype="int32", ndim=1),
-                "samples.seq": decode_array(s.seq, field="samples.seq", dtype="int64", ndim=1),
-                "samples.row": decode_array(s.row, field="samples.row", dtype="int64", ndim=1),
-                "samples.epoch": decode_array(s.epoch, field="samples.epoch", dtype="int32", ndim=1),
-                "samples.length": decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
+                **_sample_arrays(s),
                 "loaders": decode_array(rank_plan.loaders, field="loaders", dtype="int32", ndim=1),
             }
             offsets = decode_array(rank_plan.microbatch_offsets, field="microbatch_offsets", dtype="int64", ndim=1)
         except WireFormatError as exc:
             raise MalformedResponse("planner", address, f"bucket {rank_plan.dp_rank}: {exc}") from None
         fetchers = max(rank_plan.fetchers, 1)
+        copies = _decode_optional(rank_plan, "copies", field="copies", where=f"bucket {rank_plan.dp_rank}", address=address)
         check_bucket(
             bucket=rank_plan.dp_rank, sizes={name: len(a) for name, a in arrays.items()}, offsets=offsets, lengths=arrays["samples.length"],
             fetchers=fetchers, constructors=constructors, max_samples=max_samples, microbatches=microbatches, peer="planner", address=address,
+            copies=copies,
         )
-        buckets[rank_plan.dp_rank] = (
+        n = len(arrays["samples.seq"])
+        buckets[rank_plan.dp_rank] = Bucket(
             arrays["samples.source"], arrays["samples.seq"], arrays["samples.row"], arrays["samples.epoch"], arrays["samples.length"],
-            offsets, fetchers, arrays["loaders"],
+            offsets, fetchers, arrays["loaders"], copies if copies is not None else np.full(n, fetchers, np.int32),
         )
     return buckets
+
+
+def _decode_optional(message, name: str, *, field: str, where: str, address: str) -> np.ndarray | None:
+    """An optional int32 [n] Array field of `message` (None when unset)."""
+    if not message.HasField(name):
+        return None
+    try:
+        return decode_array(getattr(message, name), field=field, dtype="int32", ndim=1)
+    except WireFormatError as exc:
+        raise MalformedResponse("planner", address, f"{where}: {exc}") from None
+
+
+def plan_subplans(
+    plan: planner_pb2.GetPlanResponse,
+    *,
+    address: str,
+    constructors: int,
+    max_samples: int,
+    payload: Sequence[PayloadColumn],
+    consumes: Callable[[str, int], bool],
+) -> list[SubPart]:
+    """The secondary graphs' parts of a GetPlan answer, decoded and checked
+    (`bounds.check_subplan_part`; no sample twice in one graph's parts).
+
+    Args:
+        constructors: Constructors in the job.
+        max_samples: Samples one step plans (`batch.global_batch_size`).
+        payload: The job's declared payload columns (`batch.payload`).
+        consumes: Whether one of this constructor's ranks consumes (axis, bucket); called only
+            for an axis of `bounds.PART_AXES`.
+    Raises:
+        MalformedResponse: arrays that do not decode, or numbers and names outside what the job has.
+    """
+    kinds = {c.name: c.kind for c in payload}
+    parts: list[SubPart] = []
+    seen: set[tuple[str, int]] = set()
+    for part in plan.subplans:
+        where = f"subplan {part.name[:64]!r} bucket {part.bucket}"
+        s = part.samples
+        try:
+            arrays = {
+                **_sample_arrays(s),
+                "values": decode_array(part.values, field="values", dtype="int64", ndim=1),
+            }
+        except WireFormatError as exc:
+            raise MalformedResponse("planner", address, f"{where}: {exc}") from None
+        loaders = _decode_optional(part, "loaders", field="loaders", where=where, address=address)
+        copies = _decode_optional(part, "copies", field="copies", where=where, address=address)
+        columns = tuple(part.columns)
+        check_subplan_part(
+            name=part.name, axis=part.axis, bucket=part.bucket, metadata=part.metadata, sizes={k: len(a) for k, a in arrays.items()},
+            lengths=arrays["samples.length"], columns=columns, kinds=kinds, loaders=loaders, copies=copies,
+            loader_count=len(plan.loader_addresses), constructors=constructors, max_samples=max_samples,
+            consumed=part.axis in ("DP", "CP", "WORLD") and consumes(part.axis, part.bucket), peer="planner", address=address,
+        )
+        if (part.name, part.bucket) in seen:
+            raise MalformedResponse("planner", address, f"{where}: the part is listed twice")
+        seen.add((part.name, part.bucket))
+        parts.append(
+            SubPart(
+                name=part.name, axis=part.axis, metadata=part.metadata, bucket=part.bucket,
+                source=arrays["samples.source"], seq=arrays["samples.seq"], row=arrays["samples.row"], epoch=arrays["samples.epoch"],
+                length=arrays["samples.length"], values=arrays["values"], columns=columns,
+                loaders=loaders if columns else None, copies=copies if columns else None,
+            )
+        )
+    for name in {p.name for p in parts}:
+        mine = [p for p in parts if p.name == name]
+        check_unique_samples(
+            np.concatenate([p.source for p in mine]), np.concatenate([p.seq for p in mine]),
+            where=f"subplan {name[:64]!r}", peer="planner", address=address,
+        )
+    return parts

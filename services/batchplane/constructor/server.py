@@ -1,5 +1,5 @@
-"""Wires a constructor together: registers with the planner, starts the prefetch pipeline and
-the gRPC server."""
+"""Wires a constructor together: registers with the planner, starts the prefetch pipeline, the
+gRPC server and, on a Unix socket, the slab socket of shared-memory delivery beside it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import StepPipeline
-from batchplane.constructor.service import ConstructorServicer
+from batchplane.constructor.service import ConstructorServicer, add_to_server
+from batchplane.constructor.slabs import SESSIONS_PER_RANK, SlabPool, SlabServer, slab_socket_path
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
@@ -24,7 +25,7 @@ from batchplane.core.registration import register_with_planner
 from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.core.tls import Security
 from batchplane.core.userfile import job_hook
-from batchplane.v1 import constructor_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class RunningConstructor:
     pipeline: StepPipeline
     security: Security
     health: HealthServicer
+    slabs: SlabServer | None = None
     _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self, job: JobSettings, process: ProcessSettings, ranks: tuple[int, ...]) -> None:
@@ -61,6 +63,8 @@ class RunningConstructor:
         self._stopped.set()
         self.pipeline.stop()  # first: wakes requests waiting for batches
         self.server.stop(grace_s).wait()
+        if self.slabs is not None:
+            self.slabs.stop()
 
 
 def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
@@ -100,11 +104,16 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
         oldest_step=registered.oldest_step,
     )
-    constructor_pb2_grpc.add_ConstructorServicer_to_server(ConstructorServicer(info, pipeline, metrics), server)
+    slabs = None
+    if process.listen and process.listen.startswith("unix:") and job.constructors.shm_bytes:
+        # Beside the trainer's socket, in the same folder, under the same umask.
+        pool = SlabPool(job.constructors.shm_bytes, metrics)
+        slabs = SlabServer(slab_socket_path(process.listen), pool, max_sessions=len(ranks) * SESSIONS_PER_RANK).start()
+    add_to_server(ConstructorServicer(info, pipeline, metrics, slabs), server)
     server.start()
     set_serving(health, "batchplane.v1.Constructor")
     log.info("serving ranks %s", list(ranks))
-    running = RunningConstructor(address, server, pipeline, security, health)
+    running = RunningConstructor(address, server, pipeline, security, health, slabs)
     threading.Thread(target=running.keep_registered, args=(job, process, ranks), name="register", daemon=True).start()
     return running
 

@@ -1,18 +1,22 @@
 """The Constructor gRPC servicer: parses requests, checks them against the job (`bounds`), asks
-the pipeline for batches, streams them. No logic of its own."""
+the pipeline for batches, and serves them: placed in a shared-memory slab for a client with a
+slab session (`slabs`), else streamed in chunks serialized once (`wire.chunk_messages`). No
+logic of its own."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
 from batchplane.constructor.assemble import TensorLayout
-from batchplane.constructor.bounds import check_batch_request, check_report
+from batchplane.constructor.bounds import check_batch_request, check_released_slabs, check_report
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import Delivery, StepPipeline
+from batchplane.constructor.slabs import SESSION_LOST, UNKNOWN_SESSION, Placement, SlabServer
 from batchplane.core.mesh import ClientPlaceTree
-from batchplane.core.rpc import stream_payload, wait_seconds
+from batchplane.core.rpc import add_servicer, stream_payload, wait_seconds
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
@@ -44,11 +48,19 @@ def batch_header(delivery: Delivery, mesh: ClientPlaceTree) -> constructor_pb2.B
     )
 
 
+def add_to_server(servicer: ConstructorServicer, server: grpc.Server) -> None:
+    """Registers `servicer`; GetBatch's chunks travel serialized already (one copy each)."""
+    add_servicer(server, servicer, constructor_pb2.DESCRIPTOR.services_by_name["Constructor"])
+
+
 class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
-    def __init__(self, job: common_pb2.JobInfo, pipeline: StepPipeline, metrics: ConstructorMetrics) -> None:
+    def __init__(
+        self, job: common_pb2.JobInfo, pipeline: StepPipeline, metrics: ConstructorMetrics, slabs: SlabServer | None = None
+    ) -> None:
         self._job = job
         self._pipeline = pipeline
         self._metrics = metrics
+        self._slabs = slabs
 
     def GetInfo(self, request: constructor_pb2.GetInfoRequest, context: grpc.ServicerContext) -> constructor_pb2.GetInfoResponse:
         return constructor_pb2.GetInfoResponse(job=self._job, ranks=self._pipeline.ranks)
@@ -61,8 +73,15 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         wait_ms = round(wait_seconds(request.wait_ms, context) * 1000)
         return constructor_pb2.GetLengthResponse(length=self._pipeline.job_length(wait_ms=wait_ms))
 
-    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
+    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         check_batch_request(rank=request.rank, step=request.step, world=self._pipeline.mesh.world, resume=request.resume)
+        pool = self._slabs.pool if self._slabs is not None else None
+        session = pool.session(request.shm_session) if pool is not None and request.shm_session else None
+        check_released_slabs(
+            request.released_slabs, session=request.shm_session, holds=None if session is None else lambda slab: pool.holds(session, slab)
+        )
+        if session is not None and request.released_slabs:
+            pool.release(session, request.released_slabs)  # before waiting: a retry never sends them again
         delivery = self._pipeline.batch(
             request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
             resume=dict(request.resume), restart=request.restart,
@@ -73,6 +92,33 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
             )
             return
         header = batch_header(delivery, self._pipeline.mesh)
-        yield from stream_payload(constructor_pb2.GetBatchResponse, header, memoryview(delivery.batch.payload), delivery.extra)
+        placement = self._place(request.shm_session, delivery) if request.shm_session and delivery.payload_bytes else None
+        if placement is not None:
+            header.shm.slab, header.shm.offset, header.shm.length = placement.slab, placement.offset, placement.length
+            yield constructor_pb2.GetBatchResponse(header=header)
+        else:
+            yield from stream_payload(
+                constructor_pb2.GetBatchResponse, header, memoryview(delivery.batch.payload), delivery.extra, serialized=True
+            )
         self._metrics.batches_sent.inc()
         self._metrics.sent_bytes.inc(delivery.payload_bytes)
+
+    def _place(self, session_id: str, delivery: Delivery) -> Placement | None:
+        """The slab `delivery` lies in for session `session_id`, its fd sent; None: gRPC (counted)."""
+        if self._slabs is None:
+            return None
+        pool = self._slabs.pool
+        session = pool.session(session_id)
+        if session is None:
+            pool.count_fallback(UNKNOWN_SESSION)
+            return None
+        placement = pool.place(delivery.batch, delivery.extra, session)
+        if isinstance(placement, str):
+            return None
+        try:
+            self._slabs.send_slab(session, placement.slab)
+        except OSError:
+            pool.release(session, [placement.slab])
+            pool.count_fallback(SESSION_LOST)
+            return None
+        return placement

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from batchplane.core.mesh import ClientPlaceTree
 
 #: Pipeline-stage roles: which part of a microbatch a stage gets.
@@ -93,4 +95,34 @@ class DeliveryRules:
         for c in self.pulling(layout):
             for bucket in self.needs_samples(layout[c]):
                 counts[bucket] += 1
+        return counts
+
+    def sample_fetchers(
+        self,
+        layout: Sequence[Sequence[int]],
+        buckets: Sequence[np.ndarray],
+        extra: Sequence[tuple[str, Sequence[np.ndarray]]],
+        samples: int,
+    ) -> np.ndarray:
+        """How many constructors fetch each sample of a step, when some fetch samples besides
+        their buckets' (a secondary graph that delivers payload columns: a rank encodes images
+        of samples another replica trains). A constructor fetches each sample once.
+
+        Args:
+            layout: layout[c] = the ranks constructor c serves.
+            buckets: buckets[b] = the step's sample indices bucket b (on this plan's axis) trains on.
+            extra: Per delivering secondary graph, (its axis, its buckets' sample indices).
+            samples: The step's sample count.
+        Returns:
+            int32 [samples]: constructors fetching each (0 for none).
+        """
+        counts = np.zeros(samples, np.int32)
+        for c in self.pulling(layout):
+            mine = np.zeros(samples, bool)
+            for b in self.needs_samples(layout[c]):
+                mine[buckets[b]] = True
+            for axis, parts in extra:
+                for b in {self.mesh.bucket_of(r, axis) for r in layout[c]}:
+                    mine[parts[b]] = True
+            counts += mine
         return counts

@@ -14,6 +14,7 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -22,7 +23,7 @@ from batchplane.core.authz import authorize
 from batchplane.core.tls import Security
 from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2
-from batchplane.wire import WireFormatError, iter_chunks
+from batchplane.wire import WireFormatError, chunk_messages, iter_chunks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -370,9 +371,41 @@ def reraise(exc: grpc.RpcError, what: str) -> errors.BatchplaneError:
     return cls(f"{what}: {exc.code().name}: {exc.details()}")
 
 
-def stream_payload(response_cls: Callable[..., Any], header: Any, *payloads: memoryview | bytes) -> Iterator[Any]:
+def _serialize(response: Any) -> bytes:
+    """A response serializer that passes responses serialized already (bytes) on unchanged."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_servicer(server: grpc.Server, servicer: Any, service: Any) -> None:
+    """Registers `servicer` for the proto service `service` (a ServiceDescriptor, e.g.
+    `loader_pb2.DESCRIPTOR.services_by_name["Loader"]`) as the generated
+    `add_..._to_server` does, except that a response stream may yield responses serialized
+    already (bytes): `stream_payload(..., serialized=True)` yields its chunks so, one copy each."""
+    handlers = {}
+    for method in service.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        if method.client_streaming:
+            raise TypeError(f"{service.full_name}.{method.name}: client streaming is not used here")
+        factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        serializer = _serialize if method.server_streaming else response.SerializeToString
+        handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=request.FromString, response_serializer=serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def stream_payload(
+    response_cls: Callable[..., Any], header: Any, *payloads: memoryview | bytes, serialized: bool = False
+) -> Iterator[Any]:
     """A chunked response stream: the header first, then the payloads one after another in
-    ~1 MiB chunks (the receiver sees one payload)."""
+    ~1 MiB chunks (the receiver sees one payload). `serialized`: every item is the response
+    already serialized (bytes; `wire.chunk_messages`, one copy of each chunk), for a method
+    registered with a serializer that passes bytes on."""
+    if serialized:
+        yield response_cls(header=header).SerializeToString()
+        field = response_cls.DESCRIPTOR.fields_by_name["chunk"].number
+        for payload in payloads:
+            yield from chunk_messages(payload, field=field)
+        return
     yield response_cls(header=header)
     for payload in payloads:
         for data in iter_chunks(payload):

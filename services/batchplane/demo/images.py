@@ -40,8 +40,10 @@ __all__ = [
     "RESOLUTIONS",
     "SCHEMA",
     "image_grid",
+    "PAYLOAD",
     "image_text",
     "patchify",
+    "pixel_patches",
     "write_image_text_source",
 ]
 
@@ -270,6 +272,21 @@ def image_grid(width: int, height: int, *, patch: int = 14, max_side: int = 448)
     return columns, rows
 
 
+def _decode_on_grid(data: bytes, *, patch: int, max_side: int) -> tuple[Image.Image, tuple[int, int]] | None:
+    """One JPEG decoded in full to RGB and resized (bilinear) to its `image_grid` of patches:
+    (the image, (rows, columns)); None when `data` is not a decodable JPEG."""
+    try:
+        with Image.open(io.BytesIO(data), formats=("JPEG",)) as image:
+            rgb = image.convert("RGB")  # decodes every pixel; a truncated file raises here
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    columns, rows = image_grid(*rgb.size, patch=patch, max_side=max_side)
+    size = (columns * patch, rows * patch)
+    if rgb.size != size:
+        rgb = rgb.resize(size, Image.Resampling.BILINEAR)
+    return rgb, (rows, columns)
+
+
 def patchify(data: bytes, *, patch: int = 14, max_side: int = 448) -> np.ndarray | None:
     """Decodes one JPEG and cuts it into patches.
 
@@ -285,21 +302,39 @@ def patchify(data: bytes, *, patch: int = 14, max_side: int = 448) -> np.ndarray
         float32 array ``[num_patches, patch * patch * 3]`` with values in [0, 1], each row one
         patch's pixels in (y, x, channel) order; None when `data` is not a decodable JPEG.
     """
-    try:
-        with Image.open(io.BytesIO(data), formats=("JPEG",)) as image:
-            rgb = image.convert("RGB")  # decodes every pixel; a truncated file raises here
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    decoded = _decode_on_grid(data, patch=patch, max_side=max_side)
+    if decoded is None:
         return None
-    columns, rows = image_grid(*rgb.size, patch=patch, max_side=max_side)
-    size = (columns * patch, rows * patch)
-    if rgb.size != size:
-        rgb = rgb.resize(size, Image.Resampling.BILINEAR)
+    rgb, (rows, columns) = decoded
     pixels = np.asarray(rgb, dtype=np.float32) * np.float32(1 / 255)
     return (
         pixels.reshape(rows, patch, columns, patch, 3)
         .transpose(0, 2, 1, 3, 4)
         .reshape(rows * columns, patch * patch * 3)
     )
+
+
+def pixel_patches(data: bytes, *, patch: int = 14, max_side: int = 448, temporal_patch: int = 1) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """Decodes one JPEG into raw pixel patches as a Qwen2-VL-style vision encoder takes them.
+
+    The image is decoded, resized to the grid of `image_grid` like `patchify`, and cut into
+    patches in row-major order; each patch row holds its pixels channel first, then the
+    `temporal_patch` frames (a still image repeats itself, as Qwen2-VL's processor does), then
+    y, then x: uint8 ``[rows * columns, 3 * temporal_patch * patch * patch]``. Values stay raw
+    (0..255): the trainer normalizes them on its device, so the bytes shipped are a quarter of
+    float32 patches.
+
+    Returns:
+        (the patches, (rows, columns)); None when `data` is not a decodable JPEG.
+    """
+    decoded = _decode_on_grid(data, patch=patch, max_side=max_side)
+    if decoded is None:
+        return None
+    rgb, (rows, columns) = decoded
+    pixels = np.asarray(rgb, dtype=np.uint8).reshape(rows, patch, columns, patch, 3)
+    channel_first = pixels.transpose(0, 2, 4, 1, 3)  # [rows, columns, 3, patch, patch]
+    frames = np.broadcast_to(channel_first[:, :, :, None], (rows, columns, 3, temporal_patch, patch, patch))
+    return np.ascontiguousarray(frames).reshape(rows * columns, 3 * temporal_patch * patch * patch), (rows, columns)
 
 
 def image_text(
@@ -310,13 +345,21 @@ def image_text(
     image_token_id: int = IMAGE_TOKEN_ID,
     caption_column: str = "caption",
     images_column: str = "images",
+    pixels: bool = False,
+    temporal_patch: int = 1,
 ) -> pa.Table:
     """The image-text transform: decodes and patchifies each sample's images.
 
-    Every image is decoded and patchified with `patchify` (real work: full JPEG decode,
-    resize, float32 patches). The patches are not shipped in this version, only counted: the
+    Every image is decoded and patchified (real work: full JPEG decode, resize, patches). The
     sample's `input_ids` are `image_token_id` once per patch of each image, images in order,
     followed by the caption's ids, as the token sequence a vision-language backbone sees.
+
+    With `pixels`, the images travel too, as the job's payload columns (declare them in
+    `batch.payload`, see `PAYLOAD`): `pixel_values`, a blob of uint8 rows
+    ``[patches, 3 * temporal_patch * patch * patch]`` (`pixel_patches`), and
+    `image_grid_thw`, a blob of int64 rows ``[images, 3]`` = (1, rows, columns) per image,
+    whose products sum to the sample's patch rows and to its image tokens. Without it, the
+    patches are only counted (float32 patches, `patchify`).
 
     A sample with an image that is not a decodable JPEG (or a null image) is rejected (null
     `input_ids`); its neighbours are unaffected. A sample with no images (or a null image list)
@@ -330,13 +373,16 @@ def image_text(
         image_token_id: Token id standing for one image patch; in ``[0, 2**31)``.
         caption_column: Name of the caption column.
         images_column: Name of the image column.
+        pixels: Ship the pixels (`pixel_values`, `image_grid_thw`).
+        temporal_patch: Frames per patch row (Qwen2-VL: 2); >= 1.
 
     Returns:
-        One row per input row: `input_ids` (list<int32>, null for a rejected sample) and the
-        per-sample features `num_images` and `image_tokens` (int32; null for a rejected sample).
+        One row per input row: `input_ids` (list<int32>, null for a rejected sample), the
+        per-sample features `num_images` and `image_tokens` (int32; null for a rejected
+        sample), and with `pixels` the two payload columns.
 
     Raises:
-        ValueError: `patch`, `max_side` or `image_token_id` out of range.
+        ValueError: `patch`, `max_side`, `temporal_patch` or `image_token_id` out of range.
         KeyError: a named column is missing.
         pyarrow.ArrowInvalid: caption ids that are not integers fitting in int32.
     """
@@ -344,15 +390,19 @@ def image_text(
         raise ValueError(f"need patch >= 1 and max_side >= patch, got patch={patch}, max_side={max_side}")
     if not 0 <= image_token_id < 2**31:
         raise ValueError(f"image_token_id must be in [0, 2**31), got {image_token_id}")
+    if temporal_patch < 1:
+        raise ValueError(f"temporal_patch must be >= 1, got {temporal_patch}")
     images = batch.column(images_column).combine_chunks()
     captions = batch.column(caption_column).combine_chunks().cast(pa.list_(pa.int32()))
     n = batch.num_rows
 
     num_images = pc.fill_null(pc.list_value_length(images), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(images).to_pylist()  # bytes (or None) per image, rows in order
-    tokens_per_image = np.array(
-        [-1 if data is None else _patch_count(data, patch, max_side) for data in flat], dtype=np.int64
-    )
+    if pixels:
+        decoded = [None if data is None else pixel_patches(data, patch=patch, max_side=max_side, temporal_patch=temporal_patch) for data in flat]
+        tokens_per_image = np.array([-1 if d is None else len(d[0]) for d in decoded], dtype=np.int64)
+    else:
+        tokens_per_image = np.array([-1 if data is None else _patch_count(data, patch, max_side) for data in flat], dtype=np.int64)
     owner = np.repeat(np.arange(n), num_images)
     rejected = np.zeros(n, dtype=bool)
     rejected[owner[tokens_per_image < 0]] = True
@@ -375,13 +425,45 @@ def image_text(
     input_ids = pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32)), pa.array(values), mask=pa.array(rejected)
     )
-    return pa.table(
-        {
-            "input_ids": input_ids,
-            "num_images": pa.array(num_images.astype(np.int32), mask=rejected),
-            "image_tokens": pa.array(image_tokens.astype(np.int32), mask=rejected),
-        }
-    )
+    columns = {
+        "input_ids": input_ids,
+        "num_images": pa.array(num_images.astype(np.int32), mask=rejected),
+        "image_tokens": pa.array(image_tokens.astype(np.int32), mask=rejected),
+    }
+    if pixels:
+        columns.update(_pixel_columns(decoded, owner, rejected, patch=patch, temporal_patch=temporal_patch))
+    return pa.table(columns)
+
+
+#: The payload columns `image_text(pixels=True)` returns, for a job's `batch.payload` (patch 14,
+#: temporal_patch 1; a row is 3 * temporal_patch * patch * patch bytes).
+PAYLOAD = (
+    {"name": "pixel_values", "kind": "blob", "dtype": "uint8", "shape": [3 * 14 * 14]},
+    {"name": "image_grid_thw", "kind": "blob", "dtype": "int64", "shape": [3]},
+)
+
+
+def _pixel_columns(
+    decoded: list[tuple[np.ndarray, tuple[int, int]] | None], owner: np.ndarray, rejected: np.ndarray, *, patch: int, temporal_patch: int
+) -> dict[str, pa.Array]:
+    """`pixel_values` and `image_grid_thw` of every sample (none for a rejected one), as flat
+    list arrays (blob rows flattened), with no per-pixel Python."""
+    n = len(rejected)
+    keep = [i for i, d in enumerate(decoded) if d is not None and not rejected[owner[i]]]
+    row_bytes = 3 * temporal_patch * patch * patch
+    patches = np.zeros(n, np.int64)
+    np.add.at(patches, owner[keep], [len(decoded[i][0]) for i in keep])
+    images = np.bincount(owner[keep], minlength=n).astype(np.int64)
+    pixel_offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(patches * row_bytes, out=pixel_offsets[1:])
+    grid_offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(images * 3, out=grid_offsets[1:])
+    pixel_values = np.concatenate([decoded[i][0].reshape(-1) for i in keep]) if keep else np.zeros(0, np.uint8)
+    grids = np.array([(1, *decoded[i][1]) for i in keep], np.int64).reshape(-1)
+    return {
+        "pixel_values": pa.ListArray.from_arrays(pa.array(pixel_offsets.astype(np.int32)), pa.array(pixel_values)),
+        "image_grid_thw": pa.ListArray.from_arrays(pa.array(grid_offsets.astype(np.int32)), pa.array(grids)),
+    }
 
 
 def _patch_count(data: bytes, patch: int, max_side: int) -> int:

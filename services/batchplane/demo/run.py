@@ -17,7 +17,7 @@ import sys
 import time
 
 from batchplane.demo.dataset import DEMO_SOURCES, write_demo_dataset
-from batchplane.demo.images import IMAGE_TOKEN_ID
+from batchplane.demo.images import IMAGE_TOKEN_ID, PAYLOAD
 from batchplane.launcher.local import LaunchError, LocalCluster
 
 DP = 2
@@ -25,11 +25,12 @@ WEIGHTS = {"captions": 0.3, "docs": 0.2, "code": 0.2, "chat": 0.2, "images": 0.1
 #: Loader transform settings by source name; the other sources use the default transform.
 #: "images" decodes its JPEGs into 14x14 patches (longer side at most 448 pixels) and puts one
 #: IMAGE_TOKEN_ID (1023, the last id of the tiny model's 1024-token vocabulary) per patch in
-#: front of the caption.
+#: front of the caption, and ships the pixels (uint8 patch rows, `pixels`) with their grids as the
+#: job's payload columns (`batch.payload` = `batchplane.demo.images.PAYLOAD`).
 TRANSFORMS = {
     "images": {
         "transform": "batchplane.demo.images:image_text",
-        "transform_args": {"patch": 14, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID},
+        "transform_args": {"patch": 14, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID, "pixels": True},
         "columns": ["caption", "images"],
     },
 }
@@ -46,6 +47,8 @@ mixture:
 batch:
   global_batch_size: 32
   microbatches: 2
+  # the image source's pixels and grids, in each microbatch as blobs beside their samples
+  payload: {payload}
 mesh:
   dp: {dp}
 balance:
@@ -69,7 +72,8 @@ def write_job(workdir: pathlib.Path) -> pathlib.Path:
         for s in DEMO_SOURCES
     )
     path = workdir / "job.yaml"
-    path.write_text(JOB_TEMPLATE.format(sources=sources, weights=json.dumps(WEIGHTS), dp=DP))
+    payload = json.dumps([dict(c) for c in PAYLOAD])
+    path.write_text(JOB_TEMPLATE.format(sources=sources, weights=json.dumps(WEIGHTS), dp=DP, payload=payload))
     return path
 
 

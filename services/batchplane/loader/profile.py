@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from batchplane.core.config import JobSettings, SourceSettings
 from batchplane.core.errors import SourceError
 from batchplane.loader.source import ParquetSource
-from batchplane.loader.transforms import BoundTransform, bind_transform, lengths_of
+from batchplane.loader.transforms import BoundTransform, TransformOutput, bind_transform, lengths_of
 
 #: Called as progress(source name, stage, done, total); stage is "open", "read", "transform"
 #: or "done".
@@ -183,7 +183,7 @@ def profile_source(
     config = job.sources[index]
     meter = meter or HeapMeter()
     report = progress or (lambda *_: None)
-    transform = bind_transform(index, config)
+    transform = bind_transform(index, config, payload=job.batch.payload)
     source, python_bytes = _open(job, index, transform.columns or ())
     nfiles = len(source.files)
     files = _file_states(source, meter, lambda done: report(config.name, "open", done, nfiles))
@@ -195,7 +195,8 @@ def profile_source(
     _run_transform(transform, batches[0], source, starts, config)  # warm-up: imports, caches
     for done, (first, batch) in enumerate(batches, start=1):
         t0 = time.perf_counter()
-        ids, features = _run_transform(transform, (first, batch), source, starts, config)
+        out = _run_transform(transform, (first, batch), source, starts, config)
+        ids, features = out.ids, out.features
         elapsed = time.perf_counter() - t0
         seconds += elapsed
         per_sample.append(elapsed / batch.num_rows)
@@ -203,7 +204,7 @@ def profile_source(
         good = lengths > 0
         rejected += int(np.count_nonzero(~good))
         token_counts.append(lengths[good])
-        buffered += ids.nbytes + 12 * batch.num_rows + sum(f.nbytes for f in features.values())
+        buffered += ids.nbytes + 12 * batch.num_rows + sum(f.nbytes for f in features.values()) + sum(c.nbytes for c in out.columns.values())
         report(config.name, "transform", min(done * settings.batch_rows, n), n)
     tokens = np.concatenate(token_counts)
     result = {
@@ -293,11 +294,11 @@ def _read_sample(
 
 def _run_transform(
     transform: BoundTransform, batch: tuple[int, pa.Table], source: ParquetSource, starts: list[int], config: SourceSettings
-) -> tuple[pa.ListArray, dict[str, np.ndarray]]:
+) -> TransformOutput:
     """The transform's checked output; SourceError naming the file and row group on failure."""
     first, table = batch
     try:
-        return transform(table)
+        return transform.apply(table)
     except Exception as exc:  # noqa: BLE001 - user code: any failure is the source's
         group = source.row_groups[int(np.searchsorted(starts, first, side="right")) - 1]
         raise SourceError(

@@ -19,7 +19,7 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.userfile import job_hook
-from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
+from batchplane.core.rpc import ServerMetrics, add_servicer, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.core.tls import Security
 from batchplane.loader.bounds import FetchLimits
 from batchplane.loader.fetch import FetchBook
@@ -29,7 +29,7 @@ from batchplane.loader.service import LoaderServicer, routing_of
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import bind_transform
-from batchplane.v1 import common_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.v1 import common_pb2, loader_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
     streams = {}
     for k in job.loader_sources(loader_index):
         settings = job.sources[k]
-        transform = bind_transform(k, settings, max_length=job.max_length, length_policy=job.batch.length_policy)
+        transform = bind_transform(k, settings, max_length=job.max_length, length_policy=job.batch.length_policy, payload=job.batch.payload)
         source = ParquetSource(
             settings.name,
             job.locate(settings.path),
@@ -185,7 +185,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
             max_message_bytes=job.network.max_message_bytes,
             security=security,
         )
-        loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
+        add_servicer(server, servicer, loader_pb2.DESCRIPTOR.services_by_name["Loader"])  # FetchSamples' chunks serialized once
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
         running = RunningLoader(

@@ -127,4 +127,4 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             self._metrics.samples_sent.labels(self._streams[source].name).inc(int((sources == source).sum()))
         self._metrics.bytes_sent.inc(payload.size)
         header = loader_pb2.FetchHeader(num_samples=batch.num_rows, payload_bytes=payload.size)
-        yield from stream_payload(loader_pb2.FetchSamplesResponse, header, memoryview(payload))
+        yield from stream_payload(loader_pb2.FetchSamplesResponse, header, memoryview(payload), serialized=True)

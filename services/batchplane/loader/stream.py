@@ -52,8 +52,9 @@ from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
 from batchplane.loader.bounds import FetchFrontier, plan_fetch_reads
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.reporting import SampleReport
+from batchplane.loader.rows import gather, shuffle
 from batchplane.loader.source import ParquetSource
-from batchplane.loader.transforms import BoundTransform, TransformError, lengths_of
+from batchplane.loader.transforms import BoundTransform, TransformError, TransformOutput, lengths_of
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class ByteBudget:
 
 @dataclasses.dataclass
 class BufferedWindow:
-    """A window read, transformed and shuffled: position seq_start + j holds ids[j]."""
+    """A window read, transformed and shuffled: position seq_start + j holds ids[j] and row j of
+    each declared payload column."""
 
     seq_start: int
     ids: pa.ListArray
@@ -101,6 +103,11 @@ class BufferedWindow:
     summarized: bool = False
     #: The last step that can plan from it, once every position in it is planned.
     last_step: int | None = None
+    #: The job's declared payload columns (`batch.payload`) by name, normalized, shuffled like
+    #: `ids`; a bad sample's are their empty values.
+    columns: dict[str, pa.Array] = dataclasses.field(default_factory=dict)
+    #: Read by a fetch outside the buffer (`locate`): dropped once the fetch has taken from it.
+    transient: bool = False
 
     @property
     def seq_end(self) -> int:
@@ -405,6 +412,7 @@ class SourceStream:
                 span = window_span(self.order, number)
                 try:
                     window = self._read_window(span.start)
+                    window.transient = True
                 except Exception as exc:  # noqa: BLE001 - like the reader's: the fetch is retried
                     log.exception("source %r: reading at position %d for a fetch failed", self.name, span.start)
                     raise Unavailable(f"source {self.name!r}: reading position {span.start} failed; retry") from exc
@@ -423,11 +431,15 @@ class SourceStream:
         slot = np.searchsorted(starts, seqs, side="right") - 1
         return (slot >= 0) & (seqs < ends[np.maximum(slot, 0)])
 
-    def take(self, window: BufferedWindow, index: np.ndarray) -> tuple[pa.ListArray, np.ndarray]:
-        """Token lists and lengths of samples `index` of `window`."""
+    def check_good(self, window: BufferedWindow, index: np.ndarray) -> None:
+        """Raises NotFound when one of samples `index` of `window` is a bad sample."""
         if (window.lengths[index] == 0).any():
             raise NotFound(f"source {self.name!r}: a requested sample is a bad sample, which is never delivered")
-        return window.ids.take(pa.array(index)), window.lengths[index]
+
+    def take(self, window: BufferedWindow, index: np.ndarray) -> tuple[pa.ListArray, np.ndarray]:
+        """Token lists and lengths of samples `index` of `window`."""
+        self.check_good(window, index)
+        return gather([window.ids], np.zeros(len(index), np.int64), index), window.lengths[index]
 
     def release(self, window: BufferedWindow, count: int) -> None:
         """`count` good samples of `window` are no longer needed (a window dropped since, or read
@@ -493,23 +505,24 @@ class SourceStream:
     def _read_window(self, seq: int) -> BufferedWindow:
         epoch, position = divmod(seq, self.num_rows)
         window = self.order.window_at(epoch, position)
-        parts, feature_parts, reason_parts, failed = [], [], [], set()
+        parts: list[TransformOutput] = []
+        reason_parts, failed = [], set()
         for g in window.row_groups:
             got = self._read_row_group(g)
             n = self.source.row_groups[g].num_rows
             if isinstance(got, int):  # a reason code: the row group is a run of bad samples
                 failed.add(g)
                 reason_parts.append(np.full(n, got, bad.DTYPE))
-                got = pa.nulls(n, TOKEN_TYPE), {}
+                got = self.transform.failed(n)
             else:
                 reason_parts.append(np.zeros(n, bad.DTYPE))
-            parts.append(got[0])
-            feature_parts.append(got[1])
+            parts.append(got)
         perm = self.order.permutation(epoch, window)
-        ids = pa.concat_arrays(parts).take(pa.array(perm))
+        ids = shuffle([p.ids for p in parts], perm)
+        columns = {c.name: shuffle([p.columns[c.name] for p in parts], perm) for c in self.transform.payload}
         reasons = np.concatenate(reason_parts)[perm] if reason_parts else np.zeros(0, bad.DTYPE)
         features = {
-            name: np.concatenate([f.get(name, np.zeros(len(p))) for f, p in zip(feature_parts, parts)])[perm]
+            name: np.concatenate([p.features.get(name, np.zeros(len(p.ids))) for p in parts])[perm]
             for name in self._feature_names or ()
         }
         rows = self.order.window_rows(epoch, window)
@@ -518,6 +531,7 @@ class SourceStream:
         ids, over = self.transform.limit(ids)  # batch.max_length: truncate or reject
         self._report.over_length(window, rows, over)
         lengths = lengths_of(ids)
+        columns = self.transform.limit_columns(columns, over=over, lengths=lengths)
         reasons[over & (lengths == 0) & (reasons == 0)] = bad.TOO_LONG  # rejected by limit (a cut one keeps tokens)
         seq_start = epoch * self.num_rows + window.start
         # Positions before the stream's start were consumed before it (a resumed job): never
@@ -532,12 +546,14 @@ class SourceStream:
             lengths=lengths,
             reasons=reasons,
             features=features,
-            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + reasons.nbytes + sum(f.nbytes for f in features.values()),
+            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + reasons.nbytes + sum(f.nbytes for f in features.values())
+            + sum(c.nbytes for c in columns.values()),
             unreleased=int(np.count_nonzero(lengths[first_counted:] > 0)),
+            columns=columns,
         )
 
-    def _read_row_group(self, g: int) -> tuple[pa.ListArray, dict[str, np.ndarray]] | int:
-        """The transformed token lists and features of row group g; when it cannot be read or
+    def _read_row_group(self, g: int) -> TransformOutput | int:
+        """The transformed token lists, features and payload columns of row group g; when it cannot be read or
         transformed, the reason code of its samples instead (`bad.UNREADABLE`, `bad.TRANSFORM`;
         logged and counted here)."""
         row_group = self.source.row_groups[g]
@@ -550,8 +566,9 @@ class SourceStream:
             self._metrics.bad_samples.labels(self.name, "unreadable").inc(row_group.num_rows)
             return bad.UNREADABLE
         try:
-            ids, features = self.transform(table)
-            ids = ids.cast(TOKEN_TYPE)
+            out = self.transform.apply(table)
+            out = dataclasses.replace(out, ids=out.ids.cast(TOKEN_TYPE))
+            features = out.features
             if self._feature_names is None:
                 self._feature_names = tuple(sorted(features))
             elif set(features) != set(self._feature_names):
@@ -560,7 +577,7 @@ class SourceStream:
             log.error("source %r: transform failed on %s, skipping its %d rows: %s", self.name, where, row_group.num_rows, exc)
             self._metrics.bad_samples.labels(self.name, "transform").inc(row_group.num_rows)
             return bad.TRANSFORM
-        return ids, features
+        return out
 
     def close(self) -> None:
         with self._cond:

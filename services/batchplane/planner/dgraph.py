@@ -72,6 +72,8 @@ class GraphSpec:
     balancing: Balancing
     raw: Callable[..., object] | None
     summary: Callable[[SampleTable], Mapping[str, np.ndarray]] | None
+    #: Payload columns (batch.payload) delivered with this secondary graph's assignment.
+    columns: tuple[str, ...] = ()
 
 
 class DGraph:
@@ -99,6 +101,7 @@ class DGraph:
         self._summary: Callable[[SampleTable], Mapping[str, np.ndarray]] | None = None
         self._broadcast: set[str] = set()
         self._hooks: dict[str, Callable] = {}
+        self._columns: tuple[str, ...] = ()
 
     # ---- primitives ----------------------------------------------------------------------
 
@@ -172,6 +175,20 @@ class DGraph:
         )
         return self
 
+    def deliver(self, *columns: str) -> DGraph:
+        """Delivers these payload columns (`batch.payload`, kinds "sample" or "blob") of this
+        secondary graph's samples to the bucket that processes them, under the graph's name in
+        the rank's subbatches (e.g. `images.deliver("pixel_values", "image_grid_thw")`: each rank
+        receives the pixels of exactly the images it encodes, whichever replica trains their
+        samples). Those columns are then left out of the primary graph's microbatches."""
+        for column in columns:
+            if not isinstance(column, str) or not column:
+                raise StrategyError(f"{self.name}.deliver: columns are payload column names, got {column!r}")
+        if len(set(columns)) != len(columns):
+            raise StrategyError(f"{self.name}.deliver: a column is named twice in {list(columns)}")
+        self._columns = tuple(columns)
+        return self
+
     def broadcast_at(self, dim: str) -> DGraph:
         """Declares that the trainer broadcasts along `dim` ("TP"): rank tp=0 of each group
         receives the data, its peers get only the step's metadata."""
@@ -218,6 +235,8 @@ class DGraph:
             raise StrategyError(f"{self.name}.mix: only the primary graph (the one plan() is called on) mixes sources")
         if self._hooks and not primary:
             raise StrategyError(f"{self.name}.{next(iter(self._hooks))}: hooks belong to the primary graph (the one plan() is called on)")
+        if self._columns and primary:
+            raise StrategyError(f"{self.name}.deliver: the primary graph's microbatches carry every payload column no secondary graph delivers")
         return GraphSpec(
             name=self.name,
             metadata=self.metadata,
@@ -229,6 +248,7 @@ class DGraph:
             balancing=self._balancing,
             raw=self._raw,
             summary=self._summary,
+            columns=self._columns,
         )
 
     def plan(self, *secondary: DGraph) -> Strategy:
@@ -282,6 +302,30 @@ class Strategy:
         if sum(weights) <= 0:
             raise StrategyError(f"{self.primary.name}.mix: at least one source needs a weight > 0")
         return weights
+
+    @property
+    def delivered_columns(self) -> dict[str, str]:
+        """Payload columns the secondary graphs deliver, to the graph that delivers each."""
+        return {column: g.name for g in self.secondary for column in g.columns}
+
+    def check_columns(self, payload: Mapping[str, str]) -> None:
+        """Checks the columns graphs deliver against the job's payload (name -> kind).
+
+        Raises:
+            StrategyError: a column the job does not declare, one of kind "token" (it belongs
+                to the sequences), or one two graphs deliver.
+        """
+        owner: dict[str, str] = {}
+        for g in self.secondary:
+            for column in g.columns:
+                if column not in payload:
+                    declared = ", ".join(payload) or "none"
+                    raise StrategyError(f"{g.name}.deliver: {column!r} is not a column of the job's batch.payload (declared: {declared})")
+                if payload[column] == "token":
+                    raise StrategyError(f"{g.name}.deliver: {column!r} is a per-token column; it travels with its sequences")
+                if column in owner:
+                    raise StrategyError(f"{g.name}.deliver: {column!r} is already delivered by {owner[column]}")
+                owner[column] = g.name
 
     def check(self, mesh: ClientPlaceTree) -> None:
         """Checks the strategy against a mesh (bucket counts, group sizes).
@@ -446,7 +490,7 @@ class Strategy:
                 balancing = dataclasses.replace(_with_group(g), microbatches=1)
                 parts = assign(graph_costs[members], values[members], buckets=n, balancing=balancing, **_limit_of(g, **limit))
                 groups = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
-            subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values))
+            subplans.append(SubPlan(g.name, g.axis, g.metadata, tuple(np.sort(members[p]) for p in groups), graph_costs, values, g.columns))
         return tuple(subplans)
 
 

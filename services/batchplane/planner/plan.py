@@ -111,6 +111,7 @@ class SubPlan:
         buckets: buckets[b] = indices into the step's `samples`, ascending.
         costs: Cost of each sample of the step under this graph's model (0 outside it).
         values: int64 `metadata` of each sample of the step (0 where a sample lacks it).
+        columns: Payload columns delivered with the assignment (`DGraph.deliver`).
     """
 
     name: str
@@ -119,6 +120,7 @@ class SubPlan:
     buckets: tuple[np.ndarray, ...]
     costs: np.ndarray
     values: np.ndarray
+    columns: tuple[str, ...] = ()
 
     def bucket_costs(self) -> np.ndarray:
         return np.array([float(self.costs[b].sum()) for b in self.buckets])
@@ -163,11 +165,16 @@ class StepPlan:
     def num_microbatches(self) -> int:
         return len(self.microbatches[0]) if self.microbatches else 0
 
+    def bucket_index(self, bucket: int) -> np.ndarray:
+        """Indices into `samples` of bucket `bucket`'s samples, microbatch after microbatch."""
+        parts = self.microbatches[bucket]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def rank_samples(self, rank: int) -> tuple[SampleTable, np.ndarray]:
         """The samples of bucket `rank` microbatch after microbatch, and the int64 microbatch
         offsets (len = microbatches + 1)."""
         parts = self.microbatches[rank]
-        index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        index = self.bucket_index(rank)
         offsets = np.zeros(len(parts) + 1, np.int64)
         offsets[1:] = np.cumsum([len(p) for p in parts])
         return self.samples.take(index), offsets

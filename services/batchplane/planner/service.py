@@ -4,6 +4,8 @@ and the plan book, builds responses. No logic of its own."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -23,6 +25,8 @@ from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 from batchplane.wire import encode_array
 
 DEFAULT_WAIT_MS = 30_000
+#: Steps whose per-sample fetcher counts the servicer keeps (`_sample_copies`).
+COPIES_KEPT = 16
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,9 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
             pack_length=job.batch.pack_length or 0,
             max_length=job.max_length or 0,
             length_policy=job.batch.length_policy,
+            payload=[
+                common_pb2.PayloadColumn(name=c.name, kind=c.kind, dtype=c.dtype, shape=c.shape, fill=c.fill) for c in job.batch.payload
+            ],
         ),
     )
 
@@ -63,22 +70,29 @@ def sample_set(table: SampleTable) -> common_pb2.SampleSet:
     )
 
 
-def subplan_parts(plan: StepPlan, ranks: tuple[int, ...], book: PlanBook) -> list[planner_pb2.SubPlanPart]:
-    """The secondary graphs' parts for the buckets `ranks` consume."""
+def subplan_parts(
+    plan: StepPlan, ranks: tuple[int, ...], book: PlanBook, *, holders: Callable[[SampleTable], np.ndarray], copies: np.ndarray | None
+) -> list[planner_pb2.SubPlanPart]:
+    """The secondary graphs' parts for the buckets `ranks` consume; a graph that delivers
+    payload columns says who holds each sample (`holders`) and how many fetch it (`copies`)."""
     parts = []
     for sub in plan.subplans:
         for bucket in sorted({book.mesh.bucket_of(r, sub.axis) for r in ranks}):
             index = sub.buckets[bucket]
-            parts.append(
-                planner_pb2.SubPlanPart(
-                    name=sub.name,
-                    axis=sub.axis,
-                    metadata=sub.metadata,
-                    bucket=bucket,
-                    samples=sample_set(plan.samples.take(index)),
-                    values=encode_array(sub.values[index]),
-                )
+            samples = plan.samples.take(index)
+            part = planner_pb2.SubPlanPart(
+                name=sub.name,
+                axis=sub.axis,
+                metadata=sub.metadata,
+                bucket=bucket,
+                samples=sample_set(samples),
+                values=encode_array(sub.values[index]),
             )
+            if sub.columns:
+                part.columns.extend(sub.columns)
+                part.loaders.CopyFrom(encode_array(holders(samples)))
+                part.copies.CopyFrom(encode_array(copies[index]))
+            parts.append(part)
     return parts
 
 
@@ -98,7 +112,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             middle_tensors=job.constructors.pp_middle_tensors,
             pulling_ranks=job.constructors.pulling_ranks,
         )
-        self._fetchers = self._rules.fetchers([job.constructor_ranks(c) for c in range(job.constructor_count)])
+        self._layout = [job.constructor_ranks(c) for c in range(job.constructor_count)]
+        self._fetchers = self._rules.fetchers(self._layout)
+        self._copies: dict[int, np.ndarray] = {}  # step -> per-sample fetchers, when they differ
+        self._copies_lock = threading.Lock()
 
     def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
         check_address("address", request.address)
@@ -183,26 +200,47 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         mesh = self._book.mesh
         rank_plans = []
         addresses: dict[str, int] = {}
+        copies = self._sample_copies(plan)
         for bucket in sorted({mesh.bucket_of(r, plan.axis) for r in ranks}):
             samples, offsets = plan.rank_samples(bucket)
-            rank_plans.append(
-                planner_pb2.RankPlan(
-                    dp_rank=bucket,
-                    samples=sample_set(samples),
-                    microbatch_offsets=encode_array(offsets),
-                    fetchers=self._fetchers[bucket],
-                    loaders=encode_array(self._holders(samples, addresses)),
-                )
+            rank_plan = planner_pb2.RankPlan(
+                dp_rank=bucket,
+                samples=sample_set(samples),
+                microbatch_offsets=encode_array(offsets),
+                fetchers=self._fetchers[bucket],
+                loaders=encode_array(self._holders(samples, addresses)),
             )
+            if copies is not None:
+                rank_plan.copies.CopyFrom(encode_array(copies[plan.bucket_index(bucket)]))
+            rank_plans.append(rank_plan)
+        subplans = subplan_parts(plan, ranks, self._book, holders=lambda samples: self._holders(samples, addresses), copies=copies)
         return planner_pb2.GetPlanResponse(
             step=request.step,
             ranks=rank_plans,
             loader_addresses=list(addresses),
             global_loss_tokens=plan.loss_tokens,
             axis=plan.axis,
-            subplans=subplan_parts(plan, ranks, self._book),
+            subplans=subplans,
             oldest_step=self._book.oldest_step,
         )
+
+    def _sample_copies(self, plan: StepPlan) -> np.ndarray | None:
+        """int32 [samples]: how many constructors fetch each sample of the step, when a secondary
+        graph delivers payload columns (then they differ); None otherwise (`fetchers` per bucket).
+        Kept for the last few steps asked for: every constructor asks for the same ones."""
+        delivering = [(sub.axis, sub.buckets) for sub in plan.subplans if sub.columns]
+        if not delivering:
+            return None
+        with self._copies_lock:
+            copies = self._copies.get(plan.step)
+        if copies is None:
+            buckets = [plan.bucket_index(b) for b in range(len(plan.microbatches))]
+            copies = self._rules.sample_fetchers(self._layout, buckets, delivering, len(plan.samples.seq))
+            with self._copies_lock:
+                self._copies[plan.step] = copies
+                for step in sorted(self._copies)[:-COPIES_KEPT]:
+                    del self._copies[step]
+        return copies
 
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
         check_step("step", request.step)

@@ -59,6 +59,7 @@ def load_strategy(job: JobSettings) -> Strategy:
         strategy = _from_file(job, mesh)
     try:
         strategy.check(mesh)
+        strategy.check_columns({c.name: c.kind for c in job.batch.payload})
         strategy.weights(job.source_names, job.weights)
     except StrategyError as exc:
         raise ConfigError("strategy", str(exc), job.strategy) from exc

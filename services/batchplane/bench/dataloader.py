@@ -1,0 +1,236 @@
+"""Part B of `batchplane bench delivery`: samples/s and CPU per 1,000 samples of batchplane
+against a colocated torch DataLoader, on the same Parquet data and microbatch shapes.
+
+Data: four synthetic text sources of equal size (`demo.dataset` length distributions, `--rows`
+rows over the four, default 12,000), one epoch, `--global-batch` samples a step (default 64) in
+`--dp-microbatches` padded microbatches per rank (default 2), no compute, at `--ranks` ranks
+(repeatable; default 2 and 8). Runs alternate the two systems (`--sample-repeats` pairs per rank
+count, default 2); each record is one run, `summarize_samples` gives the medians and ratios.
+
+- batchplane: a job run by `LocalCluster` (planner, `--loaders` loader groups (default 2) and
+  one constructor per `--ranks-per-constructor` ranks (default 8: one pod), plaintext, since
+  `bench transport` measures TLS) and the stand-in trainer (`batchplane.examples.timed_trainer`,
+  one process, its ranks as threads in lockstep), mesh dp = ranks.
+- dataloader: one process per rank, as torchrun starts them (`batchplane.examples.dataloader_rank`, in the client package: services never import torch), each with a
+  `torch.utils.data.DataLoader(num_workers=1, prefetch_factor=2, persistent_workers=True)` over
+  its `ParquetTokens` (the same Parquet files read with pyarrow, all of them loaded by the worker on
+  first use) and a `DistributedSampler` (seeded shuffle, drop_last), its batches the rank's
+  microbatches, padded by `collate` as the constructor pads them (input_ids, labels: the next
+  token, -100 on each row's last token and on padding; attention_mask; position_ids). Ranks are
+  not in lockstep (no collective per step).
+
+Record fields: system (batchplane | dataloader), ranks, samples, seconds, samples_per_s,
+cpu_s_per_1k_samples, processes. Times run from the first batch to the last: batchplane's
+ranks are in lockstep, so from the step 0 the first rank received; the DataLoader's ranks each
+wait after their first step until all have one (start-up behind them, the workers prefetching).
+Samples count what arrived after each rank's first step. CPU (user + system, from /proc)
+is that of every process involved over the same window: the planner, loaders, constructors and
+the trainer (batchplane); the rank processes and their DataLoader workers (dataloader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from batchplane.bench import positive_int
+from batchplane.bench.transport import text_sources
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sample-rows", type=positive_int, default=12000, help="Part B: rows over the four sources (default 12,000)")
+    parser.add_argument("--global-batch", type=positive_int, default=64, help="Part B: samples a step over all ranks (default 64)")
+    parser.add_argument("--dp-microbatches", type=positive_int, default=2, help="Part B: microbatches per rank and step (default 2)")
+    parser.add_argument("--ranks", action="append", type=positive_int, default=None, metavar="N", help="Part B: ranks (repeatable; default 2 and 8)")
+    parser.add_argument("--sample-repeats", type=positive_int, default=2, help="Part B: runs of each system per rank count, alternating (default 2)")
+    parser.add_argument("--loaders", type=positive_int, default=2, help="Part B: batchplane loader groups (default 2)")
+    parser.add_argument("--ranks-per-constructor", type=positive_int, default=8, help="Part B: ranks a batchplane constructor serves (default 8)")
+
+
+def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callable[[str], None]) -> list[dict]:
+    """Part B: the records, runs alternating batchplane and the DataLoader."""
+    from batchplane.demo.dataset import write_demo_dataset
+
+    data = write_demo_dataset(folder / "data", sources=text_sources(args.sample_rows), vocab_size=4096, seed=0)
+    records = []
+    for ranks in args.ranks or (2, 8):
+        if args.global_batch % (ranks * args.dp_microbatches):
+            raise ValueError(f"--global-batch {args.global_batch} must be a multiple of ranks x --dp-microbatches = {ranks * args.dp_microbatches}")
+        for repeat in range(args.sample_repeats):
+            for system in ("batchplane", "dataloader"):
+                progress(f"{system}, {ranks} ranks, run {repeat + 1} of {args.sample_repeats}")
+                where = folder / f"{system}-{ranks}-{repeat}"
+                if system == "batchplane":
+                    record = run_batchplane(
+                        where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches,
+                        loaders=args.loaders, ranks_per_constructor=min(args.ranks_per_constructor, ranks),
+                    )
+                else:
+                    record = run_dataloader(where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches)
+                records.append(record)
+                progress(f"  {record['samples_per_s']:,.0f} samples/s, {record['cpu_s_per_1k_samples']:.3f} CPU s per 1,000 samples")
+    return records
+
+
+def summarize_samples(records: list[dict]) -> dict:
+    """Per rank count: each system's median samples/s and CPU s per 1,000 samples, and
+    batchplane's over the DataLoader's."""
+    import statistics
+
+    out = {}
+    for ranks in sorted({r["ranks"] for r in records if "system" in r}):
+        medians = {
+            system: {
+                key: round(statistics.median(r[key] for r in records if r.get("system") == system and r["ranks"] == ranks), 5)
+                for key in ("samples_per_s", "cpu_s_per_1k_samples")
+            }
+            for system in ("batchplane", "dataloader")
+            if any(r.get("system") == system and r["ranks"] == ranks for r in records)
+        }
+        if len(medians) == 2:
+            medians["batchplane_over_dataloader"] = {
+                key: round(medians["batchplane"][key] / medians["dataloader"][key], 4) for key in ("samples_per_s", "cpu_s_per_1k_samples")
+            }
+        out[str(ranks)] = medians
+    return out
+
+
+# ---- the DataLoader side -------------------------------------------------------------------
+
+
+def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, microbatches: int) -> dict:
+    """One run of the DataLoader baseline at `ranks` ranks (see the module docstring)."""
+    folder.mkdir(parents=True)
+    microbatch = batch // (ranks * microbatches)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "batchplane.examples.dataloader_rank", "--rank", str(r), "--world", str(ranks),
+             "--microbatch", str(microbatch), "--microbatches", str(microbatches), *map(str, data.values())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(folder / f"rank-{r}.log", "wb"),
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # as torchrun sets it for several processes a node
+        )
+        for r in range(ranks)
+    ]
+    try:
+        lines: list[list[dict]] = [[] for _ in procs]
+        first = [json.loads(p.stdout.readline() or "null") for p in procs]  # every rank's first step
+        if any(f is None for f in first):
+            raise RuntimeError(f"a DataLoader rank failed: {(folder / 'rank-0.log').read_text()[-2000:]}")
+        cpu_at_first = tree_cpu_s([p.pid for p in procs])
+        start = time.time()
+        for p in procs:
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        for p, mine in zip(procs, lines):
+            for line in p.stdout:
+                if line.strip() == b"done":
+                    break
+                mine.append(json.loads(line))
+            else:
+                raise RuntimeError(f"a DataLoader rank failed: {(folder / 'rank-0.log').read_text()[-2000:]}")
+        cpu_at_last = tree_cpu_s([p.pid for p in procs])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    end = max(line["received"] for mine in lines for line in mine)
+    samples = sum(line["samples"] for mine in lines for line in mine)
+    return _record("dataloader", ranks, samples, end - start, cpu_at_last, cpu_at_first)
+
+
+# ---- the batchplane side -------------------------------------------------------------------
+
+
+def run_batchplane(
+    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, microbatches: int, loaders: int, ranks_per_constructor: int
+) -> dict:
+    """One run of a batchplane job at `ranks` ranks with the stand-in trainer."""
+    from batchplane.bench.jobs import start_trainer, write_job
+    from batchplane.launcher.local import LocalCluster
+
+    config = write_job(
+        folder, f"delivery-{ranks}", data, ranks=ranks, batch=batch, loaders={"count": loaders},
+        constructors={"ranks_per_constructor": ranks_per_constructor}, network={"tls": False},
+    )
+    _set_microbatches(config, microbatches)
+    steps_path = folder / "steps.jsonl"
+    with LocalCluster(config) as cluster:
+        trainer = start_trainer(cluster, range(ranks), step_seconds=0, out=steps_path)
+        while not (steps_path.exists() and steps_path.stat().st_size) and trainer.poll() is None:
+            time.sleep(0.001)
+        services = [p.pid for p in cluster.processes]
+        cpu_at_first = tree_cpu_s([*services, trainer.pid])
+        trainer_at_first = cpu_at_first.get(trainer.pid, 0.0)
+        _, status, usage = os.wait4(trainer.pid, 0)
+        trainer.returncode = os.waitstatus_to_exitcode(status)
+        if trainer.returncode:
+            raise RuntimeError(f"the trainer failed: {trainer.stdout.read().decode()[-2000:]}")
+        cpu_at_last = tree_cpu_s(services)
+    cpu_at_last[trainer.pid] = usage.ru_utime + usage.ru_stime  # its whole life; minus its CPU at the first batch
+    cpu_at_first[trainer.pid] = trainer_at_first
+    steps = [json.loads(line) for line in steps_path.read_text().splitlines()]
+    first = {}
+    for s in steps:
+        first.setdefault(s["rank"], s)
+    start = min(s["received"] for s in first.values())
+    end = max(s["received"] for s in steps)
+    samples = sum(len(s["samples"]) for s in steps) - sum(len(s["samples"]) for s in first.values())
+    return _record("batchplane", ranks, samples, end - start, cpu_at_last, cpu_at_first)
+
+
+def _set_microbatches(config: pathlib.Path, microbatches: int) -> None:
+    import yaml
+
+    job = yaml.safe_load(config.read_text())
+    job["batch"]["microbatches"] = microbatches
+    config.write_text(yaml.safe_dump(job))
+
+
+def _record(system: str, ranks: int, samples: int, seconds: float, cpu_at_last: dict[int, float], cpu_at_first: dict[int, float]) -> dict:
+    cpu = sum(value - cpu_at_first.get(pid, 0.0) for pid, value in cpu_at_last.items())
+    return {
+        "system": system,
+        "ranks": ranks,
+        "samples": samples,
+        "seconds": round(seconds, 4),
+        "samples_per_s": round(samples / seconds, 1),
+        "cpu_s_per_1k_samples": round(cpu / samples * 1000, 5),
+        "processes": len(cpu_at_last),
+    }
+
+
+def tree_cpu_s(pids: Sequence[int]) -> dict[int, float]:
+    """User + system CPU seconds of each live process in the trees under `pids` (the processes
+    and all their descendants), from /proc."""
+    parent_of: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent_of[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    wanted = set(pids)
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parent_of.items() if parent in wanted} - wanted
+        wanted |= more
+        grew = bool(more)
+    return {pid: cpu[pid] for pid in wanted if pid in cpu}
