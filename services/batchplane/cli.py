@@ -3,7 +3,7 @@
     batchplane up -c job.yaml     start a job's data plane as local processes
     batchplane demo               write a demo dataset and train a tiny model against it
     batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency, mixture, ledger,
-                                  chaos, transport, delivery)
+                                  chaos, transport, delivery, vlm)
     batchplane ledger show --step N | find SOURCE:INDEX | stats [--from A --to B]
                                   lineage from a job's durable ledger
     batchplane profile -c job.yaml [--samples N] [--out profiles.json] [--json]

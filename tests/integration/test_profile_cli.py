@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from batchplane.demo.dataset import DemoSource, ImageTextSource, LogNormal, write_demo_dataset
+from batchplane.demo.images import PAYLOAD
 from batchplane.demo.run import TRANSFORMS
 
 pytestmark = pytest.mark.integration
@@ -44,6 +45,7 @@ def write_job(path: pathlib.Path, paths: dict[str, str]) -> pathlib.Path:
         "job": "profiled",
         "sources": [{"name": name, "path": p, **TRANSFORMS.get(name, {}), **({"repeat": REPEAT[name]} if name in REPEAT else {})} for name, p in paths.items()],
         "mixture": {"weights": {k: v for k, v in WEIGHTS.items() if k in paths}},
+        "batch": {"payload": [dict(c) for c in PAYLOAD]},  # the demo transform ships pixels
     }
     path.write_text(yaml.safe_dump(job))
     return path

@@ -136,6 +136,10 @@ CLIENT_FRAMEWORKS = {
     "batchplane.client.torchtitan": ("torchtitan", "torchdata"),
     # The colocated-DataLoader baseline of `bench delivery` reads Parquet as a user's would.
     "batchplane.examples.dataloader_rank": ("pyarrow",),
+    # So does `bench vlm`'s (its image rows go through the transform as a pyarrow table, as in
+    # batchplane's loader), padding tokens with the baseline above; the transform itself is
+    # imported by name at run time, never statically.
+    "batchplane.examples.vlm_rank": ("pyarrow", "batchplane.examples.dataloader_rank"),
 }
 
 

@@ -129,6 +129,23 @@ def test_the_end_of_data_stops_building_and_a_rewind_builds_again() -> None:
     assert build_all(p, end=3) == [0, 1, 2] and p.past_end(3)
 
 
+def test_finished_once_every_pulling_rank_asked_for_the_end_and_again_after_a_rewind() -> None:
+    p = BuildProgress((0, 1, 2), pulling=(0, 1), prefetch_steps=5)
+    p.ask(0, 0)
+    assert build_all(p, end=2) == [0, 1]
+    assert not p.finished()  # the end is known, but no rank has been handed it
+    p.ask(0, 2)
+    assert not p.finished()  # rank 1 has not
+    p.ask(1, 1)
+    p.ask(1, 2)  # rank 2 never asks (it does not pull): not waited for
+    assert p.finished() and not p.finished()  # said once
+    p.ask(1, 0, restart=True)  # a rewind: the loaders may be asked again
+    assert not p.finished()
+    build_all(p, end=2)
+    p.ask(1, 2)
+    assert p.finished()
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     ranks=st.integers(1, 3),

@@ -68,18 +68,36 @@ def test_a_request_for_another_constructor_cannot_make_its_own_requests_fail() -
     assert p.consumed_below == 0, "constructor 0 handed nothing: no plan is dropped"
 
 
-def test_a_step_past_the_window_changes_nothing() -> None:
+def test_a_step_past_the_window_is_told_to_wait_and_moves_nothing_past_the_planning_cursor() -> None:
     """Attacks a and c: GetPlan{step: 1e9, delivered_below: 1e9} ended the job at step 28, and
     step 1e15 kept the planner planning. A step more than `lead` past what every constructor
-    handed is told to wait, and nothing moves."""
+    handed is told to wait; what the request says its ranks were handed is believed only up to
+    the planning cursor, as for any request, so the window moves at most that far."""
     p = started(lead=4)
     plan_through(p, 2)
-    for c in (0, 1):
-        assert p.ask(c, 10**9, delivered_below=10**9) == Ahead(4)
-        assert p.ask(c, 5, delivered_below=5) == Ahead(4)
+    assert p.ask(0, 10**9, delivered_below=10**9) == Ahead(4)  # constructor 1 still holds the window
+    assert p.ask(0, 5, delivered_below=5) == Ahead(4)
     assert p.consumed_below == 0 and p.limit == 4 and not p.finished(3)
-    assert p.restarted(0) == 0
-    assert isinstance(p.ask(1, 4, delivered_below=0), Serve), "the window's last step is served"
+    assert p.ask(1, 10**9, delivered_below=10**9) == Ahead(7)
+    assert p.consumed_below == 3 == p.next_to_plan  # never past what was planned
+    assert p.restarted(0) == 3
+    assert isinstance(p.ask(1, 7, delivered_below=0), Serve), "the window's last step is served"
+
+
+def test_constructors_that_only_ask_ahead_still_move_the_window() -> None:
+    """Chaos seed 210: the planner restarted at step 107 and a constructor restarted too; its
+    rank asked for step 113, the other constructor's for 112, both past the window of the
+    restarted planner (107 + lead). Their requests say their ranks were handed everything below
+    those steps: once the planner has planned up to its window, the window moves and both are
+    served, without a heartbeat."""
+    p = started(at=107, lead=4)
+    assert p.ask(1, 112, delivered_below=112) == Ahead(111)
+    assert p.ask(0, 113, delivered_below=113) == Ahead(111)
+    plan_through(p, 111)  # the planning thread plans what the window allows
+    assert p.ask(1, 112, delivered_below=112) == Ahead(111)  # constructor 0's claim still stops at the old cursor
+    assert isinstance(p.ask(0, 113, delivered_below=113), Serve)  # its retry: the window moves
+    assert isinstance(p.ask(1, 112, delivered_below=112), Serve)
+    assert p.consumed_below == 112
 
 
 def test_delivered_steps_are_believed_up_to_the_planning_cursor() -> None:
@@ -102,9 +120,9 @@ def test_the_window_moves_with_the_slowest_constructor() -> None:
     assert p.ask(0, 3) == Ahead(2)
     plan_through(p, 3)
     p.ask(1, 1, delivered_below=1)
-    assert p.ask(0, 3, delivered_below=1) == Ahead(2), "constructor 0 handed nothing yet"
-    p.delivered(0, 1)
-    assert isinstance(p.ask(0, 3, delivered_below=1), Serve)
+    assert p.ask(0, 3, delivered_below=0) == Ahead(2), "constructor 0 handed nothing yet"
+    p.delivered(0, 1)  # a heartbeat says it has handed step 0
+    assert isinstance(p.ask(0, 3, delivered_below=0), Serve)
     assert p.limit == 3
 
 
@@ -207,9 +225,10 @@ def test_every_served_step_is_kept_or_still_to_be_planned(events: list) -> None:
     )
 )
 def test_whatever_is_asked_the_window_and_the_delivered_steps_stay_bounded(events: list) -> None:
-    """Hostile values everywhere: a request past the window changes nothing; what a constructor
-    is believed to have handed never passes the planning cursor; so the planner never plans,
-    keeps or frees past `lead` steps beyond what every constructor was handed."""
+    """Hostile values everywhere: a request past the window plans nothing; what a constructor
+    is believed to have handed (by a request, answered or told to wait, or a heartbeat) never
+    passes the planning cursor; so the planner never plans, keeps or frees past `lead` steps
+    beyond what every constructor was handed."""
     lead = 3
     p = started(3, lead=lead)
     for kind, c, step in events:
@@ -226,7 +245,22 @@ def test_whatever_is_asked_the_window_and_the_delivered_steps_stay_bounded(event
             except FailedPrecondition:
                 continue
             if isinstance(decision, Ahead):
-                assert step > decision.limit and (p.consumed_below, p.limit, p.next_to_plan) == before
+                assert step > decision.limit == p.limit and p.next_to_plan == before[2]
+                assert before[0] <= p.consumed_below <= p.next_to_plan
         p.forget_consumed()
         assert p.consumed_below <= p.next_to_plan
         assert p.next_to_plan <= p.consumed_below + lead + 2
+
+
+def test_a_request_told_to_wait_moves_the_window_once_however_long_it_waits() -> None:
+    """The planner re-asks a waiting request as its planning goes on (`again`): the request's
+    claim counted when first asked, so a far claim moves the window by one window per request,
+    never on to the end of the job while one request waits."""
+    p = started(lead=4)
+    plan_through(p, 2)
+    assert p.ask(0, 10**9, delivered_below=10**9) == Ahead(0 + 4)  # constructor 1 handed nothing yet
+    assert p.ask(1, 10**9, delivered_below=10**9) == Ahead(3 + 4)  # both believed up to the planning cursor
+    for _ in range(5):  # the planning thread plans what the window allows; the request waits on
+        plan_through(p, p.limit + 1)
+        assert p.ask(0, 10**9, delivered_below=10**9, again=True) == Ahead(7)
+    assert p.consumed_below == 3

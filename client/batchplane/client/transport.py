@@ -118,7 +118,14 @@ class ConstructorConnection:
         self.address = address
         self._channel = local_channel(
             address,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # GetBatch's stream is read on the fetch thread itself, not handed over message
+                # by message from a "channel spin" thread that grpc starts whenever the channel
+                # has no call in flight (a thread per batch, two thread switches per message).
+                ("SingleThreadedUnaryStream", 1),
+            ],
         )
         self._stub = constructor_pb2_grpc.ConstructorStub(self._channel)
 

@@ -12,7 +12,9 @@ Pure of services: benchmarks drive the planning and delivery logic in process; n
 exceptions are `chaos`, which measures failures of the services themselves, `transport`, which
 measures what mutual TLS costs them, and `delivery`, which measures the bytes path into the
 trainer's tensors (a constructor server in a child process, a plain gRPC stream) and a job
-against colocated DataLoader processes: they run processes and sockets on this machine.
+against colocated DataLoader processes, and `vlm`, which runs a vision-language job against
+colocated DataLoader processes decoding the same JPEGs: they run processes and sockets on this
+machine.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ BENCHMARKS = {
     "chaos": "batchplane.bench.chaos",
     "transport": "batchplane.bench.transport",
     "delivery": "batchplane.bench.delivery",
+    "vlm": "batchplane.bench.vlm",
 }
 
 

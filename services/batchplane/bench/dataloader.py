@@ -137,15 +137,7 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
                 raise RuntimeError(f"a DataLoader rank failed: {(folder / 'rank-0.log').read_text()[-2000:]}")
         cpu_at_last = tree_cpu_s([p.pid for p in procs])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        close_ranks(procs)
     end = max(line["received"] for mine in lines for line in mine)
     samples = sum(line["samples"] for mine in lines for line in mine)
     return _record("dataloader", ranks, samples, end - start, cpu_at_last, cpu_at_first)
@@ -210,6 +202,20 @@ def _record(system: str, ranks: int, samples: int, seconds: float, cpu_at_last: 
         "cpu_s_per_1k_samples": round(cpu / samples * 1000, 5),
         "processes": len(cpu_at_last),
     }
+
+
+def close_ranks(procs: Sequence[subprocess.Popen]) -> None:
+    """Closes each rank process's stdin (its signal to exit) and waits for it; one that does not
+    exit within 30 s is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.stdin.close()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def tree_cpu_s(pids: Sequence[int]) -> dict[int, float]:

@@ -48,8 +48,8 @@ Part B, samples: `batchplane.bench.dataloader` (records with fields system, rank
 samples_per_s, cpu_s_per_1k_samples, ...; medians and ratios in `samples_summary`).
 `--skip-samples` or `--skip-transports` leave one part out.
 
-Not measured here: the vision-language demo path (JPEG decode and patchify) against a colocated
-DataLoader doing the same work.
+The vision-language demo path (JPEG decode and patchify) against a colocated DataLoader doing the
+same work is `batchplane bench vlm`.
 """
 
 from __future__ import annotations

@@ -203,7 +203,17 @@ class StepPipeline:
                 self._longest_wait[rank] = waited
                 self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
             self._metrics.prefetched_steps.set(max(self._steps.next - 1 - self._steps.slowest(), 0))
+            if self._steps.finished():  # no later fetch will carry the release: send it now
+                self._release_everywhere(self._steps.end)
             return self._ready.get((rank, step))
+
+    def _release_everywhere(self, step: int) -> None:
+        """Every loader that served this constructor frees what it holds for it (the end of
+        data: every rank was handed every step)."""
+        with self._holding_lock:
+            held = list(self._holding)
+        for address in held:
+            self._fetchers.submit(self._release_at, address, step)
 
     def _delivered(self) -> int:
         """Every step below it was handed to all of this constructor's pulling ranks (each has

@@ -25,6 +25,9 @@ Rules (each a test in tests/unit/test_build_progress.py):
   constructor skip steps or ask the planner for steps the job has not reached.
 - A report is forwarded for a step built here (asked of the planner) and not past the end;
   one before the oldest step the planner's ledger keeps is not used (`reportable`).
+- Once every pulling rank has asked for the end-of-data step, whatever the loaders hold for this
+  constructor can go (`finished`, true once; again after a rewind reaches the end again): no
+  later fetch will carry the release.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class BuildProgress:
         self._ready: set[tuple[int, int]] = set()  # (rank, step) batches held
         self._planned_through = -1  # the furthest step asked of the planner
         self._rewind_through = -1  # plan requests up to it are marked rewind
+        self._finished = False  # `finished` said so since the last rewind
 
     # ---- trainer side ----------------------------------------------------------------------
 
@@ -114,6 +118,7 @@ class BuildProgress:
         if restart:
             self._rewind_through = max(self._rewind_through, self._planned_through, step)
         if behind:
+            self._finished = False
             self.start = min(self.start, step)
             missing = step
             while (rank, missing) in self._ready:
@@ -125,6 +130,15 @@ class BuildProgress:
         drop += self._idle_below(self.slowest())
         self._ready.difference_update(drop)
         return Asked(started=started, rewound=behind, drop=drop)
+
+    def finished(self) -> bool:
+        """True the first time every pulling rank has asked for the end-of-data step (or
+        past it) since the start or the last rewind: what loaders hold for this constructor
+        can all be released."""
+        if self._finished or self.end is None or self.start is None or self.slowest() < self.end:
+            return False
+        self._finished = True
+        return True
 
     def furthest_step(self) -> int:
         """The furthest step a request may name now: one past the furthest step asked here, or

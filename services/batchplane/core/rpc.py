@@ -280,10 +280,18 @@ def set_serving(health_servicer: health.HealthServicer, *services: str) -> None:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+#: Channel options on top of the message limits. A response stream (FetchSamples) is read on the
+#: thread that iterates it, not through the "channel spin" thread grpc otherwise starts whenever a
+#: channel with no call in flight makes one, and hands every message over from (a thread started
+#: per fetch, and two thread switches per message, on both sides of each handover). The callers
+#: only iterate their streams, which is all such a call offers before it ends.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [("SingleThreadedUnaryStream", 1)]
+
+
 def create_channel(address: str, *, peer: str, security: Security, max_message_bytes: int) -> grpc.Channel:
     """A channel to a part of role `peer` ("planner", "loader") with the job's message limits,
     over mutual TLS unless the job turned it off."""
-    return security.channel(address, peer=peer, options=message_options(max_message_bytes))
+    return security.channel(address, peer=peer, options=[*message_options(max_message_bytes), *CHANNEL_OPTIONS])
 
 
 def serving_status(health_servicer: health.HealthServicer) -> bool:

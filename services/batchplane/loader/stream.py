@@ -446,8 +446,8 @@ class SourceStream:
         again, is not affected)."""
         with self._cond:
             window.unreleased -= count
-            self._evict()
-            self._cond.notify_all()
+            if self._evict():  # only a freed window changes what the reader and fetches wait for
+                self._cond.notify_all()
 
     # ---- buffer --------------------------------------------------------------------------
 
@@ -457,18 +457,20 @@ class SourceStream:
             raise NotFound(f"source {self.name!r}: position {seq} is not buffered")
         return i
 
-    def _evict(self) -> None:
+    def _evict(self) -> int:
         """Frees the windows that are fully planned and either fully released or planned only by
-        steps every rank has been handed (lock held)."""
+        steps every rank has been handed (lock held); returns how many it freed."""
         kept = []
         for w in self._windows:
             if w.last_step is not None and (w.unreleased <= 0 or w.last_step < self._delivered_below):
                 self._budget.add(-w.nbytes)
             else:
                 kept.append(w)
+        freed = len(self._windows) - len(kept)
         self._windows = kept
         self._metrics.buffer_samples.labels(self.name).set(sum(len(w.rows) for w in self._windows))
         self._metrics.buffer_bytes.set(self._budget.used)
+        return freed
 
     def _read_loop(self) -> None:
         while True:

@@ -182,7 +182,7 @@ class PlanBook:
                         f"step {step} is ahead of the planning window (steps up to {decision.limit}: constructors.prefetch_steps + 2 "
                         f"past the step below which every constructor's ranks were handed every step); retry once they move on"
                     )
-                decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
+                decision = self._progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind, again=True)
             if isinstance(decision, Replan):
                 self._begin_replan(decision.step, constructor)
             self._forget_consumed()

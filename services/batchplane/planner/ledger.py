@@ -187,6 +187,7 @@ class Ledger:
                     if method != self.method:
                         totals.add(_built_costs(plan, method))
         shares = allocation.shares if allocation is not None else [c / total if total else 0.0 for c in counts]
+        identities = np.stack([plan.samples.source, plan.samples.row, plan.samples.epoch], axis=1).astype(np.int64)  # [n, 3]
         record = {
             "step": plan.step,
             "shares": [round(float(x), 9) for x in shares],
@@ -197,13 +198,7 @@ class Ledger:
             } if allocation is not None else {},
             "tokens": {name: int(tokens[k]) for k, name in enumerate(self.source_names) if counts[k]},
             "bad": plan.bad_samples,
-            "ranks": [
-                [
-                    [[int(plan.samples.source[i]), int(plan.samples.row[i]), int(plan.samples.epoch[i])] for i in mb]
-                    for mb in rank
-                ]
-                for rank in plan.microbatches
-            ],
+            "ranks": [[identities[np.asarray(mb, np.int64)].tolist() for mb in rank] for rank in plan.microbatches],
             "after": state_to_json(after),
             "consumed": {name: c.to_list() for name, c in zip(self.source_names, self.consumed) if not c.is_empty},
         }

@@ -185,10 +185,13 @@ class StepPlan:
 
     def built_rank_costs(self) -> np.ndarray:
         """Cost of each bucket's microbatches as the constructor builds them (float64
-        [buckets]): padding included unless the job packs; `rank_costs` without `rows`."""
-        if self.rows is None:
-            return self.rank_costs()
-        return self.rows.bucket_costs(self.microbatches)
+        [buckets]): padding included unless the job packs; `rank_costs` without `rows`.
+        Computed once per plan (the ledger and the metrics both ask); a copy each time."""
+        costs = self.__dict__.get("_built_rank_costs")
+        if costs is None:
+            costs = self.rank_costs() if self.rows is None else self.rows.bucket_costs(self.microbatches)
+            self.__dict__["_built_rank_costs"] = costs  # a cache, not a field: frozen, eq and replace ignore it
+        return costs.copy()
 
     @property
     def loss_tokens(self) -> int:

@@ -13,7 +13,9 @@ Rules (each a test in tests/unit/test_plan_progress.py):
   plan sequence is deterministic, so a false claim of delivery costs a re-plan, never a step.
   A step before the job's start is refused unless the request says `rewind`.
 - A request for a step more than `lead` steps past `consumed_below` (see `bounds.plan_lead`)
-  changes nothing and is told to wait (`Ahead`); the planner plans no further than that either.
+  is told to wait (`Ahead`), and the planner plans no further than that either; what the
+  request says its ranks were handed still counts (below), so a constructor that only ever
+  asks ahead (restarted together with the planner) moves the window by its retries.
 - What a request or heartbeat says was delivered is believed up to the planning cursor only:
   no rank can have been handed a step that is not planned.
 - A rewind to s is served from the plans kept when s is among them (`Serve`), else the planner
@@ -55,7 +57,7 @@ class Replan:
 @dataclasses.dataclass(frozen=True)
 class Ahead:
     """The step is more than the window ahead of what every constructor was handed: nothing
-    changed; wait until `consumed_below` reaches `step - lead` (the planner plans up to `limit`
+    is served or planned for it (what the request said was delivered is recorded); wait until `consumed_below` reaches `step - lead` (the planner plans up to `limit`
     meanwhile), or give up (UNAVAILABLE)."""
 
     #: The furthest step a request may ask for now.
@@ -116,9 +118,12 @@ class PlanProgress:
         self._asked.update(positions or {})
         self._kept = (step, step)
 
-    def ask(self, constructor: int, step: int, *, delivered_below: int = 0, rewind: bool = False) -> Decision:
+    def ask(self, constructor: int, step: int, *, delivered_below: int = 0, rewind: bool = False, again: bool = False) -> Decision:
         """Constructor `constructor` asks for the plan of `step`; `delivered_below`: every step
-        below it reached all of its ranks; `rewind`: a rank restarted from an older checkpoint.
+        below it reached all of its ranks; `rewind`: a rank restarted from an older checkpoint;
+        `again`: the same request asked again while it waits for the window (its claim of
+        delivery counted when it was first asked: a request told to wait moves the window at
+        most once, so one far request cannot walk the planner to the end of the job).
 
         Raises:
             FailedPrecondition: a step before the job's start (without `rewind`), or a re-plan
@@ -126,16 +131,23 @@ class PlanProgress:
         """
         if self.start is None:
             return Start()
+        below = min(delivered_below, self.next_to_plan)
         limit = self.limit
         if limit is not None and step > limit:
-            return Ahead(limit)
+            # What its ranks were handed still counts, so the window can move for it: a
+            # constructor that only ever asks ahead (restarted while the planner was, its ranks
+            # past the planner's restart) would otherwise hold it where it is for good.
+            if not again:
+                self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
+                limit = self.limit
+            if step > limit:
+                return Ahead(limit)
         latest = self._asked.get(constructor, step)
         replan = step < self._kept[0]
         if step < self.start and not rewind:
             raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
         if replan and step < self.horizon:
             raise rewind_refused(step, self.horizon)
-        below = min(delivered_below, self.next_to_plan)
         if replan or (rewind and step < latest):  # its ranks need the steps from `step` again
             self._asked[constructor] = step
             self._delivered[constructor] = min(self._delivered.get(constructor, step), below, step)

@@ -108,6 +108,7 @@ class SummaryStore:
         with self.cond:
             if steps is not None:
                 self.planned_steps = steps
+            idle = [self.wanted(k) is None for k in range(len(self._known))]
             for known, cursor in zip(self._known, cursors):
                 drop = min(cursor - known.base, len(known.rows))
                 if drop > 0:
@@ -115,7 +116,11 @@ class SummaryStore:
                     known.features = {name: values[drop:] for name, values in known.features.items()}
                     known.base += drop
                 known.cursor = cursor
-            self.cond.notify_all()
+            # Only a source that now wants a pull has a puller to wake (its summary request
+            # carries the new cursor); nothing else waits for the cursors, and a puller busy
+            # with a request reads them when it next asks.
+            if any(was and self.wanted(k) is not None for k, was in enumerate(idle)):
+                self.cond.notify_all()
 
     def add(
         self,
