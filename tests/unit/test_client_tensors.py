@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchplane.client.tensors import allocate, unpack
+from batchplane.client.tensors import ReceiveBuffers, unpack
 from batchplane.constructor.assemble import RankSamples, assemble
 from batchplane.wire import PayloadReceiver, iter_chunks
 
@@ -20,7 +20,7 @@ def test_tensors_are_views_of_the_received_buffer_with_the_built_values() -> Non
         offsets=np.array([0, 2, 3], np.int64),
     )
     built = assemble(samples, step=3, rank=0, pad_id=0, ignore_id=-100, token_dtype="int64", global_loss_tokens=6)
-    storage, view = allocate(len(built.payload), pin=False)
+    storage, view = ReceiveBuffers().take(len(built.payload), pin=False)
     receiver = PayloadReceiver(view)
     for chunk in iter_chunks(built.payload, chunk_bytes=100):
         receiver.add(chunk)
@@ -41,6 +41,25 @@ def test_tensors_are_views_of_the_received_buffer_with_the_built_values() -> Non
 
 
 def test_an_empty_payload_allocates_an_empty_tensor() -> None:
-    storage, view = allocate(0, pin=False)
+    storage, view = ReceiveBuffers().take(0, pin=False)
     assert storage.numel() == 0
     assert len(view) == 0
+
+
+def test_receive_buffers_are_reused_only_once_every_tensor_of_their_batch_is_gone() -> None:
+    buffers = ReceiveBuffers(keep=2)
+    first, view = buffers.take(1000, pin=False)
+    view[:3] = b"abc"
+    kept = first[:3].view(torch.uint8)  # a view the trainer keeps
+    address = first.data_ptr()
+    del first, view
+    second = buffers.take(1000, pin=False)[0]
+    assert second.data_ptr() != address, "a buffer a tensor still views is never received into"
+    assert bytes(kept.numpy()) == b"abc"
+    del kept
+    third = buffers.take(900, pin=False)[0]
+    assert third.data_ptr() == address and buffers.free == 0, "once the batch's tensors are gone its buffer is reused"
+    del second, third
+    assert buffers.free == 2
+    small = buffers.take(100, pin=False)[0]
+    assert small.data_ptr() != address and len(small) == 100, "a buffer over twice the size is not taken"

@@ -219,8 +219,8 @@ class Client:
         copied = None
         if self._copier is not None:
             groups, copied = self._copier.copy(groups)
-            if shm and isinstance(copied, torch.cuda.Event):
-                copied.synchronize()  # the slab is released once the copies are done and the host views dropped
+            if isinstance(copied, torch.cuda.Event):
+                copied.synchronize()  # its slab or receive buffer is reused once the copies are done and the host views dropped
         elif self.device is not None:
             groups = [{k: v.to(self.device) for k, v in group.items()} for group in groups]
         fmt = self.job.format

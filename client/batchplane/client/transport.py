@@ -18,7 +18,7 @@ from batchplane.client import errors
 from batchplane.client.bounds import check_batch_header
 from batchplane.client.endpoints import AddressBook
 from batchplane.client.slabs import SlabChannel, slab_socket
-from batchplane.client.tensors import allocate
+from batchplane.client.tensors import ReceiveBuffers
 from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 from batchplane.wire import PayloadReceiver, WireFormatError
@@ -74,6 +74,7 @@ class ConstructorConnection:
         self._slabs: SlabChannel | None = None
         self._slabs_retry_at = 0.0
         self._slabs_refused_inode: tuple[int, int] = (-1, -1)
+        self._buffers = ReceiveBuffers()
         self._connect(self._addresses.wait(timeout_s=timeout_s))
 
     @property
@@ -168,7 +169,7 @@ class ConstructorConnection:
                 if slabs is None or next(stream, None) is not None:
                     raise errors.ProtocolError(f"constructor at {self.address}: a batch in shared memory without a session, or with chunks")
                 return header, slabs.view(header.shm, size)
-            storage, view = allocate(size, pin=pin)
+            storage, view = self._buffers.take(size, pin=pin)
             receiver = PayloadReceiver(view)
             try:
                 for message in stream:
