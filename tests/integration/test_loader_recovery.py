@@ -17,6 +17,7 @@ from batchplane.core.errors import NotFound
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing
 from batchplane.loader.metrics import LoaderMetrics
+from batchplane.loader.rows import gather
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import BoundTransform, token_ids
@@ -51,7 +52,8 @@ def _fetch(stream: SourceStream, seqs: list[int]) -> list[np.ndarray]:
     """Token lists of positions `seqs`, as a fetch takes them."""
     out = {}
     for window, mask, index in stream.locate(np.array(seqs, np.int64), wait_s=10):
-        ids, _ = stream.take(window, index)
+        stream.check_good(window, index)
+        ids = gather([window.ids], np.zeros(len(index), np.int64), index)
         for seq, tokens in zip(np.array(seqs)[mask].tolist(), ids.to_pylist()):
             out[seq] = tokens
     return [out[s] for s in seqs]

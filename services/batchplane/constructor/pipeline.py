@@ -362,7 +362,7 @@ class StepPipeline:
             return delivery
         base = len(delivery.batch.payload)  # a multiple of 64: the extra tensors stay aligned
         subbatches, extra = lay_out_subbatches(mine, columns, self._job.batch.payload, step=delivery.batch.step, rank=delivery.rank, base=base)
-        return dataclasses.replace(delivery, subbatches=subbatches, extra=bytes(extra))
+        return dataclasses.replace(delivery, subbatches=subbatches, extra=extra)  # built once, never changed: no copy
 
     def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
         """Forwards a trainer's training report to the planner, for a step built here

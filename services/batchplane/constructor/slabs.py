@@ -285,7 +285,7 @@ class SlabPool:
 
     # ---- placement -----------------------------------------------------------------------
 
-    def place(self, batch: Any, extra: bytes, session: Session) -> Placement | str:
+    def place(self, batch: Any, extra: bytes | bytearray, session: Session) -> Placement | str:
         """Where `batch.payload` followed by `extra` lies in shared memory, held by `session`:
         the slab it was already copied into for another rank, or a slab it is copied into now.
         Returns the reason when it cannot be placed (FULL, TOO_LARGE)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -91,10 +91,6 @@ class PayloadColumn:
     def offsets_name(self) -> str:
         """The name of a blob's offsets tensor."""
         return self.name + OFFSETS_SUFFIX
-
-    def tensor_names(self) -> tuple[str, ...]:
-        """The tensors this column becomes in a microbatch."""
-        return (self.name, self.offsets_name) if self.kind == BLOB else (self.name,)
 
 
 def check_columns(columns: Sequence[PayloadColumn]) -> list[tuple[str, str, object]]:
@@ -257,12 +253,3 @@ def values_of(column: PayloadColumn, array: pa.Array) -> tuple[np.ndarray, np.nd
     offsets = array.offsets.to_numpy()
     values = array.values.to_numpy(zero_copy_only=False)
     return values, offsets
-
-
-def by_name(columns: Sequence[PayloadColumn]) -> Mapping[str, PayloadColumn]:
-    return {c.name: c for c in columns}
-
-
-def token_names(columns: Sequence[PayloadColumn]) -> frozenset[str]:
-    """Names of the declared per-token columns (sliced and packed like input_ids)."""
-    return frozenset(c.name for c in columns if c.kind == TOKEN)

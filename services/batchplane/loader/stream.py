@@ -52,7 +52,7 @@ from batchplane.core.routing import Routing, WindowSpan, window_of, window_span
 from batchplane.loader.bounds import FetchFrontier, plan_fetch_reads
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.reporting import SampleReport
-from batchplane.loader.rows import gather, shuffle
+from batchplane.loader.rows import shuffle
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.transforms import BoundTransform, TransformError, TransformOutput, lengths_of
 
@@ -435,11 +435,6 @@ class SourceStream:
         """Raises NotFound when one of samples `index` of `window` is a bad sample."""
         if (window.lengths[index] == 0).any():
             raise NotFound(f"source {self.name!r}: a requested sample is a bad sample, which is never delivered")
-
-    def take(self, window: BufferedWindow, index: np.ndarray) -> tuple[pa.ListArray, np.ndarray]:
-        """Token lists and lengths of samples `index` of `window`."""
-        self.check_good(window, index)
-        return gather([window.ids], np.zeros(len(index), np.int64), index), window.lengths[index]
 
     def release(self, window: BufferedWindow, count: int) -> None:
         """`count` good samples of `window` are no longer needed (a window dropped since, or read
