@@ -11,7 +11,7 @@ import numpy as np
 from batchplane.core.order import SampleOrder
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.mixture import Mixture, MixtureState
-from batchplane.planner.schedule import Static
+from batchplane.core.schedule import Static
 from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
 
 

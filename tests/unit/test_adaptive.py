@@ -23,7 +23,7 @@ from batchplane.planner.adaptive import (
     update,
 )
 from batchplane.planner.mixture import Mixture, MixtureState
-from batchplane.planner.schedule import ScheduleError
+from batchplane.core.schedule import ScheduleError
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NAMES = ("web", "code", "math")

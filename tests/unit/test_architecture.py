@@ -54,7 +54,7 @@ def violations(module_names: list[str], forbidden: tuple[str, ...]) -> list[str]
 
 
 SERVICES = ("batchplane.planner", "batchplane.loader", "batchplane.constructor")
-SERVICE_SIDE = (*SERVICES, "batchplane.operator", "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli")
+SERVICE_SIDE = (*SERVICES, "batchplane.operator", "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli", "batchplane.journal")
 PURE = (
     "batchplane.planner.mixture",
     "batchplane.planner.plan",
@@ -68,7 +68,7 @@ PURE = (
     "batchplane.planner.dgraph",
     "batchplane.planner.intervals",
     "batchplane.planner.lineage",
-    "batchplane.planner.schedule",
+    "batchplane.core.schedule",
     "batchplane.planner.adaptive",
     "batchplane.planner.failover",
     "batchplane.planner.progress",
@@ -100,6 +100,11 @@ PURE = (
     "batchplane.loader.locations",
     "batchplane.loader.bounds",
     "batchplane.constructor.bounds",
+    "batchplane.journal.manifest",
+    "batchplane.journal.policy",
+    "batchplane.journal.tgb",
+    "batchplane.journal.slices",
+    "batchplane.journal.retention",
 )
 
 
@@ -119,8 +124,51 @@ def test_services_do_not_import_each_other(service: str) -> None:
     assert violations(owned_by(service), others) == []
 
 
+def import_cycles(module_names: list[str]) -> list[list[str]]:
+    """The cycles (strongly connected groups of 2 or more) of the import graph among
+    `module_names`, counting imports inside functions too."""
+    graph = {m: sorted(i for i in imports_of(ALL[m]) if i in module_names and i != m) for m in module_names}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for m in module_names:
+        if m not in index:
+            visit(m)
+    return cycles
+
+
+def test_service_modules_import_no_cycle() -> None:
+    """A lazy import inside a function counts: it hides a cycle, it does not break it (issue 19:
+    planner.adaptive <-> planner.schedule, planner.padded <-> planner.plan)."""
+    service_side = sorted({m for side in SERVICE_SIDE for m in owned_by(side)})
+    assert import_cycles(service_side) == []
+
+
 def test_core_imports_no_service() -> None:
     assert violations(owned_by("batchplane.core"), (*SERVICES, "batchplane.launcher", "batchplane.demo")) == []
+
+
+def test_the_journal_is_a_library_below_the_services() -> None:
+    """The planner, producers and consumers use the journal; it uses only core."""
+    assert violations(owned_by("batchplane.journal"), (*SERVICES, "batchplane.operator", "batchplane.launcher", "batchplane.demo", "grpc")) == []
 
 
 def test_the_operator_drives_services_only_through_their_metrics_and_the_kubernetes_api() -> None:

@@ -18,7 +18,7 @@ from batchplane.planner.ledger import Ledger
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import SampleTable, StepPlan, build_step_plan
-from batchplane.planner.schedule import Staged, Static
+from batchplane.core.schedule import Staged, Static
 
 NAMES = ("web", "small")
 

@@ -13,7 +13,7 @@ from planning_sim import SimJob, SimSource, delivered, fingerprint, simulate
 
 from batchplane.core.order import job_epoch
 from batchplane.planner.mixture import Mixture, MixtureState, drift_bound
-from batchplane.planner.schedule import Static
+from batchplane.core.schedule import Static
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule
 from batchplane.planner.length import job_length
 from batchplane.planner.mixture import Mixture, MixtureState
-from batchplane.planner.schedule import Staged, Static
+from batchplane.core.schedule import Staged, Static
 from batchplane.planner.strategy import JobSchedule
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import ConfigError
-from batchplane.planner.schedule import Curriculum, FromCallable, Staged, Static
+from batchplane.core.schedule import Curriculum, FromCallable, Staged, Static
 from batchplane.planner.strategy import load_schedule, load_strategy
 
 

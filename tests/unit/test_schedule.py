@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState, drift_bound
-from batchplane.planner.schedule import (
+from batchplane.core.schedule import (
     Curriculum,
     FromCallable,
     Schedule,

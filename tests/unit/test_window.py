@@ -25,7 +25,7 @@ from batchplane.planner.journal import LedgerReader
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.mixture import Mixture, MixtureState
 from batchplane.planner.plan import SampleTable
-from batchplane.planner.schedule import Static
+from batchplane.core.schedule import Static
 from batchplane.planner.token_budget import loss_weights, token_budget, token_budget_steps
 from batchplane.planner.window import (
     Window, allocate, default_window_steps, home_steps, resume_inside, runs, taken, window_steps,

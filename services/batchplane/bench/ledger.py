@@ -76,7 +76,7 @@ from batchplane.planner.dgraph import default_strategy
 from batchplane.planner.ledger import Ledger
 from batchplane.planner.mixture import Mixture, MixtureState
 from batchplane.planner.plan import SampleTable
-from batchplane.planner.schedule import Static
+from batchplane.core.schedule import Static
 
 HELP = "durable ledger bytes per 10,000 steps, write, compaction and lookup times, by mesh and batch"
 

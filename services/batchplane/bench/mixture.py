@@ -59,7 +59,7 @@ import numpy as np
 from batchplane.bench import positive_int
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule, AdaptiveState, update
 from batchplane.planner.mixture import Mixture, MixtureState, drift_bound
-from batchplane.planner.schedule import GRANULARITIES, Curriculum, FromCallable, Schedule, Static, Staged
+from batchplane.core.schedule import GRANULARITIES, Curriculum, FromCallable, Schedule, Static, Staged
 
 HELP = "mixture fidelity per schedule kind: drift from the target counts, windowed share error, exact share changes"
 

@@ -17,7 +17,7 @@ import re
 import types
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -422,8 +422,10 @@ class JobSettings:
           each position of each source's stream is. A resume cannot honour a change;
         - "mixture": the per-source weights and their schedule;
         - "topology": the mesh and how it is delivered to (CP slicing, PP tensors);
-        - "batching": batch shape, balancing and the strategy file.
+        - "batching": batch shape, balancing, the strategy file, and the loaders' read-ahead
+          (it bounds the default planning window).
         A resume across a change of the last three re-plans from the ledger's cursors.
+        `FINGERPRINT_GROUPS` lists every setting by its group.
         """
         groups = {
             "data": {
@@ -443,12 +445,43 @@ class JobSettings:
             },
             "batching": {"batch": _batch_fingerprint(self.batch), "balance": dataclasses.asdict(self.balance), "strategy": self.strategy_digest},
         }
+        if self.loaders.read_ahead_samples != LoaderSettings.read_ahead_samples:
+            # Only when set, so the fingerprints of jobs without it stay as they were.
+            groups["batching"]["read_ahead_samples"] = self.loaders.read_ahead_samples
         return {name: _hash(value) for name, value in groups.items()}
 
     @property
     def fingerprint(self) -> str:
         """Hash of every setting that determines the plan sequence (all of `fingerprints`)."""
         return _hash(self.fingerprints)
+
+
+#: Every setting of a job (dotted path; "sources[]." for each source's) by the
+#: resume-fingerprint group `JobSettings.fingerprints` hashes it in. "none": settings that change
+#: how the job runs, never which samples a step gets (`sources[].path` too: moving a dataset
+#: keeps the job). A test checks that every field is in exactly one group and that changing it
+#: changes exactly its group's fingerprint.
+FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
+    "data": (
+        "sources[].name", "sources[].token_column", "sources[].transform", "sources[].transform_args", "sources[].columns",
+        "sources[].repeat", "seed", "epochs", "loaders.shuffle.enabled", "loaders.shuffle.window_row_groups",
+    ),
+    "mixture": ("mixture.weights", "mixture.schedule"),
+    "topology": ("mesh.dp", "mesh.cp", "mesh.tp", "mesh.pp", "mesh.order", "constructors.cp_slicing", "constructors.pp_middle_tensors"),
+    "batching": (
+        "batch.global_batch_size", "batch.microbatches", "batch.pad_id", "batch.ignore_id", "batch.token_dtype", "batch.packing",
+        "batch.pack_length", "batch.max_length", "batch.length_policy", "batch.bad_samples.policy", "batch.bad_samples.max_per_window",
+        "batch.payload", "balance.method", "balance.max_tokens", "balance.max_cost", "balance.window_steps", "balance.cost.kind",
+        "balance.cost.linear", "balance.cost.quadratic", "strategy", "loaders.read_ahead_samples",
+    ),
+    "none": (
+        "job", "sources[].path", "run_dir", "loaders.count", "loaders.groups", "loaders.buffer_bytes", "loaders.shadow",
+        "loaders.failover.probe_interval_s", "loaders.failover.failures", "constructors.ranks_per_constructor",
+        "constructors.prefetch_steps", "constructors.pulling_ranks", "constructors.shm_bytes", "network.host", "network.tls",
+        "network.max_message_bytes", "network.rpc_timeout_s", "network.heartbeat_s", "ledger.location",
+        "ledger.keep_detail_steps", "ledger.compare_methods",
+    ),
+}
 
 
 def _batch_fingerprint(batch: BatchSettings) -> dict[str, Any]:
@@ -610,9 +643,26 @@ def _join(path: str, name: str) -> str:
 
 
 def _validate(job: JobSettings) -> None:
-    """Semantic checks across fields; raises ConfigError naming the first bad field."""
+    """Semantic checks, section by section (`SECTION_CHECKS`); raises ConfigError naming the
+    first bad field."""
+    for check in SECTION_CHECKS:
+        check(job)
+
+
+def _check_top_level(job: JobSettings) -> None:
+    """`job`, `epochs`, `seed` and `strategy`."""
     if not job.job.strip():
         raise ConfigError("job", "must not be empty", job.job)
+    if job.epochs is not None and job.epochs < 1:
+        raise ConfigError("epochs", "must be a positive integer or 'infinite'", job.epochs)
+    if not 0 <= job.seed < 2**63:
+        raise ConfigError("seed", "must be in [0, 2**63)", job.seed)
+    if job.strategy is not None and not job.strategy.endswith(".py"):
+        raise ConfigError("strategy", "must name a Python file (*.py)", job.strategy)
+
+
+def _check_sources(job: JobSettings) -> None:
+    """`sources`: at least one, unique names, a path each, repeats and transform paths."""
     if not job.sources:
         raise ConfigError("sources", "must list at least one source", [])
     seen: dict[str, int] = {}
@@ -628,66 +678,78 @@ def _validate(job: JobSettings) -> None:
             raise ConfigError(f"sources[{i}].repeat", "must be an integer >= 1", s.repeat)
         if s.transform is not None and ":" not in s.transform:
             raise ConfigError(f"sources[{i}].transform", "must be an import path 'module:callable'", s.transform)
+
+
+def _check_mixture(job: JobSettings) -> None:
+    """`mixture.weights`: known sources, finite and >= 0, not all 0 (`mixture.schedule` is
+    checked by the planner, which builds it)."""
+    names = job.source_names
     for name, w in job.mixture.weights.items():
-        if name not in seen:
-            raise ConfigError(f"mixture.weights.{name}", f"names no source; sources are {', '.join(seen)}", w)
+        if name not in names:
+            raise ConfigError(f"mixture.weights.{name}", f"names no source; sources are {', '.join(names)}", w)
         if not math.isfinite(w) or w < 0:
             raise ConfigError(f"mixture.weights.{name}", "must be a finite number >= 0", w)
     if sum(job.weights) <= 0:
         raise ConfigError("mixture.weights", "must give at least one source a weight > 0", dict(job.mixture.weights))
-    if job.epochs is not None and job.epochs < 1:
-        raise ConfigError("epochs", "must be a positive integer or 'infinite'", job.epochs)
-    if not 0 <= job.seed < 2**63:
-        raise ConfigError("seed", "must be in [0, 2**63)", job.seed)
+
+
+def _check_mesh(job: JobSettings) -> None:
+    """`mesh`: positive sizes, an order naming every axis once."""
     for axis in ("dp", "cp", "tp", "pp"):
         _positive(f"mesh.{axis}", getattr(job.mesh, axis))
-    for field, message, value in check_columns(job.batch.payload):
-        raise ConfigError(f"batch.payload{field}", message, value)
     axes = [part.strip() for part in job.mesh.order.split("-")]
     if sorted(axes) != sorted(["tp", "cp", "dp", "pp"]):
         raise ConfigError("mesh.order", "must name tp, cp, dp and pp once each, fastest first, e.g. 'tp-cp-dp-pp'", job.mesh.order)
-    if job.constructors.cp_slicing not in CP_SLICING:
-        raise ConfigError("constructors.cp_slicing", f"must be one of {CP_SLICING}", job.constructors.cp_slicing)
-    if job.strategy is not None and not job.strategy.endswith(".py"):
-        raise ConfigError("strategy", "must name a Python file (*.py)", job.strategy)
-    _positive("batch.microbatches", job.batch.microbatches)
-    _positive("batch.global_batch_size", job.batch.global_batch_size)
-    if job.batch.pack_length is not None:
-        _positive("batch.pack_length", job.batch.pack_length)
-    if job.batch.max_length is not None:
-        _positive("batch.max_length", job.batch.max_length)
-    if job.batch.length_policy not in LENGTH_POLICIES:
-        raise ConfigError("batch.length_policy", f"must be one of {LENGTH_POLICIES}", job.batch.length_policy)
-    if job.constructors.pulling_ranks not in PULLING_RANKS:
-        raise ConfigError("constructors.pulling_ranks", f"must be one of {PULLING_RANKS}", job.constructors.pulling_ranks)
-    per_step = job.mesh.dp * job.batch.microbatches
-    if job.batch.global_batch_size < per_step:
+
+
+def _check_batch(job: JobSettings) -> None:
+    """`batch`: the payload, sizes (no empty microbatch over `mesh.dp`), lengths, token ids and
+    the bad-sample policy."""
+    batch = job.batch
+    for field, message, value in check_columns(batch.payload):
+        raise ConfigError(f"batch.payload{field}", message, value)
+    _positive("batch.microbatches", batch.microbatches)
+    _positive("batch.global_batch_size", batch.global_batch_size)
+    if batch.pack_length is not None:
+        _positive("batch.pack_length", batch.pack_length)
+    if batch.max_length is not None:
+        _positive("batch.max_length", batch.max_length)
+    if batch.length_policy not in LENGTH_POLICIES:
+        raise ConfigError("batch.length_policy", f"must be one of {LENGTH_POLICIES}", batch.length_policy)
+    per_step = job.mesh.dp * batch.microbatches
+    if batch.global_batch_size < per_step:
         raise ConfigError(
             "batch.global_batch_size",
             f"must be >= mesh.dp * batch.microbatches = {per_step}, so no microbatch is empty",
-            job.batch.global_batch_size,
+            batch.global_batch_size,
         )
-    if job.batch.token_dtype not in TOKEN_DTYPES:
-        raise ConfigError("batch.token_dtype", f"must be one of {TOKEN_DTYPES}", job.batch.token_dtype)
-    bits = 31 if job.batch.token_dtype == "int32" else 63
+    if batch.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError("batch.token_dtype", f"must be one of {TOKEN_DTYPES}", batch.token_dtype)
+    bits = 31 if batch.token_dtype == "int32" else 63
     for name in ("pad_id", "ignore_id"):
-        value = getattr(job.batch, name)
+        value = getattr(batch, name)
         if not -(2**bits) <= value < 2**bits:
-            raise ConfigError(f"batch.{name}", f"must fit batch.token_dtype ({job.batch.token_dtype})", value)
-    if job.batch.bad_samples.policy not in BAD_SAMPLE_POLICIES:
-        raise ConfigError("batch.bad_samples.policy", f"must be one of {BAD_SAMPLE_POLICIES}", job.batch.bad_samples.policy)
-    if isinstance(job.batch.bad_samples.max_per_window, bool) or job.batch.bad_samples.max_per_window < 0:
-        raise ConfigError("batch.bad_samples.max_per_window", "must be an integer >= 0", job.batch.bad_samples.max_per_window)
-    if job.balance.method not in BALANCE_METHODS:
-        raise ConfigError("balance.method", f"must be one of {BALANCE_METHODS}", job.balance.method)
-    budgets = {"balance.max_tokens": job.balance.max_tokens, "balance.max_cost": job.balance.max_cost}
-    if job.balance.max_tokens is not None:
-        _positive("balance.max_tokens", job.balance.max_tokens)
-    if job.balance.max_cost is not None and not (math.isfinite(job.balance.max_cost) and job.balance.max_cost > 0):
-        raise ConfigError("balance.max_cost", "must be a finite number > 0", job.balance.max_cost)
-    if job.balance.method == "token_budget" and sum(v is not None for v in budgets.values()) != 1:
+            raise ConfigError(f"batch.{name}", f"must fit batch.token_dtype ({batch.token_dtype})", value)
+    if batch.bad_samples.policy not in BAD_SAMPLE_POLICIES:
+        raise ConfigError("batch.bad_samples.policy", f"must be one of {BAD_SAMPLE_POLICIES}", batch.bad_samples.policy)
+    if isinstance(batch.bad_samples.max_per_window, bool) or batch.bad_samples.max_per_window < 0:
+        raise ConfigError("batch.bad_samples.max_per_window", "must be an integer >= 0", batch.bad_samples.max_per_window)
+
+
+def _check_balance(job: JobSettings) -> None:
+    """`balance`: a method of `BALANCE_METHODS`, its budgets, the window (within
+    `loaders.read_ahead_samples`) and the cost model."""
+    balance = job.balance
+    if balance.method not in BALANCE_METHODS:
+        raise ConfigError("balance.method", f"must be one of {BALANCE_METHODS}", balance.method)
+    budgets = {"balance.max_tokens": balance.max_tokens, "balance.max_cost": balance.max_cost}
+    if balance.max_tokens is not None:
+        _positive("balance.max_tokens", balance.max_tokens)
+    if balance.max_cost is not None and not (math.isfinite(balance.max_cost) and balance.max_cost > 0):
+        raise ConfigError("balance.max_cost", "must be a finite number > 0", balance.max_cost)
+    if balance.method == "token_budget" and sum(v is not None for v in budgets.values()) != 1:
         raise ConfigError("balance.max_tokens", "method 'token_budget' needs exactly one of balance.max_tokens and balance.max_cost", budgets)
-    window = job.balance.window_steps
+    window = balance.window_steps
     if window is not None:
         _positive("balance.window_steps", window)
         if window * job.batch.global_batch_size > job.loaders.read_ahead_samples:
@@ -697,9 +759,9 @@ def _validate(job: JobSettings) -> None:
                 f"loaders.read_ahead_samples = {job.loaders.read_ahead_samples}: the planner needs a whole window's summaries",
                 window,
             )
-        if window > 1 and job.strategy is None and job.balance.method != "token_budget":
-            raise ConfigError("balance.window_steps", f"windows of several steps apply to method 'token_budget', not {job.balance.method!r}", window)
-    cost = job.balance.cost
+        if window > 1 and job.strategy is None and balance.method != "token_budget":
+            raise ConfigError("balance.window_steps", f"windows of several steps apply to method 'token_budget', not {balance.method!r}", window)
+    cost = balance.cost
     if not cost.kind.strip():
         raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS}, a model name or 'module:callable'", cost.kind)
     for name in ("linear", "quadratic"):
@@ -708,46 +770,86 @@ def _validate(job: JobSettings) -> None:
             raise ConfigError(f"balance.cost.{name}", "must be a finite number >= 0", v)
     if cost.kind == "quadratic" and cost.linear == 0 and cost.quadratic == 0:
         raise ConfigError("balance.cost", "linear and quadratic must not both be 0", dataclasses.asdict(cost))
-    if job.loaders.groups is not None:
-        if job.loaders.count is not None:
-            raise ConfigError("loaders.count", "cannot be combined with loaders.groups (the groups give the count)", job.loaders.count)
+
+
+def _check_loaders(job: JobSettings) -> None:
+    """`loaders`: groups placing every source once, or a count; read-ahead, buffer, shuffle
+    and failover."""
+    loaders = job.loaders
+    names = job.source_names
+    if loaders.groups is not None:
+        if loaders.count is not None:
+            raise ConfigError("loaders.count", "cannot be combined with loaders.groups (the groups give the count)", loaders.count)
         placed: dict[str, int] = {}
-        for g, names in enumerate(job.loaders.groups):
-            if not names:
-                raise ConfigError(f"loaders.groups[{g}]", "must name at least one source", list(names))
-            for name in names:
-                if name not in seen:
-                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} names no source; sources are {', '.join(seen)}", list(names))
+        for g, group in enumerate(loaders.groups):
+            if not group:
+                raise ConfigError(f"loaders.groups[{g}]", "must name at least one source", list(group))
+            for name in group:
+                if name not in names:
+                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} names no source; sources are {', '.join(names)}", list(group))
                 if name in placed:
-                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} is already in loaders.groups[{placed[name]}]", list(names))
+                    raise ConfigError(f"loaders.groups[{g}]", f"{name!r} is already in loaders.groups[{placed[name]}]", list(group))
                 placed[name] = g
-        missing = [name for name in seen if name not in placed]
+        missing = [name for name in names if name not in placed]
         if missing:
-            raise ConfigError("loaders.groups", f"must place every source in a group; missing: {', '.join(missing)}", [list(n) for n in job.loaders.groups])
-    if job.loaders.count is not None:
-        _positive("loaders.count", job.loaders.count)
-        if job.loaders.count > len(job.sources):
-            raise ConfigError("loaders.count", f"must be <= the number of sources ({len(job.sources)})", job.loaders.count)
-    _positive("loaders.read_ahead_samples", job.loaders.read_ahead_samples)
-    _positive("loaders.buffer_bytes", job.loaders.buffer_bytes)
-    _positive("loaders.shuffle.window_row_groups", job.loaders.shuffle.window_row_groups)
-    if not (math.isfinite(job.loaders.failover.probe_interval_s) and job.loaders.failover.probe_interval_s > 0):
-        raise ConfigError("loaders.failover.probe_interval_s", "must be a finite number > 0", job.loaders.failover.probe_interval_s)
-    _positive("loaders.failover.failures", job.loaders.failover.failures)
-    _positive("constructors.ranks_per_constructor", job.constructors.ranks_per_constructor)
-    _positive("constructors.prefetch_steps", job.constructors.prefetch_steps)
-    if job.constructors.shm_bytes < 0:
-        raise ConfigError("constructors.shm_bytes", "must be >= 0 (0 turns shared memory off)", job.constructors.shm_bytes)
+            raise ConfigError("loaders.groups", f"must place every source in a group; missing: {', '.join(missing)}", [list(n) for n in loaders.groups])
+    if loaders.count is not None:
+        _positive("loaders.count", loaders.count)
+        if loaders.count > len(job.sources):
+            raise ConfigError("loaders.count", f"must be <= the number of sources ({len(job.sources)})", loaders.count)
+    _positive("loaders.read_ahead_samples", loaders.read_ahead_samples)
+    _positive("loaders.buffer_bytes", loaders.buffer_bytes)
+    _positive("loaders.shuffle.window_row_groups", loaders.shuffle.window_row_groups)
+    if not (math.isfinite(loaders.failover.probe_interval_s) and loaders.failover.probe_interval_s > 0):
+        raise ConfigError("loaders.failover.probe_interval_s", "must be a finite number > 0", loaders.failover.probe_interval_s)
+    _positive("loaders.failover.failures", loaders.failover.failures)
+
+
+def _check_constructors(job: JobSettings) -> None:
+    """`constructors`: CP slicing, pulling ranks, ranks, prefetch and shared memory."""
+    constructors = job.constructors
+    if constructors.cp_slicing not in CP_SLICING:
+        raise ConfigError("constructors.cp_slicing", f"must be one of {CP_SLICING}", constructors.cp_slicing)
+    if constructors.pulling_ranks not in PULLING_RANKS:
+        raise ConfigError("constructors.pulling_ranks", f"must be one of {PULLING_RANKS}", constructors.pulling_ranks)
+    _positive("constructors.ranks_per_constructor", constructors.ranks_per_constructor)
+    _positive("constructors.prefetch_steps", constructors.prefetch_steps)
+    if constructors.shm_bytes < 0:
+        raise ConfigError("constructors.shm_bytes", "must be >= 0 (0 turns shared memory off)", constructors.shm_bytes)
+
+
+def _check_ledger(job: JobSettings) -> None:
+    """`ledger`: how much detail is kept, and where it lies."""
     if job.ledger.keep_detail_steps is not None and job.ledger.keep_detail_steps < 0:
         raise ConfigError("ledger.keep_detail_steps", "must be >= 0 or null (keep everything)", job.ledger.keep_detail_steps)
     if job.ledger.location is not None:
         _check_ledger_location(job.ledger.location)
-    if job.network.max_message_bytes < 2 * MiB:
-        raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", job.network.max_message_bytes)
-    if not (math.isfinite(job.network.rpc_timeout_s) and job.network.rpc_timeout_s > 0):
-        raise ConfigError("network.rpc_timeout_s", "must be a finite number > 0", job.network.rpc_timeout_s)
-    if not (math.isfinite(job.network.heartbeat_s) and job.network.heartbeat_s > 0):
-        raise ConfigError("network.heartbeat_s", "must be a finite number > 0", job.network.heartbeat_s)
+
+
+def _check_network(job: JobSettings) -> None:
+    """`network`: message size and time limits."""
+    network = job.network
+    if network.max_message_bytes < 2 * MiB:
+        raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", network.max_message_bytes)
+    if not (math.isfinite(network.rpc_timeout_s) and network.rpc_timeout_s > 0):
+        raise ConfigError("network.rpc_timeout_s", "must be a finite number > 0", network.rpc_timeout_s)
+    if not (math.isfinite(network.heartbeat_s) and network.heartbeat_s > 0):
+        raise ConfigError("network.heartbeat_s", "must be a finite number > 0", network.heartbeat_s)
+
+
+#: The checks `_validate` runs, one per section, in this order (the first bad field is named).
+SECTION_CHECKS: tuple[Callable[[JobSettings], None], ...] = (
+    _check_top_level,
+    _check_sources,
+    _check_mixture,
+    _check_mesh,
+    _check_batch,
+    _check_balance,
+    _check_loaders,
+    _check_constructors,
+    _check_ledger,
+    _check_network,
+)
 
 
 def _check_ledger_location(location: str) -> None:

@@ -17,7 +17,6 @@ ahead of a declared change.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import math
@@ -26,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchplane.core.errors import ConfigError
+from batchplane.core.schedule import ScheduleError, schedule_from_mapping
 from batchplane.operator.podfields import PodOptions, parse_pod_options
 from batchplane.operator.policy import GroupSpec, ScalingSettings, ScheduleFn
 
@@ -42,8 +42,6 @@ DEFAULT_METRICS_PORT = 9100
 DEFAULT_PLANNER_PORT = 50051
 DEFAULT_RUN_AS = 10001
 DEFAULT_INTERVAL_S = 30.0
-#: The weight of a source a schedule's weights mapping leaves out (as the planner reads it).
-DEFAULT_WEIGHT = 1.0
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -386,48 +384,34 @@ def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
 def declared_schedule(mixture: Mapping[str, Any], source_names: Sequence[str]) -> ScheduleFn | None:
     """The weights spec.mixture declares per step, for scaling ahead of a change.
 
-    Staged (piecewise constant) and curriculum (piecewise linear) schedules are read as the
-    planner reads them: a source a weights mapping leaves out gets weight 1. Static weights, and
-    the kinds whose weights are not known in advance (callable, adaptive), give None.
+    Staged (piecewise constant) and curriculum (piecewise linear) schedules are read by the
+    planner's own schedule semantics (`batchplane.core.schedule`): a source a weights mapping
+    leaves out gets weight 1. Static weights, and the kinds whose weights are not known in
+    advance (callable, adaptive), give None.
 
     Raises:
-        SpecError: a staged or curriculum schedule that is malformed.
+        SpecError: a staged or curriculum schedule that is malformed, named as in the resource
+            (e.g. "spec.mixture.schedule.stages[1].start").
     """
-    schedule = mixture.get("schedule")
-    if schedule is None:
+    spec = mixture.get("schedule")
+    if spec is None:
         return None
-    schedule = _mapping(schedule, "spec.mixture.schedule")
-    kind = schedule.get("kind")
-    key = {"staged": ("stages", "start"), "curriculum": ("anchors", "step")}.get(kind)
-    if key is None:
+    spec = _mapping(spec, "spec.mixture.schedule")
+    if spec.get("kind") not in ("staged", "curriculum"):
         return None
-    field, at = key
-    raw = schedule.get(field)
-    if not (isinstance(raw, list) and raw):
-        raise SpecError(f"spec.mixture.schedule.{field}", f"must be a non-empty list for kind {kind!r}", raw)
-    points: list[tuple[float, dict[str, float]]] = []
-    for i, point in enumerate(raw):
-        point = _mapping(point, f"spec.mixture.schedule.{field}[{i}]")
-        step = point.get(at)
-        if not (_is_number(step) and step >= 0) or (points and step <= points[-1][0]):
-            raise SpecError(f"spec.mixture.schedule.{field}[{i}].{at}", "must be a number >= 0, increasing", step)
-        weights = _mapping(point.get("weights", {}), f"spec.mixture.schedule.{field}[{i}].weights")
-        for source, w in weights.items():
-            if not (_is_number(w) and w >= 0):
-                raise SpecError(f"spec.mixture.schedule.{field}[{i}].weights.{source}", "must be a finite number >= 0", w)
-        points.append((float(step), {s: float(weights.get(s, DEFAULT_WEIGHT)) for s in source_names}))
-    steps = [p[0] for p in points]
-    linear = kind == "curriculum"
+    # The job may name sources of groups this DataPlane no longer has: read them as the planner
+    # does (it has them all) and leave them out of the result.
+    points = spec.get("stages" if spec.get("kind") == "staged" else "anchors")
+    named = [n for p in points if isinstance(p, Mapping) and isinstance(p.get("weights"), Mapping) for n in p["weights"]] if isinstance(points, list) else []
+    served = tuple(source_names)
+    names = served + tuple(dict.fromkeys(n for n in named if n not in served))
+    try:
+        schedule, _ = schedule_from_mapping({"schedule": spec}, names)
+    except ScheduleError as exc:
+        raise SpecError(f"spec.{exc.field}", exc.problem, exc.value) from None
 
     def at_step(t: float) -> dict[str, float]:
-        i = bisect.bisect_right(steps, t)
-        if i == 0:
-            return dict(points[0][1])
-        if i == len(points) or not linear:
-            return dict(points[i - 1][1])
-        (a, wa), (b, wb) = points[i - 1], points[i]
-        f = (t - a) / (b - a)
-        return {s: wa[s] * (1 - f) + wb[s] * f for s in wa}
+        return dict(zip(served, schedule.weights_at(t)))
 
     return at_step
 

@@ -57,7 +57,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from batchplane.planner.schedule import Schedule, ScheduleError, Weights
+from batchplane.core.schedule import Schedule, ScheduleError, Weights
 
 #: The configuration path of the adaptive schedule's settings.
 FIELD = "mixture.schedule.adaptive"
@@ -294,6 +294,16 @@ def rule_from_mapping(data: Mapping[str, Any] | None, source_names: Sequence[str
     }
     scalars = {key: data[key] for key in KEYS[3:] if key in data}
     return AdaptiveRule(source_names=names, **per_source, **scalars)
+
+
+def adaptive_schedule(data: Mapping[str, Any] | None, source_names: Sequence[str]) -> AdaptiveSchedule:
+    """The schedule of kind "adaptive" configured by `mixture.schedule.adaptive` (what
+    `core.schedule.schedule_from_mapping` builds it with).
+
+    Raises:
+        ScheduleError: as `rule_from_mapping`.
+    """
+    return AdaptiveSchedule(rule_from_mapping(data, source_names))
 
 
 def state_to_json(state: AdaptiveState) -> dict[str, Any]:

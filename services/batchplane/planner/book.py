@@ -48,7 +48,7 @@ from batchplane.planner.plan import SampleTable, StepPlan
 from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start, start_step
 from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
 from batchplane.planner.length import JobLength, job_length
-from batchplane.planner.schedule import ScheduleError
+from batchplane.core.schedule import ScheduleError
 from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 from batchplane.planner.window import Resume, Window, allocate as allocate_window, home_steps, resume_inside, taken, window_steps, without

@@ -5,8 +5,9 @@ length in tokens.
 lengths to a float64 array of costs: the built-in "quadratic" (attention-dominated) and
 "linear" models, the training FLOPs of a named transformer (`batchplane.planner.models.MODELS`,
 e.g. "llama-12b", or "encoder:vit-2b" for an image encoder costed by its image tokens), or a
-user callable named by an import path "package.module:callable". Pure: no I/O beyond
-importing that module.
+user callable named by an import path "package.module:callable". `sample_costs` costs a
+step's samples under such a model, a sample the constructor splits as the sum of its chunks.
+Pure: no I/O beyond importing that module.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from batchplane.core import lengths as sample_lengths
 from batchplane.core.errors import ConfigError
 from batchplane.core.userfile import import_callable
 from batchplane.planner.models import MODELS, encoder_cost
@@ -186,3 +188,42 @@ def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:
 
     user_cost.__qualname__ = user_cost.__name__ = f"user_cost[{path}]"
     return user_cost
+
+
+def sample_costs(
+    cost_fn: CostFn,
+    lengths: np.ndarray,
+    features: Mapping[str, np.ndarray],
+    *,
+    max_length: int | None = None,
+    length_policy: str = "split",
+) -> np.ndarray:
+    """Each sample's cost: `cost_fn` of its length, or, for a sample the constructor splits
+    (`length_policy` "split", longer than `max_length`), the sum of `cost_fn` over its chunks,
+    each a sequence of its own (attention is quadratic per chunk). A split sample's features go
+    with its first chunk; its other chunks are costed with features 0, so that what a feature
+    adds (e.g. images) is counted once.
+
+    Args:
+        cost_fn: Per-sample cost from int64 lengths and features.
+        lengths: int64 lengths [n].
+        features: Per-sample features {name: float64 [n]}.
+        max_length, length_policy: The job's `batch.max_length` and `batch.length_policy`.
+    Returns:
+        What `cost_fn` returns when no sample is split (called once on `lengths`); else float64
+        costs [n].
+    Raises:
+        ValueError: with split samples, `cost_fn` returned other than one cost per chunk.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = sample_lengths.over_limit(lengths, max_length=max_length)
+    if not sample_lengths.splits(max_length=max_length, policy=length_policy) or not over.any():
+        return cost_fn(lengths, features)
+    seqs = sample_lengths.chunks(lengths, max_length=max_length, policy=length_policy)
+    first = np.zeros(len(seqs), bool)
+    first[seqs.first] = True
+    chunk_features = {name: np.where(first, np.asarray(values, np.float64)[seqs.sample], 0.0) for name, values in features.items()}
+    chunk_costs = np.asarray(cost_fn(seqs.lengths, chunk_features), dtype=np.float64)
+    if chunk_costs.shape != seqs.lengths.shape:
+        raise ValueError(f"the cost model returned shape {chunk_costs.shape} for the {len(seqs)} chunks of split samples, expected {seqs.lengths.shape}")
+    return np.bincount(seqs.sample, weights=chunk_costs, minlength=len(lengths))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from batchplane.planner.mixture import Mixture, MixtureState
-from batchplane.planner.schedule import Static
+from batchplane.core.schedule import Static
 from batchplane.planner.strategy import JobSchedule
 
 

@@ -75,7 +75,7 @@ import heapq
 import math
 from collections.abc import Iterator, Sequence
 
-from batchplane.planner.schedule import GRANULARITIES, Schedule
+from batchplane.core.schedule import GRANULARITIES, Schedule
 
 
 @dataclasses.dataclass(frozen=True)

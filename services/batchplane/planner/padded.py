@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from batchplane.core import lengths as sample_lengths
+from batchplane.planner.cost import sample_costs
 
 #: `group` considers every cut between a bucket's sorted samples up to this many samples; more
 #: are cut only at this many evenly spaced positions (bounding planning time on huge buckets).
@@ -49,7 +50,7 @@ class Rows:
     """The per-sample quantities padded costs need, for the samples of one step.
 
     Attributes:
-        costs: float64 [n]: each sample's own cost (`plan.sample_costs`).
+        costs: float64 [n]: each sample's own cost (`cost.sample_costs`).
         width: int64 [n]: the sample's longest row (its length, or max_length when split).
         rows: int64 [n]: rows the sample is laid out as (1, or its chunks when split).
         extra: float64 [n]: what the sample's features add to its cost (cost minus the cost of
@@ -102,7 +103,7 @@ def rows_of(
         cost_fn: The graph's cost model, `cost_fn(lengths, features)`.
         lengths: int64 [n] lengths (the graph's metadata).
         features: The samples' features {name: float64 [n]}.
-        costs: float64 [n]: the samples' costs under `cost_fn` (`plan.sample_costs`).
+        costs: float64 [n]: the samples' costs under `cost_fn` (`cost.sample_costs`).
         padded: False under packing (no padding).
         max_length, length_policy: How the constructor lays out samples over max_length.
     Returns:
@@ -110,8 +111,6 @@ def rows_of(
     Raises:
         ValueError: the cost model returned other than one finite cost >= 0 per length.
     """
-    from batchplane.planner.plan import sample_costs  # plan imports this module
-
     lengths = np.asarray(lengths, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
     limit = {"max_length": max_length, "policy": length_policy}

@@ -11,7 +11,7 @@ microbatches in all, as in a finite job's last step) is a filler the constructor
 Lengths are the delivered ones: under `batch.length_policy` "truncate" and "reject" the loaders
 already applied `batch.max_length`. Under "split" a sample keeps its full length here, and the
 constructor lays it out as ceil(length / max_length) chunks, each its own sequence
-(`batchplane.core.lengths`): its cost is the sum of its chunks' costs (`sample_costs`), a
+(`batchplane.core.lengths`): its cost is the sum of its chunks' costs (`cost.sample_costs`), a
 padded token budget counts its chunks as rows of at most max_length tokens, and its loss tokens
 are length - chunks (`StepPlan.loss_tokens`), exactly as the constructor counts them.
 """
@@ -25,7 +25,7 @@ import numpy as np
 
 from batchplane.core import lengths as sample_lengths
 from batchplane.planner.balance import partition
-from batchplane.planner.cost import CostFn
+from batchplane.planner.cost import CostFn, sample_costs
 from batchplane.planner.padded import Rows, group, rebalance, rows_of
 from batchplane.planner.token_budget import token_budget
 
@@ -198,45 +198,6 @@ class StepPlan:
         """Tokens carrying a loss over the whole step: length - 1 per sample, or length -
         ceil(length / max_length) per split sample (`batchplane.core.lengths.loss_tokens`)."""
         return sample_lengths.loss_tokens(self.samples.length, max_length=self.max_length, policy=self.length_policy)
-
-
-def sample_costs(
-    cost_fn: CostFn,
-    lengths: np.ndarray,
-    features: Mapping[str, np.ndarray],
-    *,
-    max_length: int | None = None,
-    length_policy: str = "split",
-) -> np.ndarray:
-    """Each sample's cost: `cost_fn` of its length, or, for a sample the constructor splits
-    (`length_policy` "split", longer than `max_length`), the sum of `cost_fn` over its chunks,
-    each a sequence of its own (attention is quadratic per chunk). A split sample's features go
-    with its first chunk; its other chunks are costed with features 0, so that what a feature
-    adds (e.g. images) is counted once.
-
-    Args:
-        cost_fn: Per-sample cost from int64 lengths and features.
-        lengths: int64 lengths [n].
-        features: Per-sample features {name: float64 [n]}.
-        max_length, length_policy: The job's `batch.max_length` and `batch.length_policy`.
-    Returns:
-        What `cost_fn` returns when no sample is split (called once on `lengths`); else float64
-        costs [n].
-    Raises:
-        ValueError: with split samples, `cost_fn` returned other than one cost per chunk.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    over = sample_lengths.over_limit(lengths, max_length=max_length)
-    if not sample_lengths.splits(max_length=max_length, policy=length_policy) or not over.any():
-        return cost_fn(lengths, features)
-    seqs = sample_lengths.chunks(lengths, max_length=max_length, policy=length_policy)
-    first = np.zeros(len(seqs), bool)
-    first[seqs.first] = True
-    chunk_features = {name: np.where(first, np.asarray(values, np.float64)[seqs.sample], 0.0) for name, values in features.items()}
-    chunk_costs = np.asarray(cost_fn(seqs.lengths, chunk_features), dtype=np.float64)
-    if chunk_costs.shape != seqs.lengths.shape:
-        raise ValueError(f"the cost model returned shape {chunk_costs.shape} for the {len(seqs)} chunks of split samples, expected {seqs.lengths.shape}")
-    return np.bincount(seqs.sample, weights=chunk_costs, minlength=len(lengths))
 
 
 def fill_short_groups(groups: list[np.ndarray], costs: np.ndarray, *, minimum: int) -> list[np.ndarray]:

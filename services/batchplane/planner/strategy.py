@@ -15,11 +15,11 @@ import dataclasses
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.mesh import ClientPlaceTree, MeshError
+from batchplane.core.schedule import Schedule, ScheduleError, Static, schedule_from_mapping
 from batchplane.core.userfile import import_callable, import_file
+from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule, adaptive_schedule
 from batchplane.planner.cost import make_cost_fn
-from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule
 from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
-from batchplane.planner.schedule import Schedule, ScheduleError, Static, schedule_from_mapping
 
 
 def job_mesh(job: JobSettings) -> ClientPlaceTree:
@@ -131,7 +131,9 @@ def load_schedule(job: JobSettings, strategy: Strategy) -> JobSchedule:
     if job.mixture.schedule is not None:
         data["schedule"] = dict(job.mixture.schedule)
     try:
-        schedule, granularity = schedule_from_mapping(data, job.source_names, resolve_callable=import_callable)
+        schedule, granularity = schedule_from_mapping(
+            data, job.source_names, resolve_callable=import_callable, build_adaptive=adaptive_schedule
+        )
     except ScheduleError as exc:
         raise ConfigError(exc.field, exc.problem, exc.value) from exc
     if strategy.primary.weights is not None:

@@ -1,5 +1,8 @@
 """Per-source weight schedules: the target mixture as a function of the step. Pure; no I/O.
 
+The one module of schedule semantics: the planner's mixture follows these schedules, and the
+operator reads a DataPlane's declared schedule with them to scale ahead of a change.
+
 A schedule maps a step position `t` to one weight per source, in source order. `t` is a float:
 step `s` is position `s`, and with microbatch granularity microbatch `m` of `M` is position
 `s + m / M` (see `mixture`). Four kinds:
@@ -17,7 +20,9 @@ are relative; the mixture renormalizes them over the sources that still have dat
 Schedules validate themselves when built and raise `ScheduleError`, whose message names the
 configuration field and the bad entry, e.g.
 ``mixture.schedule.stages[1].start: must be > 0 and increasing, got 0``.
-`schedule_from_mapping` builds a schedule from the job configuration's `mixture` mapping.
+`schedule_from_mapping` builds a schedule from the job configuration's `mixture` mapping
+(`KINDS` is the list of kinds the configuration, the planner and the operator read); kind
+"adaptive" is built by the planner's `batchplane.planner.adaptive`, which it passes in.
 """
 
 from __future__ import annotations
@@ -270,6 +275,7 @@ def schedule_from_mapping(
     source_names: Sequence[str],
     *,
     resolve_callable: Callable[[str], Callable[..., Any]] | None = None,
+    build_adaptive: Callable[[Any, tuple[str, ...]], Schedule] | None = None,
 ) -> tuple[Schedule, str]:
     """The schedule and granularity configured by the job's `mixture` mapping.
 
@@ -280,12 +286,14 @@ def schedule_from_mapping(
     (`DEFAULT_WEIGHT`) to the sources it does not name, in every stage and anchor alike; a
     callable's mapping gives them 0. Kind "adaptive" gives an `adaptive.AdaptiveSchedule`
     whose weights the planner sets step by step from training reports, configured by
-    `schedule.adaptive` (see `adaptive.rule_from_mapping`).
+    `schedule.adaptive` and built by `build_adaptive` (see `adaptive.rule_from_mapping`).
 
     Args:
         data: The content of the configuration's `mixture` mapping.
         source_names: The job's source names, in source order.
         resolve_callable: Imports a "module:function" path for kind "callable".
+        build_adaptive: Builds kind "adaptive" from `schedule.adaptive` (None when absent) and
+            the source names; None refuses the kind.
     Returns:
         (schedule, granularity).
     Raises:
@@ -315,9 +323,9 @@ def schedule_from_mapping(
     if kind == "callable":
         return _callable_from(spec["callable"], names, resolve_callable), granularity
     if kind == "adaptive":
-        from batchplane.planner.adaptive import AdaptiveSchedule, rule_from_mapping  # it builds on this module
-
-        return AdaptiveSchedule(rule_from_mapping(spec.get("adaptive"), names)), granularity
+        if build_adaptive is None:
+            raise ScheduleError("mixture.schedule.kind", "'adaptive' can be built only by the planner", kind)
+        return build_adaptive(spec.get("adaptive"), names), granularity
     points = _points_from(spec[wanted], f"mixture.schedule.{wanted}", "start" if kind == "staged" else "step", names)
     if kind == "staged":
         return Staged(points, source_names=names), granularity
@@ -395,7 +403,8 @@ def _checked_names(names: Sequence[str], path: str) -> tuple[str, ...]:
 
 def _checked_points(points: object, path: str, key: str, names: tuple[str, ...]) -> tuple[tuple[int, Weights], ...]:
     """Stages or anchors: (step, weights) pairs; steps start at 0 (stages) or >= 0 (anchors)
-    and strictly increase, every pair has the same number of valid weights."""
+    and strictly increase, every pair has the same number of valid weights. A step out of order
+    is named before a first stage that does not start at 0."""
     if not isinstance(points, Sequence) or not points:
         raise ScheduleError(path, f"must have at least one ({key}, weights) pair", points)
     out: list[tuple[int, Weights]] = []
@@ -406,8 +415,6 @@ def _checked_points(points: object, path: str, key: str, names: tuple[str, ...])
         field = f"{path}[{i}].{key}"
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise ScheduleError(field, "must be an integer", step)
-        if i == 0 and key == "start" and step != 0:
-            raise ScheduleError(field, "must be 0 (the first stage starts the job)", step)
         if i == 0 and step < 0:
             raise ScheduleError(field, "must be >= 0", step)
         if i > 0 and step <= out[-1][0]:
@@ -416,6 +423,8 @@ def _checked_points(points: object, path: str, key: str, names: tuple[str, ...])
         if out and len(checked) != len(out[0][1]):
             raise ScheduleError(f"{path}[{i}].weights", f"must have {len(out[0][1])} weights like {path}[0]", weights)
         out.append((int(step), checked))
+    if key == "start" and out[0][0] != 0:
+        raise ScheduleError(f"{path}[0].start", "must be 0 (the first stage starts the job)", out[0][0])
     return tuple(out)
 
 

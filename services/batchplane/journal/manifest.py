@@ -1,0 +1,685 @@
+"""The journal's manifest: the state of one manifest version, the changes that lead from one
+version to the next, their JSON encoding, and the rules that decide whether a change may be
+committed (`apply`) and what of a losing producer's commit is still to commit (`rebase`).
+
+Pure: no I/O, no threads, no clocks. `batchplane.journal.commit` reads and writes versions.
+
+The state of version N (`ManifestState`):
+
+- the committed steps, in plan order (step index), each with the object(s) of its transactional
+  global batch (key, size, checksum), the producer that committed it and the version that made
+  it visible. Steps may be committed out of order by several producers building disjoint steps;
+  consumers read only the *visible prefix* (`visible_through`: the highest step s such that
+  every step <= s is committed);
+- the producers' state: producer id -> fencing epoch, last committed step, and the version of
+  its last change. A producer's last step only advances, and it is committed in the same
+  version as the steps it covers, so a producer restarted under its id resumes after it;
+- the retention watermark: the first step still retained. Every step below it is committed
+  (the watermark never passes the visible prefix) and no longer listed: its objects may be
+  reclaimed.
+
+Version N+1 is version N with one `Change` applied: `Register` (a producer id claims the next
+fencing epoch; every older process of that id is fenced from then on), `Commit` (a producer
+publishes built steps and its new last step together) or `Retain` (the watermark advances).
+Version 0 is the empty state. `apply` is deterministic, so any reader that applies the same
+changes to the same state gets the same state.
+
+Encoding (`encode_record` / `decode_record`): one JSON object per version, keys sorted, no
+spaces, ASCII; `format` and `format_version` first among the checks. A version record holds its
+change and, in checkpoint versions, the whole state after it. Unknown fields, unknown kinds,
+wrong types and out-of-range values are refused with `ManifestFormatError`, which names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from batchplane.core.errors import FailedPrecondition
+
+#: The `format` field of every manifest version object.
+FORMAT = "batchplane.journal.manifest"
+#: The version of the encoding this module writes (and the newest it reads).
+FORMAT_VERSION = 1
+
+#: A producer id: used in object keys, so the characters of a storage key segment.
+_PRODUCER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
+_MAX_KEY_CHARS = 1024
+_MAX_CHECKSUM_CHARS = 256
+
+
+class ManifestFormatError(FailedPrecondition):
+    """A manifest version object that this code cannot read: not JSON, another format, a newer
+    format version, an unknown or missing field, a value of the wrong type or range.
+
+    Attributes:
+        field: Dotted path of the field, e.g. "change.steps[0].objects[1].size".
+        problem: What is wrong with it.
+    """
+
+    def __init__(self, field: str, problem: str, *, where: str = "manifest version") -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{where}: field {field!r} {problem}")
+
+
+class Refusal(enum.Enum):
+    """Why a change cannot be applied to a state."""
+
+    FENCED = "fenced"  # a newer process registered the producer id
+    UNREGISTERED = "unregistered"  # the producer id never registered
+    EPOCH_AHEAD = "epoch_ahead"  # an epoch the manifest never gave out
+    EMPTY = "empty"  # a commit of no steps
+    NOT_INCREASING = "not_increasing"  # a commit's steps are not strictly increasing
+    ALREADY_COMMITTED = "already_committed"  # a step is committed (or below the watermark)
+    NOT_ADVANCING = "not_advancing"  # a step at or below the producer's last committed step
+    WATERMARK_NOT_ADVANCING = "watermark_not_advancing"
+    WATERMARK_AHEAD = "watermark_ahead"  # past the first uncommitted step
+
+
+class CommitRefused(FailedPrecondition):
+    """A change that the state does not allow.
+
+    Attributes:
+        reason: Why (a `Refusal`).
+        producer: The producer concerned, or "" for a `Retain`.
+        steps: The steps concerned, if any.
+    """
+
+    def __init__(self, reason: Refusal, message: str, *, producer: str = "", steps: Sequence[int] = ()) -> None:
+        self.reason = reason
+        self.producer = producer
+        self.steps = tuple(steps)
+        super().__init__(message)
+
+
+class Fenced(CommitRefused):
+    """A newer process registered this producer id: this one must stop committing.
+
+    Attributes:
+        epoch: The epoch this process holds.
+        current_epoch: The producer's epoch in the manifest.
+    """
+
+    def __init__(self, producer: str, epoch: int, current_epoch: int) -> None:
+        self.epoch = epoch
+        self.current_epoch = current_epoch
+        super().__init__(
+            Refusal.FENCED,
+            f"producer {producer!r} is fenced: this process holds epoch {epoch}, a newer process registered "
+            f"the id with epoch {current_epoch}; stop producing under this id",
+            producer=producer,
+        )
+
+
+@dataclass(frozen=True)
+class StepObject:
+    """One immutable object of a step's transactional global batch.
+
+    Attributes:
+        key: Its storage key.
+        size: Its size in bytes.
+        checksum: Its checksum as "<algorithm>:<hex>" (the writer's choice of algorithm).
+    """
+
+    key: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A built step: its index in the plan and its objects."""
+
+    step: int
+    objects: tuple[StepObject, ...]
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A step as the manifest lists it.
+
+    Attributes:
+        entry: The step and its objects.
+        producer: The producer id that committed it.
+        version: The manifest version that made it visible.
+    """
+
+    entry: StepEntry
+    producer: str
+    version: int
+
+    @property
+    def step(self) -> int:
+        return self.entry.step
+
+
+@dataclass(frozen=True)
+class ProducerState:
+    """A producer id's committed state.
+
+    Attributes:
+        producer: The id.
+        epoch: Its fencing epoch (1 for its first registration); only the process holding the
+            newest epoch may commit.
+        last_step: The last step it committed, -1 if none; a restarted process resumes after it.
+        version: The manifest version of its last registration or commit.
+    """
+
+    producer: str
+    epoch: int
+    last_step: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Register:
+    """A producer id claims the next fencing epoch (fencing every older process of the id)."""
+
+    producer: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A producer publishes built steps (strictly increasing) and its new last step, the last of
+    them.
+
+    Attributes:
+        producer: Its id.
+        epoch: The epoch its process holds.
+        steps: The steps, strictly increasing, each after the producer's last committed step.
+    """
+
+    producer: str
+    epoch: int
+    steps: tuple[StepEntry, ...]
+
+
+@dataclass(frozen=True)
+class Retain:
+    """The retention watermark advances to `watermark` (the first step still retained)."""
+
+    watermark: int
+
+
+Change = Union[Register, Commit, Retain]
+
+
+@dataclass(frozen=True)
+class ManifestState:
+    """The state of one manifest version (see the module docstring).
+
+    Attributes:
+        version: The version number; 0 is the empty state.
+        watermark: The first retained step; every step below it is committed and unlisted.
+        steps: The committed steps at or above the watermark, by step.
+        producers: The producers' state, by id.
+    """
+
+    version: int = 0
+    watermark: int = 0
+    steps: tuple[CommittedStep, ...] = ()
+    producers: tuple[ProducerState, ...] = ()
+
+    @functools.cached_property
+    def _steps_by_index(self) -> dict[int, CommittedStep]:
+        return {s.step: s for s in self.steps}
+
+    @functools.cached_property
+    def _producers_by_id(self) -> dict[str, ProducerState]:
+        return {p.producer: p for p in self.producers}
+
+    @functools.cached_property
+    def visible_through(self) -> int:
+        """The highest step s such that every step <= s is committed (watermark - 1 if none
+        beyond the watermark): what consumers may read."""
+        expected = self.watermark
+        for committed in self.steps:
+            if committed.step != expected:
+                break
+            expected += 1
+        return expected - 1
+
+    def step(self, step: int) -> CommittedStep | None:
+        """The committed step `step`, or None (not committed, or below the watermark)."""
+        return self._steps_by_index.get(step)
+
+    def is_committed(self, step: int) -> bool:
+        """Whether `step` is committed (listed, or below the watermark)."""
+        return step < self.watermark or step in self._steps_by_index
+
+    def producer(self, producer: str) -> ProducerState | None:
+        """The producer's state, or None if the id never registered."""
+        return self._producers_by_id.get(producer)
+
+    def active_producers(self, within_versions: int) -> int:
+        """How many producers registered or committed in the last `within_versions` versions
+        (at least 1): the producer count of the commit policy.
+
+        Args:
+            within_versions: The window, in versions (> 0).
+        """
+        since = self.version - within_versions
+        return max(1, sum(1 for p in self.producers if p.version > since))
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """The content of one manifest version object.
+
+    Attributes:
+        version: Its number (> 0).
+        change: The change from the previous version.
+        written_at_s: The writer's wall-clock time (Unix seconds), for the reclaimer's minimum age.
+        state: The whole state after the change, in checkpoint versions; else None.
+    """
+
+    version: int
+    change: Change
+    written_at_s: float
+    state: ManifestState | None = None
+
+
+@dataclass(frozen=True)
+class Rebased:
+    """What of a pending commit is still to commit on a newer state.
+
+    Attributes:
+        commit: The commit restricted to the steps still uncommitted, or None if none is left.
+        mine: Steps already committed by this producer with these very objects (an earlier
+            attempt won although it looked lost): their objects are referenced, keep them.
+        taken: Steps committed by another producer, with other objects, or below the
+            watermark: this producer's objects of them are orphans to reclaim.
+    """
+
+    commit: Commit | None
+    mine: tuple[int, ...]
+    taken: tuple[int, ...]
+
+
+def apply(state: ManifestState, change: Change) -> ManifestState:
+    """The state of the next version: `change` applied to `state`.
+
+    Args:
+        state: The state of version N.
+        change: The change that version N+1 records.
+
+    Returns:
+        The state of version N+1.
+
+    Raises:
+        Fenced: A commit by a process whose epoch is older than the producer's.
+        CommitRefused: Any other change the state does not allow (see `Refusal`).
+    """
+    version = state.version + 1
+    if isinstance(change, Register):
+        _check_producer_id(change.producer)
+        old = state.producer(change.producer)
+        new = ProducerState(
+            producer=change.producer,
+            epoch=(old.epoch if old else 0) + 1,
+            last_step=old.last_step if old else -1,
+            version=version,
+        )
+        return dataclasses.replace(state, version=version, producers=_with_producer(state.producers, new))
+    if isinstance(change, Retain):
+        if change.watermark <= state.watermark:
+            raise CommitRefused(
+                Refusal.WATERMARK_NOT_ADVANCING,
+                f"watermark {change.watermark} does not advance the retained watermark {state.watermark}",
+            )
+        if change.watermark > state.visible_through + 1:
+            raise CommitRefused(
+                Refusal.WATERMARK_AHEAD,
+                f"watermark {change.watermark} is past the first uncommitted step {state.visible_through + 1}",
+            )
+        kept = tuple(s for s in state.steps if s.step >= change.watermark)
+        return dataclasses.replace(state, version=version, watermark=change.watermark, steps=kept)
+    if isinstance(change, Commit):
+        producer = _check_commit(state, change)
+        added = [CommittedStep(entry, change.producer, version) for entry in change.steps]
+        steps = tuple(sorted((*state.steps, *added), key=lambda s: s.step))
+        new = dataclasses.replace(producer, last_step=change.steps[-1].step, version=version)
+        return dataclasses.replace(state, version=version, steps=steps, producers=_with_producer(state.producers, new))
+    raise TypeError(f"not a manifest change: {type(change).__name__}")
+
+
+def rebase(state: ManifestState, commit: Commit) -> Rebased:
+    """Rebases a pending commit onto a newer state (the winner of a conflict, or any later one).
+
+    Args:
+        state: The newer state.
+        commit: The commit that was built on an older state.
+
+    Returns:
+        The part still to commit and the steps found committed (see `Rebased`).
+
+    Raises:
+        Fenced: A newer process registered the producer id.
+        CommitRefused: The producer never registered or holds an epoch the manifest never gave
+            out (UNREGISTERED, EPOCH_AHEAD), or an uncommitted step of the commit is at or
+            below the producer's last committed step (NOT_ADVANCING: it could never be
+            committed; the producer built its steps out of order).
+    """
+    current = _check_epoch(state, commit.producer, commit.epoch)
+    keep: list[StepEntry] = []
+    mine: list[int] = []
+    taken: list[int] = []
+    for entry in commit.steps:
+        done = state.step(entry.step)
+        if done is not None and done.entry == entry and done.producer == commit.producer:
+            mine.append(entry.step)
+        elif state.is_committed(entry.step):
+            taken.append(entry.step)
+        else:
+            keep.append(entry)
+    stuck = [e.step for e in keep if e.step <= current.last_step]
+    if stuck:
+        raise CommitRefused(
+            Refusal.NOT_ADVANCING,
+            f"producer {commit.producer!r} cannot commit steps {stuck}: its last committed step is {current.last_step}",
+            producer=commit.producer,
+            steps=stuck,
+        )
+    rest = dataclasses.replace(commit, steps=tuple(keep)) if keep else None
+    return Rebased(commit=rest, mine=tuple(mine), taken=tuple(taken))
+
+
+def _check_epoch(state: ManifestState, producer: str, epoch: int) -> ProducerState:
+    current = state.producer(producer)
+    if current is None:
+        raise CommitRefused(Refusal.UNREGISTERED, f"producer {producer!r} never registered", producer=producer)
+    if epoch < current.epoch:
+        raise Fenced(producer, epoch, current.epoch)
+    if epoch > current.epoch:
+        raise CommitRefused(
+            Refusal.EPOCH_AHEAD,
+            f"producer {producer!r} claims epoch {epoch}, the manifest gave out only {current.epoch}",
+            producer=producer,
+        )
+    return current
+
+
+def _check_commit(state: ManifestState, commit: Commit) -> ProducerState:
+    current = _check_epoch(state, commit.producer, commit.epoch)
+    steps = [e.step for e in commit.steps]
+    if not steps:
+        raise CommitRefused(Refusal.EMPTY, f"producer {commit.producer!r} commits no step", producer=commit.producer)
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise CommitRefused(
+            Refusal.NOT_INCREASING, f"steps {steps} are not strictly increasing", producer=commit.producer, steps=steps
+        )
+    done = [s for s in steps if state.is_committed(s)]
+    if done:
+        raise CommitRefused(
+            Refusal.ALREADY_COMMITTED, f"steps {done} are already committed", producer=commit.producer, steps=done
+        )
+    if steps[0] <= current.last_step:
+        raise CommitRefused(
+            Refusal.NOT_ADVANCING,
+            f"producer {commit.producer!r} cannot commit step {steps[0]}: its last committed step is {current.last_step}",
+            producer=commit.producer,
+            steps=[s for s in steps if s <= current.last_step],
+        )
+    for entry in commit.steps:
+        if not entry.objects:
+            raise CommitRefused(
+                Refusal.EMPTY, f"step {entry.step} has no object", producer=commit.producer, steps=[entry.step]
+            )
+    return current
+
+
+def _with_producer(producers: tuple[ProducerState, ...], new: ProducerState) -> tuple[ProducerState, ...]:
+    others = [p for p in producers if p.producer != new.producer]
+    return tuple(sorted((*others, new), key=lambda p: p.producer))
+
+
+def _check_producer_id(producer: str) -> None:
+    if not isinstance(producer, str) or not _PRODUCER_ID.fullmatch(producer):
+        raise CommitRefused(
+            Refusal.UNREGISTERED,
+            f"bad producer id {producer!r}: 1 to 128 characters of [A-Za-z0-9._=-], starting with a letter or digit",
+            producer=str(producer),
+        )
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode_record(record: VersionRecord) -> bytes:
+    """The bytes of a manifest version object (deterministic: equal records, equal bytes).
+
+    Args:
+        record: The version's content.
+
+    Returns:
+        Compact ASCII JSON with sorted keys.
+
+    Raises:
+        ValueError: `written_at_s` is not finite.
+    """
+    if not math.isfinite(record.written_at_s):
+        raise ValueError(f"written_at_s must be finite, got {record.written_at_s}")
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": record.version,
+        "written_at_s": record.written_at_s,
+        "change": _change_doc(record.change),
+        "state": None if record.state is None else state_doc(record.state),
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
+    """Reads a manifest version object.
+
+    Args:
+        data: Its bytes.
+        version: The version its key names; its content must say the same.
+
+    Returns:
+        The record.
+
+    Raises:
+        ManifestFormatError: Not JSON, another format or a newer format version, an unknown or
+            missing field, a wrong type or value; naming the field.
+    """
+    where = "manifest version" if version is None else f"manifest version {version}"
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestFormatError("<document>", f"is not JSON ({exc})", where=where) from None
+    r = _Reader(where)
+    if not isinstance(doc, dict):
+        raise r.fail("", f"must be an object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT:
+        raise ManifestFormatError("format", f"must be {FORMAT!r}, got {doc.get('format')!r}", where=where)
+    fv = doc.get("format_version")
+    if isinstance(fv, bool) or not isinstance(fv, int) or fv < 1:
+        raise ManifestFormatError("format_version", f"must be an integer >= 1, got {fv!r}", where=where)
+    if fv > FORMAT_VERSION:
+        raise ManifestFormatError(
+            "format_version", f"is {fv}, newer than {FORMAT_VERSION} (written by a newer batchplane)", where=where
+        )
+    r.fields(doc, "", {"format", "format_version", "version", "written_at_s", "change", "state"})
+    number = r.integer(doc, "version", low=1)
+    if version is not None and number != version:
+        raise ManifestFormatError("version", f"is {number}, but the object's key names version {version}", where=where)
+    written = doc["written_at_s"]
+    if isinstance(written, bool) or not isinstance(written, (int, float)) or not math.isfinite(written):
+        raise ManifestFormatError("written_at_s", f"must be a finite number, got {written!r}", where=where)
+    change = r.change(doc["change"], "change")
+    state = None if doc["state"] is None else r.state(doc["state"], "state")
+    if state is not None and state.version != number:
+        raise ManifestFormatError("state.version", f"is {state.version}, the record's version is {number}", where=where)
+    return VersionRecord(version=number, change=change, written_at_s=float(written), state=state)
+
+
+def state_doc(state: ManifestState) -> dict[str, Any]:
+    """The JSON document of a state (as a checkpoint version holds it)."""
+    return {
+        "version": state.version,
+        "watermark": state.watermark,
+        "producers": [
+            {"id": p.producer, "epoch": p.epoch, "last_step": p.last_step, "version": p.version} for p in state.producers
+        ],
+        "steps": [
+            {"step": s.step, "producer": s.producer, "version": s.version, "objects": _objects_doc(s.entry.objects)}
+            for s in state.steps
+        ],
+    }
+
+
+def decode_state(doc: Any, *, where: str = "manifest state") -> ManifestState:
+    """Reads a state document (see `state_doc`).
+
+    Raises:
+        ManifestFormatError: Naming the field.
+    """
+    return _Reader(where).state(doc, "")
+
+
+def _change_doc(change: Change) -> dict[str, Any]:
+    if isinstance(change, Register):
+        return {"kind": "register", "producer": change.producer}
+    if isinstance(change, Retain):
+        return {"kind": "retain", "watermark": change.watermark}
+    if isinstance(change, Commit):
+        return {
+            "kind": "commit",
+            "producer": change.producer,
+            "epoch": change.epoch,
+            "steps": [{"step": e.step, "objects": _objects_doc(e.objects)} for e in change.steps],
+        }
+    raise TypeError(f"not a manifest change: {type(change).__name__}")
+
+
+def _objects_doc(objects: Iterable[StepObject]) -> list[dict[str, Any]]:
+    return [{"key": o.key, "size": o.size, "checksum": o.checksum} for o in objects]
+
+
+class _Reader:
+    """Checks a decoded document field by field; every error names the dotted field path."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, problem: str) -> ManifestFormatError:
+        return ManifestFormatError(path or "<document>", problem, where=self.where)
+
+    def fields(self, doc: Any, path: str, names: set[str]) -> None:
+        if not isinstance(doc, dict):
+            raise self.fail(path, f"must be an object, got {type(doc).__name__}")
+        for name in sorted(set(doc) - names):
+            raise self.fail(_join(path, name), "is not a field of this format")
+        for name in sorted(names - set(doc)):
+            raise self.fail(_join(path, name), "is missing")
+
+    def integer(self, doc: Mapping[str, Any], name: str, *, path: str = "", low: int = 0) -> int:
+        value = doc[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(_join(path, name), f"must be an integer, got {value!r}")
+        if value < low:
+            raise self.fail(_join(path, name), f"must be >= {low}, got {value}")
+        return value
+
+    def text(self, doc: Mapping[str, Any], name: str, *, path: str = "", pattern: re.Pattern[str] | None = None,
+             max_chars: int = _MAX_KEY_CHARS) -> str:
+        value = doc[name]
+        if not isinstance(value, str) or not value or len(value) > max_chars:
+            raise self.fail(_join(path, name), f"must be a string of 1 to {max_chars} characters, got {value!r}")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise self.fail(_join(path, name), f"must match {pattern.pattern}, got {value!r}")
+        return value
+
+    def array(self, doc: Mapping[str, Any], name: str, *, path: str = "") -> list[Any]:
+        value = doc[name]
+        if not isinstance(value, list):
+            raise self.fail(_join(path, name), f"must be an array, got {type(value).__name__}")
+        return value
+
+    def objects(self, doc: Mapping[str, Any], path: str) -> tuple[StepObject, ...]:
+        out = []
+        items = self.array(doc, "objects", path=path)
+        if not items:
+            raise self.fail(_join(path, "objects"), "must list at least one object")
+        for i, item in enumerate(items):
+            p = f"{_join(path, 'objects')}[{i}]"
+            self.fields(item, p, {"key", "size", "checksum"})
+            out.append(StepObject(
+                key=self.text(item, "key", path=p),
+                size=self.integer(item, "size", path=p),
+                checksum=self.text(item, "checksum", path=p, max_chars=_MAX_CHECKSUM_CHARS),
+            ))
+        return tuple(out)
+
+    def change(self, doc: Any, path: str) -> Change:
+        if not isinstance(doc, dict):
+            raise self.fail(path, f"must be an object, got {type(doc).__name__}")
+        kind = doc.get("kind")
+        if kind == "register":
+            self.fields(doc, path, {"kind", "producer"})
+            return Register(self.text(doc, "producer", path=path, pattern=_PRODUCER_ID))
+        if kind == "retain":
+            self.fields(doc, path, {"kind", "watermark"})
+            return Retain(self.integer(doc, "watermark", path=path, low=1))
+        if kind == "commit":
+            self.fields(doc, path, {"kind", "producer", "epoch", "steps"})
+            entries = []
+            for i, item in enumerate(self.array(doc, "steps", path=path)):
+                p = f"{_join(path, 'steps')}[{i}]"
+                self.fields(item, p, {"step", "objects"})
+                entries.append(StepEntry(self.integer(item, "step", path=p), self.objects(item, p)))
+            if not entries:
+                raise self.fail(_join(path, "steps"), "must list at least one step")
+            return Commit(
+                producer=self.text(doc, "producer", path=path, pattern=_PRODUCER_ID),
+                epoch=self.integer(doc, "epoch", path=path, low=1),
+                steps=tuple(entries),
+            )
+        raise self.fail(_join(path, "kind"), f"must be 'register', 'commit' or 'retain', got {kind!r}")
+
+    def state(self, doc: Any, path: str) -> ManifestState:
+        self.fields(doc, path, {"version", "watermark", "producers", "steps"})
+        version = self.integer(doc, "version", path=path)
+        producers = []
+        for i, item in enumerate(self.array(doc, "producers", path=path)):
+            p = f"{_join(path, 'producers')}[{i}]"
+            self.fields(item, p, {"id", "epoch", "last_step", "version"})
+            producers.append(ProducerState(
+                producer=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
+                epoch=self.integer(item, "epoch", path=p, low=1),
+                last_step=self.integer(item, "last_step", path=p, low=-1),
+                version=self.integer(item, "version", path=p, low=1),
+            ))
+        ids = [p.producer for p in producers]
+        if ids != sorted(set(ids)):
+            raise self.fail(_join(path, "producers"), "must be sorted by id without repeats")
+        steps = []
+        for i, item in enumerate(self.array(doc, "steps", path=path)):
+            p = f"{_join(path, 'steps')}[{i}]"
+            self.fields(item, p, {"step", "producer", "version", "objects"})
+            steps.append(CommittedStep(
+                entry=StepEntry(self.integer(item, "step", path=p), self.objects(item, p)),
+                producer=self.text(item, "producer", path=p, pattern=_PRODUCER_ID),
+                version=self.integer(item, "version", path=p, low=1),
+            ))
+        numbers = [s.step for s in steps]
+        if any(b <= a for a, b in zip(numbers, numbers[1:])):
+            raise self.fail(_join(path, "steps"), "must be sorted by step without repeats")
+        watermark = self.integer(doc, "watermark", path=path)
+        if numbers and numbers[0] < watermark:
+            raise self.fail(_join(path, "steps"), f"lists step {numbers[0]}, below the watermark {watermark}")
+        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

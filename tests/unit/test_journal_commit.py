@@ -1,0 +1,361 @@
+"""The journal's commit protocol over a storage (batchplane.journal.commit): under any
+interleaving of producers, races, crashes, lost answers and restarts (a store whose
+interleavings the test drives), the committed steps are the plan's, each exactly once, the
+producers' state matches the committed steps, and a fenced process never commits; plus finding
+the latest version without a hint, checkpoints, and refusing a store without conditional puts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.core.errors import FailedPrecondition, Unavailable
+from batchplane.core.storage import MemoryStorage
+from batchplane.journal.commit import ManifestSettings, ManifestStore, Producer, version_key
+from batchplane.journal.manifest import (
+    Commit,
+    Fenced,
+    ManifestState,
+    Register,
+    StepEntry,
+    StepObject,
+    apply,
+    decode_record,
+)
+from batchplane.journal.policy import DacPolicy, DacSettings
+
+
+class Crash(Exception):
+    """The process dies right here."""
+
+
+class ScheduledStorage(MemoryStorage):
+    """A MemoryStorage whose next manifest put the test can interrupt: `before_put` runs first
+    (another producer's whole attempt: a race), `after_put` is raised after the write (the
+    process crashes, or loses the answer, after the version is in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_put: Callable[[], None] | None = None
+        self.after_put: BaseException | None = None
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        manifest = key.startswith("manifest/")
+        if manifest and self.before_put is not None:
+            hook, self.before_put = self.before_put, None
+            hook()
+        created = super().put_if_absent(key, data)
+        if manifest and self.after_put is not None:
+            exc, self.after_put = self.after_put, None
+            raise exc
+        return created
+
+
+class Process:
+    """One producer process: a slot (producer id) building its steps (step % slots == slot)."""
+
+    counter = 0
+
+    def __init__(self, storage: ScheduledStorage, slot: int, slots: int, total: int, k: int) -> None:
+        Process.counter += 1
+        self.nonce = Process.counter
+        self.storage, self.slot, self.slots, self.total = storage, slot, slots, total
+        store = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=k), check_writes=False)
+        self.producer = Producer(store, f"p{slot}", sleep=lambda s: None)
+        self.fenced = False
+
+    def build(self) -> None:
+        pending = self.producer.pending
+        after = pending[-1].step if pending else self.producer.last_step
+        step = after + 1
+        while step % self.slots != self.slot:
+            step += 1
+        if step >= self.total:
+            return
+        key = f"tgb/p{self.slot}/{step:04d}-{self.nonce}"
+        data = f"step {step}".encode()
+        self.storage.put_if_absent(key, data)
+        self.producer.add(StepEntry(step, (StepObject(key, len(data), f"test:{step}"),)))
+
+    def race(self) -> None:
+        """Builds a step if none is pending, and attempts (inside another process's attempt)."""
+        if not self.producer.pending:
+            self.build()
+        if self.producer.pending:
+            self.attempt()
+
+    def attempt(self) -> None:
+        try:
+            self.producer.attempt()
+        except Fenced:
+            self.fenced = True
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), st.integers(0, 2)),
+        st.tuples(st.just("build"), st.integers(0, 5)),
+        st.tuples(st.just("build"), st.integers(0, 5)),
+        st.tuples(st.just("attempt"), st.integers(0, 5), st.none() | st.integers(0, 5),
+                  st.sampled_from([None, None, "crash", "unknown"])),
+        st.tuples(st.just("attempt"), st.integers(0, 5), st.integers(0, 5), st.just(None)),
+        st.tuples(st.just("crash"), st.integers(0, 5)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(slots=st.integers(1, 3), total=st.integers(1, 12), k=st.sampled_from([1, 3, 64]), ops=operations)
+def test_any_interleaving_commits_the_plan_exactly_once(slots: int, total: int, k: int, ops: list) -> None:
+    storage = ScheduledStorage()
+    alive: list[Process] = []
+    everyone: list[Process] = []
+
+    def start(slot: int) -> Process:
+        proc = Process(storage, slot, slots, total, k)
+        proc.producer.register()
+        alive.append(proc)
+        everyone.append(proc)
+        return proc
+
+    for slot in range(slots):
+        start(slot)
+    for op in ops:
+        live = [p for p in alive if not p.fenced]
+        if op[0] == "start":
+            start(op[1] % slots)
+        elif not live:
+            continue
+        elif op[0] == "build":
+            live[op[1] % len(live)].build()
+        elif op[0] == "crash":
+            alive.remove(live[op[1] % len(live)])
+        else:
+            _, who, racer, after = op
+            proc = live[who % len(live)]
+            if not proc.producer.pending:
+                continue
+            if racer is not None and live[racer % len(live)] is not proc:
+                other = live[racer % len(live)]
+                storage.before_put = other.race
+            if after == "crash":
+                storage.after_put = Crash()
+            elif after == "unknown":
+                storage.after_put = Unavailable("the store's answer was lost")
+            try:
+                proc.attempt()
+            except Crash:
+                alive.remove(proc)
+            storage.before_put, storage.after_put = None, None
+
+    # Drain: each slot's current process (or a restarted one) builds and commits the rest.
+    reader = ManifestStore(storage, check_writes=False)
+    for slot in range(slots):
+        state = reader.latest()
+        current = state.producer(f"p{slot}")
+        procs = [p for p in alive if p.slot == slot and not p.fenced and current and p.producer.epoch == current.epoch]
+        proc = procs[0] if procs else start(slot)
+        for _ in range(total):
+            proc.build()
+        proc.producer.flush()
+
+    final = reader.latest()
+    check_history(storage, final, slots=slots, total=total)
+    assert final.visible_through == total - 1
+    for s in range(total):
+        obj = final.step(s).entry.objects[0]
+        assert storage.get(obj.key) == f"step {s}".encode()
+    referenced = {o.key for c in final.steps for o in c.entry.objects}
+    for proc in everyone:
+        assert not referenced & {o.key for o in proc.producer.orphans}
+    # a cold reader (from a listing, through the checkpoints) sees the same state
+    assert ManifestStore(storage, settings=ManifestSettings(checkpoint_every=k), check_writes=False).latest() == final
+
+
+def check_history(storage: MemoryStorage, final: ManifestState, *, slots: int, total: int) -> None:
+    """Replays every version: each is allowed by its predecessor (so no fenced process
+    committed), each step is committed once by its slot, and at every version each producer's
+    last step covers exactly its committed steps."""
+    keys = storage.list("manifest/")
+    assert keys == [version_key(v) for v in range(1, len(keys) + 1)]
+    state = ManifestState()
+    seen: list[int] = []
+    visible = -1
+    epochs: dict[str, int] = {}
+    for v, key in enumerate(keys, start=1):
+        record = decode_record(storage.get(key), version=v)
+        change = record.change
+        if isinstance(change, Commit):
+            assert change.epoch == epochs[change.producer]  # never an older (fenced) epoch
+            seen.extend(e.step for e in change.steps)
+        if isinstance(change, Register):
+            epochs[change.producer] = epochs.get(change.producer, 0) + 1
+        state = apply(state, change)
+        if record.state is not None:
+            assert record.state == state
+        assert state.visible_through >= visible
+        visible = state.visible_through
+        for p in state.producers:
+            slot = int(p.producer[1:])
+            mine = sorted(c.step for c in state.steps if c.producer == p.producer)
+            assert mine == [s for s in range(slot, p.last_step + 1, slots)]
+    assert state == final
+    assert sorted(seen) == list(range(total)) == sorted(set(seen))
+
+
+# --- examples -------------------------------------------------------------------------------
+
+def obj(step: int, tag: str = "") -> StepEntry:
+    return StepEntry(step, (StepObject(f"tgb/{step}{tag}", 1, "test:0"),))
+
+
+def test_a_restarted_producer_resumes_after_its_last_step_and_fences_the_old_process() -> None:
+    storage = MemoryStorage()
+    old = Producer(ManifestStore(storage), "p0")
+    old.register()
+    old.commit([obj(0), obj(1), obj(2)])
+    old.add(obj(3))  # built, never committed
+    new = Producer(ManifestStore(storage), "p0")
+    state = new.register()
+    assert (state.epoch, state.last_step) == (2, 2)
+    with pytest.raises(Fenced, match="fenced"):
+        old.attempt()
+    assert [o.key for o in old.orphans] == ["tgb/3"]
+    with pytest.raises(Fenced):
+        old.add(obj(4))
+    new.commit([obj(3, "b")])
+    assert new.store.latest().step(3).entry == obj(3, "b")
+
+
+def test_a_lost_answer_is_found_committed_at_the_next_attempt() -> None:
+    storage = ScheduledStorage()
+    p = Producer(ManifestStore(storage, check_writes=False), "p0")
+    p.register()
+    p.add(obj(0))
+    storage.after_put = Unavailable("timeout")
+    attempt = p.attempt()
+    assert not attempt.success and p.pending
+    again = p.attempt()
+    assert again.success and not again.wrote and again.already == (0,)
+    assert p.last_step == 0 and not p.pending and not p.orphans
+
+
+def test_steps_another_producer_committed_first_become_orphans() -> None:
+    storage = MemoryStorage()
+    a = Producer(ManifestStore(storage), "a")
+    b = Producer(ManifestStore(storage), "b")
+    a.register()
+    b.register()
+    b.commit([obj(0, "b")])
+    a.add(obj(0, "a"))
+    a.add(obj(1, "a"))
+    attempt = a.attempt()
+    assert attempt.taken == (0,) and attempt.committed == (1,)
+    assert [o.key for o in a.take_orphans()] == ["tgb/0a"] and not a.orphans
+
+
+def test_a_store_that_ignores_conditional_puts_is_refused() -> None:
+    class Overwriting(MemoryStorage):
+        def put_if_absent(self, key: str, data: bytes) -> bool:
+            self._objects[key] = bytes(data)
+            return True
+
+    with pytest.raises(FailedPrecondition, match="ignores conditional writes"):
+        ManifestStore(Overwriting())
+    ManifestStore(MemoryStorage())  # an honest one is accepted
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def committed_journal(versions: int, k: int) -> tuple[MemoryStorage, ManifestState]:
+    storage = MemoryStorage()
+    p = Producer(ManifestStore(storage, settings=ManifestSettings(checkpoint_every=k)), "p0")
+    p.register()
+    for s in range(versions - 1):
+        p.commit([obj(s)])
+    return storage, p.store.latest()
+
+
+def test_the_latest_version_is_found_from_a_listing_and_checkpoints_after_reclamation() -> None:
+    storage, latest = committed_journal(20, k=4)
+    assert latest.version == 20
+    assert decode_record(storage.get(version_key(16))).state == ManifestStore(storage).read(16)
+    assert decode_record(storage.get(version_key(17))).state is None
+    clock = FakeClock()
+    stale = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock,
+                          check_writes=False)
+    assert stale.read(5).version == 5
+    assert stale.latest() == latest
+    for v in range(1, 17):  # the reclaimer: ascending, below the newest checkpoint
+        storage.delete(version_key(v))
+    cold = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4), check_writes=False)
+    assert cold.latest() == latest
+    # A reader whose known version was reclaimed and who has not seen it for a while finds out.
+    behind = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock,
+                           check_writes=False)
+    behind._state, behind._seen_at = ManifestState(version=7), 0.0  # as if it had read version 7 long ago
+    clock.now = 100.0
+    assert behind.latest() == latest
+    # ... and a writer does not put on a base it has not seen recently.
+    clock.now = 200.0
+    assert behind.put(latest, Register("p1")) is None
+    assert behind.latest() == latest
+    assert behind.put(latest, Register("p1")) is not None
+
+
+def test_a_version_its_predecessor_does_not_allow_is_reported_as_corrupt() -> None:
+    storage, latest = committed_journal(3, k=64)
+    record = json.loads(storage.get(version_key(3)))
+    record["version"] = 4
+    storage.put_if_absent(version_key(4), json.dumps(record).encode())  # step 1 again
+    with pytest.raises(FailedPrecondition, match="manifest version 4 records a change"):
+        ManifestStore(storage, check_writes=False).latest()
+
+
+def test_dac_paces_a_producer_through_the_injected_clock() -> None:
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, clock=clock, check_writes=False)
+    policy = DacPolicy(DacSettings(duty_budget=0.1, jitter=0.0), random=lambda: 0.5)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.sleep(s)
+
+    p = Producer(store, "p0", policy=policy, clock=clock, sleep=sleep)
+    storage_get = storage.get
+
+    def slow_get(key: str) -> bytes:  # every read of the manifest takes 0.5 s
+        clock.now += 0.5
+        return storage_get(key)
+
+    storage.get = slow_get  # type: ignore[method-assign]
+    p.register()
+    p.add(obj(0))
+    assert not p.due()  # a gap of 9 windows after the registration's attempt
+    clock.now += 100
+    assert p.maybe_commit() is not None
+    p.add(obj(1))
+    p.add(obj(2))
+    attempts = p.flush()
+    assert [a.committed for a in attempts] == [(1, 2)]
+    assert slept and all(s == pytest.approx(policy.gap_s(), rel=0.5) for s in slept)
+    # windows of one read (0.5 s), or two after a long pause (the known version is looked up again)
+    assert 0.5 <= policy.fragile_window_s <= 1.0
+    assert policy.gap_s() == pytest.approx(policy.fragile_window_s * 9)  # alone: the duty budget binds
+

@@ -1,0 +1,263 @@
+"""The journal's manifest state (batchplane.journal.manifest): apply's rules, rebase, the visible
+prefix, and the versioned JSON encoding with its refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.journal.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    Commit,
+    CommitRefused,
+    Fenced,
+    ManifestFormatError,
+    ManifestState,
+    Refusal,
+    Register,
+    Retain,
+    StepEntry,
+    StepObject,
+    VersionRecord,
+    apply,
+    decode_record,
+    decode_state,
+    encode_record,
+    rebase,
+    state_doc,
+)
+
+PRODUCERS = ("p0", "p1", "p2")
+
+
+def entry(step: int, tag: str = "a") -> StepEntry:
+    return StepEntry(step, (StepObject(f"tgb/{step}-{tag}", 10 + step, f"sha256:{step:04x}"),))
+
+
+def registered(*producers: str) -> ManifestState:
+    state = ManifestState()
+    for p in producers:
+        state = apply(state, Register(p))
+    return state
+
+
+# Random histories: each producer p commits a run of its own steps (step % 3 == index of p),
+# sometimes registers again, and the watermark sometimes advances.
+@st.composite
+def histories(draw: st.DrawFn) -> tuple[ManifestState, list]:
+    state = registered(*PRODUCERS)
+    changes: list = [Register(p) for p in PRODUCERS]
+    nxt = {p: i for i, p in enumerate(PRODUCERS)}
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["commit", "commit", "register", "retain"]))
+        if kind == "register":
+            change = Register(draw(st.sampled_from(PRODUCERS)))
+        elif kind == "retain":
+            top = state.visible_through + 1
+            if top <= state.watermark:
+                continue
+            change = Retain(draw(st.integers(state.watermark + 1, top)))
+        else:
+            p = draw(st.sampled_from(PRODUCERS))
+            n = draw(st.integers(1, 3))
+            steps = [nxt[p] + 3 * i for i in range(n)]
+            nxt[p] = steps[-1] + 3
+            change = Commit(p, state.producer(p).epoch, tuple(entry(s) for s in steps))
+        state = apply(state, change)
+        changes.append(change)
+    return state, changes
+
+
+def visible_brute_force(state: ManifestState) -> int:
+    s = state.watermark
+    while state.is_committed(s):
+        s += 1
+    return s - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories())
+def test_states_round_trip_through_their_encoding_and_the_visible_prefix_is_the_committed_prefix(history) -> None:
+    state, changes = history
+    assert state.visible_through == visible_brute_force(state)
+    assert decode_state(json.loads(json.dumps(state_doc(state)))) == state
+    record = VersionRecord(version=state.version, change=changes[-1], written_at_s=12.5, state=state)
+    data = encode_record(record)
+    assert decode_record(data, version=state.version) == record
+    assert encode_record(decode_record(data)) == data  # deterministic
+    # Replaying the changes one record at a time (as a reader does) gives the same state.
+    replay = ManifestState()
+    for i, change in enumerate(changes, start=1):
+        rec = decode_record(encode_record(VersionRecord(i, change, 0.0)), version=i)
+        replay = apply(replay, rec.change)
+    assert replay == state
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories(), st.sampled_from(PRODUCERS), st.lists(st.integers(0, 40), min_size=1, max_size=5, unique=True),
+       st.booleans())
+def test_rebase_keeps_exactly_the_uncommitted_steps_and_what_it_keeps_applies(history, p, steps, same_objects) -> None:
+    state, _ = history
+    me = state.producer(p)
+    steps = sorted(steps)
+    pending = Commit(p, me.epoch, tuple(entry(s, "a" if same_objects else "b") for s in steps))
+    try:
+        rebased = rebase(state, pending)
+    except CommitRefused as exc:
+        assert exc.reason is Refusal.NOT_ADVANCING
+        assert all(s <= me.last_step and not state.is_committed(s) for s in exc.steps)
+        return
+    kept = [e.step for e in rebased.commit.steps] if rebased.commit else []
+    assert sorted([*kept, *rebased.mine, *rebased.taken]) == steps
+    assert all(not state.is_committed(s) for s in kept)
+    assert all(state.step(s).entry == entry(s, "a" if same_objects else "b") and state.step(s).producer == p
+               for s in rebased.mine)
+    assert all(state.is_committed(s) for s in rebased.taken)
+    if rebased.commit:
+        after = apply(state, rebased.commit)
+        assert after.producer(p).last_step == kept[-1]
+        assert all(after.step(s).version == after.version for s in kept)
+
+
+def test_a_newer_registration_fences_the_older_epoch_and_keeps_the_last_step() -> None:
+    state = registered("p0")
+    state = apply(state, Commit("p0", 1, (entry(0), entry(1))))
+    state = apply(state, Register("p0"))
+    assert state.producer("p0").epoch == 2 and state.producer("p0").last_step == 1
+    with pytest.raises(Fenced) as info:
+        apply(state, Commit("p0", 1, (entry(2),)))
+    assert info.value.reason is Refusal.FENCED and info.value.current_epoch == 2
+    with pytest.raises(Fenced):
+        rebase(state, Commit("p0", 1, (entry(2),)))
+    assert apply(state, Commit("p0", 2, (entry(2),))).producer("p0").last_step == 2
+
+
+@pytest.mark.parametrize(
+    ("commit", "reason"),
+    [
+        (Commit("p9", 1, (entry(5),)), Refusal.UNREGISTERED),
+        (Commit("p0", 3, (entry(5),)), Refusal.EPOCH_AHEAD),
+        (Commit("p0", 1, ()), Refusal.EMPTY),
+        (Commit("p0", 1, (entry(6), entry(5))), Refusal.NOT_INCREASING),
+        (Commit("p0", 1, (entry(5), entry(5))), Refusal.NOT_INCREASING),
+        (Commit("p0", 1, (entry(1),)), Refusal.ALREADY_COMMITTED),  # p1 committed it
+        (Commit("p0", 1, (entry(3),)), Refusal.NOT_ADVANCING),  # below p0's last step 4
+        (Commit("p0", 1, (StepEntry(5, ()),)), Refusal.EMPTY),
+    ],
+)
+def test_apply_refuses_commits_the_state_does_not_allow(commit: Commit, reason: Refusal) -> None:
+    state = registered("p0", "p1")
+    state = apply(state, Commit("p0", 1, (entry(0), entry(4))))
+    state = apply(state, Commit("p1", 1, (entry(1),)))
+    with pytest.raises(CommitRefused) as info:
+        apply(state, commit)
+    assert info.value.reason is reason
+
+
+def test_steps_committed_out_of_order_show_only_the_contiguous_prefix_and_retain_drops_below_it() -> None:
+    state = registered("p0", "p1")
+    state = apply(state, Commit("p1", 1, (entry(1), entry(3))))
+    assert state.visible_through == -1
+    state = apply(state, Commit("p0", 1, (entry(0), entry(2))))
+    assert state.visible_through == 3
+    with pytest.raises(CommitRefused) as info:
+        apply(state, Retain(5))
+    assert info.value.reason is Refusal.WATERMARK_AHEAD
+    state = apply(state, Retain(2))
+    assert [s.step for s in state.steps] == [2, 3] and state.is_committed(0) and state.step(0) is None
+    assert state.visible_through == 3
+    with pytest.raises(CommitRefused) as info:
+        apply(state, Retain(2))
+    assert info.value.reason is Refusal.WATERMARK_NOT_ADVANCING
+    # a step below the watermark counts as committed: a rebase drops it as taken
+    assert rebase(state, Commit("p1", 1, (entry(0, "z"), entry(5)))).taken == (0,)
+
+
+def test_active_producers_counts_recent_changes() -> None:
+    state = registered("p0", "p1", "p2")
+    for s in range(0, 30, 3):
+        state = apply(state, Commit("p0", 1, (entry(s),)))
+    assert state.active_producers(within_versions=100) == 3
+    assert state.active_producers(within_versions=5) == 1
+
+
+# --- encoding refusals -----------------------------------------------------------------------
+
+def good_doc() -> dict:
+    state = registered("p0")
+    state = apply(state, Commit("p0", 1, (entry(0),)))
+    return json.loads(encode_record(VersionRecord(2, Commit("p0", 1, (entry(0),)), 1.0, state)))
+
+
+def _set(path: tuple, value):
+    def mutate(doc: dict) -> None:
+        target = doc
+        for part in path[:-1]:
+            target = target[part]
+        if value is _DELETE:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+    return mutate
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (_set(("format",), "lance"), "format"),
+        (_set(("format_version",), FORMAT_VERSION + 1), "format_version"),
+        (_set(("format_version",), "1"), "format_version"),
+        (_set(("extra",), 1), "extra"),
+        (_set(("version",), _DELETE), "version"),
+        (_set(("version",), 3), "version"),  # the key says 2
+        (_set(("version",), True), "version"),
+        (_set(("written_at_s",), "now"), "written_at_s"),
+        (_set(("change", "kind"), "merge"), "change.kind"),
+        (_set(("change", "epoch"), 0), "change.epoch"),
+        (_set(("change", "producer"), "bad id!"), "change.producer"),
+        (_set(("change", "steps"), []), "change.steps"),
+        (_set(("change", "steps", 0, "step"), -1), "change.steps[0].step"),
+        (_set(("change", "steps", 0, "objects", 0, "size"), -5), "change.steps[0].objects[0].size"),
+        (_set(("change", "steps", 0, "objects", 0, "checksum"), ""), "change.steps[0].objects[0].checksum"),
+        (_set(("change", "steps", 0, "objects", 0, "colour"), "red"), "change.steps[0].objects[0].colour"),
+        (_set(("change", "steps", 0, "objects"), []), "change.steps[0].objects"),
+        (_set(("state", "version"), 7), "state.version"),
+        (_set(("state", "producers", 0, "epoch"), 0), "state.producers[0].epoch"),
+        (_set(("state", "watermark"), 5), "state.steps"),
+        (_set(("state", "steps"), "none"), "state.steps"),
+    ],
+)
+def test_decoding_refuses_unknown_or_invalid_content_naming_the_field(mutate, field: str) -> None:
+    doc = good_doc()
+    mutate(doc)
+    with pytest.raises(ManifestFormatError) as info:
+        decode_record(json.dumps(doc).encode(), version=2)
+    assert info.value.field == field
+    assert repr(field) in str(info.value) and "manifest version 2" in str(info.value)
+
+
+def test_decoding_refuses_what_is_not_a_json_object() -> None:
+    for data in (b"not json", b"[1, 2]", b"\xff\xfe"):
+        with pytest.raises(ManifestFormatError):
+            decode_record(data)
+
+
+def test_the_encoding_is_the_documented_format() -> None:
+    doc = good_doc()
+    assert doc["format"] == FORMAT and doc["format_version"] == 1
+    assert doc["change"] == {
+        "kind": "commit", "producer": "p0", "epoch": 1,
+        "steps": [{"step": 0, "objects": [{"key": "tgb/0-a", "size": 10, "checksum": "sha256:0000"}]}],
+    }
+    assert doc["state"]["producers"] == [{"id": "p0", "epoch": 1, "last_step": 0, "version": 2}]
+    plain = copy.deepcopy(doc)
+    plain["state"] = None
+    assert decode_record(json.dumps(plain).encode()).state is None

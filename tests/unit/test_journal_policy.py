@@ -1,0 +1,137 @@
+"""Commit-cadence policies of the journal (batchplane.journal.policy): DAC's gap is the smallest
+that meets both budgets (checked against a brute-force search), and the baselines follow the
+paper's definitions."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchplane.core.errors import ConfigError
+from batchplane.journal.policy import (
+    POLICIES,
+    AimdPolicy,
+    DacPolicy,
+    DacSettings,
+    FixedPolicy,
+    IncrPolicy,
+    NaivePolicy,
+    conflict_probability,
+    duty,
+    is_due,
+    make_policy,
+    smallest_feasible_gap_s,
+)
+
+
+def feasible(g: float, w: float, n: int, eps_c: float, eps_d: float) -> bool:
+    return conflict_probability(g, w, n) <= eps_c * (1 + 1e-9) and duty(g, w) <= eps_d * (1 + 1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    w=st.floats(1e-4, 5.0),
+    n=st.integers(1, 128),
+    eps_c=st.floats(0.005, 0.5),
+    eps_d=st.floats(0.01, 1.0),
+)
+def test_dac_gap_meets_both_budgets_and_is_the_smallest_that_does(w: float, n: int, eps_c: float, eps_d: float) -> None:
+    g = smallest_feasible_gap_s(w, n, conflict_budget=eps_c, duty_budget=eps_d)
+    assert g >= 0 and feasible(g, w, n, eps_c, eps_d)
+    # Brute force: the first feasible point of a grid over [0, 2 g + w], in steps of 1/2000 of it.
+    top = 2 * g + w
+    grid = [top * i / 2000 for i in range(2001)]
+    first = next(x for x in grid if feasible(x, w, n, eps_c, eps_d))
+    assert g <= first + 1e-12
+    assert g > first - top / 2000 - 1e-12  # nothing feasible a grid step below
+    if g > 0:
+        assert not feasible(g * (1 - 1e-6) - 1e-12, w, n, eps_c * (1 - 1e-6), eps_d * (1 - 1e-6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    windows=st.lists(st.floats(1e-4, 2.0), min_size=1, max_size=12),
+    n=st.integers(1, 64),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dac_policy_uses_the_moving_average_and_its_jitter_only_lengthens_the_gap(windows, n, seed) -> None:
+    s = DacSettings(conflict_budget=0.05, duty_budget=0.2, ema_alpha=0.3, jitter=0.25, max_gap_s=1e9)
+    policy = DacPolicy(s, random=random.Random(seed).random)
+    assert policy.gap_s() == 0.0 and policy.min_steps() == 1  # the first attempt goes at once
+    ema = None
+    for w in windows:
+        policy.on_attempt(success=True, fragile_window_s=w, producers=n)
+        ema = w if ema is None else 0.3 * w + 0.7 * ema
+        assert policy.fragile_window_s == pytest.approx(ema)
+        optimal = smallest_feasible_gap_s(ema, n, conflict_budget=0.05, duty_budget=0.2)
+        assert policy.optimal_gap_s == pytest.approx(optimal)
+        assert optimal <= policy.gap_s() <= optimal * 1.25 + 1e-12
+        assert feasible(policy.gap_s(), ema, n, 0.05, 0.2)
+
+
+def test_dac_gap_grows_with_producers_and_with_the_fragile_window() -> None:
+    gaps = [smallest_feasible_gap_s(0.1, n, conflict_budget=0.05, duty_budget=0.5) for n in (1, 8, 32, 64)]
+    assert gaps[0] == pytest.approx(0.1)  # alone: only the duty budget binds
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[1] > gaps[0]
+    assert smallest_feasible_gap_s(0.2, 32, conflict_budget=0.05, duty_budget=0.5) == pytest.approx(2 * gaps[2])
+    # The conflict model: at the chosen gap with 32 producers, the probability is the budget.
+    assert conflict_probability(gaps[2], 0.1, 32) == pytest.approx(0.05)
+
+
+def test_dac_caps_the_gap() -> None:
+    policy = DacPolicy(DacSettings(max_gap_s=1.0), random=lambda: 0.99)
+    policy.on_attempt(success=False, fragile_window_s=10.0, producers=100)
+    assert policy.gap_s() == 1.0
+
+
+def test_baselines_follow_the_paper() -> None:
+    naive = NaivePolicy()
+    assert is_due(naive, pending_steps=1, since_attempt_s=0.0)
+    assert not is_due(naive, pending_steps=0, since_attempt_s=math.inf)
+
+    fixed = FixedPolicy(10)
+    assert not is_due(fixed, pending_steps=9, since_attempt_s=math.inf)
+    fixed.on_attempt(success=False, fragile_window_s=1.0, producers=8)
+    assert is_due(fixed, pending_steps=10, since_attempt_s=0.0)  # a conflict retries at once
+
+    incr = IncrPolicy()
+    assert incr.min_steps() == 10
+    for _ in range(3):
+        incr.on_attempt(success=False, fragile_window_s=1.0, producers=8)
+    incr.on_attempt(success=True, fragile_window_s=1.0, producers=8)
+    assert incr.min_steps() == 13
+
+    aimd = AimdPolicy(start=10)
+    aimd.on_attempt(success=False, fragile_window_s=1.0, producers=8)
+    assert aimd.min_steps() == 20
+    aimd.on_attempt(success=True, fragile_window_s=1.0, producers=8)
+    assert aimd.min_steps() == 19
+    for _ in range(50):
+        aimd.on_attempt(success=True, fragile_window_s=1.0, producers=8)
+    assert aimd.min_steps() == 1
+
+
+def test_the_registry_names_every_policy_of_the_benchmark() -> None:
+    assert set(POLICIES) == {"naive", "fixed10", "fixed100", "incr", "aimd", "dac"}
+    for name in POLICIES:
+        policy = make_policy(name, random=random.Random(0).random)
+        assert policy.name == name
+    with pytest.raises(ConfigError, match="commit_policy"):
+        make_policy("fixed7")
+    with pytest.raises(ConfigError, match="random"):
+        make_policy("dac")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("conflict_budget", 0.0), ("conflict_budget", 1.0), ("duty_budget", 0.0), ("duty_budget", 1.5),
+     ("ema_alpha", 0.0), ("jitter", -0.1), ("max_gap_s", 0.0), ("max_gap_s", math.inf)],
+)
+def test_dac_settings_out_of_range_are_refused_naming_the_field(field: str, value: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        DacPolicy(DacSettings(**{field: value}), random=lambda: 0.0)
+    assert info.value.field == f"dac.{field}"
