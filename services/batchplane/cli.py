@@ -26,7 +26,8 @@ import threading
 from batchplane.core.errors import ConfigError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every command and flag (the README's "Command line" lists them)."""
     parser = argparse.ArgumentParser(prog="batchplane", description="batchplane: the data plane of large-model training")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}", help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--format", choices=["dataplane", "values"], default="dataplane", help="a DataPlane resource (default) or the chart's sourceGroups values")
     part.add_argument("--name", help="the DataPlane's name (default: the profiled job's)")
     part.add_argument("--out", type=pathlib.Path, metavar="FILE", help="YAML file to write (default: standard output); a summary goes to standard error")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "up":
         return _up(args)

@@ -108,7 +108,7 @@ class Plane:
                 seq = np.arange(start, stop, dtype=np.int64)
                 self.store.add(k, start, seq % self.rows[k], self.lengths(k, seq), end is not None and stop == end)
 
-    def plan(self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 5000, **fields) -> planner_pb2.GetPlanResponse:
+    def plan(self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 30_000, **fields) -> planner_pb2.GetPlanResponse:
         below = step if delivered_below is None else delivered_below
         request = planner_pb2.GetPlanRequest(constructor_index=constructor, step=step, delivered_below=below, wait_ms=wait_ms, **fields)
         return self.service.GetPlan(request, None)

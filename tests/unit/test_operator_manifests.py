@@ -20,10 +20,10 @@ import pytest
 from batchplane.core.process import parse_process_args
 from batchplane.operator.dataplane import SpecError, declared_schedule, parse_dataplane
 from batchplane.operator.manifests import ANNOTATION_SPEC_HASH, LABEL_DATAPLANE, LABEL_GROUP, LABEL_MANAGED_BY, MANAGER, loader_deployment, spec_hash
+from batchplane.operator.policy import ScalingSettings
 
 TLS_SECRET = "text-and-code-loader-tls"
 TOKENS_SECRET = "text-and-code-auth-tokens"
-from batchplane.operator.policy import ScalingSettings
 
 NAMESPACE = "training"
 UID = "6f1c0a52-0d1e-4c55-9b1e-2a8c0f3d4e5f"

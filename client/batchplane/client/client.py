@@ -195,7 +195,7 @@ class Client:
                 if fetched is None:
                     return
                 batch, copied = fetched
-                if copied is not None:  # this thread's stream waits for the side stream's copies
+                if copied is not None and self._copier is not None:  # this thread's stream waits for the side stream's copies
                     self._copier.hand_over([*batch["microbatches"], *batch["subbatches"].values()], copied)
                 batch["data_wait_s"] = time.perf_counter() - begin
                 self._next_step = batch["step"] + 1

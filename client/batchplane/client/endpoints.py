@@ -53,7 +53,7 @@ class AddressBook:
             InvalidRequestError: the endpoints file is not JSON, or names constructors but none
                 for this rank.
         """
-        if self._fixed is not None:
+        if self._fixed is not None or self.endpoints is None:  # __init__ makes sure one is set
             return self._fixed, ""
         try:
             text = self.endpoints.read_text()

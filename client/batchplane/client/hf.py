@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKED_ATTENTION", "Trainer", "causal_lm_inputs", "hf_labels", "packed_mask_4d"]
+__all__ = ["PACKED_ATTENTION", "Trainer", "causal_lm_inputs", "hf_labels", "packed_mask_4d"]  # noqa: F822 - Trainer comes from __getattr__
 
 #: The label Hugging Face's loss ignores.
 HF_IGNORE_INDEX = -100

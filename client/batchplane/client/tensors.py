@@ -55,7 +55,7 @@ class ReceiveBuffers:
             memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy() if pin else np.empty(nbytes, np.uint8)
         exporter = memory[:nbytes]  # a view of its own: its finalizer says when the batch is gone
         weakref.finalize(exporter, self._give_back, pin, memory).atexit = False
-        return torch.from_numpy(exporter), memoryview(exporter)
+        return torch.from_numpy(exporter), memoryview(exporter)  # type: ignore[arg-type]  # numpy types ndarray.__buffer__ on 3.12+ only
 
     def _give_back(self, pin: bool, memory: np.ndarray) -> None:
         with self._lock:

@@ -101,7 +101,7 @@ def longest_chunks(lengths: np.ndarray, *, max_length: int | None = None, policy
         ValueError: an unknown policy or max_length < 1.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    if not splits(max_length=max_length, policy=policy):
+    if not splits(max_length=max_length, policy=policy) or max_length is None:
         return lengths.copy()
     return np.minimum(lengths, max_length)
 
@@ -139,7 +139,7 @@ def chunks(lengths: np.ndarray, *, max_length: int | None = None, policy: str = 
     counts = chunk_counts(lengths, max_length=max_length, policy=policy)
     first = np.cumsum(counts) - counts
     sample = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
-    if not splits(max_length=max_length, policy=policy):
+    if not splits(max_length=max_length, policy=policy) or max_length is None:
         return Chunks(lengths.copy(), sample, np.zeros(len(lengths), np.int64), first)
     start = (np.arange(len(sample), dtype=np.int64) - first[sample]) * max_length
     return Chunks(np.minimum(lengths[sample] - start, max_length), sample, start, first)

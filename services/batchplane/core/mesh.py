@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -116,7 +117,7 @@ class ClientPlaceTree:
 
     def resize(self, **sizes: int) -> ClientPlaceTree:
         """A new tree with some axis sizes (or the order) changed."""
-        merged = {**self.sizes, "order": "-".join(self.order), **sizes}
+        merged: dict[str, Any] = {**self.sizes, "order": "-".join(self.order), **sizes}
         return ClientPlaceTree(**merged)
 
     # ---- coordinates ---------------------------------------------------------------------

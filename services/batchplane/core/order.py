@@ -100,7 +100,7 @@ class SampleOrder:
         groups = np.arange(len(self.row_group_sizes))
         if self.shuffle:
             groups = self._rng(epoch).permutation(groups)
-        windows = []
+        windows: list[Window] = []
         start = 0
         for i in range(0, len(groups), self.window_row_groups):
             chosen = tuple(int(g) for g in groups[i : i + self.window_row_groups])

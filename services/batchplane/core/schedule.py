@@ -346,7 +346,7 @@ def _check_keys(data: object, path: str, known: tuple[str, ...]) -> None:
 def _choice(value: object, path: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ScheduleError(path, f"must be one of {', '.join(choices)}", value)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _weights_from(data: object, path: str, names: tuple[str, ...]) -> Weights:
@@ -449,7 +449,7 @@ def _weights_problem(values: Sequence[object], num_sources: int) -> str:
     if num_sources == 0:
         return "must have at least one source"
     for w in values:
-        if not _is_number(w) or not math.isfinite(w) or w < 0:  # type: ignore[arg-type]
+        if not _is_number(w) or not math.isfinite(w) or w < 0:  # type: ignore[arg-type,operator]  # _is_number(w): a real
             return f"every weight must be a finite number >= 0, not {w!r}"
     total = sum(values)  # type: ignore[arg-type]
     if total <= 0:
