@@ -212,6 +212,31 @@ def test_pure_logic_imports_no_grpc_and_no_io_libraries(module: str) -> None:
     assert violations([module], ("grpc", "pyarrow", "prometheus_client", "socket", "subprocess", "batchplane.v1")) == []
 
 
+# Pure logic runs no threads and reads no clock (issue 19; STYLE.md: "no threads, clocks or
+# sockets"): the driver owns them. These two still guard their state with a lock for the
+# planner's gRPC threads; the table is exact, so it can only shrink.
+THREADED_PURE = {
+    "batchplane.planner.membership": ("threading",),  # Membership's lock
+    "batchplane.core.order": ("threading",),  # SampleOrder's cache of windows
+}
+NO_THREADS_NO_CLOCKS = ("threading", "_thread", "concurrent", "multiprocessing", "asyncio", "queue", "time")
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_logic_runs_no_threads_and_reads_no_clock(module: str) -> None:
+    allowed = THREADED_PURE.get(module, ())
+    forbidden = tuple(f for f in NO_THREADS_NO_CLOCKS if f not in allowed)
+    assert violations([module], forbidden) == []
+
+
+@pytest.mark.parametrize("module", sorted(THREADED_PURE))
+def test_the_threaded_pure_modules_table_is_exact(module: str) -> None:
+    """A module that drops its lock leaves the table (and then the rule holds for it in full)."""
+    assert module in PURE
+    for allowed in THREADED_PURE[module]:
+        assert violations([module], (allowed,)), f"{module} no longer imports {allowed}: remove it from THREADED_PURE"
+
+
 def test_wire_needs_only_numpy_and_protobuf() -> None:
     bad = [
         i for i in imports_of(ALL["batchplane.wire"])

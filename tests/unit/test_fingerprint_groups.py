@@ -86,6 +86,11 @@ CHANGES: dict[str, Any] = {
     "ledger.location": "s3://bucket/ledger",
     "ledger.keep_detail_steps": 10,
     "ledger.compare_methods": True,
+    "batch.delivery": "journal",
+    "journal.location": "s3://bucket/journal",
+    "journal.policy": "aimd",
+    "journal.max_lag_steps": 64,
+    "journal.prefetch_steps": 4,
 }
 
 

@@ -35,6 +35,7 @@ BENCHMARKS = {
     "transport": "batchplane.bench.transport",
     "delivery": "batchplane.bench.delivery",
     "vlm": "batchplane.bench.vlm",
+    "journal": "batchplane.bench.journal",
 }
 
 

@@ -6,6 +6,12 @@ In a trainer pod the index comes from the pod instead: `--index-from SOURCE` (in
 leaderworkerset), and `--publish-index PATH` writes it to PATH before the constructor starts, for
 the trainer container of the same pod (the sidecar's startup probe holds the trainer back until
 the constructor serves, so the file is there when the trainer starts).
+
+With journal delivery (`batch.delivery: journal`) a constructor takes one of two roles:
+`--produce --index 0 --planner HOST:PORT` (the producer: builds every step of the whole mesh
+and commits it to the journal) or `--consume --index I` (pod I's sidecar: serves its trainers
+from the journal, without a planner). Both take `--run-dir` (the journal lies in
+<run-dir>/journal unless `journal.location` says otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import pathlib
 import sys
 from collections.abc import Mapping, Sequence
 
-from batchplane.constructor.server import start_constructor
+from batchplane.constructor.server import start_constructor, start_consumer, start_producer
 from batchplane.core.pod_rank import PodRankError, check_source, resolve_index
 from batchplane.core.process import EXIT_BAD_INPUT, run_service
 
@@ -44,6 +50,21 @@ def index_args(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[list[st
     return [*rest, "--index", str(index)], index, known.publish_index
 
 
+def role_args(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """`argv` without `--produce` / `--consume`, and the role they give ("produce", "consume",
+    or None for a streaming constructor).
+
+    Raises:
+        SystemExit: both flags (argparse's usage error, exit status 2).
+    """
+    parser = argparse.ArgumentParser(prog="python -m batchplane.constructor", add_help=False, allow_abbrev=False)
+    roles = parser.add_mutually_exclusive_group()
+    roles.add_argument("--produce", action="store_true", help="journal delivery: the producer (index 0, with --planner)")
+    roles.add_argument("--consume", action="store_true", help="journal delivery: pod I's consumer (--index I)")
+    known, rest = parser.parse_known_args(list(argv))
+    return rest, "produce" if known.produce else "consume" if known.consume else None
+
+
 def _source(text: str) -> str:
     try:
         return check_source(text)
@@ -66,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if publish is not None and index is not None:
         publish_index(publish, index)
-    return run_service("constructor", args, start_constructor)
+    args, role = role_args(args)
+    start = start_producer if role == "produce" else start_consumer if role == "consume" else start_constructor
+    return run_service("constructor", args, start)
 
 
 if __name__ == "__main__":

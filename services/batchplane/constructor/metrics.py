@@ -121,3 +121,40 @@ class ConstructorMetrics:
             "Steps that could not be built because the strategy's constructor_do_plan hook raised or broke the delivery rules.",
             registry=registry,
         )
+        # Journal delivery (batch.delivery: journal): the producer's writer and the consumers' readers.
+        self.journal_steps_written = Counter(
+            "batchplane_constructor_journal_steps_written_total",
+            "Journal delivery, producer: steps written to the journal as TGB objects (committed or pending).",
+            registry=registry,
+        )
+        self.journal_written_bytes = Counter(
+            "batchplane_constructor_journal_written_bytes_total",
+            "Journal delivery, producer: bytes of the TGB objects written.",
+            registry=registry,
+        )
+        self.journal_commits = Counter(
+            "batchplane_constructor_journal_commits_total",
+            "Journal delivery, producer: manifest versions committed (commit attempts whose put won).",
+            registry=registry,
+        )
+        self.journal_conflicts = Counter(
+            "batchplane_constructor_journal_conflicts_total",
+            "Journal delivery, producer: commit attempts that lost their race to another writer of the manifest.",
+            registry=registry,
+        )
+        self.journal_backpressure = Counter(
+            "batchplane_constructor_journal_backpressure_seconds_total",
+            "Journal delivery, producer: time paused because it ran journal.max_lag_steps ahead of the lowest "
+            "live checkpoint mark (the slowest pod).",
+            registry=registry,
+        )
+        self.journal_steps_read = Counter(
+            "batchplane_constructor_journal_steps_read_total",
+            "Journal delivery, consumer: logical steps read from the journal for the ranks served here.",
+            registry=registry,
+        )
+        self.journal_read_bytes = Counter(
+            "batchplane_constructor_journal_read_bytes_total",
+            "Journal delivery, consumer: bytes range-read from the journal (trailers, footers and slices).",
+            registry=registry,
+        )

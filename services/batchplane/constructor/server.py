@@ -1,5 +1,11 @@
 """Wires a constructor together: registers with the planner, starts the prefetch pipeline, the
-gRPC server and, on a Unix socket, the slab socket of shared-memory delivery beside it."""
+gRPC server and, on a Unix socket, the slab socket of shared-memory delivery beside it.
+
+With journal delivery (`batch.delivery: journal`) a constructor runs in one of two roles:
+`start_producer` (`--produce`: registers like constructor 0, builds every rank's batches and
+commits them to the journal, `produce`; serves no GetBatch, only health) and `start_consumer`
+(`--consume`: a pod's sidecar serving its trainers from the journal, `consume`; talks to no
+planner nor loader)."""
 
 from __future__ import annotations
 
@@ -14,8 +20,10 @@ import grpc
 from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
+from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer, add_consumer_to_server
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import StepPipeline
+from batchplane.constructor.produce import JournalProducer
 from batchplane.constructor.service import ConstructorServicer, add_to_server
 from batchplane.constructor.slabs import SESSIONS_PER_RANK, SlabPool, SlabServer, slab_socket_path
 from batchplane.core.config import JobSettings
@@ -25,7 +33,8 @@ from batchplane.core.registration import register_with_planner
 from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.core.tls import Security
 from batchplane.core.userfile import job_hook
-from batchplane.v1 import planner_pb2, planner_pb2_grpc
+from batchplane.journal.location import open_journal_storage
+from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,7 @@ class RunningConstructor:
     security: Security
     health: HealthServicer
     slabs: SlabServer | None = None
+    producer: JournalProducer | None = None
     _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def keep_registered(self, job: JobSettings, process: ProcessSettings, ranks: tuple[int, ...]) -> None:
@@ -61,10 +71,27 @@ class RunningConstructor:
 
     def stop(self, grace_s: float) -> None:
         self._stopped.set()
+        if self.producer is not None:
+            self.producer.stop(timeout_s=0)  # asks it to end; the pipeline's stop wakes it
         self.pipeline.stop()  # first: wakes requests waiting for batches
+        if self.producer is not None:
+            self.producer.stop()
         self.server.stop(grace_s).wait()
         if self.slabs is not None:
             self.slabs.stop()
+
+
+@dataclasses.dataclass
+class _Building:
+    """What a building constructor (streaming, or the journal's producer) starts with."""
+
+    address: str
+    server: grpc.Server
+    health: HealthServicer
+    metrics: ConstructorMetrics
+    pipeline: StepPipeline
+    info: common_pb2.JobInfo
+    ranks: tuple[int, ...]
 
 
 def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
@@ -73,15 +100,102 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     enters, or loopback TCP) and calls the planner and loaders over mutual TLS.
 
     Raises:
-        ConfigError: a bad index or no planner address.
+        ConfigError: a bad index, no planner address, or journal delivery (which needs a role).
         InvalidArgument: the planner refused the registration.
     """
-    if not 0 <= process.index < job.constructor_count:
-        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh ranks / constructors.ranks_per_constructor)", process.index)
-    if not process.planner:
-        raise ConfigError("--planner", "is required for a constructor", None)
-    ranks = job.constructor_ranks(process.index)
+    if job.batch.delivery == "journal":
+        raise ConfigError(
+            "batch.delivery", "is journal: start the constructor as the producer (--produce --index 0 --planner ADDR) "
+            "or as a pod's consumer (--consume --index I)", job.batch.delivery,
+        )
+    b = _start_building(job, process, registry, security)
+    slabs = None
+    if process.listen and process.listen.startswith("unix:") and job.constructors.shm_bytes:
+        # Beside the trainer's socket, in the same folder, under the same umask.
+        pool = SlabPool(job.constructors.shm_bytes, b.metrics)
+        slabs = SlabServer(slab_socket_path(process.listen), pool, max_sessions=len(b.ranks) * SESSIONS_PER_RANK).start()
+    add_to_server(ConstructorServicer(b.info, b.pipeline, b.metrics, slabs), b.server)
+    b.server.start()
+    set_serving(b.health, "batchplane.v1.Constructor")
+    log.info("serving ranks %s", list(b.ranks))
+    running = RunningConstructor(b.address, b.server, b.pipeline, security, b.health, slabs)
+    threading.Thread(target=running.keep_registered, args=(job, process, b.ranks), name="register", daemon=True).start()
+    return running
+
+
+def start_producer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
+    """Starts the producer of journal delivery (`--produce`): constructor 0 of the planner's
+    view, building every rank's batches and committing them to the journal (`produce`). Its
+    gRPC server serves health only.
+
+    Raises:
+        ConfigError: not journal delivery, an index other than 0, or no planner address.
+        InvalidArgument: the planner refused the registration.
+        FailedPrecondition: the journal cannot be opened, or its store ignores conditional puts.
+    """
+    if job.batch.delivery != "journal":
+        raise ConfigError("batch.delivery", "--produce needs batch.delivery: journal", job.batch.delivery)
+    storage = open_journal_storage(job, _run_dir(job, process), check_writes=True)
+    b = _start_building(job, process, registry, security)
+    producer = JournalProducer(job, pipeline=b.pipeline, storage=storage, info=b.info, metrics=b.metrics)
+    b.server.start()
+    set_serving(b.health, "batchplane.v1.Constructor")
+    log.info("producing the journal at %s for ranks %s", storage.describe(), list(b.ranks))
+    running = RunningConstructor(b.address, b.server, b.pipeline, security, b.health, producer=producer.start())
+    threading.Thread(target=running.keep_registered, args=(job, process, b.ranks), name="register", daemon=True).start()
+    return running
+
+
+@dataclasses.dataclass
+class RunningConsumer:
+    """A started consumer of journal delivery (`--consume`)."""
+
+    address: str
+    server: grpc.Server
+    consumer: JournalConsumer
+    health: HealthServicer
+
+    def serving(self) -> bool:
+        return serving_status(self.health)
+
+    def stop(self, grace_s: float) -> None:
+        self.consumer.stop()  # first: wakes requests waiting for steps
+        self.server.stop(grace_s).wait()
+
+
+def start_consumer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConsumer:
+    """Starts pod `process.index`'s consumer of journal delivery (`--consume`): serves the
+    Constructor service to the pod's ranks from the journal (`consume`), with local credentials
+    as `start_constructor`. Talks to no planner and no loader.
+
+    Raises:
+        ConfigError: not journal delivery, or a bad index.
+        FailedPrecondition: the journal cannot be opened.
+    """
+    if job.batch.delivery != "journal":
+        raise ConfigError("batch.delivery", "--consume needs batch.delivery: journal", job.batch.delivery)
+    if not 0 <= process.index < job.pod_count:
+        raise ConfigError("--index", f"must be in [0, {job.pod_count}) (mesh ranks / constructors.ranks_per_constructor)", process.index)
+    # Consumers record their marks with put-if-absent manifest versions: check like a producer.
+    storage = open_journal_storage(job, _run_dir(job, process), check_writes=True)
+    ranks = job.pod_ranks(process.index)
     metrics = ConstructorMetrics(registry)
+    server, address, health = _create_server(job, process, registry, security)
+    consumer = JournalConsumer(job, storage=storage, index=process.index, ranks=ranks, metrics=metrics)
+    add_consumer_to_server(JournalConstructorServicer(job, consumer, metrics, storage=storage), server)
+    server.start()
+    set_serving(health, "batchplane.v1.Constructor")
+    log.info("serving ranks %s from the journal at %s", list(ranks), storage.describe())
+    return RunningConsumer(address, server, consumer, health)
+
+
+def _run_dir(job: JobSettings, process: ProcessSettings) -> pathlib.Path:
+    return (process.run_dir or job.resolve(job.run_dir)).absolute()
+
+
+def _create_server(
+    job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security
+) -> tuple[grpc.Server, str, HealthServicer]:
     if process.listen:
         prepare_socket_folder(process.listen)
         os.umask(0o007)  # the socket: owner and group read and write, nobody else
@@ -93,7 +207,18 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         security=security,
         local=True,
     )
-    address = process.advertise or process.listen or f"{job.network.host}:{port}"
+    return server, process.advertise or process.listen or f"{job.network.host}:{port}", health
+
+
+def _start_building(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> _Building:
+    """The server (not started), the registration with the planner and the pipeline."""
+    if not 0 <= process.index < job.constructor_count:
+        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh ranks / constructors.ranks_per_constructor)", process.index)
+    if not process.planner:
+        raise ConfigError("--planner", "is required for a constructor", None)
+    ranks = job.constructor_ranks(process.index)
+    metrics = ConstructorMetrics(registry)
+    server, address, health = _create_server(job, process, registry, security)
     registered = _register(job, process, security, address, ranks)
     info = registered.job
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
@@ -104,18 +229,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
         oldest_step=registered.oldest_step,
     )
-    slabs = None
-    if process.listen and process.listen.startswith("unix:") and job.constructors.shm_bytes:
-        # Beside the trainer's socket, in the same folder, under the same umask.
-        pool = SlabPool(job.constructors.shm_bytes, metrics)
-        slabs = SlabServer(slab_socket_path(process.listen), pool, max_sessions=len(ranks) * SESSIONS_PER_RANK).start()
-    add_to_server(ConstructorServicer(info, pipeline, metrics, slabs), server)
-    server.start()
-    set_serving(health, "batchplane.v1.Constructor")
-    log.info("serving ranks %s", list(ranks))
-    running = RunningConstructor(address, server, pipeline, security, health, slabs)
-    threading.Thread(target=running.keep_registered, args=(job, process, ranks), name="register", daemon=True).start()
-    return running
+    return _Building(address, server, health, metrics, pipeline, info, ranks)
 
 
 def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> planner_pb2.RegisterConstructorRequest:

@@ -99,6 +99,34 @@ class LedgerSettings:
     compare_methods: bool = False
 
 
+DELIVERIES = ("stream", "journal")
+#: Commit-cadence policies of journal producers (`batchplane.journal.policy.POLICIES`).
+JOURNAL_POLICIES = ("naive", "fixed10", "fixed100", "incr", "aimd", "dac")
+
+
+@dataclasses.dataclass(frozen=True)
+class JournalSettings:
+    """Journal delivery (`batch.delivery: journal`, BatchWeave): a producer builds every step of
+    the whole mesh and commits it as an immutable object to the journal through versioned
+    manifests (`batchplane.journal`); each pod's constructor reads only its ranks' slices from
+    it. Training then outlives the producer by as many steps as are committed ahead, and any
+    retained checkpoint replays byte-identical batches."""
+
+    #: Where the journal lies: an object store URL ("s3://bucket/prefix", as `ledger.location`)
+    #: or a local folder (relative to the configuration file). None: `<run_dir>/journal`.
+    location: str | None = None
+    #: When a producer commits what it built: "dac" (Decentralized Adaptive Commit: the
+    #: smallest gap meeting a conflict and a duty budget), or "naive", "fixed10", "fixed100",
+    #: "incr", "aimd" (the paper's baselines).
+    policy: str = "dac"
+    #: How many steps the producer may run ahead of the lowest live checkpoint mark (storage
+    #: stays bounded when checkpoints stall). Must exceed the checkpoint interval plus the
+    #: consumers' read-ahead, or producer and trainers wait on each other.
+    max_lag_steps: int = 1024
+    #: Steps each constructor reads ahead of its slowest rank.
+    prefetch_steps: int = 2
+
+
 BAD_SAMPLE_POLICIES = ("substitute", "skip", "fail")
 
 
@@ -152,6 +180,10 @@ class BatchSettings:
     #: e.g. {name: pixel_values, kind: blob, dtype: uint8, shape: [1176]}. Transforms return
     #: them; the constructor lays each kind out by its rule; the client yields them.
     payload: tuple[PayloadColumn, ...] = ()
+    #: How batches reach the trainers: "stream" (constructors build each step for their pod's
+    #: ranks as they ask) or "journal" (a producer commits every step to the journal, `journal`;
+    #: constructors read their ranks' slices from it).
+    delivery: str = "stream"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +357,7 @@ class JobSettings:
     constructors: ConstructorSettings = dataclasses.field(default_factory=ConstructorSettings)
     network: NetworkSettings = dataclasses.field(default_factory=NetworkSettings)
     ledger: LedgerSettings = dataclasses.field(default_factory=LedgerSettings)
+    journal: JournalSettings = dataclasses.field(default_factory=JournalSettings)
     #: Folder for logs, endpoints and the ledger; relative to the configuration file.
     run_dir: str = ".batchplane/run"
     #: A strategy file (Python, defining `strategy(mesh)` with DGraph primitives; relative to
@@ -394,12 +427,23 @@ class JobSettings:
 
     @property
     def constructor_count(self) -> int:
-        return math.ceil(self.world / self.constructors.ranks_per_constructor)
+        """Constructors that fetch and build the planned steps, as the planner counts them: one
+        per pod (`pod_count`), or with journal delivery the one producer, for the whole mesh."""
+        return 1 if self.batch.delivery == "journal" else self.pod_count
 
     def constructor_ranks(self, constructor_index: int) -> tuple[int, ...]:
-        """Global ranks constructor `constructor_index` serves."""
+        """Global ranks constructor `constructor_index` builds for (see `constructor_count`)."""
+        return tuple(range(self.world)) if self.batch.delivery == "journal" else self.pod_ranks(constructor_index)
+
+    @property
+    def pod_count(self) -> int:
+        """Trainer pods, each with a constructor sidecar that hands its ranks their batches."""
+        return math.ceil(self.world / self.constructors.ranks_per_constructor)
+
+    def pod_ranks(self, pod: int) -> tuple[int, ...]:
+        """Global ranks of trainer pod `pod` (its sidecar serves them): [pod*n, (pod+1)*n)."""
         n = self.constructors.ranks_per_constructor
-        return tuple(range(constructor_index * n, min((constructor_index + 1) * n, self.world)))
+        return tuple(range(pod * n, min((pod + 1) * n, self.world)))
 
     def resolve(self, path: str) -> pathlib.Path:
         """`path` made absolute against the configuration file's folder."""
@@ -427,7 +471,7 @@ class JobSettings:
         A resume across a change of the last three re-plans from the ledger's cursors.
         `FINGERPRINT_GROUPS` lists every setting by its group.
         """
-        groups = {
+        groups: dict[str, dict[str, Any]] = {
             "data": {
                 # `repeat` only when set, so the fingerprints of jobs without it stay as they were.
                 "sources": [
@@ -479,15 +523,17 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
         "loaders.failover.probe_interval_s", "loaders.failover.failures", "constructors.ranks_per_constructor",
         "constructors.prefetch_steps", "constructors.pulling_ranks", "constructors.shm_bytes", "network.host", "network.tls",
         "network.max_message_bytes", "network.rpc_timeout_s", "network.heartbeat_s", "ledger.location",
-        "ledger.keep_detail_steps", "ledger.compare_methods",
+        "ledger.keep_detail_steps", "ledger.compare_methods", "batch.delivery", "journal.location", "journal.policy",
+        "journal.max_lag_steps", "journal.prefetch_steps",
     ),
 }
 
 
 def _batch_fingerprint(batch: BatchSettings) -> dict[str, Any]:
     """The batch settings as hashed: `payload` only when declared, so the fingerprints of jobs
-    without it stay as they were."""
+    without it stay as they were; never `delivery` (how steps travel, not what they hold)."""
     out = dataclasses.asdict(batch)
+    del out["delivery"]
     if not batch.payload:
         del out["payload"]
     return out
@@ -603,7 +649,7 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, path)
-    if dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return _build(hint, value, path)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -826,6 +872,26 @@ def _check_ledger(job: JobSettings) -> None:
         _check_ledger_location(job.ledger.location)
 
 
+def _check_journal(job: JobSettings) -> None:
+    """`batch.delivery` and `journal`: the policy, bounds, and what journal delivery cannot do."""
+    if job.batch.delivery not in DELIVERIES:
+        raise ConfigError("batch.delivery", f"must be one of {DELIVERIES}", job.batch.delivery)
+    journal = job.journal
+    if journal.policy not in JOURNAL_POLICIES:
+        raise ConfigError("journal.policy", f"must be one of {JOURNAL_POLICIES}", journal.policy)
+    _positive("journal.max_lag_steps", journal.max_lag_steps)
+    _positive("journal.prefetch_steps", journal.prefetch_steps)
+    if journal.max_lag_steps <= journal.prefetch_steps:
+        raise ConfigError("journal.max_lag_steps", f"must exceed journal.prefetch_steps ({journal.prefetch_steps})", journal.max_lag_steps)
+    if journal.location is not None:
+        _check_ledger_location(journal.location, field="journal.location")
+    if job.batch.delivery == "journal" and (job.mixture.schedule or {}).get("kind") == "adaptive":
+        raise ConfigError(
+            "batch.delivery", "journal delivery cannot serve an adaptive mixture (its weights follow the training losses, "
+            "which a producer running ahead has not seen): use stream delivery", job.batch.delivery,
+        )
+
+
 def _check_network(job: JobSettings) -> None:
     """`network`: message size and time limits."""
     network = job.network
@@ -848,26 +914,27 @@ SECTION_CHECKS: tuple[Callable[[JobSettings], None], ...] = (
     _check_loaders,
     _check_constructors,
     _check_ledger,
+    _check_journal,
     _check_network,
 )
 
 
-def _check_ledger_location(location: str) -> None:
-    """`ledger.location`: a local path, or a URL of a store the ledger can live in, with a
-    bucket (or container) for an object store and a path for file://."""
+def _check_ledger_location(location: str, *, field: str = "ledger.location") -> None:
+    """`ledger.location` (or `field`, e.g. journal.location): a local path, or a URL of a store
+    that can hold it, with a bucket (or container) for an object store and a path for file://."""
     if not location.strip():
-        raise ConfigError("ledger.location", "must not be empty (leave it out for <run_dir>/ledger)", location)
+        raise ConfigError(field, "must not be empty (leave it out for the default under run_dir)", location)
     if not is_url(location):
         return
     parts = urllib.parse.urlsplit(location)
     scheme = parts.scheme.lower()
     if scheme not in LEDGER_SCHEMES:
-        raise ConfigError("ledger.location", f"must be a local folder or a URL with a scheme of {LEDGER_SCHEMES}", location)
+        raise ConfigError(field, f"must be a local folder or a URL with a scheme of {LEDGER_SCHEMES}", location)
     if scheme == "file":
         if not parts.path.strip("/"):
-            raise ConfigError("ledger.location", "must name a folder after file://, e.g. file:///data/ledger", location)
+            raise ConfigError(field, "must name a folder after file://, e.g. file:///data/ledger", location)
     elif not parts.netloc:
-        raise ConfigError("ledger.location", f"must name a bucket or container, e.g. {scheme}://bucket/prefix", location)
+        raise ConfigError(field, f"must name a bucket or container, e.g. {scheme}://bucket/prefix", location)
 
 
 def _positive(path: str, value: int) -> None:

@@ -16,11 +16,15 @@ The state of version N (`ManifestState`):
   version as the steps it covers, so a producer restarted under its id resumes after it;
 - the retention watermark: the first step still retained. Every step below it is committed
   (the watermark never passes the visible prefix) and no longer listed: its objects may be
-  reclaimed.
+  reclaimed;
+- the live checkpoints' marks: mark id -> (manifest version read, first written step still
+  needed). The retention watermark never passes the lowest mark, and a mark never points below
+  the retention watermark; the reclaimer takes the minimum over them.
 
 Version N+1 is version N with one `Change` applied: `Register` (a producer id claims the next
 fencing epoch; every older process of that id is fenced from then on), `Commit` (a producer
-publishes built steps and its new last step together) or `Retain` (the watermark advances).
+publishes built steps and its new last step together), `Retain` (the watermark advances),
+`Mark` (a live checkpoint records or moves its mark) or `Unmark` (a checkpoint is gone).
 Version 0 is the empty state. `apply` is deterministic, so any reader that applies the same
 changes to the same state gets the same state.
 
@@ -82,6 +86,10 @@ class Refusal(enum.Enum):
     NOT_ADVANCING = "not_advancing"  # a step at or below the producer's last committed step
     WATERMARK_NOT_ADVANCING = "watermark_not_advancing"
     WATERMARK_AHEAD = "watermark_ahead"  # past the first uncommitted step
+    WATERMARK_PAST_MARK = "watermark_past_mark"  # past a live checkpoint's mark
+    MARK_RECLAIMED = "mark_reclaimed"  # a mark below the retention watermark
+    MARK_AHEAD = "mark_ahead"  # a mark past the first uncommitted step, or of a future version
+    MARK_UNKNOWN = "mark_unknown"  # an Unmark of a mark that is not there
 
 
 class CommitRefused(FailedPrecondition):
@@ -209,7 +217,49 @@ class Retain:
     watermark: int
 
 
-Change = Union[Register, Commit, Retain]
+@dataclass(frozen=True)
+class Mark:
+    """A live checkpoint records (or moves) its mark.
+
+    Attributes:
+        mark: The mark's id (the characters of a producer id), e.g. a consumer group or a
+            checkpoint name.
+        manifest_version: The manifest version its consumer had read (>= 0, <= the version
+            the mark is committed on).
+        step: The first written step it still needs (>= the retention watermark, <= one past
+            the visible prefix).
+    """
+
+    mark: str
+    manifest_version: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Unmark:
+    """A live checkpoint is gone: its mark no longer holds anything back."""
+
+    mark: str
+
+
+@dataclass(frozen=True)
+class MarkState:
+    """A live checkpoint's mark as the manifest lists it.
+
+    Attributes:
+        mark: Its id.
+        manifest_version: The manifest version its consumer had read.
+        step: The first written step it still needs.
+        version: The manifest version that recorded it.
+    """
+
+    mark: str
+    manifest_version: int
+    step: int
+    version: int
+
+
+Change = Union[Register, Commit, Retain, Mark, Unmark]
 
 
 @dataclass(frozen=True)
@@ -221,12 +271,14 @@ class ManifestState:
         watermark: The first retained step; every step below it is committed and unlisted.
         steps: The committed steps at or above the watermark, by step.
         producers: The producers' state, by id.
+        marks: The live checkpoints' marks, by id.
     """
 
     version: int = 0
     watermark: int = 0
     steps: tuple[CommittedStep, ...] = ()
     producers: tuple[ProducerState, ...] = ()
+    marks: tuple[MarkState, ...] = ()
 
     @functools.cached_property
     def _steps_by_index(self) -> dict[int, CommittedStep]:
@@ -258,6 +310,10 @@ class ManifestState:
     def producer(self, producer: str) -> ProducerState | None:
         """The producer's state, or None if the id never registered."""
         return self._producers_by_id.get(producer)
+
+    def mark(self, mark: str) -> MarkState | None:
+        """The live checkpoint mark `mark`, or None."""
+        return next((m for m in self.marks if m.mark == mark), None)
 
     def active_producers(self, within_versions: int) -> int:
         """How many producers registered or committed in the last `within_versions` versions
@@ -340,8 +396,37 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
                 Refusal.WATERMARK_AHEAD,
                 f"watermark {change.watermark} is past the first uncommitted step {state.visible_through + 1}",
             )
+        lowest = min((m.step for m in state.marks), default=None)
+        if lowest is not None and change.watermark > lowest:
+            raise CommitRefused(
+                Refusal.WATERMARK_PAST_MARK,
+                f"watermark {change.watermark} is past step {lowest}, which a live checkpoint's mark still needs",
+            )
         kept = tuple(s for s in state.steps if s.step >= change.watermark)
         return dataclasses.replace(state, version=version, watermark=change.watermark, steps=kept)
+    if isinstance(change, Mark):
+        _check_producer_id(change.mark, what="mark id")
+        if change.step < state.watermark:
+            raise CommitRefused(
+                Refusal.MARK_RECLAIMED,
+                f"mark {change.mark!r} at step {change.step} is below the retention watermark {state.watermark}: "
+                "those steps may be reclaimed already",
+                steps=[change.step],
+            )
+        if change.step > state.visible_through + 1 or change.manifest_version > state.version:
+            raise CommitRefused(
+                Refusal.MARK_AHEAD,
+                f"mark {change.mark!r} at step {change.step} of version {change.manifest_version} is ahead of the "
+                f"manifest (version {state.version}, first uncommitted step {state.visible_through + 1})",
+                steps=[change.step],
+            )
+        new_mark = MarkState(change.mark, change.manifest_version, change.step, version)
+        marks = tuple(sorted((*(m for m in state.marks if m.mark != change.mark), new_mark), key=lambda m: m.mark))
+        return dataclasses.replace(state, version=version, marks=marks)
+    if isinstance(change, Unmark):
+        if state.mark(change.mark) is None:
+            raise CommitRefused(Refusal.MARK_UNKNOWN, f"there is no mark {change.mark!r} to remove")
+        return dataclasses.replace(state, version=version, marks=tuple(m for m in state.marks if m.mark != change.mark))
     if isinstance(change, Commit):
         producer = _check_commit(state, change)
         added = [CommittedStep(entry, change.producer, version) for entry in change.steps]
@@ -441,12 +526,12 @@ def _with_producer(producers: tuple[ProducerState, ...], new: ProducerState) -> 
     return tuple(sorted((*others, new), key=lambda p: p.producer))
 
 
-def _check_producer_id(producer: str) -> None:
+def _check_producer_id(producer: str, *, what: str = "producer id") -> None:
     if not isinstance(producer, str) or not _PRODUCER_ID.fullmatch(producer):
         raise CommitRefused(
-            Refusal.UNREGISTERED,
-            f"bad producer id {producer!r}: 1 to 128 characters of [A-Za-z0-9._=-], starting with a letter or digit",
-            producer=str(producer),
+            Refusal.UNREGISTERED if what == "producer id" else Refusal.MARK_UNKNOWN,
+            f"bad {what} {producer!r}: 1 to 128 characters of [A-Za-z0-9._=-], starting with a letter or digit",
+            producer=str(producer) if what == "producer id" else "",
         )
 
 
@@ -524,8 +609,9 @@ def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
 
 
 def state_doc(state: ManifestState) -> dict[str, Any]:
-    """The JSON document of a state (as a checkpoint version holds it)."""
-    return {
+    """The JSON document of a state (as a checkpoint version holds it); "marks" only when
+    there are live marks."""
+    doc: dict[str, Any] = {
         "version": state.version,
         "watermark": state.watermark,
         "producers": [
@@ -536,6 +622,12 @@ def state_doc(state: ManifestState) -> dict[str, Any]:
             for s in state.steps
         ],
     }
+    if state.marks:
+        doc["marks"] = [
+            {"id": m.mark, "manifest_version": m.manifest_version, "step": m.step, "version": m.version}
+            for m in state.marks
+        ]
+    return doc
 
 
 def decode_state(doc: Any, *, where: str = "manifest state") -> ManifestState:
@@ -552,6 +644,10 @@ def _change_doc(change: Change) -> dict[str, Any]:
         return {"kind": "register", "producer": change.producer}
     if isinstance(change, Retain):
         return {"kind": "retain", "watermark": change.watermark}
+    if isinstance(change, Mark):
+        return {"kind": "mark", "mark": change.mark, "manifest_version": change.manifest_version, "step": change.step}
+    if isinstance(change, Unmark):
+        return {"kind": "unmark", "mark": change.mark}
     if isinstance(change, Commit):
         return {
             "kind": "commit",
@@ -631,6 +727,13 @@ class _Reader:
         if kind == "retain":
             self.fields(doc, path, {"kind", "watermark"})
             return Retain(self.integer(doc, "watermark", path=path, low=1))
+        if kind == "mark":
+            self.fields(doc, path, {"kind", "mark", "manifest_version", "step"})
+            return Mark(self.text(doc, "mark", path=path, pattern=_PRODUCER_ID),
+                        self.integer(doc, "manifest_version", path=path), self.integer(doc, "step", path=path))
+        if kind == "unmark":
+            self.fields(doc, path, {"kind", "mark"})
+            return Unmark(self.text(doc, "mark", path=path, pattern=_PRODUCER_ID))
         if kind == "commit":
             self.fields(doc, path, {"kind", "producer", "epoch", "steps"})
             entries = []
@@ -645,10 +748,11 @@ class _Reader:
                 epoch=self.integer(doc, "epoch", path=path, low=1),
                 steps=tuple(entries),
             )
-        raise self.fail(_join(path, "kind"), f"must be 'register', 'commit' or 'retain', got {kind!r}")
+        raise self.fail(_join(path, "kind"), f"must be 'register', 'commit', 'retain', 'mark' or 'unmark', got {kind!r}")
 
     def state(self, doc: Any, path: str) -> ManifestState:
-        self.fields(doc, path, {"version", "watermark", "producers", "steps"})
+        names = {"version", "watermark", "producers", "steps"}
+        self.fields(doc, path, names | ({"marks"} if isinstance(doc, dict) and "marks" in doc else set()))
         version = self.integer(doc, "version", path=path)
         producers = []
         for i, item in enumerate(self.array(doc, "producers", path=path)):
@@ -678,7 +782,23 @@ class _Reader:
         watermark = self.integer(doc, "watermark", path=path)
         if numbers and numbers[0] < watermark:
             raise self.fail(_join(path, "steps"), f"lists step {numbers[0]}, below the watermark {watermark}")
-        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers))
+        marks = []
+        for i, item in enumerate(self.array(doc, "marks", path=path) if "marks" in doc else []):
+            p = f"{_join(path, 'marks')}[{i}]"
+            self.fields(item, p, {"id", "manifest_version", "step", "version"})
+            marks.append(MarkState(
+                mark=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
+                manifest_version=self.integer(item, "manifest_version", path=p),
+                step=self.integer(item, "step", path=p),
+                version=self.integer(item, "version", path=p, low=1),
+            ))
+        ids = [m.mark for m in marks]
+        if ids != sorted(set(ids)):
+            raise self.fail(_join(path, "marks"), "must be sorted by id without repeats")
+        if "marks" in doc and not marks:
+            raise self.fail(_join(path, "marks"), "is written only when it lists a mark")
+        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers),
+                             marks=tuple(marks))
 
 
 def _join(path: str, name: str) -> str:

@@ -130,13 +130,16 @@ class LocalCluster:
         self.planner: ServiceProcess | None = None
         self.loaders: list[ServiceProcess] = []
         self.constructors: list[ServiceProcess] = []
+        #: With journal delivery: the producer (a constructor for the whole mesh that commits
+        #: every step to the journal); `constructors` are then the pods' journal readers.
+        self.producers: list[ServiceProcess] = []
         self._replicas_started = 0
         self.ca: LocalCA | None = None
         self.security = Security(None)
 
     @property
     def processes(self) -> list[ServiceProcess]:
-        return [p for p in (self.planner, *self.loaders, *self.constructors) if p is not None]
+        return [p for p in (self.planner, *self.loaders, *self.producers, *self.constructors) if p is not None]
 
     @property
     def endpoints_path(self) -> pathlib.Path:
@@ -174,11 +177,21 @@ class LocalCluster:
                     spawn(f"loader-{i}-shadow", "batchplane.loader", ["--index", str(i), "--shadow-of", str(i), *planner_args])
                     for i in range(self.job.loader_count)
                 ]
-            self.constructors = [
-                spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *planner_args])
-                for i in range(self.job.constructor_count)
-            ]
-            self._wait_ready(self.loaders + self.constructors, timeout_s)
+            if self.job.batch.delivery == "journal":
+                # One producer builds every step for the whole mesh and commits it to the
+                # journal; each pod's constructor reads its ranks' slices from there.
+                run_dir = ["--run-dir", str(self.run_dir)]
+                self.producers = [spawn("producer-0", "batchplane.constructor", ["--index", "0", *run_dir, *planner_args, "--produce"])]
+                self.constructors = [
+                    spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *run_dir, "--consume"])
+                    for i in range(self.job.pod_count)
+                ]
+            else:
+                self.constructors = [
+                    spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *planner_args])
+                    for i in range(self.job.pod_count)
+                ]
+            self._wait_ready(self.loaders + self.producers + self.constructors, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -337,7 +350,7 @@ class LocalCluster:
         """Puts `new` in the place of `old` in this cluster's processes (if it is there)."""
         if old is self.planner:
             self.planner = new
-        for group in (self.loaders, self.constructors):
+        for group in (self.loaders, self.producers, self.constructors):
             if old in group:
                 group[group.index(old)] = new
 
@@ -347,7 +360,7 @@ class LocalCluster:
             "planner": self.planner.address,
             "loaders": {p.name.removeprefix("loader-"): p.address for p in self.loaders},
             "constructors": {
-                str(rank): p.address for i, p in enumerate(self.constructors) for rank in self.job.constructor_ranks(i)
+                str(rank): p.address for i, p in enumerate(self.constructors) for rank in self.job.pod_ranks(i)
             },
             "metrics": {p.name: f"http://{self.job.network.host}:{p.metrics_port}/metrics" for p in self.processes},
         }
@@ -374,6 +387,16 @@ class LocalCluster:
             LaunchError: it exited or did not become ready in time.
         """
         return self.restart(self.constructors[index], timeout_s=timeout_s)
+
+    def restart_producer(self, index: int = 0, *, timeout_s: float = 60.0) -> ServiceProcess:
+        """Starts journal producer `index` again (killing it first if it still runs): it fences
+        its earlier self, resumes after the last step the journal committed for it, and builds
+        on from there (nothing committed twice, nothing skipped).
+
+        Raises:
+            LaunchError: it exited or did not become ready in time.
+        """
+        return self.restart(self.producers[index], timeout_s=timeout_s)
 
     def restart(self, old: ServiceProcess, *, timeout_s: float = 60.0) -> ServiceProcess:
         """Starts process `old` again with its arguments on its address and metrics port,
@@ -456,7 +479,7 @@ class LocalCluster:
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM to every process (constructors, loaders, then the planner), SIGKILL after
         `timeout_s`."""
-        order = [*self.constructors, *self.loaders, *([self.planner] if self.planner else [])]
+        order = [*self.constructors, *self.producers, *self.loaders, *([self.planner] if self.planner else [])]
         for p in order:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -491,8 +514,8 @@ def _ports_in(table: dict, job: JobSettings) -> dict[str, Ports]:
     """
     addresses = {"planner": table["planner"], **{f"loader-{k}": a for k, a in table["loaders"].items()}}
     ports = {name: _port_of(address) for name, address in addresses.items()}
-    for i in range(job.constructor_count):  # the file names constructors by the ranks they serve
-        rank = str(job.constructor_ranks(i)[0])
+    for i in range(job.pod_count):  # the file names constructors by the ranks they serve
+        rank = str(job.pod_ranks(i)[0])
         if rank in table["constructors"]:
             address = table["constructors"][rank]
             ports[f"constructor-{i}"] = 0 if address.startswith("unix:") else _port_of(address)
@@ -525,7 +548,7 @@ def _identity_of(module: str, args: Sequence[str]) -> Identity:
     role = _role_of(module)
     if role not in INDEXED_ROLES:
         return Identity(role)
-    flags = dict(zip(args[::2], args[1::2]))
+    flags = {flag: value for flag, value in zip(args, args[1:]) if flag in ("--index", "--replica")}
     index = int(flags["--index"])
     return Identity(role, index, (flags.get("--replica") or str(index)) if role == "loader" else None)
 

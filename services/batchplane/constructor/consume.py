@@ -1,0 +1,409 @@
+"""A consumer of journal delivery (`batch.delivery: journal`, `--consume`): the sidecar
+constructor of trainer pod I serves the Constructor service (GetInfo, GetBatch, GetLength,
+Report) to the ranks of that pod (`job.pod_ranks(I)`) from the journal the producer commits
+(`produce`), reading only the slices of its ranks' (dp, cp) coordinates. It never talks to the
+planner or to loaders.
+
+- GetInfo: the JobInfo the producer stored (`info.pb`), its mesh made this job's mesh.
+- GetBatch: the logical step, read once for all the pod's ranks into a small step buffer
+  (`JournalConsumer`) and dropped once every pulling rank asked for a later step; decoded with
+  `journal_slices` and streamed over gRPC exactly as `service.ConstructorServicer` streams it, so
+  a client sees byte-identical batches to streaming delivery. Past the end marker, the
+  end-of-data header. No shared memory in v1: the gRPC stream only.
+- GetLength: from the end marker once written, else unknown.
+- Report: refused (FAILED_PRECONDITION): a producer runs ahead of training, so training losses
+  cannot steer it (configuration refuses adaptive mixtures with journal delivery).
+
+Logical steps when the mesh changed (DP only). The journal holds the written mesh's steps; with
+the same DP, logical step s is written step s. With another DP, the first step the pod's ranks
+ask for after this process starts (s0, the step they resume at) is taken to start at written
+step s0 (`SliceCursor(s0)`: the checkpoint they resume from was taken under the written mesh),
+and later steps follow `slices.cursor_for(s, origin_step=s0, ...)` (`slices`' rule: DP grown
+reads consecutive written steps' slices as one step, DP shrunk alternating slices). A restart at
+a step before s0 cannot be mapped and is refused; carrying the cursor in the client's
+checkpoint comes with the client API. A CP change is refused (FAILED_PRECONDITION naming both
+meshes): the slices are opaque headers and payloads, which cannot be re-cut.
+
+Marks (v1): the consumer records the mark `pod-I` (`JournalReader.record_watermark`) at the
+step below which all its ranks took every step, every `MARK_EVERY` steps, so
+`journal.max_lag_steps` bounds how far the producer runs ahead of the slowest pod.
+Checkpoint-driven marks (the trainer records its checkpoint's cursor) come with a client API
+later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from batchplane.constructor.bounds import check_batch_request
+from batchplane.constructor.journal_slices import decode_slice
+from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.constructor.produce import data_mesh, load_info
+from batchplane.constructor.service import DEFAULT_WAIT_MS
+from batchplane.core.config import JobSettings
+from batchplane.core.delivery import DeliveryRules
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from batchplane.core.mesh import ClientPlaceTree
+from batchplane.core.rpc import add_servicer, stream_payload, wait_seconds
+from batchplane.core.storage import Storage
+from batchplane.journal.reader import JournalReader, JournalStep, ReaderCursor
+from batchplane.journal.slices import DataMesh, SliceCursor, cursor_for, logical_steps
+from batchplane.journal.writer import read_end, read_header
+from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: A consumer records its mark once its slowest rank moved this many steps past the last one.
+MARK_EVERY = 8
+#: Seconds between looks at the journal while waiting for its header, info or a step.
+POLL_S = 0.05
+#: Log again while waiting for the producer every this many seconds.
+STALL_LOG_S = 30.0
+
+
+class JournalConsumer:
+    """The step buffer of one pod's ranks over a `JournalReader` (see the module docstring).
+
+    Args:
+        job: The job's settings (its mesh is the reader's).
+        storage: The journal.
+        index: The pod's index (its mark is `pod-<index>`).
+        ranks: The global ranks it serves.
+        metrics: The constructor's metrics.
+        prefix: The journal's folder in `storage`.
+        mark_every: Steps between marks (0: never record one).
+        clock: Monotonic seconds.
+    """
+
+    def __init__(self, job: JobSettings, *, storage: Storage, index: int, ranks: Sequence[int], metrics: ConstructorMetrics,
+                 prefix: str = "", mark_every: int = MARK_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+        m = job.mesh
+        self.mesh = ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
+        self.ranks = tuple(ranks)
+        self.mark = f"pod-{index}"
+        self._job = job
+        self._storage = storage
+        self._prefix = prefix
+        self._metrics = metrics
+        self._mark_every = mark_every
+        self._clock = clock
+        self._reader_mesh = data_mesh(job)
+        self._coords = sorted({(c.dp, c.cp) for c in map(self.mesh.coords, self.ranks)})
+        rules = DeliveryRules(self.mesh, pulling_ranks=job.constructors.pulling_ranks)
+        self._pulling = [r for r in self.ranks if rules.pulls(r)] or list(self.ranks)
+        self._cond = threading.Condition()
+        self._written: DataMesh | None = None
+        self._origin: int | None = None  # the first logical step asked (the cursor rule's origin)
+        self._reader: JournalReader | None = None
+        self._reader_start = 0  # the logical step the reader started at
+        self._reading = False  # a request thread is reading the journal (outside the lock)
+        self._buffer: dict[int, JournalStep] = {}
+        self._progress: dict[int, int] = {}  # rank -> the last step it asked for
+        self._released_cursor: ReaderCursor | None = None  # where the slowest rank's next step starts
+        self._marked = -1
+        self._end: int | None = None  # the logical end step, once the end marker is read
+        self._read_bytes = 0
+        self._stopped = False
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def batch(self, rank: int, step: int, *, timeout_s: float, restart: bool = False) -> tuple[constructor_pb2.BatchHeader, memoryview] | None:
+        """Rank `rank`'s header and payload of logical step `step`; None past the end of data.
+
+        Raises:
+            InvalidArgument: a rank not served here.
+            FailedPrecondition: without `restart`, a step the rank moved past; a step too far
+                ahead of the pod's slowest rank; a mesh the journal cannot be read with.
+            Unavailable: not committed in time; retry.
+        """
+        if rank not in self.ranks:
+            raise InvalidArgument(f"rank {rank} is not served here: this consumer serves ranks {list(self.ranks)} of a mesh of "
+                                  f"{self.mesh.world} ranks ({self.mesh.describe()})")
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            self._ask(rank, step, restart=restart)
+            item = self._wait_for(step, deadline)
+        mark = self._mark_due()
+        if mark is not None:
+            self._record(mark)
+        if item is None:
+            return None
+        coords = self.mesh.coords(rank)
+        return decode_slice(item.batches[(coords.dp, coords.cp)], rank=rank, step=step, mesh=self.mesh)
+
+    def length(self) -> common_pb2.JobLength:
+        """The job's length in logical steps, once the end marker is written."""
+        end = self._logical_end()
+        if end is None:
+            return common_pb2.JobLength(unknown="journal delivery: the producer has not reached the end of the data yet")
+        return common_pb2.JobLength(num_steps=end)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            reader, self._reader = self._reader, None
+            self._cond.notify_all()
+        if reader is not None:
+            reader.close()
+
+    # ---- the buffer (under the lock) ---------------------------------------------------------
+
+    def _ask(self, rank: int, step: int, *, restart: bool) -> None:
+        latest = self._progress.get(rank)
+        if latest is not None and step < latest and not restart:
+            raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
+        slowest = self._slowest()
+        if slowest is not None and step > slowest + self._job.journal.max_lag_steps and not restart:
+            raise FailedPrecondition(
+                f"step {step} is more than journal.max_lag_steps ({self._job.journal.max_lag_steps}) ahead of the slowest "
+                f"rank of this pod (step {slowest})"
+            )
+        self._progress[rank] = step
+        if self._origin is None:
+            self._origin = step
+            log.info("ranks %s start at step %d", list(self.ranks), step)
+        if step not in self._buffer and (self._reader is None or step < self._reader_start or restart and step < self._next_read()):
+            self._reposition(step)
+        self._release()
+
+    def _next_read(self) -> int:
+        return max(self._buffer, default=self._reader_start - 1) + 1
+
+    def _reposition(self, step: int) -> None:
+        """The reader starts again at `step` (the first request, or a restart before what is buffered)."""
+        if self._reader is not None:
+            reader = self._reader
+            threading.Thread(target=reader.close, name="journal-reader-close", daemon=True).start()
+        self._reader = None
+        self._reader_start = step
+        self._buffer.clear()
+        self._cond.notify_all()
+
+    def _slowest(self) -> int | None:
+        asked = [self._progress[r] for r in self._pulling if r in self._progress]
+        return min(asked) if len(asked) == len(self._pulling) else None
+
+    def _release(self) -> None:
+        slowest = self._slowest()
+        if slowest is None:
+            return
+        for step in sorted(s for s in self._buffer if s < slowest):
+            self._released_cursor = self._buffer.pop(step).cursor
+
+    def _wait_for(self, step: int, deadline: float) -> JournalStep | None:
+        while True:
+            if self._stopped:
+                raise Unavailable("the constructor is stopping")
+            if step in self._buffer:
+                return self._buffer[step]
+            if self._end is not None and step >= self._end:
+                return None
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise Unavailable(f"step {step} is not in the journal yet (the producer has not committed it)")
+            if self._reading:
+                self._cond.wait(min(remaining, 1.0))
+                continue
+            self._reading = True
+            try:
+                self._cond.release()
+                try:
+                    self._read_one(min(remaining, 0.25))
+                finally:
+                    self._cond.acquire()
+            finally:
+                self._reading = False
+                self._cond.notify_all()
+
+    # ---- reading (one request thread at a time, outside the lock) ----------------------------
+
+    def _read_one(self, timeout_s: float) -> None:
+        """Reads the next logical step into the buffer, or looks at the end marker if none came."""
+        written = self._written_mesh(timeout_s)
+        if written is None:
+            return
+        with self._cond:
+            reader, start = self._reader, self._reader_start
+            if reader is None:
+                reader = self._reader = self._open(start, written)
+        try:
+            got = reader.next(timeout_s=timeout_s)
+        except Unavailable:
+            self._look_at_end(written)
+            return
+        with self._cond:
+            if reader is not self._reader:
+                return  # repositioned meanwhile
+            self._buffer[got.step] = got
+            self._release()
+            self._metrics.journal_steps_read.inc()
+            self._metrics.journal_read_bytes.inc(reader.stats.bytes_read - self._read_bytes)
+            self._read_bytes = reader.stats.bytes_read
+
+    def _open(self, start: int, written: DataMesh) -> JournalReader:
+        """A reader of the pod's coordinates from logical step `start` (under the lock)."""
+        reader = JournalReader(
+            self._storage, prefix=self._prefix, mesh=self._reader_mesh, coords=self._coords,
+            cursor=self._cursor(start, written), start_step=start, depth=self._job.journal.prefetch_steps,
+            poll_s=POLL_S, stall_log_s=STALL_LOG_S, expect_job=None, consumer_id=self.mark,
+        )
+        self._read_bytes = 0
+        reader.start()
+        return reader
+
+    def _cursor(self, step: int, written: DataMesh) -> SliceCursor:
+        if written.dp == self._reader_mesh.dp:
+            return SliceCursor(step)
+        origin = self._origin if self._origin is not None else step
+        if step < origin:
+            raise FailedPrecondition(
+                f"step {step} is before step {origin}, where this consumer's ranks started reading a journal written for "
+                f"dp={written.dp} with dp={self._reader_mesh.dp}: that cannot be mapped; restart the constructor"
+            )
+        return cursor_for(step, origin_step=origin, origin=SliceCursor(origin), written=written, reader=self._reader_mesh)
+
+    def _written_mesh(self, timeout_s: float) -> DataMesh | None:
+        """The journal's written mesh (checked against this job's); None while no producer opened it."""
+        if self._written is not None:
+            return self._written
+        try:
+            header = read_header(self._storage, self._prefix)
+        except NotFound:
+            log.info("waiting for the producer to open the journal in %s", self._storage.describe())
+            time.sleep(min(timeout_s, 0.5))
+            return None
+        mine = self._reader_mesh
+        w = header.mesh
+        if w.cp != mine.cp or (w.cp > 1 and w.cp_mode != mine.cp_mode):
+            raise FailedPrecondition(
+                f"the journal was written for dp={w.dp} cp={w.cp} ({w.cp_mode}), this job's mesh is dp={mine.dp} cp={mine.cp} "
+                f"({mine.cp_mode}): journal delivery remaps DP only (its slices are whole headers and payloads); keep CP"
+            )
+        if header.job != self._job.fingerprint and w.dp == mine.dp:
+            log.warning("the journal holds job fingerprint %s, this job's is %s", header.job, self._job.fingerprint)
+        self._written = w
+        return w
+
+    def _look_at_end(self, written: DataMesh) -> None:
+        end = read_end(self._storage, self._prefix)
+        if end is None:
+            return
+        with self._cond:
+            self._end = self._to_logical(end, written)
+
+    def _to_logical(self, end: int, written: DataMesh) -> int:
+        if written.dp == self._reader_mesh.dp:
+            return end
+        origin = self._origin or 0
+        return origin + logical_steps(SliceCursor(origin), end, written=written, reader=self._reader_mesh)
+
+    def _logical_end(self) -> int | None:
+        with self._cond:
+            if self._end is not None:
+                return self._end
+        end = read_end(self._storage, self._prefix)
+        if end is None:
+            return None
+        written = self._written or read_header(self._storage, self._prefix).mesh
+        return self._to_logical(end, written)
+
+    # ---- marks -------------------------------------------------------------------------------
+
+    def _mark_due(self) -> ReaderCursor | None:
+        if not self._mark_every:
+            return None
+        with self._cond:
+            cursor = self._released_cursor
+            slowest = self._slowest()
+            if cursor is None or slowest is None or slowest - self._marked < self._mark_every:
+                return None
+            self._marked = slowest
+            return cursor
+
+    def _record(self, cursor: ReaderCursor) -> None:
+        with self._cond:
+            reader = self._reader
+        if reader is None:
+            return
+        try:
+            reader.record_watermark(cursor, mark=self.mark)
+        except Exception as exc:  # noqa: BLE001 - a mark is advisory: the next one tries again
+            log.warning("could not record the mark %s at journal step %d: %s", self.mark, cursor.step, exc)
+
+
+class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
+    """The Constructor service of a consumer (see the module docstring)."""
+
+    def __init__(self, job: JobSettings, consumer: JournalConsumer, metrics: ConstructorMetrics, *, storage: Storage,
+                 prefix: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self._job = job
+        self._consumer = consumer
+        self._metrics = metrics
+        self._storage = storage
+        self._prefix = prefix
+        self._clock = clock
+        self._info: common_pb2.JobInfo | None = None
+
+    def info(self, timeout_s: float) -> common_pb2.JobInfo:
+        """The job's info from the journal, its mesh this job's, waiting up to `timeout_s`.
+
+        Raises:
+            Unavailable: no producer stored it in time.
+        """
+        if self._info is not None:
+            return self._info
+        deadline = self._clock() + timeout_s
+        said = False
+        while True:
+            info = load_info(self._storage, prefix=self._prefix)
+            if info is not None:
+                break
+            if not said:
+                said = True
+                log.info("waiting for the producer to store the job's info (info.pb) in the journal at %s", self._storage.describe())
+            if self._clock() >= deadline:
+                raise Unavailable(f"no producer has stored the job's info in the journal at {self._storage.describe()} yet")
+            time.sleep(POLL_S)
+        m = self._job.mesh
+        info.mesh.dp, info.mesh.cp, info.mesh.tp, info.mesh.pp = m.dp, m.cp, m.tp, m.pp
+        info.mesh.order, info.mesh.cp_slicing = m.order, self._job.constructors.cp_slicing
+        self._info = info
+        return info
+
+    def GetInfo(self, request: constructor_pb2.GetInfoRequest, context: grpc.ServicerContext) -> constructor_pb2.GetInfoResponse:
+        remaining = context.time_remaining()
+        timeout_s = DEFAULT_WAIT_MS / 1000 if remaining is None else max(min(remaining - 0.5, 3600.0), 0.0)
+        return constructor_pb2.GetInfoResponse(job=self.info(timeout_s), ranks=self._consumer.ranks)
+
+    def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
+        raise FailedPrecondition(
+            "journal delivery takes no training reports: the producer runs ahead of training, so losses cannot steer "
+            "the mixture (use stream delivery for an adaptive mixture)"
+        )
+
+    def GetLength(self, request: constructor_pb2.GetLengthRequest, context: grpc.ServicerContext) -> constructor_pb2.GetLengthResponse:
+        return constructor_pb2.GetLengthResponse(length=self._consumer.length())
+
+    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        check_batch_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume)
+        got = self._consumer.batch(
+            request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS), restart=request.restart,
+        )
+        if got is None:
+            yield constructor_pb2.GetBatchResponse(header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True))
+            return
+        header, payload = got
+        yield from stream_payload(constructor_pb2.GetBatchResponse, header, payload, serialized=True)
+        self._metrics.batches_sent.inc()
+        self._metrics.sent_bytes.inc(header.payload_bytes)
+
+
+def add_consumer_to_server(servicer: JournalConstructorServicer, server: grpc.Server) -> None:
+    """Registers `servicer` as the Constructor service (GetBatch's chunks serialized once)."""
+    add_servicer(server, servicer, constructor_pb2.DESCRIPTOR.services_by_name["Constructor"])

@@ -1,0 +1,216 @@
+"""The producer of journal delivery (`batch.delivery: journal`, `--produce`): a constructor that
+builds every rank's batch of every step with the normal `StepPipeline` and, instead of serving
+trainers, commits each whole step to the journal (`batchplane.journal.writer.JournalWriter`) as
+one TGB whose (dp, cp) slices `journal_slices` lays out.
+
+The loop, on a thread of its own: `writer.resume()` says the step after the last committed one;
+for each step, wait for room (`journal.max_lag_steps` past the slowest pod's mark), take every
+rank's delivery from the pipeline (all ranks take, so the pipeline moves on; the first step
+after a start or a restart asks with restart=True: the planner serves or re-plans it), write
+the step; at the end of data, commit what is pending and write the end marker (`end.json`).
+Before its first write it stores the JobInfo the planner gave at registration as `info.pb`
+(put-if-absent; a different one is refused), which consumers serve as GetInfo.
+
+A failure of the storage or of the pipeline restarts the loop from `writer.resume()` (a new
+fencing epoch; what was not committed is built again); a producer fenced by a newer process of
+its id stops. Decides nothing itself: the pipeline, the writer and its policies do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from batchplane.constructor.journal_slices import encode_step
+from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.constructor.pipeline import Delivery
+from batchplane.core.config import JobSettings
+from batchplane.core.errors import FailedPrecondition, NotFound, Unavailable
+from batchplane.core.mesh import ClientPlaceTree
+from batchplane.core.storage import Storage
+from batchplane.journal.manifest import Fenced
+from batchplane.journal.retention import RetentionPolicy
+from batchplane.journal.slices import DataMesh
+from batchplane.journal.writer import JournalWriter, WriterStats
+from batchplane.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+#: The object holding the JobInfo the planner gave the producer, under the journal's prefix.
+INFO_KEY = "info.pb"
+#: The producer id of the one producer (`journal.writer`'s id rules).
+PRODUCER_ID = "p0"
+#: How long one ask of the pipeline waits before asking again (and looking at `stop`), in seconds.
+TAKE_WAIT_S = 5.0
+#: Pause before the loop starts again after a failure, in seconds.
+RETRY_PAUSE_S = 1.0
+
+
+class BatchSource(Protocol):
+    """What the producer needs of a `StepPipeline` (a fake in tests)."""
+
+    ranks: tuple[int, ...]
+    mesh: ClientPlaceTree
+
+    def batch(self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None,
+              restart: bool = False) -> Delivery | None: ...
+
+
+def data_mesh(job: JobSettings) -> DataMesh:
+    """The job's data mesh, as the journal records it."""
+    return DataMesh(dp=job.mesh.dp, cp=job.mesh.cp, cp_mode=job.constructors.cp_slicing)
+
+
+def store_info(storage: Storage, info: common_pb2.JobInfo, *, prefix: str = "") -> None:
+    """Stores the job's info as `info.pb`, or checks the one there is the same job's.
+
+    Raises:
+        FailedPrecondition: The journal holds another JobInfo.
+    """
+    key = f"{prefix}{INFO_KEY}"
+    if storage.put_if_absent(key, info.SerializeToString(deterministic=True)):
+        return
+    found = common_pb2.JobInfo()
+    found.ParseFromString(storage.get(key))
+    if found != info:
+        raise FailedPrecondition(
+            f"the journal at {prefix or '/'} in {storage.describe()} holds the info of job {found.job_id!r} "
+            f"(fingerprint {found.fingerprint}), the planner describes job {info.job_id!r} (fingerprint {info.fingerprint}): "
+            "a journal holds one job; use another journal.location"
+        )
+
+
+def load_info(storage: Storage, *, prefix: str = "") -> common_pb2.JobInfo | None:
+    """The job's info a producer stored, or None while none has.
+
+    Raises:
+        FailedPrecondition: `info.pb` is not a JobInfo.
+    """
+    key = f"{prefix}{INFO_KEY}"
+    try:
+        data = storage.get(key)
+    except NotFound:
+        return None
+    info = common_pb2.JobInfo()
+    try:
+        info.ParseFromString(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or worse on hostile bytes
+        raise FailedPrecondition(f"{key!r} in {storage.describe()} is not a JobInfo ({exc})") from None
+    return info
+
+
+class JournalProducer:
+    """Commits every step the pipeline builds to the journal (see the module docstring).
+
+    Args:
+        job: The job's settings.
+        pipeline: Builds every rank's batches (`StepPipeline` over all ranks).
+        storage: The journal (`journal.location.open_journal_storage`).
+        info: The JobInfo the planner returned at registration.
+        metrics: The constructor's metrics (the journal_* ones are fed here).
+        make_writer: Builds the writer (tests inject clocks); None: `JournalWriter` from the job.
+    """
+
+    def __init__(self, job: JobSettings, *, pipeline: BatchSource, storage: Storage, info: common_pb2.JobInfo,
+                 metrics: ConstructorMetrics, make_writer: Callable[[threading.Event], JournalWriter] | None = None) -> None:
+        self._job = job
+        self._pipeline = pipeline
+        self._storage = storage
+        self._info = info
+        self._metrics = metrics
+        self._stop = threading.Event()
+        self._make_writer = make_writer or self._writer
+        self._counted = WriterStats()
+        self._thread: threading.Thread | None = None
+        #: The step the data ends at, once written (None before).
+        self.end_step: int | None = None
+        #: Set when the loop ended for good (end of data, fenced, or stopped).
+        self.done = threading.Event()
+
+    def start(self) -> JournalProducer:
+        """Starts the loop on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="produce", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ends the loop (what is pending stays uncommitted: a restart builds it again)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def run(self) -> None:
+        """The loop: runs until the end of data, a fence, or `stop`; failures start it again."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self._produce():
+                        return
+                except Fenced as exc:
+                    log.error("producer %s is fenced (a newer process of its id runs): stopping: %s", PRODUCER_ID, exc)
+                    return
+                except Exception as exc:  # noqa: BLE001 - storage, planner or loaders: resume from the journal
+                    if self._stop.is_set():
+                        return
+                    log.warning("producing failed (%s); resuming after the last committed step", exc, exc_info=not isinstance(exc, Unavailable))
+                    self._stop.wait(RETRY_PAUSE_S)
+        finally:
+            self.done.set()
+
+    def _writer(self, stop: threading.Event) -> JournalWriter:
+        return JournalWriter(
+            self._storage, producer_id=PRODUCER_ID, mesh=data_mesh(self._job), policy=self._job.journal.policy,
+            job=self._job.fingerprint, retention=RetentionPolicy(max_lag=self._job.journal.max_lag_steps), stop=stop,
+        )
+
+    def _produce(self) -> bool:
+        """One run of the loop from `writer.resume()`; True at the end of data, False when stopped."""
+        writer = self._make_writer(self._stop)
+        self._counted = WriterStats()
+        step = writer.resume()
+        store_info(self._storage, self._info, prefix=writer.prefix)
+        log.info("producing from step %d (epoch %d)", step, writer.epoch)
+        restart = True
+        while not self._stop.is_set():
+            if not writer.wait_for_room(step):
+                break
+            self._count(writer.stats)
+            deliveries = self._take(step, restart=restart)
+            if deliveries is None:
+                return False
+            restart = False
+            if any(d is None for d in deliveries.values()):
+                writer.finish(step)
+                self._count(writer.stats)
+                self.end_step = step
+                return True
+            writer.write(step, encode_step({r: d for r, d in deliveries.items() if d is not None}, self._pipeline.mesh))
+            self._count(writer.stats)
+            step += 1
+        return False
+
+    def _take(self, step: int, *, restart: bool) -> dict[int, Delivery | None] | None:
+        """Every rank's delivery of `step` (None for a rank past the end of data); None if stopped."""
+        out: dict[int, Delivery | None] = {}
+        for rank in self._pipeline.ranks:
+            while True:
+                if self._stop.is_set():
+                    return None
+                try:
+                    out[rank] = self._pipeline.batch(rank, step, timeout_s=TAKE_WAIT_S, restart=restart)
+                    break
+                except Unavailable as exc:
+                    log.info("waiting for step %d of rank %d: %s", step, rank, exc)
+        return out
+
+    def _count(self, stats: WriterStats) -> None:
+        """Adds what the writer did since the last call to the metrics."""
+        seen = self._counted
+        self._metrics.journal_steps_written.inc(stats.steps_written - seen.steps_written)
+        self._metrics.journal_written_bytes.inc(stats.bytes_written - seen.bytes_written)
+        self._metrics.journal_commits.inc(stats.commits - seen.commits)
+        self._metrics.journal_conflicts.inc(stats.conflicts - seen.conflicts)
+        self._metrics.journal_backpressure.inc(max(stats.backpressure_s - seen.backpressure_s, 0.0))
+        self._counted = WriterStats(**vars(stats))

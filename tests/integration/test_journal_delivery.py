@@ -1,0 +1,88 @@
+"""Journal delivery (`batch.delivery: journal`, issue 18) with real processes: a producer builds
+every step for the whole mesh and commits it to the journal on the local disk; each pod's
+constructor range-reads its ranks' slices and serves them. The trainers receive byte-identical
+batches to a streaming run of the same job; a producer killed (SIGKILL) mid-run and started
+again commits every planned step exactly once (read back from the manifest), and the trainers
+still receive the streaming run's batches."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from harness import assert_same_batches, collect, skewed_lengths, start_cluster, wait_until, write_job, write_source
+
+from batchplane.core.storage import LocalStorage
+from batchplane.journal.commit import ManifestStore
+
+pytestmark = pytest.mark.integration
+
+MESH = {"dp": 2, "cp": 1}
+BATCH = {"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"}
+ROWS = 160
+STEPS = ROWS // BATCH["global_batch_size"]
+
+
+def _job(root: pathlib.Path, name: str, **settings) -> pathlib.Path:
+    source = write_source(root / "data", "a", skewed_lengths(ROWS, seed=3, long=200), row_group_size=20, seed=3)
+    (root / name).mkdir()
+    return write_job(root / name / "job.yaml", [source], mesh=MESH, batch={**BATCH, **settings.pop("batch", {})}, **settings)
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference: the same job delivered by streaming."""
+    root = tmp_path_factory.mktemp("stream")
+    cluster = start_cluster(_job(root, "stream"))
+    try:
+        batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
+    finally:
+        cluster.stop()
+    assert [len(b) for b in batches.values()] == [STEPS] * MESH["dp"]
+    return batches
+
+
+def _committed(run_dir: pathlib.Path) -> list[int]:
+    """Every step committed in the journal's manifest history, once per commit that carried it."""
+    store = ManifestStore(LocalStorage(run_dir / "journal"))
+    latest = store.latest()
+    steps = []
+    for version in range(1, latest.version + 1):
+        record = store.read_record(version)
+        steps += [entry.step for entry in getattr(record.change, "steps", ())]
+    return steps
+
+
+def test_journal_delivery_gives_the_streaming_runs_batches(tmp_path: pathlib.Path, streamed: dict) -> None:
+    config = _job(tmp_path, "journal", batch={"delivery": "journal"}, journal={"policy": "naive"})
+    cluster = start_cluster(config)
+    try:
+        assert len(cluster.producers) == 1 and len(cluster.constructors) == MESH["dp"]
+        batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
+    finally:
+        cluster.stop()
+    assert_same_batches(batches, streamed)
+    assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
+
+
+def test_a_killed_producer_resumes_after_its_last_commit_and_skips_or_repeats_nothing(tmp_path: pathlib.Path, streamed: dict) -> None:
+    config = _job(tmp_path, "killed", batch={"delivery": "journal"}, journal={"policy": "fixed10", "prefetch_steps": 1})
+    cluster = start_cluster(config)
+    try:
+        killed = []
+
+        def kill_once(rank: int, batch: dict) -> None:
+            if rank == 0 and batch["step"] == 3 and not killed:
+                producer = cluster.producers[0]
+                producer.popen.kill()  # SIGKILL: no flush of what it built but did not commit
+                producer.popen.wait()
+                killed.append(batch["step"])
+                cluster.restart_producer()
+
+        batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]), on_batch=kill_once)
+        assert killed == [3]
+        wait_until(lambda: len(_committed(cluster.run_dir)) >= STEPS, timeout_s=30, what="the producer to commit every step")
+    finally:
+        cluster.stop()
+    assert_same_batches(batches, streamed)
+    assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))  # each planned step committed exactly once

@@ -1,0 +1,102 @@
+"""Tests of `batchplane bench journal` on a tiny run on the local store: the record fields of each
+kind, that committing every step conflicts more than DAC at 8 producers, that slice reads fetch
+less than dense reads, that reclamation bounds the bytes stored, and the registry and flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from batchplane.bench import BENCHMARKS, load
+from batchplane.bench import journal as bench
+
+COMMIT_FIELDS = {
+    "kind", "store", "policy", "producers", "payload_kb", "commit_success_rate", "committed_mb_per_s",
+    "commit_latency_s", "step_visible_latency_s", "attempts", "conflicts", "errors", "commits", "steps_committed",
+    "offered_mb_per_s", "fragile_window_s", "gap_s", "manifest_versions", "manifest_version_start", "manifest_version_end",
+    "exactly_once", "cpu_util", "paper_commit_success_rate", "paper_committed_mb_per_s",
+}
+READ_FIELDS = {
+    "kind", "store", "world", "read", "dp", "cp", "bytes_per_rank", "slice_bytes", "read_amplification",
+    "latency_p50_s", "latency_p95_s", "ranks", "steps",
+}
+STORAGE_FIELDS = {"kind", "store", "reclaim", "step", "bytes_stored"}
+STATE_FIELDS = {
+    "kind", "store", "payload_kb", "commits", "commit_latency_s", "control_latency_s", "manifest_latency_s",
+    "control_manifest_latency_s", "delta_pct", "delta_median_pct",
+}
+
+
+def _args(tmp_path, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([
+        "--dir", str(tmp_path), "--stores", "local", "--producers", "8", "--policies", "naive,dac",
+        "--duration-s", "1.5", "--warmup-s", "0.5", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
+        "--worlds", "4,8", "--read-cp", "2", "--slice-kb", "4", "--read-steps", "2", "--read-ranks", "4",
+        "--trace-steps", "60", "--checkpoint-every", "5", "--max-lag", "20", "--trace-points", "4",
+        "--state-payload-kb", "10", "--state-commits", "2", *argv,
+    ])
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    messages: list[str] = []
+    out = bench.run(_args(tmp_path_factory.mktemp("bench"), []), messages.append)
+    assert any("dac x8" in m for m in messages)
+    return out
+
+
+def _kind(result: dict, kind: str) -> list[dict]:
+    return [r for r in result["records"] if r["kind"] == kind]
+
+
+def test_every_record_kind_has_its_fields(result) -> None:
+    expected = {"commit": COMMIT_FIELDS, "read": READ_FIELDS, "storage": STORAGE_FIELDS, "producer_state": STATE_FIELDS}
+    assert {r["kind"] for r in result["records"]} == set(expected)
+    for record in result["records"]:
+        assert set(record) == expected[record["kind"]], record["kind"]
+    assert {(r["policy"], r["producers"]) for r in _kind(result, "commit")} == {("naive", 8), ("dac", 8)}
+    assert {(r["world"], r["read"]) for r in _kind(result, "read")} == {(w, m) for w in (4, 8) for m in ("slice", "dense")}
+    assert result["skipped"] == {}
+    assert result["paper"]["figure7_at_32_producers"]["dac"] == {"commit_success_rate": 0.963, "committed_mb_per_s": 431.9}
+
+
+def test_committing_every_step_conflicts_more_than_dac(result) -> None:
+    by_policy = {r["policy"]: r for r in _kind(result, "commit")}
+    naive, dac = by_policy["naive"], by_policy["dac"]
+    assert naive["attempts"] > 0 and dac["attempts"] > 0
+    assert naive["conflicts"] > dac["conflicts"]
+    assert naive["commit_success_rate"] < dac["commit_success_rate"]
+    for r in (naive, dac):
+        assert r["exactly_once"]
+        assert r["steps_committed"] > 0 and r["committed_mb_per_s"] > 0
+        assert r["manifest_version_end"] >= r["manifest_version_start"] + r["commits"]
+        assert r["paper_commit_success_rate"] is None  # the paper's figures are at 32 producers
+
+
+def test_slice_reads_fetch_about_one_slice_and_dense_reads_the_whole_step(result) -> None:
+    for r in _kind(result, "read"):
+        assert r["dp"] * r["cp"] == r["world"] and r["cp"] == 2
+        if r["read"] == "slice":
+            assert r["slice_bytes"] <= r["bytes_per_rank"] < 1.5 * r["slice_bytes"]
+        else:
+            assert r["bytes_per_rank"] >= r["world"] * r["slice_bytes"]
+
+
+def test_reclamation_bounds_the_bytes_stored(result) -> None:
+    trace = {flag: [r for r in _kind(result, "storage") if r["reclaim"] is flag] for flag in (False, True)}
+    kept = [r["bytes_stored"] for r in trace[False]]
+    assert kept == sorted(kept) and trace[False][-1]["step"] == 60  # without deletion it only grows
+    assert trace[True][-1]["bytes_stored"] < kept[-1] / 2
+    summary = {s["reclaim"]: s for s in result["storage_summary"]}
+    assert summary[True]["peak_bytes"] < summary[False]["peak_bytes"]
+
+
+def test_the_benchmark_is_registered_and_refuses_bad_flags(tmp_path) -> None:
+    assert BENCHMARKS["journal"] == "batchplane.bench.journal" and load("journal") is bench
+    with pytest.raises(ValueError, match="--max-lag"):
+        bench.run(_args(tmp_path, ["--max-lag", "10"]), print)
+    with pytest.raises(SystemExit):
+        _args(tmp_path, ["--policies", "naive,nope"])

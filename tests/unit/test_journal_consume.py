@@ -1,0 +1,141 @@
+"""Journal delivery's consumer side (batchplane.constructor.consume) over a journal the producer
+wrote on MemoryStorage: every rank gets the very header and payload streaming delivery would
+send; past the end marker, the end-of-data header and the length; DP 2->4 at resume delivers
+each written slice exactly once; a CP change and Report are refused; marks follow the pod."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_journal_produce import FakePipeline, info_of, make_job, produce, streamed
+
+from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer
+from batchplane.constructor.metrics import ConstructorMetrics
+from batchplane.core.errors import FailedPrecondition
+from batchplane.core.storage import MemoryStorage
+from batchplane.journal.commit import ManifestStore
+from batchplane.v1 import common_pb2, constructor_pb2
+
+
+class Context:
+    def time_remaining(self) -> float | None:
+        return None
+
+
+_STARTED: list[JournalConsumer] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_consumers():
+    """Stops every consumer a test started (their readers prefetch on threads of their own)."""
+    yield
+    while _STARTED:
+        _STARTED.pop().stop()
+
+
+def serve(job, storage, index: int, **kwargs) -> JournalConstructorServicer:
+    metrics = ConstructorMetrics(CollectorRegistry())
+    consumer = JournalConsumer(job, storage=storage, index=index, ranks=job.pod_ranks(index), metrics=metrics, **kwargs)
+    _STARTED.append(consumer)
+    return JournalConstructorServicer(job, consumer, metrics, storage=storage)
+
+
+def get(servicer, rank: int, step: int, *, restart: bool = False) -> tuple[constructor_pb2.BatchHeader, bytes]:
+    """One GetBatch as a client receives it: the header, then the chunks joined."""
+    request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=2000, restart=restart)
+    items = list(servicer.GetBatch(request, Context()))
+    first = items[0] if isinstance(items[0], constructor_pb2.GetBatchResponse) else constructor_pb2.GetBatchResponse.FromString(items[0])
+    chunks = [constructor_pb2.GetBatchResponse.FromString(i).chunk.data for i in items[1:]]
+    return first.header, b"".join(chunks)
+
+
+@pytest.fixture
+def written():
+    """A dp=2 x tp=2 journal of steps 0..5, then the end."""
+    job = make_job(dp=2, tp=2)
+    storage = MemoryStorage()
+    pipeline = FakePipeline(job, end=6, extra=b"\x01\x02tail")
+    produce(job, storage, pipeline)
+    return job, storage, pipeline
+
+
+def test_every_rank_gets_what_streaming_delivery_sends_then_the_end(written) -> None:
+    job, storage, pipeline = written
+    servicer = serve(job, storage, 0)
+    for step in range(6):
+        for rank in pipeline.ranks:
+            header, payload = get(servicer, rank, step)
+            assert (header.SerializeToString(), payload) == streamed(pipeline.delivery(rank, step), pipeline.mesh)
+    header, payload = get(servicer, 0, 6)
+    assert header == constructor_pb2.BatchHeader(step=6, rank=0, end_of_data=True) and payload == b""
+    length = servicer.GetLength(constructor_pb2.GetLengthRequest(), Context()).length
+    assert length == common_pb2.JobLength(num_steps=6)
+
+
+def test_get_info_is_the_producers_with_this_jobs_mesh(written) -> None:
+    job, storage, _ = written
+    info = serve(job, storage, 0).GetInfo(constructor_pb2.GetInfoRequest(), Context())
+    expected = info_of(job)
+    assert info.job.job_id == expected.job_id and info.job.fingerprint == expected.fingerprint
+    assert (info.job.mesh.dp, info.job.mesh.tp, info.job.mesh.order) == (2, 2, job.mesh.order)
+    assert list(info.ranks) == list(job.pod_ranks(0))
+
+
+def test_report_is_refused(written) -> None:
+    job, storage, _ = written
+    with pytest.raises(FailedPrecondition, match="no training reports"):
+        serve(job, storage, 0).Report(common_pb2.ReportRequest(step=0), Context())
+
+
+def test_a_step_moved_past_is_refused_unless_restarting(written) -> None:
+    job, storage, pipeline = written
+    servicer = serve(job, storage, 0)
+    for step in range(3):
+        for rank in pipeline.ranks:
+            get(servicer, rank, step)
+    with pytest.raises(FailedPrecondition, match="already consumed"):
+        get(servicer, 0, 1)
+    for rank in pipeline.ranks:  # the trainers restart at step 1: read again
+        header, payload = get(servicer, rank, 1, restart=True)
+        assert (header.SerializeToString(), payload) == streamed(pipeline.delivery(rank, 1), pipeline.mesh)
+
+
+def test_dp_2_to_4_at_resume_reads_each_written_slice_once() -> None:
+    job = make_job(dp=2)
+    storage = MemoryStorage()
+    pipeline = FakePipeline(job, end=8)
+    produce(job, storage, pipeline)
+    wider = make_job(dp=4, ranks_per_constructor=2)  # two pods of two ranks
+    by_payload = {bytes(pipeline.delivery(dp, s).batch.payload): (s, dp) for s in range(8) for dp in range(2)}
+    seen = collections.Counter()
+    for pod in (0, 1):
+        servicer = serve(wider, storage, pod)
+        for step in range(2, 5):  # resumed at step 2 (a checkpoint taken at dp=2)
+            for rank in wider.pod_ranks(pod):
+                header, payload = get(servicer, rank, step)
+                assert (header.step, header.rank, header.dp_rank) == (step, rank, rank)
+                seen[by_payload[payload]] += 1
+        assert get(servicer, wider.pod_ranks(pod)[0], 5)[0].end_of_data  # written steps 8, 9 do not exist
+        assert servicer.GetLength(constructor_pb2.GetLengthRequest(), Context()).length.num_steps == 5
+    assert seen == {(s, dp): 1 for s in range(2, 8) for dp in range(2)}
+
+
+def test_a_cp_change_is_refused_naming_both_meshes(written) -> None:
+    _, storage, _ = written
+    other = make_job(dp=2, cp=2)
+    with pytest.raises(FailedPrecondition, match="dp=2 cp=1.*dp=2 cp=2"):
+        get(serve(other, storage, 0), 0, 0)
+
+
+def test_the_pod_records_its_mark_as_its_ranks_move_on() -> None:
+    job = make_job(dp=2)
+    storage = MemoryStorage()
+    produce(job, storage, FakePipeline(job, end=12))
+    servicer = serve(job, storage, 0, mark_every=4)
+    for step in range(10):
+        for rank in (0, 1):
+            get(servicer, rank, step)
+    mark = ManifestStore(storage, check_writes=False).latest().mark("pod-0")
+    assert mark is not None and 4 <= mark.step <= 9
