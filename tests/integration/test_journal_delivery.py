@@ -3,7 +3,8 @@ every step for the whole mesh and commits it to the journal on the local disk; e
 constructor range-reads its ranks' slices and serves them. The trainers receive byte-identical
 batches to a streaming run of the same job; a producer killed (SIGKILL) mid-run and started
 again commits every planned step exactly once (read back from the manifest), and the trainers
-still receive the streaming run's batches."""
+still receive the streaming run's batches; so do two producers building alternate steps without
+coordination, one of them killed mid-run."""
 
 from __future__ import annotations
 
@@ -86,3 +87,31 @@ def test_a_killed_producer_resumes_after_its_last_commit_and_skips_or_repeats_no
         cluster.stop()
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))  # each planned step committed exactly once
+
+
+def test_two_producers_build_alternate_steps_and_one_killed_loses_or_repeats_nothing(tmp_path: pathlib.Path, streamed: dict) -> None:
+    config = _job(tmp_path, "two", batch={"delivery": "journal"}, journal={"policy": "dac", "producers": 2})
+    cluster = start_cluster(config)
+    try:
+        assert len(cluster.producers) == 2
+        killed = []
+
+        def kill_once(rank: int, batch: dict) -> None:
+            if rank == 1 and batch["step"] == 4 and not killed:
+                producer = cluster.producers[1]
+                producer.popen.kill()
+                producer.popen.wait()
+                killed.append(batch["step"])
+                cluster.restart_producer(1)
+
+        batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]), on_batch=kill_once)
+        assert killed == [4]
+        wait_until(lambda: len(_committed(cluster.run_dir)) >= STEPS, timeout_s=30, what="the producers to commit every step")
+        store = ManifestStore(LocalStorage(cluster.run_dir / "journal"))
+        owners = {entry.step: record.change.producer for v in range(1, store.latest().version + 1)
+                  if hasattr((record := store.read_record(v)).change, "steps") for entry in record.change.steps}
+    finally:
+        cluster.stop()
+    assert_same_batches(batches, streamed)
+    assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
+    assert owners == {step: f"p{step % 2}" for step in range(STEPS)}, "producer i committed exactly the steps s % 2 == i"

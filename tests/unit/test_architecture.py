@@ -100,6 +100,7 @@ PURE = (
     "batchplane.loader.locations",
     "batchplane.loader.bounds",
     "batchplane.constructor.bounds",
+    "batchplane.constructor.checkpoint_marks",
     "batchplane.journal.manifest",
     "batchplane.journal.policy",
     "batchplane.journal.tgb",

@@ -152,15 +152,26 @@ def test_finished_once_every_pulling_rank_asked_for_the_end_and_again_after_a_re
     prefetch=st.integers(1, 3),
     end=st.integers(1, 12),
     actions=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["next", "restart", "build", "slow", "finish"]), st.integers(0, 12)), max_size=80),
+    stride=st.sampled_from([1, 1, 2, 3]),
+    offset_seed=st.integers(0, 2),
 )
-def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int, prefetch: int, end: int, actions: list) -> None:
+def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(
+    ranks: int, prefetch: int, end: int, actions: list, stride: int, offset_seed: int
+) -> None:
     """A driver that builds what `to_build` says, with slow builds finishing late and trainers
-    restarting anywhere: no rank ever waits forever, and what it is served is what it asked."""
-    p = BuildProgress(range(ranks), prefetch_steps=prefetch)
+    restarting anywhere: no rank ever waits forever, and what it is served is what it asked.
+    With a stride (a journal producer building every stride-th step from `offset`) its ranks
+    ask only for its own steps, and it builds only those."""
+    offset = offset_seed % stride
+    p = BuildProgress(range(ranks), prefetch_steps=prefetch, stride=stride, offset=offset)
     at = {r: None for r in range(ranks)}  # rank -> step it waits for
     in_flight: list[tuple[int, int]] = []
 
+    def own_at_or_below(step: int) -> int:
+        return max(step - (step - offset) % stride, offset)
+
     def finish(step: int, epoch: int) -> None:
+        assert step % stride == offset, f"built step {step}, another producer's"
         if step >= end:
             p.ended(step, epoch=epoch)
         else:
@@ -170,14 +181,14 @@ def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int,
         rank %= ranks
         if action == "next":
             if at[rank] is None:
-                at[rank] = 0
-                p.ask(rank, 0, restart=True)
+                at[rank] = offset
+                p.ask(rank, offset, restart=True)
             elif p.is_ready(rank, at[rank]) or p.past_end(at[rank]):
                 if not p.past_end(at[rank]):
-                    at[rank] += 1
+                    at[rank] += stride
                     p.ask(rank, at[rank])
         elif action == "restart":  # anywhere the data plane has reached (further is refused: see below)
-            at[rank] = min(value, end, p.furthest_step() if p.start is not None else value)
+            at[rank] = own_at_or_below(min(value, end, p.furthest_step() if p.start is not None else value))
             p.ask(rank, at[rank], restart=True)
         elif action == "build" and (step := p.to_build()) is not None:
             finish(step, p.epoch)
@@ -191,15 +202,15 @@ def test_every_rank_gets_every_step_it_asks_for_whatever_the_rewinds(ranks: int,
     # every rank is served every step from where it last (re)started.
     for rank in range(ranks):
         if at[rank] is None:
-            at[rank] = 0
-            p.ask(rank, 0, restart=True)
+            at[rank] = offset
+            p.ask(rank, offset, restart=True)
     for _ in range(4 * (end + 2) * ranks):
         build_all(p, end=end)
         for rank in range(ranks):
             if not p.past_end(at[rank]):
                 assert p.is_ready(rank, at[rank]) or p.slowest() < at[rank], (rank, at[rank], p.next, p.slowest())
                 if p.is_ready(rank, at[rank]):
-                    at[rank] += 1
+                    at[rank] += stride
                     p.ask(rank, at[rank])
         if all(p.past_end(step) for step in at.values()):
             break
@@ -236,3 +247,19 @@ def test_reports_are_forwarded_only_for_steps_built_here() -> None:
         p.reportable(10**12)
     p.oldest = 2
     assert p.reportable(2) == "" and "oldest step the planner's ledger keeps" in p.reportable(1)
+
+
+def test_a_producer_builds_only_its_own_steps_and_refuses_anothers() -> None:
+    """Journal producer 1 of 3: steps 1, 4, 7, ...; prefetch counts its own steps."""
+    p = BuildProgress((0, 1), prefetch_steps=2, stride=3, offset=1, resume_step=3)
+    with pytest.raises(FailedPrecondition, match="built by producer 0 of 3"):
+        p.ask(0, 3)
+    assert p.start is None, "a refused request starts nothing"
+    p.ask(0, 4, restart=True)
+    p.ask(1, 4, restart=True)
+    assert p.start == 4  # resume_step 3 is producer 0's: the first own step from it
+    assert build_all(p) == [4, 7, 10]
+    p.ask(0, 7)
+    p.ask(1, 7)
+    assert build_all(p) == [13]
+    assert p.furthest_step() == 16

@@ -89,8 +89,11 @@ CHANGES: dict[str, Any] = {
     "batch.delivery": "journal",
     "journal.location": "s3://bucket/journal",
     "journal.policy": "aimd",
+    "journal.producers": 3,
     "journal.max_lag_steps": 64,
     "journal.prefetch_steps": 4,
+    "journal.reclaim": False,
+    "journal.min_age_s": 300.0,
 }
 
 

@@ -102,6 +102,21 @@ def test_a_step_moved_past_is_refused_unless_restarting(written) -> None:
         assert (header.SerializeToString(), payload) == streamed(pipeline.delivery(rank, 1), pipeline.mesh)
 
 
+
+def test_a_rollback_after_the_end_reads_the_journal_again(written) -> None:
+    # Regression: with every step taken, the buffer is empty but the reader is past the end;
+    # a restart at an earlier step must move the reader back, not wait for a step never read again.
+    job, storage, pipeline = written
+    servicer = serve(job, storage, 0)
+    for step in range(7):
+        for rank in pipeline.ranks:
+            get(servicer, rank, step)
+    for step in range(2, 6):
+        for rank in pipeline.ranks:
+            header, payload = get(servicer, rank, step, restart=step == 2)
+            assert (header.SerializeToString(), payload) == streamed(pipeline.delivery(rank, step), pipeline.mesh)
+
+
 def test_dp_2_to_4_at_resume_reads_each_written_slice_once() -> None:
     job = make_job(dp=2)
     storage = MemoryStorage()

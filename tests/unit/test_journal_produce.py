@@ -220,7 +220,7 @@ def test_a_restarted_producer_resumes_after_its_last_committed_step_with_restart
     job = make_job(dp=2)
     storage = MemoryStorage()
     produce(job, storage, FakePipeline(job, end=3))  # steps 0..2 committed, then "the end"
-    storage.delete("end.json")  # as if killed before the marker: the data goes on
+    storage.delete("end/p0.json")  # as if killed before the marker: the data goes on
     again = FakePipeline(job, end=6)
     again.unavailable = 2  # the planner is restarting: the producer asks again
     producer = produce(job, storage, again)

@@ -253,3 +253,29 @@ def test_every_other_field_is_bounded(plane: Plane) -> None:
     service.GetJob(planner_pb2.GetJobRequest(wait_ms=2**31 - 1), None)  # ready: answers at once; capped anyway
     assert time.monotonic() - began < 5
     _assert_exactly_once(plane.run())
+
+
+# ---- journal producers: each is planned only its own steps ---------------------------------------
+
+
+def test_journal_producers_are_each_planned_only_their_own_steps_over_the_whole_mesh() -> None:
+    """With `journal.producers: 2`, producer i is constructor i of the planner's view, serving
+    the whole mesh for the steps s with s % 2 == i: another producer's step is refused before
+    it is acted on, each step's samples are fetched by its one producer (fetchers 1), and the
+    two together are planned every sample exactly once."""
+    plane = Plane(_job(batch={"global_batch_size": 4, "microbatches": 1, "delivery": "journal"}, journal={"producers": 2}))
+    plane.join()
+    try:
+        with pytest.raises(InvalidArgument, match="journal producer 1's"):
+            plane.plan(0, 1)
+        steps = {}
+        for step in range(STEPS):
+            answer = plane.plan(step % 2, step)
+            assert not answer.end_of_data
+            assert [r.dp_rank for r in answer.ranks] == [0, 1], "a producer builds for the whole mesh"
+            assert [r.fetchers for r in answer.ranks] == [1, 1], "the step's producer alone fetches its samples"
+            steps[step] = planner_plane.step_samples([answer])
+        assert plane.plan(STEPS % 2, STEPS).end_of_data
+        _assert_exactly_once(steps)
+    finally:
+        plane.stop()

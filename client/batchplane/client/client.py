@@ -351,6 +351,36 @@ class Client:
         self._restart = True
         self._next_step = step
 
+    def checkpointed(self, state: Mapping[str, Any] | None = None) -> bool:
+        """Tells the data plane that a checkpoint was saved, once the save succeeded: call it on
+        every rank (also where only rank 0 writes the data state). With journal delivery the
+        rank's constructor then keeps the journal's steps from the checkpoint's step on (its
+        pod's checkpoint mark), and lets the reclaimer delete those before the lowest mark; a
+        rank that never calls it keeps everything from where it started, and the producer is
+        then paced by what the ranks consumed only. With stream delivery nothing is kept
+        (logged once; the planner's ledger re-plans what it holds).
+
+        Args:
+            state: The saved `state_dict()` (its "next_step" is the checkpoint's step); None:
+                the state now (`state_dict()`), for a checkpoint saved since the last batch.
+
+        Returns:
+            True when the checkpoint's mark is kept; False with stream delivery.
+        Raises:
+            InvalidRequestError: a malformed state.
+            StepUnavailableError: a step this rank was not handed (before the step it resumed
+                at, or more than one past its last batch), or one the journal already reclaimed.
+            DataPlaneUnavailable: the mark could not be recorded within `timeout_s`.
+        """
+        step = self._next_step if state is None else state.get("next_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
+        response = self._connection.mark_checkpoint(self.rank, step)
+        if not response.accepted and response.reason not in self._report_warnings:
+            self._report_warnings.add(response.reason)
+            log.info("checkpoint at step %d not kept by the data plane: %s", step, response.reason)
+        return response.accepted
+
     # ---- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -20,7 +20,10 @@ state is rank-agnostic, so it restores every rank) and hands it back on
 `trainer.fit(..., ckpt_path=...)` before the first batch is asked for; the data plane continues
 at the step after the checkpoint, rewinding if it served further (Lightning 2.6 never skips
 batches of an iterable on resume: it only restores its counters, and `len()` is the job's whole
-length, so the epoch ends where the data does). The state is the step after the last batch that
+length, so the epoch ends where the data does). After a checkpoint's save, training's next batch tells the data
+plane (`Client.checkpointed`, on every rank), so journal delivery keeps that checkpoint's steps
+and may reclaim older ones; a save at the very end of fit is not marked (whether it succeeded
+is not known there), so the previous checkpoint's mark holds. The state is the step after the last batch that
 reached `training_step`, recorded in `on_before_batch_transfer`: Lightning fetches one batch
 ahead when the length is unknown (an infinite job), and that batch, not yet trained on, is
 served again after a resume. A LightningModule's own `on_before_batch_transfer` still runs
@@ -60,6 +63,7 @@ Does no I/O of its own; the client talks to the data plane.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -70,9 +74,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from batchplane.client.client import Client
 from batchplane.client.device import AUTO
-from batchplane.client.errors import InvalidRequestError
+from batchplane.client.errors import DataPlaneError, InvalidRequestError
 
 __all__ = ["BatchplaneDataModule"]
+
+log = logging.getLogger(__name__)
 
 
 class BatchplaneDataModule(pl.LightningDataModule):
@@ -117,6 +123,8 @@ class BatchplaneDataModule(pl.LightningDataModule):
         self._pending: dict[str, Any] | None = None
         #: The step after the last batch handed to training_step; None before the first.
         self._next_step: int | None = None
+        #: The state Lightning last took for a checkpoint, not yet marked (`_mark_saved`).
+        self._saved: dict[str, Any] | None = None
 
     # ---- the client ------------------------------------------------------------------------
 
@@ -163,7 +171,10 @@ class BatchplaneDataModule(pl.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Records the step that reaches training_step now (a checkpoint taken after it resumes
-        at the next one), then runs the LightningModule's own hook if it has one."""
+        at the next one), then runs the LightningModule's own hook if it has one. First tells
+        the data plane about a checkpoint saved since the last batch (`Client.checkpointed`):
+        training went on, so its save succeeded."""
+        self._mark_saved()
         if isinstance(batch, Mapping) and "step" in batch and "microbatches" in batch:
             self._next_step = int(batch["step"]) + 1
         trainer = self._trainer_or_none()
@@ -181,7 +192,19 @@ class BatchplaneDataModule(pl.LightningDataModule):
         state = self._client.state_dict()
         if self._next_step is not None:
             state["next_step"] = self._next_step
+        self._saved = dict(state)  # Lightning asks for it to save a checkpoint: marked once training goes on
         return state
+
+    def _mark_saved(self) -> None:
+        """`Client.checkpointed` for the state last saved, if any (a failure is logged: the
+        pod's earlier mark keeps holding, which keeps more, never less)."""
+        saved, self._saved = self._saved, None
+        if saved is None or self._client is None:
+            return
+        try:
+            self._client.checkpointed(saved)
+        except DataPlaneError as exc:
+            log.warning("the checkpoint at step %s was saved but not marked in the data plane: %s", saved.get("next_step"), exc)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resumes at the state's step (any rank's state; see `Client.load_state_dict`).
@@ -202,6 +225,7 @@ class BatchplaneDataModule(pl.LightningDataModule):
         """Closes the client at the end of fit; a later fit continues where this one stopped."""
         if stage == "fit" and self._client is not None:
             state = self.state_dict()
+            self._saved = None  # a save at the end of fit may have failed: the earlier mark holds
             self._client.close()
             self._client = None
             self._pending = state

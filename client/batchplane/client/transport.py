@@ -196,6 +196,11 @@ class ConstructorConnection:
         request = common_pb2.ReportRequest(step=step, losses=losses)
         return self._call(lambda remaining: self._stub.Report(request, timeout=remaining), f"Report(step {step})")
 
+    def mark_checkpoint(self, rank: int, step: int) -> constructor_pb2.MarkCheckpointResponse:
+        """Tells the constructor rank `rank`'s checkpoint resumes at `step` (answered once kept)."""
+        request = constructor_pb2.MarkCheckpointRequest(rank=rank, step=step)
+        return self._call(lambda remaining: self._stub.MarkCheckpoint(request, timeout=remaining), f"MarkCheckpoint(rank {rank}, step {step})")
+
     def _call(self, attempt: Callable[[float], T], what: str) -> T:
         begin = time.monotonic()
         give_up = begin + self.timeout_s

@@ -6,6 +6,26 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MarkCheckpointRequest(_message.Message):
+    __slots__ = ("rank", "step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class MarkCheckpointResponse(_message.Message):
+    __slots__ = ("accepted", "reason", "mark_step", "checkpointed")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MARK_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    mark_step: int
+    checkpointed: bool
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., mark_step: _Optional[int] = ..., checkpointed: bool = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -36,6 +36,11 @@ class ConstructorStub(object):
                 request_serializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.FromString,
                 )
+        self.MarkCheckpoint = channel.unary_unary(
+                '/batchplane.v1.Constructor/MarkCheckpoint',
+                request_serializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.FromString,
+                )
 
 
 class ConstructorServicer(object):
@@ -85,6 +90,22 @@ class ConstructorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MarkCheckpoint(self, request, context):
+        """Records that the trainer of `rank` saved a checkpoint that resumes at `step` (the
+        client's state_dict "next_step"), after the save succeeded. With journal delivery the
+        constructor keeps the pod's checkpoint mark in the journal's manifest at the lowest step
+        its ranks' latest checkpoints resume from (a rank that has not checkpointed holds it at the
+        step it started at), so the reclaimer never deletes what a restore from them needs. With
+        stream delivery nothing is kept (`accepted` false, `reason` says why). Errors:
+        INVALID_ARGUMENT for a rank outside the mesh or not served here, or a negative step;
+        FAILED_PRECONDITION for a rank that has not been handed a step here yet, a step before the
+        one it (re)started at or more than one past the last step it was handed, or a step the
+        journal already reclaimed; UNAVAILABLE when the mark could not be committed (retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConstructorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +128,11 @@ def add_ConstructorServicer_to_server(servicer, server):
                     servicer.GetLength,
                     request_deserializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.SerializeToString,
+            ),
+            'MarkCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkCheckpoint,
+                    request_deserializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,5 +210,22 @@ class Constructor(object):
         return grpc.experimental.unary_unary(request, target, '/batchplane.v1.Constructor/GetLength',
             batchplane_dot_v1_dot_constructor__pb2.GetLengthRequest.SerializeToString,
             batchplane_dot_v1_dot_constructor__pb2.GetLengthResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def MarkCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/batchplane.v1.Constructor/MarkCheckpoint',
+            batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.SerializeToString,
+            batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -8,8 +8,8 @@ the trainer container of the same pod (the sidecar's startup probe holds the tra
 the constructor serves, so the file is there when the trainer starts).
 
 With journal delivery (`batch.delivery: journal`) a constructor takes one of two roles:
-`--produce --index 0 --planner HOST:PORT` (the producer: builds every step of the whole mesh
-and commits it to the journal) or `--consume --index I` (pod I's sidecar: serves its trainers
+`--produce --index I --planner HOST:PORT` (producer I of `journal.producers`: builds the steps
+s with s % producers == I for the whole mesh and commits them to the journal) or `--consume --index I` (pod I's sidecar: serves its trainers
 from the journal, without a planner). Both take `--run-dir` (the journal lies in
 <run-dir>/journal unless `journal.location` says otherwise).
 """
@@ -59,7 +59,7 @@ def role_args(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """
     parser = argparse.ArgumentParser(prog="python -m batchplane.constructor", add_help=False, allow_abbrev=False)
     roles = parser.add_mutually_exclusive_group()
-    roles.add_argument("--produce", action="store_true", help="journal delivery: the producer (index 0, with --planner)")
+    roles.add_argument("--produce", action="store_true", help="journal delivery: producer --index I of journal.producers (with --planner)")
     roles.add_argument("--consume", action="store_true", help="journal delivery: pod I's consumer (--index I)")
     known, rest = parser.parse_known_args(list(argv))
     return rest, "produce" if known.produce else "consume" if known.consume else None

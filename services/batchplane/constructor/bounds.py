@@ -14,6 +14,10 @@ From the trainer (each refusal is the trainer's request's error; nothing else is
 - GetBatch's shared-memory fields: at most MAX_RELEASED_SLABS `released_slabs`, each a slab the
   request's session holds (INVALID_ARGUMENT; `check_released_slabs`). An `shm_session` the
   constructor does not know is no error: that batch goes over gRPC.
+- MarkCheckpoint: a rank in the mesh and a step in [0, MAX_STEP] (INVALID_ARGUMENT); with journal
+  delivery a rank served here (INVALID_ARGUMENT) that was handed a step, at a step from the
+  one it (re)started at to one past the last one it was handed (FAILED_PRECONDITION;
+  `checkpoint_marks`).
 - Report: a step in [0, MAX_STEP] and losses only of the job's sources (so at most one per
   source), each a finite number >= 0 (INVALID_ARGUMENT); a step no rank here has been built
   is FAILED_PRECONDITION, one before the oldest step the planner's ledger keeps is not
@@ -302,6 +306,20 @@ def check_batch_request(*, rank: int, step: int, world: int, resume: Mapping[str
                 f"resume: names of at most {MAX_RESUME_KEY_CHARS} and values of at most {MAX_RESUME_VALUE_CHARS} characters, "
                 f"got {name[:MAX_RESUME_KEY_CHARS]!r}"
             )
+
+
+def check_checkpoint_request(*, rank: int, step: int, world: int) -> None:
+    """Checks a MarkCheckpoint request's fields (whether the rank is served here and was handed
+    the step is the servicer's to check: `checkpoint_marks.CheckpointMarks.checkpointed`).
+
+    Raises:
+        InvalidArgument: a rank outside the mesh of `world` ranks, or a step outside
+            [0, MAX_STEP].
+    """
+    if not 0 <= rank < world:
+        raise InvalidArgument(f"rank {rank} is outside the job's mesh of {world} ranks")
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidArgument(f"a checkpoint's step must be in [0, {MAX_STEP}], got {step}")
 
 
 def check_report(*, step: int, losses: Mapping[str, float], sources: Sequence[str]) -> None:

@@ -11,6 +11,7 @@ planner or to loaders.
   a client sees byte-identical batches to streaming delivery. Past the end marker, the
   end-of-data header. No shared memory in v1: the gRPC stream only.
 - GetLength: from the end marker once written, else unknown.
+- MarkCheckpoint: the pod's checkpoint mark (see Marks below).
 - Report: refused (FAILED_PRECONDITION): a producer runs ahead of training, so training losses
   cannot steer it (configuration refuses adaptive mixtures with journal delivery).
 
@@ -24,15 +25,21 @@ a step before s0 cannot be mapped and is refused; carrying the cursor in the cli
 checkpoint comes with the client API. A CP change is refused (FAILED_PRECONDITION naming both
 meshes): the slices are opaque headers and payloads, which cannot be re-cut.
 
-Marks (v1): the consumer records the mark `pod-I` (`JournalReader.record_watermark`) at the
-step below which all its ranks took every step, every `MARK_EVERY` steps, so
-`journal.max_lag_steps` bounds how far the producer runs ahead of the slowest pod.
-Checkpoint-driven marks (the trainer records its checkpoint's cursor) come with a client API
-later.
+Marks: the consumer records the progress mark `pod-I` (`JournalReader.record_watermark`) at
+the step below which all its ranks took every step, every `MARK_EVERY` steps, so
+`journal.max_lag_steps` bounds how far the producer runs ahead of the slowest pod even when no
+trainer checkpoints. MarkCheckpoint (the trainer's `Client.checkpointed`, after a checkpoint
+was saved) keeps the checkpoint marks: `ckpt-pod-I` at the lowest step the pod's ranks' latest
+checkpoints resume from, `start-pod-I` at the ranks' start until each of them checkpointed
+(`checkpoint_marks`, recorded by `mark_recorder`). The reclaimer keeps everything from the
+lowest mark of all on, so progress marks (never below what the ranks were handed) never let it
+reclaim what a checkpoint or a start needs; producers count every mark but start holds for
+max_lag, so a trainer that never checkpoints is paced by its progress marks, not stalled.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -41,8 +48,9 @@ from typing import Any
 
 import grpc
 
-from batchplane.constructor.bounds import check_batch_request
+from batchplane.constructor.bounds import check_batch_request, check_checkpoint_request
 from batchplane.constructor.journal_slices import decode_slice
+from batchplane.constructor.mark_recorder import MarkRecorder
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.produce import data_mesh, load_info
 from batchplane.constructor.service import DEFAULT_WAIT_MS
@@ -102,6 +110,7 @@ class JournalConsumer:
         self._origin: int | None = None  # the first logical step asked (the cursor rule's origin)
         self._reader: JournalReader | None = None
         self._reader_start = 0  # the logical step the reader started at
+        self._read_next = 0  # the logical step the reader hands out next (past what it dropped)
         self._reading = False  # a request thread is reading the journal (outside the lock)
         self._buffer: dict[int, JournalStep] = {}
         self._progress: dict[int, int] = {}  # rank -> the last step it asked for
@@ -173,7 +182,8 @@ class JournalConsumer:
         self._release()
 
     def _next_read(self) -> int:
-        return max(self._buffer, default=self._reader_start - 1) + 1
+        # Not max(buffer) + 1: once the ranks moved on, the buffer is empty but the reader is past it.
+        return self._read_next
 
     def _reposition(self, step: int) -> None:
         """The reader starts again at `step` (the first request, or a restart before what is buffered)."""
@@ -181,7 +191,7 @@ class JournalConsumer:
             reader = self._reader
             threading.Thread(target=reader.close, name="journal-reader-close", daemon=True).start()
         self._reader = None
-        self._reader_start = step
+        self._reader_start = self._read_next = step
         self._buffer.clear()
         self._cond.notify_all()
 
@@ -206,7 +216,7 @@ class JournalConsumer:
                 return None
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise Unavailable(f"step {step} is not in the journal yet (the producer has not committed it)")
+                raise Unavailable(self._not_committed(step))
             if self._reading:
                 self._cond.wait(min(remaining, 1.0))
                 continue
@@ -220,6 +230,15 @@ class JournalConsumer:
             finally:
                 self._reading = False
                 self._cond.notify_all()
+
+    def _not_committed(self, step: int) -> str:
+        """Why logical step `step` is not served yet: the journal and its last committed step."""
+        last = self._reader.visible_through if self._reader is not None else None
+        remapped = self._written is not None and self._written.dp != self._reader_mesh.dp
+        committed = "the manifest was not read yet" if last is None else (
+            "no step is committed yet" if last < 0 else f"last committed {'written ' if remapped else ''}step {last}")
+        where = f"the journal at {self._prefix or '/'} in {self._storage.describe()}"
+        return f"step {step} is not in {where} yet: no producer has committed it ({committed}); it is served once a producer commits it"
 
     # ---- reading (one request thread at a time, outside the lock) ----------------------------
 
@@ -241,6 +260,7 @@ class JournalConsumer:
             if reader is not self._reader:
                 return  # repositioned meanwhile
             self._buffer[got.step] = got
+            self._read_next = got.step + 1
             self._release()
             self._metrics.journal_steps_read.inc()
             self._metrics.journal_read_bytes.inc(reader.stats.bytes_read - self._read_bytes)
@@ -395,6 +415,7 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         got = self._consumer.batch(
             request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS), restart=request.restart,
         )
+        self._mark_recorder.handed(request.rank, request.step, restart=request.restart)
         if got is None:
             yield constructor_pb2.GetBatchResponse(header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True))
             return
@@ -402,6 +423,30 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         yield from stream_payload(constructor_pb2.GetBatchResponse, header, payload, serialized=True)
         self._metrics.batches_sent.inc()
         self._metrics.sent_bytes.inc(header.payload_bytes)
+
+    # ---- checkpoint marks (`checkpoint_marks`, `mark_recorder`) ------------------------------
+
+    def MarkCheckpoint(self, request: constructor_pb2.MarkCheckpointRequest,
+                       context: grpc.ServicerContext) -> constructor_pb2.MarkCheckpointResponse:
+        """Records rank `request.rank`'s checkpoint at `request.step` in the pod's checkpoint mark
+        (`mark_recorder.MarkRecorder`), answering once the mark is committed."""
+        check_checkpoint_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world)
+        self._metrics.checkpoint_marks.inc()
+        mark = self._mark_recorder.checkpointed(request.rank, request.step)
+        if mark is None:
+            return constructor_pb2.MarkCheckpointResponse(accepted=True, mark_step=-1)
+        return constructor_pb2.MarkCheckpointResponse(accepted=True, mark_step=mark.step, checkpointed=mark.checkpointed)
+
+    @functools.cached_property
+    def _mark_recorder(self) -> MarkRecorder:
+        consumer = self._consumer
+        return MarkRecorder(self._storage, prefix=self._prefix, pod=consumer.mark, ranks=consumer.ranks,
+                            holding=consumer._pulling, position=self._journal_position)
+
+    def _journal_position(self, step: int) -> SliceCursor:
+        """Where logical step `step` starts in the written steps (same DP: step itself)."""
+        written = self._consumer._written
+        return SliceCursor(step) if written is None else self._consumer._cursor(step, written)
 
 
 def add_consumer_to_server(servicer: JournalConstructorServicer, server: grpc.Server) -> None:

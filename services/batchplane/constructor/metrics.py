@@ -148,6 +148,11 @@ class ConstructorMetrics:
             "live checkpoint mark (the slowest pod).",
             registry=registry,
         )
+        self.checkpoint_marks = Counter(
+            "batchplane_constructor_checkpoint_marks_total",
+            "Checkpoints trainers recorded (MarkCheckpoint); with journal delivery each keeps the pod's checkpoint mark.",
+            registry=registry,
+        )
         self.journal_steps_read = Counter(
             "batchplane_constructor_journal_steps_read_total",
             "Journal delivery, consumer: logical steps read from the journal for the ranks served here.",

@@ -138,6 +138,8 @@ class StepPipeline:
             prefetch_steps=job.constructors.prefetch_steps,
             resume_step=resume_step,
             oldest=oldest_step,
+            stride=job.build_stride,
+            offset=index % job.build_stride,
         )
         self._resume: dict[str, str] = {}
         self._failure: FailedPrecondition | None = None
@@ -202,7 +204,7 @@ class StepPipeline:
             if waited > self._longest_wait.get(rank, 0.0):
                 self._longest_wait[rank] = waited
                 self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
-            self._metrics.prefetched_steps.set(max(self._steps.next - 1 - self._steps.slowest(), 0))
+            self._metrics.prefetched_steps.set(max((self._steps.next - self._steps.slowest()) // self._steps.stride - 1, 0))
             if self._steps.finished():  # no later fetch will carry the release: send it now
                 self._release_everywhere(self._steps.end)
             return self._ready.get((rank, step))

@@ -7,7 +7,7 @@ The loop, on a thread of its own: `writer.resume()` says the step after the last
 for each step, wait for room (`journal.max_lag_steps` past the slowest pod's mark), take every
 rank's delivery from the pipeline (all ranks take, so the pipeline moves on; the first step
 after a start or a restart asks with restart=True: the planner serves or re-plans it), write
-the step; at the end of data, commit what is pending and write the end marker (`end.json`).
+the step; at the end of data, commit what is pending and write the end marker (`end/<producer id>.json`).
 Before its first write it stores the JobInfo the planner gave at registration as `info.pb`
 (put-if-absent; a different one is refused), which consumers serve as GetInfo.
 
@@ -23,9 +23,11 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from batchplane.constructor.checkpoint_marks import counts_for_lag
 from batchplane.constructor.journal_slices import encode_step
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import Delivery
+from batchplane.constructor.reclaim_loop import ReclaimLoop
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, NotFound, Unavailable
 from batchplane.core.mesh import ClientPlaceTree
@@ -40,8 +42,12 @@ log = logging.getLogger(__name__)
 
 #: The object holding the JobInfo the planner gave the producer, under the journal's prefix.
 INFO_KEY = "info.pb"
-#: The producer id of the one producer (`journal.writer`'s id rules).
-PRODUCER_ID = "p0"
+
+
+def producer_id(index: int) -> str:
+    """Producer `index`'s id in the journal (`journal.writer`'s id rules): "p<index>"."""
+    return f"p{index}"
+
 #: How long one ask of the pipeline waits before asking again (and looking at `stop`), in seconds.
 TAKE_WAIT_S = 5.0
 #: Pause before the loop starts again after a failure, in seconds.
@@ -111,11 +117,16 @@ class JournalProducer:
         info: The JobInfo the planner returned at registration.
         metrics: The constructor's metrics (the journal_* ones are fed here).
         make_writer: Builds the writer (tests inject clocks); None: `JournalWriter` from the job.
+        index: Which producer it is: it builds the steps s with s % journal.producers == index.
     """
 
     def __init__(self, job: JobSettings, *, pipeline: BatchSource, storage: Storage, info: common_pb2.JobInfo,
-                 metrics: ConstructorMetrics, make_writer: Callable[[threading.Event], JournalWriter] | None = None) -> None:
+                 metrics: ConstructorMetrics, make_writer: Callable[[threading.Event], JournalWriter] | None = None,
+                 index: int = 0) -> None:
         self._job = job
+        self._index = index
+        self._id = producer_id(index)
+        self._stride = job.build_stride
         self._pipeline = pipeline
         self._storage = storage
         self._info = info
@@ -128,16 +139,24 @@ class JournalProducer:
         self.end_step: int | None = None
         #: Set when the loop ended for good (end of data, fenced, or stopped).
         self.done = threading.Event()
+        #: The reclaimer's loop, once started (`journal.reclaim`, producer 0).
+        self.reclaim_loop: ReclaimLoop | None = None
 
     def start(self) -> JournalProducer:
-        """Starts the loop on a thread of its own."""
+        """Starts the loop on a thread of its own, and the reclaimer's (`journal.reclaim`, on
+        producer 0 only) on another."""
         self._thread = threading.Thread(target=self.run, name="produce", daemon=True)
         self._thread.start()
+        if self._job.journal.reclaim and self._index == 0:
+            self.reclaim_loop = ReclaimLoop(self._storage, min_age_s=self._job.journal.min_age_s).start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Ends the loop (what is pending stays uncommitted: a restart builds it again)."""
+        """Ends the loop (what is pending stays uncommitted: a restart builds it again) and the
+        reclaimer's."""
         self._stop.set()
+        if self.reclaim_loop is not None:
+            self.reclaim_loop.stop(timeout_s=timeout_s)
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
 
@@ -149,7 +168,7 @@ class JournalProducer:
                     if self._produce():
                         return
                 except Fenced as exc:
-                    log.error("producer %s is fenced (a newer process of its id runs): stopping: %s", PRODUCER_ID, exc)
+                    log.error("producer %s is fenced (a newer process of its id runs): stopping: %s", self._id, exc)
                     return
                 except Exception as exc:  # noqa: BLE001 - storage, planner or loaders: resume from the journal
                     if self._stop.is_set():
@@ -161,8 +180,9 @@ class JournalProducer:
 
     def _writer(self, stop: threading.Event) -> JournalWriter:
         return JournalWriter(
-            self._storage, producer_id=PRODUCER_ID, mesh=data_mesh(self._job), policy=self._job.journal.policy,
+            self._storage, producer_id=self._id, mesh=data_mesh(self._job), policy=self._job.journal.policy,
             job=self._job.fingerprint, retention=RetentionPolicy(max_lag=self._job.journal.max_lag_steps), stop=stop,
+            lag_marks=counts_for_lag,
         )
 
     def _produce(self) -> bool:
@@ -170,6 +190,7 @@ class JournalProducer:
         writer = self._make_writer(self._stop)
         self._counted = WriterStats()
         step = writer.resume()
+        step += (self._index - step) % self._stride  # its own steps only: s % producers == index
         store_info(self._storage, self._info, prefix=writer.prefix)
         log.info("producing from step %d (epoch %d)", step, writer.epoch)
         restart = True
@@ -188,7 +209,7 @@ class JournalProducer:
                 return True
             writer.write(step, encode_step({r: d for r, d in deliveries.items() if d is not None}, self._pipeline.mesh))
             self._count(writer.stats)
-            step += 1
+            step += self._stride
         return False
 
     def _take(self, step: int, *, restart: bool) -> dict[int, Delivery | None] | None:

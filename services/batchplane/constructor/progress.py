@@ -28,6 +28,9 @@ Rules (each a test in tests/unit/test_build_progress.py):
 - Once every pulling rank has asked for the end-of-data step, whatever the loaders hold for this
   constructor can go (`finished`, true once; again after a rewind reaches the end again): no
   later fetch will carry the release.
+- A constructor with a `stride` (journal producers: producer i of n builds the steps s with
+  s % n == i) builds and serves only its own steps: "the next step" is the next own one,
+  prefetching counts own steps, and a request for another's step is refused.
 """
 
 from __future__ import annotations
@@ -63,11 +66,17 @@ class BuildProgress:
         resume_step: For a constructor restarted mid-job, the oldest step its ranks may still
             ask for (None: the first step asked for).
         oldest: The oldest step a rewind can go back to, as the planner said (0: unknown).
+        stride: It builds the steps s with s % stride == offset (1: every step).
+        offset: See `stride`.
     """
 
     def __init__(
-        self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None, oldest: int = 0
+        self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None, oldest: int = 0,
+        stride: int = 1, offset: int = 0,
     ) -> None:
+        if not 0 <= offset < stride:
+            raise ValueError(f"offset {offset} must be in [0, stride {stride})")
+        self.stride, self.offset = stride, offset
         self.ranks = tuple(ranks)
         waited = set(self.ranks if pulling is None else pulling) & set(self.ranks)
         self._waited = tuple(sorted(waited))
@@ -98,6 +107,10 @@ class BuildProgress:
                 moved past; with it, a rewind before the oldest step the planner can re-plan;
                 after the start, a step past `furthest_step`.
         """
+        if step % self.stride != self.offset:
+            raise FailedPrecondition(
+                f"step {step} is built by producer {step % self.stride} of {self.stride}, not here (producer {self.offset})"
+            )
         if restart and step < self.oldest:
             raise rewind_refused(step, self.oldest)
         latest = self._progress.get(rank, step)
@@ -108,7 +121,7 @@ class BuildProgress:
                 "(a trainer resumes at a step the data plane has reached)"
             )
         if started:
-            self.start = self.next = step if self._resume_step is None else min(step, self._resume_step)
+            self.start = self.next = step if self._resume_step is None else self.own(min(step, self._resume_step))
         behind = step < latest or step < self.start
         if behind and not restart:
             if step < self.start:
@@ -122,7 +135,7 @@ class BuildProgress:
             self.start = min(self.start, step)
             missing = step
             while (rank, missing) in self._ready:
-                missing += 1
+                missing += self.stride
             if missing < self.next:
                 self.next = missing
                 self.epoch += 1
@@ -143,7 +156,7 @@ class BuildProgress:
     def furthest_step(self) -> int:
         """The furthest step a request may name now: one past the furthest step asked here, or
         the next step to build if that is later (meaningful once building has started)."""
-        return max(max(self._progress.values(), default=self.next) + 1, self.next)
+        return max(max(self._progress.values(), default=self.next) + self.stride, self.next)
 
     def _idle_below(self, step: int) -> tuple[tuple[int, int], ...]:
         """Held batches below `step` of ranks that do not pull (nobody waits for them)."""
@@ -171,8 +184,8 @@ class BuildProgress:
         if self.start is None:
             return None
         slowest = self.slowest()
-        step = max(self.next, slowest)
-        if self.past_end(step) or step > slowest + self._prefetch:
+        step = self.own(max(self.next, slowest))
+        if self.past_end(step) or step > slowest + self._prefetch * self.stride:
             return None
         self.next = step
         return step
@@ -189,14 +202,14 @@ class BuildProgress:
         keep = tuple((r, step) for r in ranks if step >= self._progress.get(r, step) and (r in self._waited or step >= self.slowest()))
         self._ready.update(keep)
         if epoch == self.epoch:
-            self.next = max(self.next, step + 1)
+            self.next = max(self.next, step + self.stride)
         return keep
 
     def ended(self, step: int, *, epoch: int) -> None:
         """The plan says the data ends before `step`."""
         self.end = step if self.end is None else min(self.end, step)
         if epoch == self.epoch:
-            self.next = max(self.next, step + 1)
+            self.next = max(self.next, step + self.stride)
 
     def reportable(self, step: int) -> str:
         """Whether a training report of `step` is forwarded: "" when it is, else why not (a step
@@ -212,6 +225,10 @@ class BuildProgress:
         if step < self.oldest:
             return f"step {step} is before step {self.oldest}, the oldest step the planner's ledger keeps, so its report is not used"
         return ""
+
+    def own(self, step: int) -> int:
+        """The first step from `step` on that this constructor builds."""
+        return step + (self.offset - step) % self.stride
 
     def rejoin_step(self) -> int:
         """The oldest step this constructor may still need planned."""

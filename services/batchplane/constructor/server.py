@@ -105,7 +105,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     """
     if job.batch.delivery == "journal":
         raise ConfigError(
-            "batch.delivery", "is journal: start the constructor as the producer (--produce --index 0 --planner ADDR) "
+            "batch.delivery", "is journal: start the constructor as a producer (--produce --index I --planner ADDR, I < journal.producers) "
             "or as a pod's consumer (--consume --index I)", job.batch.delivery,
         )
     b = _start_building(job, process, registry, security)
@@ -137,7 +137,7 @@ def start_producer(job: JobSettings, process: ProcessSettings, registry: Collect
         raise ConfigError("batch.delivery", "--produce needs batch.delivery: journal", job.batch.delivery)
     storage = open_journal_storage(job, _run_dir(job, process), check_writes=True)
     b = _start_building(job, process, registry, security)
-    producer = JournalProducer(job, pipeline=b.pipeline, storage=storage, info=b.info, metrics=b.metrics)
+    producer = JournalProducer(job, pipeline=b.pipeline, storage=storage, info=b.info, metrics=b.metrics, index=process.index)
     b.server.start()
     set_serving(b.health, "batchplane.v1.Constructor")
     log.info("producing the journal at %s for ranks %s", storage.describe(), list(b.ranks))
@@ -213,7 +213,8 @@ def _create_server(
 def _start_building(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> _Building:
     """The server (not started), the registration with the planner and the pipeline."""
     if not 0 <= process.index < job.constructor_count:
-        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) (mesh ranks / constructors.ranks_per_constructor)", process.index)
+        why = "journal.producers" if job.batch.delivery == "journal" else "mesh ranks / constructors.ranks_per_constructor"
+        raise ConfigError("--index", f"must be in [0, {job.constructor_count}) ({why})", process.index)
     if not process.planner:
         raise ConfigError("--planner", "is required for a constructor", None)
     ranks = job.constructor_ranks(process.index)

@@ -11,15 +11,19 @@ from typing import Any
 import grpc
 
 from batchplane.constructor.assemble import TensorLayout
-from batchplane.constructor.bounds import check_batch_request, check_released_slabs, check_report
+from batchplane.constructor.bounds import check_batch_request, check_checkpoint_request, check_released_slabs, check_report
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import Delivery, StepPipeline
 from batchplane.constructor.slabs import SESSION_LOST, UNKNOWN_SESSION, Placement, SlabServer
+from batchplane.core.errors import InvalidArgument
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.rpc import add_servicer, stream_payload, wait_seconds
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
+#: MarkCheckpoint's reason with stream delivery.
+STREAM_KEEPS_NOTHING = ("stream delivery keeps no journal: nothing is retained for a checkpoint (the planner's ledger "
+                        "re-plans the steps it keeps)")
 
 
 def _specs(tensors: tuple[TensorLayout, ...]) -> list[constructor_pb2.TensorSpec]:
@@ -122,3 +126,13 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
             pool.count_fallback(SESSION_LOST)
             return None
         return placement
+
+    def MarkCheckpoint(self, request: constructor_pb2.MarkCheckpointRequest,
+                       context: grpc.ServicerContext) -> constructor_pb2.MarkCheckpointResponse:
+        """Counts a trainer's checkpoint; stream delivery keeps no journal, so nothing is kept
+        (the planner's ledger re-plans any step it still holds)."""
+        check_checkpoint_request(rank=request.rank, step=request.step, world=self._pipeline.mesh.world)
+        if request.rank not in self._pipeline.ranks:
+            raise InvalidArgument(f"rank {request.rank} is not served here: this constructor serves ranks {list(self._pipeline.ranks)}")
+        self._metrics.checkpoint_marks.inc()
+        return constructor_pb2.MarkCheckpointResponse(accepted=False, reason=STREAM_KEEPS_NOTHING, mark_step=-1)

@@ -100,6 +100,9 @@ class LedgerSettings:
 
 
 DELIVERIES = ("stream", "journal")
+#: The least `journal.min_age_s`: `batchplane.journal.reclaim.MIN_AGE_FACTOR` (4) x the
+#: manifest's `confirm_after_s` (30 s).
+MIN_RECLAIM_AGE_S = 120.0
 #: Commit-cadence policies of journal producers (`batchplane.journal.policy.POLICIES`).
 JOURNAL_POLICIES = ("naive", "fixed10", "fixed100", "incr", "aimd", "dac")
 
@@ -119,12 +122,24 @@ class JournalSettings:
     #: smallest gap meeting a conflict and a duty budget), or "naive", "fixed10", "fixed100",
     #: "incr", "aimd" (the paper's baselines).
     policy: str = "dac"
+    #: Producers, each building every rank's batch of its share of the steps (producer i the
+    #: steps s with s % producers == i) and committing them without coordination.
+    producers: int = 1
     #: How many steps the producer may run ahead of the lowest live checkpoint mark (storage
     #: stays bounded when checkpoints stall). Must exceed the checkpoint interval plus the
     #: consumers' read-ahead, or producer and trainers wait on each other.
     max_lag_steps: int = 1024
     #: Steps each constructor reads ahead of its slowest rank.
     prefetch_steps: int = 2
+    #: The producer (producer 0 of several) deletes, every `RECLAIM_EVERY_S` seconds, the steps
+    #: below the lowest live mark of the journal's manifest (each pod's latest checkpoint, or its
+    #: ranks' start before they all checkpointed: `Client.checkpointed`) and manifest versions
+    #: no kept one needs (`batchplane.journal.reclaim`); false keeps everything.
+    reclaim: bool = True
+    #: Nothing younger is reclaimed, in seconds; at least `MIN_RECLAIM_AGE_S` (4 x the
+    #: manifest's 30 s confirm window, so a deleted manifest version is never taken for one not
+    #: written yet).
+    min_age_s: float = 600.0
 
 
 BAD_SAMPLE_POLICIES = ("substitute", "skip", "fail")
@@ -428,12 +443,27 @@ class JobSettings:
     @property
     def constructor_count(self) -> int:
         """Constructors that fetch and build the planned steps, as the planner counts them: one
-        per pod (`pod_count`), or with journal delivery the one producer, for the whole mesh."""
-        return 1 if self.batch.delivery == "journal" else self.pod_count
+        per pod (`pod_count`), or with journal delivery the producers, each for the whole mesh."""
+        return self.journal.producers if self.batch.delivery == "journal" else self.pod_count
 
     def constructor_ranks(self, constructor_index: int) -> tuple[int, ...]:
         """Global ranks constructor `constructor_index` builds for (see `constructor_count`)."""
         return tuple(range(self.world)) if self.batch.delivery == "journal" else self.pod_ranks(constructor_index)
+
+    @property
+    def build_stride(self) -> int:
+        """Constructor i builds the steps s with s % build_stride == i % build_stride: every step
+        (1) when streaming; its share of them with journal delivery (`journal.producers`)."""
+        return self.journal.producers if self.batch.delivery == "journal" else 1
+
+    @property
+    def fetch_layout(self) -> list[tuple[int, ...]]:
+        """The ranks of each constructor that fetches a given step's samples: every pod's
+        constructor when streaming; with journal delivery the step's one producer (whose ranks
+        are the whole mesh)."""
+        if self.batch.delivery == "journal":
+            return [tuple(range(self.world))]
+        return [self.pod_ranks(c) for c in range(self.pod_count)]
 
     @property
     def pod_count(self) -> int:
@@ -524,7 +554,7 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
         "constructors.prefetch_steps", "constructors.pulling_ranks", "constructors.shm_bytes", "network.host", "network.tls",
         "network.max_message_bytes", "network.rpc_timeout_s", "network.heartbeat_s", "ledger.location",
         "ledger.keep_detail_steps", "ledger.compare_methods", "batch.delivery", "journal.location", "journal.policy",
-        "journal.max_lag_steps", "journal.prefetch_steps",
+        "journal.producers", "journal.max_lag_steps", "journal.prefetch_steps", "journal.reclaim", "journal.min_age_s",
     ),
 }
 
@@ -879,8 +909,15 @@ def _check_journal(job: JobSettings) -> None:
     journal = job.journal
     if journal.policy not in JOURNAL_POLICIES:
         raise ConfigError("journal.policy", f"must be one of {JOURNAL_POLICIES}", journal.policy)
+    _positive("journal.producers", journal.producers)
     _positive("journal.max_lag_steps", journal.max_lag_steps)
     _positive("journal.prefetch_steps", journal.prefetch_steps)
+    if not isinstance(journal.reclaim, bool):
+        raise ConfigError("journal.reclaim", "must be true or false", journal.reclaim)
+    if (isinstance(journal.min_age_s, bool) or not isinstance(journal.min_age_s, (int, float))
+            or not MIN_RECLAIM_AGE_S <= journal.min_age_s < math.inf):
+        raise ConfigError("journal.min_age_s", f"must be a finite number of seconds >= {MIN_RECLAIM_AGE_S:g} (4 x the manifest's "
+                          "30 s confirm window)", journal.min_age_s)
     if journal.max_lag_steps <= journal.prefetch_steps:
         raise ConfigError("journal.max_lag_steps", f"must exceed journal.prefetch_steps ({journal.prefetch_steps})", journal.max_lag_steps)
     if journal.location is not None:

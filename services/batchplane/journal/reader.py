@@ -213,6 +213,9 @@ class JournalReader:
         self.expect_job = expect_job
         self.consumer_id = consumer_id
         self.stats = ReaderStats()
+        #: The last committed written step of the newest manifest read (-1: none committed;
+        #: None: the manifest was not read yet), for messages while a step is not committed.
+        self.visible_through: int | None = None
         self._settings = manifest_settings
         self._watermarks: Watermarks | None = None
         position = cursor.position if isinstance(cursor, ReaderCursor) else cursor
@@ -372,6 +375,7 @@ class JournalReader:
         waited = False
         while True:
             state = self._store.latest()
+            self.visible_through = state.visible_through
             if state.visible_through >= written_step:
                 return state
             if not waited:

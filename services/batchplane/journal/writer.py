@@ -9,8 +9,9 @@ Layout it adds under the journal's prefix (beside `manifest/`, see `commit`):
                                           fingerprint, the written mesh (dp, cp, cp_mode) and
                                           the per-token column names; created once with
                                           put_if_absent, then every writer and reader checks it
-    end.json                              {"end_step": N}: the data ended, steps [first, N)
-                                          are all there is (`finish`); put_if_absent, once
+    end/p0.json                           {"end_step": N}: producer p0 found the data ends at
+                                          N (`finish`; put_if_absent, once); the least marker
+                                          is the end (`read_end`)
     tgb/000000000042/p0.e3.tgb            step 42's TGB as producer "p0" wrote it in epoch 3
 
 A TGB's key is unique to (producer id, epoch, step) and created with put_if_absent, so a
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 #: The header object's key, under the journal's prefix.
 HEADER_KEY = "journal.json"
 #: The end marker's key, under the journal's prefix.
-END_KEY = "end.json"
+#: The folder of the end markers, under the journal's prefix: each producer writes
+#: `end/<producer id>.json` where it found the data ended (see `read_end`).
+END_FOLDER = "end/"
 #: The folder of the TGB objects, under the journal's prefix.
 TGB_FOLDER = "tgb/"
 HEADER_FORMAT = "batchplane.journal"
@@ -171,13 +174,21 @@ def encode_end(end_step: int) -> bytes:
 
 
 def read_end(storage: Storage, prefix: str = "") -> int | None:
-    """The step the journal's data ends at (one past its last step), or None while no end
-    marker is written.
+    """The step the journal's data ends at (one past its last step) as far as the end markers
+    say, or None while none is written. A producer of several (each building every n-th step)
+    finds the end at its first own step at or past it, so each marker is at or past the true
+    end, and the producer of the true end step writes it exactly: the least marker is the end
+    once that producer got there, and a step at or past any marker has no data.
 
     Raises:
         FailedPrecondition: An end marker this code cannot read.
     """
-    key = f"{prefix}{END_KEY}"
+    found = [e for key in storage.list(f"{prefix}{END_FOLDER}") if (e := _read_end(storage, key)) is not None]
+    return min(found) if found else None
+
+
+def _read_end(storage: Storage, key: str) -> int | None:
+    """One end marker's step; None if there is no such object."""
     try:
         data = storage.get(key)
     except NotFound:
@@ -247,6 +258,8 @@ class JournalWriter:
         wall_clock: Unix seconds (recorded in manifest versions).
         sleep: Sleeps that many seconds.
         random: The DAC policy's jitter source (0.0 if None).
+        lag_marks: Which marks (by id) count for `max_lag`; None: every mark. The reclaimer
+            counts every mark regardless.
 
     Raises:
         ConfigError: A bad policy name or setting.
@@ -258,8 +271,9 @@ class JournalWriter:
                  manifest_settings: ManifestSettings = ManifestSettings(), poll_s: float = 0.5,
                  stop: threading.Event | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 random: Callable[[], float] | None = None) -> None:
+                 random: Callable[[], float] | None = None, lag_marks: Callable[[str], bool] | None = None) -> None:
         self.storage = storage
+        self._lag_marks = lag_marks
         self.prefix = prefix
         self.producer_id = producer_id
         self.header = JournalHeader(job=job, mesh=mesh, token_names=tuple(sorted(set(token_names))))
@@ -425,9 +439,9 @@ class JournalWriter:
         if end_step <= last:
             raise FailedPrecondition(f"producer {self.producer_id!r} ends the journal at step {end_step}, yet wrote step {last}")
         attempts = self.flush()
-        key = f"{self.prefix}{END_KEY}"
+        key = f"{self.prefix}{END_FOLDER}{self.producer_id}.json"
         if not self.storage.put_if_absent(key, encode_end(end_step)):
-            found = read_end(self.storage, self.prefix)
+            found = _read_end(self.storage, key)
             if found != end_step:
                 raise FailedPrecondition(
                     f"the journal at {self.prefix or '/'} in {self.storage.describe()} ends at step {found}, "
@@ -479,7 +493,8 @@ class JournalWriter:
 
     def _backpressure(self, state: ManifestState, step: int) -> Backpressure:
         policy = self.retention if self.retention is not None else RetentionPolicy()
-        marks = [Watermark(m.manifest_version, m.step) for m in state.marks]
+        counted = self._lag_marks or (lambda mark: True)
+        marks = [Watermark(m.manifest_version, m.step) for m in state.marks if counted(m.mark)]
         return backpressure(watermarks=marks, next_step=step, policy=policy,
                             origin_step=max(self.first_step, state.watermark))
 

@@ -178,10 +178,14 @@ class LocalCluster:
                     for i in range(self.job.loader_count)
                 ]
             if self.job.batch.delivery == "journal":
-                # One producer builds every step for the whole mesh and commits it to the
-                # journal; each pod's constructor reads its ranks' slices from there.
+                # Producers build every step for the whole mesh (producer i the steps s with
+                # s % producers == i) and commit them to the journal; each pod's constructor
+                # reads its ranks' slices from there.
                 run_dir = ["--run-dir", str(self.run_dir)]
-                self.producers = [spawn("producer-0", "batchplane.constructor", ["--index", "0", *run_dir, *planner_args, "--produce"])]
+                self.producers = [
+                    spawn(f"producer-{i}", "batchplane.constructor", ["--index", str(i), *run_dir, *planner_args, "--produce"])
+                    for i in range(self.job.journal.producers)
+                ]
                 self.constructors = [
                     spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *run_dir, "--consume"])
                     for i in range(self.job.pod_count)

@@ -113,7 +113,8 @@ class PlanBook:
         self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
         rules = DeliveryRules(self.mesh, axis=self.strategy.primary.axis, pulling_ranks=job.constructors.pulling_ranks)
         pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
-        self._progress = PlanProgress(range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps))
+        # A journal producer prefetches its own steps, every build_stride-th of the sequence.
+        self._progress = PlanProgress(range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps) * job.build_stride)
         self._mixture: Mixture | None = None
         self._state: MixtureState | None = None
         self.end_step: int | None = None

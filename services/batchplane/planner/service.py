@@ -12,7 +12,7 @@ import numpy as np
 
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
-from batchplane.core.errors import NotFound
+from batchplane.core.errors import InvalidArgument, NotFound
 from batchplane.core.rpc import wait_seconds
 from batchplane.planner.book import PlanBook
 from batchplane.planner.bounds import check_address, check_name, check_resume, check_step
@@ -112,7 +112,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             middle_tensors=job.constructors.pp_middle_tensors,
             pulling_ranks=job.constructors.pulling_ranks,
         )
-        self._layout = [job.constructor_ranks(c) for c in range(job.constructor_count)]
+        self._layout = job.fetch_layout  # who fetches a step's samples (with journal delivery: its one producer)
+        self._stride = job.build_stride
         self._fetchers = self._rules.fetchers(self._layout)
         self._copies: dict[int, np.ndarray] = {}  # step -> per-sample fetchers, when they differ
         self._copies_lock = threading.Lock()
@@ -187,6 +188,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if ranks is None:  # NOT_FOUND tells a constructor whose planner restarted to register again
             raise NotFound(f"constructor {request.constructor_index} has not registered")
         check_step("step", request.step)
+        if request.step % self._stride != request.constructor_index % self._stride:
+            raise InvalidArgument(
+                f"step {request.step} is journal producer {request.step % self._stride}'s, not constructor "
+                f"{request.constructor_index}'s (journal.producers = {self._stride}: producer i builds the steps s with s % {self._stride} == i)"
+            )
         plan = self._book.plan_for(
             request.constructor_index,
             request.step,
