@@ -14,7 +14,8 @@ from batchplane.bench import journal as bench
 COMMIT_FIELDS = {
     "kind", "store", "policy", "producers", "payload_kb", "commit_success_rate", "committed_mb_per_s",
     "commit_latency_s", "step_visible_latency_s", "attempts", "conflicts", "errors", "commits", "steps_committed",
-    "offered_mb_per_s", "fragile_window_s", "gap_s", "manifest_versions", "manifest_version_start", "manifest_version_end",
+    "offered_mb_per_s", "fragile_window_s", "gap_s", "cycle_s", "warmup_s", "measured_s", "attempts_per_producer",
+    "manifest_versions", "manifest_version_start", "manifest_version_end",
     "exactly_once", "cpu_util", "paper_commit_success_rate", "paper_committed_mb_per_s",
 }
 READ_FIELDS = {
@@ -33,7 +34,7 @@ def _args(tmp_path, argv: list[str]) -> argparse.Namespace:
     bench.add_arguments(parser)
     return parser.parse_args([
         "--dir", str(tmp_path), "--stores", "local", "--producers", "8", "--policies", "naive,dac",
-        "--duration-s", "1.5", "--warmup-s", "0.5", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
+        "--duration-s", "1.5", "--warmup-s", "0.5", "--max-duration-s", "3", "--max-warmup-s", "2", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
         "--worlds", "4,8", "--read-cp", "2", "--slice-kb", "4", "--read-steps", "2", "--read-ranks", "4",
         "--trace-steps", "60", "--checkpoint-every", "5", "--max-lag", "20", "--trace-points", "4",
         "--state-payload-kb", "10", "--state-commits", "2", *argv,

@@ -359,3 +359,46 @@ def test_dac_paces_a_producer_through_the_injected_clock() -> None:
     assert 0.5 <= policy.fragile_window_s <= 1.0
     assert policy.gap_s() == pytest.approx(policy.fragile_window_s * 9)  # alone: the duty budget binds
 
+
+
+def test_the_fragile_window_starts_at_the_read_of_the_current_version() -> None:
+    """Catching up on the versions committed during the gap is not fragile (a version committed
+    then is read too): the window runs from the probe that found no newer version to the put."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    other = Producer(ManifestStore(storage, check_writes=False), "p1")
+    other.register()
+    store = ManifestStore(storage, clock=clock, check_writes=False)
+    p = Producer(store, "p0", clock=clock, sleep=clock.sleep)
+    p.register()
+    for s in range(1, 6):  # five versions while p0 waits
+        other.commit([obj(2 * s + 1)])
+    storage_get = storage.get
+
+    def slow_get(key: str) -> bytes:  # every read takes 0.5 s
+        clock.now += 0.5
+        return storage_get(key)
+
+    storage.get = slow_get  # type: ignore[method-assign]
+    p.add(obj(0))
+    attempt = p.attempt()
+    assert attempt.committed == (0,)
+    assert store.catch_up_s == pytest.approx(2.5)  # five versions read before the probe that found none
+    assert attempt.fragile_window_s == pytest.approx(0.5)  # that probe, then the put
+
+
+def test_dac_reads_the_producer_count_from_the_committed_state_and_commits_every_pending_step() -> None:
+    storage = MemoryStorage()
+    for i in range(1, 4):
+        Producer(ManifestStore(storage, check_writes=False), f"p{i}").register()
+    policy = DacPolicy(DacSettings(jitter=0.0), random=lambda: 0.0)
+    clock = FakeClock()
+    p = Producer(ManifestStore(storage, clock=clock, check_writes=False), "p0", policy=policy, clock=clock,
+                 sleep=clock.sleep)
+    p.register()
+    assert policy._producers == 4
+    for s in range(5):
+        p.add(obj(s))
+    clock.now += 1e6
+    attempt = p.maybe_commit()
+    assert attempt is not None and attempt.committed == (0, 1, 2, 3, 4)

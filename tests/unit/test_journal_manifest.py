@@ -4,6 +4,7 @@ prefix, and the versioned JSON encoding with its refusals."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 from batchplane.journal.manifest import (
     FORMAT,
     FORMAT_VERSION,
+    CheckpointMismatch,
     Commit,
+    CommittedStep,
     CommitRefused,
     Fenced,
     ManifestFormatError,
@@ -25,6 +28,7 @@ from batchplane.journal.manifest import (
     StepObject,
     VersionRecord,
     apply,
+    decode_next,
     decode_record,
     decode_state,
     encode_record,
@@ -261,3 +265,52 @@ def test_the_encoding_is_the_documented_format() -> None:
     plain = copy.deepcopy(doc)
     plain["state"] = None
     assert decode_record(json.dumps(plain).encode()).state is None
+
+
+def _sorted_reference(state: ManifestState, change: Commit) -> tuple:
+    """The steps after a commit as the first version of `apply` built them: every step sorted."""
+    version = state.version + 1
+    added = [CommittedStep(e, change.producer, version) for e in change.steps]
+    return tuple(sorted((*state.steps, *added), key=lambda s: s.step))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=6), min_size=1, max_size=12), st.integers(0, 5))
+def test_incremental_apply_matches_a_full_sort(batches: list[list[int]], retain: int) -> None:
+    state = apply(apply(ManifestState(), Register("a")), Register("b"))
+    last = {"a": -1, "b": -1}
+    for i, batch in enumerate(batches):
+        producer = "ab"[i % 2]
+        steps = sorted({s for s in batch if s > last[producer] and not state.is_committed(s)})
+        if not steps:
+            continue
+        change = Commit(producer, 1, tuple(StepEntry(s, (StepObject(f"k{s}", 1, "c"),)) for s in steps))
+        want = _sorted_reference(state, change)
+        state = apply(state, change)
+        last[producer] = steps[-1]
+        assert state.steps == want
+        prefix = state.watermark
+        while prefix in {s.step for s in want}:
+            prefix += 1
+        assert state.visible_through == prefix - 1
+        assert all(state.step(s.step) == s for s in want)
+        assert state.step(61) is None and not state.is_committed(61)
+    if 0 < retain <= state.visible_through + 1:
+        kept = apply(state, Retain(retain))
+        assert kept.steps == tuple(s for s in state.steps if s.step >= retain)
+        assert kept.visible_through == state.visible_through
+
+
+def test_decode_next_applies_a_change_and_compares_a_checkpoint() -> None:
+    state = apply(ManifestState(), Register("a"))
+    change = Commit("a", 1, (StepEntry(0, (StepObject("k0", 1, "c"),)),))
+    new = apply(state, change)
+    for checkpoint in (None, new):
+        data = encode_record(VersionRecord(2, change, 0.0, state=checkpoint))
+        record, got = decode_next(data, state)
+        assert got == new and record.change == change and record.state is None
+    wrong = dataclasses.replace(new, watermark=0, steps=())
+    with pytest.raises(CheckpointMismatch):
+        decode_next(encode_record(VersionRecord(2, change, 0.0, state=wrong)), state)
+    with pytest.raises(ManifestFormatError, match="version"):
+        decode_next(encode_record(VersionRecord(3, change, 0.0)), state)

@@ -253,3 +253,16 @@ def test_stop_ends_a_producer_waiting_for_batches() -> None:
     threading.Event().wait(0.05)
     producer.stop()
     assert producer.done.is_set() and producer.end_step is None
+
+
+def test_a_producer_of_another_mesh_than_the_journals_stops_instead_of_retrying() -> None:
+    """Trainers resumed at DP 4 over a journal written at DP 2 read it remapped; a producer of
+    the new mesh cannot append to it (its header fixes the mesh), so it says so once and
+    produces nothing rather than retrying forever."""
+    storage = MemoryStorage()
+    produce(make_job(dp=2), storage, FakePipeline(make_job(dp=2), end=2))
+    wider = make_job(dp=4)
+    pipeline = FakePipeline(wider, end=4)
+    producer = produce(wider, storage, pipeline)  # returns: no retry loop
+    assert producer.done.is_set() and producer.end_step is None
+    assert pipeline.asks == [], "nothing was built for the journal it cannot write"

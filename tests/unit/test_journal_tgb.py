@@ -98,9 +98,32 @@ def test_range_read_of_one_slice_reads_slice_plus_trailer_plus_footer(case, data
     trailer = tgb.read_trailer(obj[-TRAILER_BYTES:], object_size=len(obj))
     assert fetch.fetched == entry.length + TRAILER_BYTES + trailer.footer_length
     assert len(fetch.calls) == 2 + (entry.length > 0)
+    # With a suffix read: one read holds trailer and footer when they fit, else a second the rest.
+    fetch = _Fetcher(obj)
+    assert tgb.load_footer(fetch, object_size=len(obj), step=step, suffix_bytes=tgb.FOOTER_SUFFIX_BYTES) == footer
+    tail = TRAILER_BYTES + trailer.footer_length
+    suffix = min(len(obj), tgb.FOOTER_SUFFIX_BYTES)
+    assert fetch.fetched == max(suffix, tail)
+    assert len(fetch.calls) == 1 + (tail > suffix)
     # Padding is at most ALIGN - 1 bytes per column: a slice costs little more than its data.
     data_bytes = sum(np.asarray(a).nbytes for a in slices[(d, c)].values())
     assert data_bytes <= entry.length <= data_bytes + tgb.ALIGN * len(slices[(d, c)])
+
+
+@_settings
+@given(_tgb(), st.sampled_from([TRAILER_BYTES, 40, 100, 1000, 10**6]))
+def test_the_footer_is_read_with_any_suffix_size(case, suffix_bytes) -> None:
+    slices, step, dp, cp = case
+    obj = bytes(tgb.encode_tgb(slices, step=step, dp=dp, cp=cp))
+    want = tgb.load_footer(_Fetcher(obj), object_size=len(obj), step=step, suffix_bytes=TRAILER_BYTES)
+    fetch = _Fetcher(obj)
+    assert tgb.load_footer(fetch, object_size=len(obj), step=step, suffix_bytes=suffix_bytes) == want
+    tail = TRAILER_BYTES + want_footer_length(obj)
+    assert len(fetch.calls) == (1 if tail <= max(suffix_bytes, TRAILER_BYTES) else 2)
+
+
+def want_footer_length(obj: bytes) -> int:
+    return tgb.read_trailer(obj[-TRAILER_BYTES:], object_size=len(obj)).footer_length
 
 
 def test_decoded_arrays_are_views_of_the_fetched_bytes() -> None:

@@ -13,28 +13,36 @@ it; moto's state is reset between points. Every point starts on an empty store.
 Kinds of record (field `kind`):
 
 - `commit`, per store, policy (`--policies`, default every one of `journal.policy.POLICIES`)
-  and producer count (`--producers`, default 8,32,64). Producers are threads of this process,
-  each with its own `ManifestStore` and `commit.Producer` (registered one after another before
-  the clock starts). Each builds synthetic TGBs of `--payload-kb` (default 100) over a
-  logical world of 32 slices, one every `--build-ms` (default 20: the preprocessing, slept, so
-  it costs no CPU here), writes the object (`tgb/<step>.tgb`), adds it and attempts commits while
-  the policy says so (a policy with no gap retries a conflict at once). Producer i builds steps
-  first + i, first + i + P, ... (disjoint). The manifest starts pre-grown with
+  and producer count (`--producers`, default 32 as in the paper's Figure 7; 8,32,64 for the
+  sweep). Producers are threads of this process, each with its own `ManifestStore` and
+  `commit.Producer` (registered one after another before the clock starts). Each builds
+  synthetic TGBs of `--payload-kb` (default 100) over a logical world of 32 slices, one every
+  `--build-ms` (default 20: the preprocessing, slept, so it costs no CPU here), writes the object
+  (`tgb/<step>.tgb`), adds it and attempts commits while the policy says so (a policy with no
+  gap retries a conflict at once; every attempt carries every pending step). Producer i builds
+  steps first + i, first + i + P, ... (disjoint). The manifest starts pre-grown with
   `--pregrown-steps` (default 2,000) committed steps in one checkpoint version, standing in for
-  the paper's five hours of growth, and grows over the run. Counted are the attempts that end in
-  the `--duration-s` window (default 4) after `--warmup-s` (default 2): steps committed in the
-  window are its throughput (steady state: the backlog carried in balances the one left out).
+  the paper's five hours of growth, and grows over the run.
+  Steady state, measured by cycles rather than fixed seconds: the warm-up lasts until every
+  producer has completed `--warmup-attempts` attempts (default 2; at least `--warmup-s`, default
+  1, at most `--max-warmup-s`, default 40), so each policy has adapted; the attempt cycle is then
+  the median over producers of the time between their last two attempts, and the measured
+  window lasts `--cycles` (default 5) cycles, within [`--duration-s`, `--max-duration-s`]
+  (default 4, 60). Counted are the attempts that end in the window; the steps they commit are
+  its throughput (the backlog carried in balances the one left out).
   Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won / puts
   tried), committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first attempt
   of a batch to the end of the attempt that committed it, retries and gaps included),
   step_visible_latency_s (mean, object written to step committed), attempts, conflicts,
   errors (storage failures, counted as failed attempts), commits, steps_committed,
-  offered_mb_per_s (what the producers wrote), fragile_window_s (mean), gap_s (the policy's
-  wait after an attempt, mean: DAC's g* (1 + xi); beside --duration-s it says how many cycles a
-  producer completes in the window), manifest_versions
-  (committed in the window), manifest_version_end, exactly_once (every step committed once,
-  by its builder), cpu_util (this process's CPU seconds per second: 2.0 is both cores),
-  paper_commit_success_rate and paper_committed_mb_per_s (Figure 7, at 32 producers only).
+  offered_mb_per_s (what the producers wrote), fragile_window_s (mean, from the read that
+  found the current version to the end of the put), gap_s (the policy's wait after an attempt,
+  mean: DAC's g* (1 + xi)), cycle_s (the attempt cycle seen at the end of the warm-up),
+  warmup_s, measured_s (the window's length), attempts_per_producer (in the window),
+  manifest_versions (committed in the window), manifest_version_start, manifest_version_end,
+  exactly_once (every step committed once, by its builder), cpu_util (this process's CPU
+  seconds per second: 2.0 is both cores), paper_commit_success_rate and
+  paper_committed_mb_per_s (Figure 7, at 32 producers only).
 - `read`, per store, world (`--worlds`, default 8,32,128) and read (`slice`, `dense`): steps of
   a world of world / `--read-cp` x `--read-cp` slices of `--slice-kb` (default 100) each are
   committed, then ranks (evenly spaced, at most `--read-ranks`, default 32) read their slice of
@@ -147,9 +155,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stores", type=_names(STORES), default=list(STORES), help="stores to run on (default local,s3)")
     add("--policies", type=_names(sorted(POLICIES)), default=list(PAPER_FIGURE7)[::-1],
         help="commit policies (default naive,fixed10,fixed100,aimd,incr,dac)")
-    add("--producers", type=_int_list, default=[8, 32, 64], help="producer counts (default 8,32,64)")
-    add("--duration-s", type=float, default=4.0, help="measured seconds per commit point (default 4)")
-    add("--warmup-s", type=float, default=2.0, help="unmeasured seconds before it (default 2)")
+    add("--producers", type=_int_list, default=[32],
+        help="producer counts (default 32, the paper's Figure 7; e.g. 8,32,64 for the sweep)")
+    add("--duration-s", type=float, default=4.0, help="least measured seconds per commit point (default 4)")
+    add("--cycles", type=float, default=5.0,
+        help="measured attempt cycles per producer: the window is at least this many of the cycles seen in the "
+             "warm-up (default 5)")
+    add("--max-duration-s", type=float, default=60.0, help="most measured seconds per commit point (default 60)")
+    add("--warmup-s", type=float, default=1.0, help="least unmeasured seconds before the window (default 1)")
+    add("--warmup-attempts", type=positive_int, default=2,
+        help="attempts every producer completes before the window opens (default 2: the policy has adapted)")
+    add("--max-warmup-s", type=float, default=40.0, help="most unmeasured seconds before the window (default 40)")
     add("--payload-kb", type=positive_int, default=100, help="KB per TGB in the commit and storage runs (default 100)")
     add("--build-ms", type=float, default=20.0, help="ms each producer spends building a TGB, slept (default 20)")
     add("--pregrown-steps", type=int, default=2000, help="committed steps the manifest starts with (default 2,000)")
@@ -185,6 +201,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     """
     if not args.duration_s > 0 or not args.warmup_s >= 0 or args.build_ms < 0 or args.pregrown_steps < 0:
         raise ValueError("--duration-s must be > 0; --warmup-s, --build-ms and --pregrown-steps must be >= 0")
+    if not args.max_duration_s >= args.duration_s or not args.max_warmup_s >= args.warmup_s or not args.cycles >= 0:
+        raise ValueError("--max-duration-s must be >= --duration-s, --max-warmup-s >= --warmup-s, --cycles >= 0")
     if args.max_lag <= args.checkpoint_every * args.live_checkpoints:
         raise ValueError(f"--max-lag {args.max_lag} must exceed --checkpoint-every x --live-checkpoints "
                          f"({args.checkpoint_every * args.live_checkpoints}): the producer would wait for a checkpoint "
@@ -411,6 +429,7 @@ class _Tally:
     visible: list[float] = dataclasses.field(default_factory=list)
     windows: list[float] = dataclasses.field(default_factory=list)
     gaps: list[float] = dataclasses.field(default_factory=list)
+    ends: list[float] = dataclasses.field(default_factory=list)  # every attempt's end, warm-up included
     failure: BaseException | None = None
 
 
@@ -438,9 +457,9 @@ def _commit_point(store: str, storage: Storage, *, policy: str, producers: int, 
                      policy=make_policy(policy, random=random.Random(args.seed * 1000 + i).random))
         p.register()
         team.append(p)
-    start = time.monotonic() + 0.05
-    window = (start + args.warmup_s, start + args.warmup_s + args.duration_s)
+    window = _Window()
     tallies = [_Tally() for _ in team]
+    start = time.monotonic() + 0.05
     threads = [threading.Thread(target=_produce, name=f"producer-{i}", daemon=True,
                                 args=(storage, p, tallies[i]),
                                 kwargs=dict(first=args.pregrown_steps + i, stride=producers, start=start, window=window,
@@ -451,6 +470,7 @@ def _commit_point(store: str, storage: Storage, *, policy: str, producers: int, 
     version_start = team[0].store.latest().version
     for t in threads:
         t.start()
+    cycle_s = _open_window(window, tallies, start=start, args=args)
     for t in threads:
         t.join()
     cpu = time.process_time() - cpu
@@ -464,42 +484,81 @@ def _commit_point(store: str, storage: Storage, *, policy: str, producers: int, 
     ) and len(mine) == sum(len(t.steps) for t in tallies)
     attempts = sum(t.attempts for t in tallies)
     commits = sum(t.commits for t in tallies)
+    measured = window.end - window.start
     paper = PAPER_FIGURE7.get(policy) if producers == 32 else None
     return {
         "kind": "commit", "store": store, "policy": policy, "producers": producers, "payload_kb": args.payload_kb,
         "commit_success_rate": commits / attempts if attempts else 0.0,
-        "committed_mb_per_s": sum(t.bytes for t in tallies) / _MB / args.duration_s,
+        "committed_mb_per_s": sum(t.bytes for t in tallies) / _MB / measured,
         "commit_latency_s": _mean([x for t in tallies for x in t.latencies]),
         "step_visible_latency_s": _mean([x for t in tallies for x in t.visible]),
         "attempts": attempts, "conflicts": sum(t.conflicts for t in tallies), "errors": sum(t.errors for t in tallies),
         "commits": commits, "steps_committed": len(mine),
-        "offered_mb_per_s": sum(t.written_bytes for t in tallies) / _MB / args.duration_s,
+        "offered_mb_per_s": sum(t.written_bytes for t in tallies) / _MB / measured,
         "fragile_window_s": _mean([x for t in tallies for x in t.windows]),
         "gap_s": _mean([x for t in tallies for x in t.gaps]),
+        "cycle_s": cycle_s, "warmup_s": window.start - start, "measured_s": measured,
+        "attempts_per_producer": attempts / producers,
         "manifest_versions": commits, "manifest_version_start": version_start, "manifest_version_end": final.version,
-        "exactly_once": exactly_once, "cpu_util": cpu / (args.warmup_s + args.duration_s),
+        "exactly_once": exactly_once, "cpu_util": cpu / (window.end - start),
         "paper_commit_success_rate": paper[0] if paper else None,
         "paper_committed_mb_per_s": paper[1] if paper else None,
     }
 
 
+class _Window:
+    """The measured window [start, end) in monotonic seconds, set by the coordinator once the
+    producers have warmed up (both inf until then); the producer threads read it."""
+
+    def __init__(self) -> None:
+        self.start = float("inf")
+        self.end = float("inf")
+
+
+def _open_window(window: _Window, tallies: list[_Tally], *, start: float, args: argparse.Namespace) -> float:
+    """Waits out the warm-up, then opens the measured window; returns the attempt cycle seen.
+
+    The warm-up lasts at least --warmup-s and until every producer has completed
+    --warmup-attempts attempts (at most --max-warmup-s): by then each policy has adapted (DAC's
+    first attempt, with no window measured yet, has no gap). The cycle is the median over the
+    producers of the time between their last two attempts; the window lasts --cycles of them,
+    within [--duration-s, --max-duration-s], so a policy with long gaps is measured over
+    several of its cycles and not over a fraction of one.
+    """
+    while True:
+        now = time.monotonic()
+        warm = all(len(t.ends) >= args.warmup_attempts for t in tallies)
+        if now >= start + args.max_warmup_s or (warm and now >= start + args.warmup_s):
+            break
+        if any(t.failure is not None for t in tallies):
+            break
+        time.sleep(0.02)
+    intervals = sorted(t.ends[-1] - t.ends[-2] for t in tallies if len(t.ends) >= 2)
+    cycle_s = intervals[len(intervals) // 2] if intervals else now - start
+    length = min(args.max_duration_s, max(args.duration_s, args.cycles * cycle_s))
+    window.end = now + length
+    window.start = now
+    return cycle_s
+
+
 def _produce(storage: Storage, producer: Producer, tally: _Tally, *, first: int, stride: int, start: float,
-             window: tuple[float, float], build_s: float, slice_bytes: int, fill: np.ndarray) -> None:
-    """One producer thread: build, write and add a step every `build_s`, attempt while due."""
+             window: _Window, build_s: float, slice_bytes: int, fill: np.ndarray) -> None:
+    """One producer thread: build, write and add a step every `build_s`, attempt while due,
+    until the window closes."""
     try:
         step, next_at, built_at, batch_start = first, start, {}, None
-        while (now := time.monotonic()) < window[1]:
+        while (now := time.monotonic()) < window.end:
             if next_at > now:
-                time.sleep(min(next_at - now, window[1] - now))
+                time.sleep(min(next_at - now, window.end - now, 0.05))
                 continue
             next_at = max(next_at, now) + build_s
             data = _tgb(step, world=COMMIT_WORLD, slice_bytes=slice_bytes, fill=fill)
             producer.add(_write_step(storage, step, data))
             built_at[step] = (time.monotonic(), len(data))
-            if window[0] <= built_at[step][0] < window[1]:
+            if window.start <= built_at[step][0] < window.end:
                 tally.written_bytes += len(data)
             step += stride
-            while producer.pending and producer.due() and (begin := time.monotonic()) < window[1]:
+            while producer.pending and producer.due() and (begin := time.monotonic()) < window.end:
                 batch_start = begin if batch_start is None else batch_start
                 try:
                     attempt = producer.attempt()
@@ -507,7 +566,8 @@ def _produce(storage: Storage, producer: Producer, tally: _Tally, *, first: int,
                 except Unavailable:
                     attempt, won, fragile = None, False, time.monotonic() - begin
                 end = time.monotonic()
-                counted = window[0] <= end < window[1]
+                tally.ends.append(end)
+                counted = window.start <= end < window.end
                 if counted:
                     tally.attempts += 1
                     tally.windows.append(fragile)

@@ -35,7 +35,7 @@ from batchplane.core.storage import Storage
 from batchplane.journal.manifest import Fenced
 from batchplane.journal.retention import RetentionPolicy
 from batchplane.journal.slices import DataMesh
-from batchplane.journal.writer import JournalWriter, WriterStats
+from batchplane.journal.writer import JournalMismatch, JournalWriter, WriterStats
 from batchplane.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,9 @@ class JournalProducer:
                         return
                 except Fenced as exc:
                     log.error("producer %s is fenced (a newer process of its id runs): stopping: %s", self._id, exc)
+                    return
+                except JournalMismatch as exc:  # e.g. trainers resumed at another DP over this journal: they read it remapped
+                    log.error("producer %s cannot write this journal: %s; producing nothing", self._id, exc)
                     return
                 except Exception as exc:  # noqa: BLE001 - storage, planner or loaders: resume from the journal
                     if self._stop.is_set():

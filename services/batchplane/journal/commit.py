@@ -56,6 +56,7 @@ from batchplane.core.object_storage import check_conditional_puts
 from batchplane.core.storage import Storage
 from batchplane.journal.manifest import (
     Change,
+    CheckpointMismatch,
     Commit,
     CommitRefused,
     Fenced,
@@ -66,6 +67,7 @@ from batchplane.journal.manifest import (
     StepObject,
     VersionRecord,
     apply,
+    decode_next,
     decode_record,
     encode_record,
     rebase,
@@ -143,6 +145,8 @@ class ManifestStore:
         self._wall_clock = wall_clock
         self._state: ManifestState | None = None
         self._seen_at = -math.inf  # when the cached version was last seen to exist
+        self._probed_at = -math.inf  # when the read that found no newer version began
+        self._catch_up_s = 0.0  # of the last `latest`: seconds before the read that found the newest version
         if check_writes:
             try:
                 check_conditional_puts(storage)
@@ -155,6 +159,15 @@ class ManifestStore:
     def key(self, version: int) -> str:
         """The key of manifest version `version`."""
         return version_key(version, prefix=self.prefix)
+
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds the last `latest` spent before the read that found the newest version (the
+        probe for the version after it, which found none): reading and applying the versions
+        committed since the previous call. A put on the newest version can lose only to a
+        version committed after that read began, so a producer's fragile window starts there,
+        not at the catch-up."""
+        return self._catch_up_s
 
     @property
     def cached(self) -> ManifestState | None:
@@ -174,10 +187,14 @@ class ManifestStore:
             Unavailable: The storage cannot be reached, or versions kept vanishing under a
                 cold start.
         """
+        began = self._clock()
         if self._state is None:
-            return self._cold_start()
+            state = self._cold_start()
+            self._catch_up_s = max(0.0, self._probed_at - began)
+            return state
         known = self._state
         state = self._probe(known)
+        self._catch_up_s = max(0.0, self._probed_at - began)
         if state.version == known.version and state.version > 0 and self._clock() - self._seen_at > self.settings.confirm_after_s:
             if not self._exists(state.version):
                 log.info("manifest version %d was reclaimed under this reader; reading the manifest afresh", state.version)
@@ -249,11 +266,13 @@ class ManifestStore:
     def _probe(self, state: ManifestState) -> ManifestState:
         """Applies the versions after `state` until one is missing; caches the result."""
         while True:
+            asked = self._clock()
             try:
                 data = self.storage.get(self.key(state.version + 1))
             except NotFound:
+                self._probed_at = asked
                 break
-            state = _advance(state, decode_record(data, version=state.version + 1))
+            state = _advance_bytes(state, data)
             self._state = state
             self._seen_at = self._clock()
         self._state = state
@@ -340,6 +359,21 @@ def _advance(state: ManifestState, record: VersionRecord) -> ManifestState:
     return new
 
 
+def _advance_bytes(state: ManifestState, data: bytes) -> ManifestState:
+    """The state after the version object `data` that follows `state` (its change decoded and
+    applied; a checkpoint compared, not decoded)."""
+    try:
+        _, new = decode_next(data, state)
+    except CheckpointMismatch as exc:
+        raise FailedPrecondition(str(exc)) from exc
+    except CommitRefused as exc:
+        raise FailedPrecondition(
+            f"manifest version {state.version + 1} records a change that version {state.version} does not allow "
+            f"(a corrupt manifest or a writer that skipped the rules): {exc}"
+        ) from exc
+    return new
+
+
 @dataclass(frozen=True)
 class Attempt:
     """The outcome of one commit attempt.
@@ -352,7 +386,8 @@ class Attempt:
         committed: Steps this attempt made visible.
         already: Steps found committed by an earlier attempt of this producer.
         taken: Steps found committed by another producer (their objects here are orphans).
-        fragile_window_s: Seconds from reading the current version to the end of the put.
+        fragile_window_s: Seconds from the read that found the current version (the probe that
+            found no newer one) to the end of the put.
     """
 
     success: bool
@@ -436,6 +471,7 @@ class Producer:
             self._wait_gap()
             start = self._clock()
             base = self.store.latest()
+            start += self.store.catch_up_s
             try:
                 new = self.store.put(base, Register(self.producer_id))
             except Unavailable:
@@ -500,6 +536,9 @@ class Producer:
         self._check_live()
         start = self._clock()
         base = self.store.latest()
+        # The fragile window opens with the read that found `base` the newest version (catching
+        # up on the versions before it is not fragile: a version committed then is read too).
+        start += self.store.catch_up_s
         try:
             rebased = rebase(base, Commit(self.producer_id, self._epoch, tuple(self._pending)))
         except Fenced as exc:

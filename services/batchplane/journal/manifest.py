@@ -36,11 +36,13 @@ wrong types and out-of-range values are refused with `ManifestFormatError`, whic
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import functools
 import json
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +59,8 @@ FORMAT_VERSION = 1
 _PRODUCER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
 _MAX_KEY_CHARS = 1024
 _MAX_CHECKSUM_CHARS = 256
+_STEP = operator.attrgetter("entry.step")
+_PRODUCER = operator.attrgetter("producer")
 
 
 class ManifestFormatError(FailedPrecondition):
@@ -167,6 +171,13 @@ class CommittedStep:
     @property
     def step(self) -> int:
         return self.entry.step
+
+    @functools.cached_property
+    def _doc(self) -> dict[str, Any]:
+        """Its JSON document in `state_doc`, built once per object: the steps of a state are
+        shared by every later state of the same reader, so a checkpoint costs the new steps."""
+        return {"step": self.entry.step, "producer": self.producer, "version": self.version,
+                "objects": _objects_doc(self.entry.objects)}
 
 
 @dataclass(frozen=True)
@@ -281,31 +292,40 @@ class ManifestState:
     marks: tuple[MarkState, ...] = ()
 
     @functools.cached_property
-    def _steps_by_index(self) -> dict[int, CommittedStep]:
-        return {s.step: s for s in self.steps}
-
-    @functools.cached_property
     def _producers_by_id(self) -> dict[str, ProducerState]:
         return {p.producer: p for p in self.producers}
 
     @functools.cached_property
     def visible_through(self) -> int:
         """The highest step s such that every step <= s is committed (watermark - 1 if none
-        beyond the watermark): what consumers may read."""
-        expected = self.watermark
-        for committed in self.steps:
-            if committed.step != expected:
-                break
-            expected += 1
-        return expected - 1
+        beyond the watermark): what consumers may read.
+
+        O(log n): the steps are strictly increasing from at least the watermark, so
+        steps[i].step == watermark + i holds for a prefix of them and never after it."""
+        steps, watermark = self.steps, self.watermark
+        lo, hi = 0, len(steps)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if steps[mid].entry.step == watermark + mid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return watermark + lo - 1
+
+    def _index(self, step: int) -> int:
+        """The position of `step` in `steps`, or where it would go (binary search)."""
+        return bisect.bisect_left(self.steps, step, key=_STEP)
 
     def step(self, step: int) -> CommittedStep | None:
         """The committed step `step`, or None (not committed, or below the watermark)."""
-        return self._steps_by_index.get(step)
+        i = self._index(step)
+        if i < len(self.steps) and self.steps[i].entry.step == step:
+            return self.steps[i]
+        return None
 
     def is_committed(self, step: int) -> bool:
         """Whether `step` is committed (listed, or below the watermark)."""
-        return step < self.watermark or step in self._steps_by_index
+        return step < self.watermark or self.step(step) is not None
 
     def producer(self, producer: str) -> ProducerState | None:
         """The producer's state, or None if the id never registered."""
@@ -402,7 +422,7 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
                 Refusal.WATERMARK_PAST_MARK,
                 f"watermark {change.watermark} is past step {lowest}, which a live checkpoint's mark still needs",
             )
-        kept = tuple(s for s in state.steps if s.step >= change.watermark)
+        kept = state.steps[state._index(change.watermark):]
         return dataclasses.replace(state, version=version, watermark=change.watermark, steps=kept)
     if isinstance(change, Mark):
         _check_producer_id(change.mark, what="mark id")
@@ -430,7 +450,7 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
     if isinstance(change, Commit):
         producer = _check_commit(state, change)
         added = [CommittedStep(entry, change.producer, version) for entry in change.steps]
-        steps = tuple(sorted((*state.steps, *added), key=lambda s: s.step))
+        steps = _merged(state.steps, added)
         new = dataclasses.replace(producer, last_step=change.steps[-1].step, version=version)
         return dataclasses.replace(state, version=version, steps=steps, producers=_with_producer(state.producers, new))
     raise TypeError(f"not a manifest change: {type(change).__name__}")
@@ -521,9 +541,31 @@ def _check_commit(state: ManifestState, commit: Commit) -> ProducerState:
     return current
 
 
+def _merged(steps: tuple[CommittedStep, ...], added: Sequence[CommittedStep]) -> tuple[CommittedStep, ...]:
+    """`steps` with `added` (strictly increasing, none of them in `steps`) inserted in order:
+    O(k log n) comparisons for k added steps (the copy of the tuple is one C-level pass), where
+    a sort of every step cost O(n log n) Python calls per version."""
+    if not steps or added[0].entry.step > steps[-1].entry.step:
+        return steps + tuple(added)
+    out: list[CommittedStep] = []
+    prev = 0
+    for c in added:
+        i = bisect.bisect_left(steps, c.entry.step, lo=prev, key=_STEP)
+        out += steps[prev:i]
+        out.append(c)
+        prev = i
+    out += steps[prev:]
+    return tuple(out)
+
+
 def _with_producer(producers: tuple[ProducerState, ...], new: ProducerState) -> tuple[ProducerState, ...]:
-    others = [p for p in producers if p.producer != new.producer]
-    return tuple(sorted((*others, new), key=lambda p: p.producer))
+    """`producers` (sorted by id) with `new` in its place: a binary search, no sort."""
+    i = bisect.bisect_left(producers, new.producer, key=_PRODUCER)
+    if i < len(producers) and producers[i].producer == new.producer:
+        return (*producers[:i], new, *producers[i + 1:])
+    if any(a.producer >= b.producer for a, b in zip(producers, producers[1:])):  # not sorted: keep the old rule
+        return tuple(sorted((*(p for p in producers if p.producer != new.producer), new), key=_PRODUCER))
+    return (*producers[:i], new, *producers[i:])
 
 
 def _check_producer_id(producer: str, *, what: str = "producer id") -> None:
@@ -577,6 +619,59 @@ def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
         ManifestFormatError: Not JSON, another format or a newer format version, an unknown or
             missing field, a wrong type or value; naming the field.
     """
+    r, doc, record = _decode_head(data, version)
+    if doc["state"] is None:
+        return record
+    state = r.state(doc["state"], "state")
+    if state.version != record.version:
+        raise ManifestFormatError("state.version", f"is {state.version}, the record's version is {record.version}",
+                                  where=r.where)
+    return dataclasses.replace(record, state=state)
+
+
+def decode_next(data: bytes, base: ManifestState) -> tuple[VersionRecord, ManifestState]:
+    """Reads the object of version base.version + 1 and applies its change to `base`: what a
+    reader probing forward does, at the cost of the change alone. A checkpoint's whole state
+    is compared with the result as a JSON document (`state_doc`) rather than decoded.
+
+    Args:
+        data: The bytes of version base.version + 1.
+        base: The state of the version before it.
+
+    Returns:
+        The record (its `state` None: the result stands for it) and the state after it.
+
+    Raises:
+        ManifestFormatError: As `decode_record` (the checkpoint's state is checked only against
+            the result).
+        CommitRefused: `base` does not allow the change.
+        CheckpointMismatch: The record's checkpoint state is not the state its change leads to.
+    """
+    r, doc, record = _decode_head(data, base.version + 1)
+    new = apply(base, record.change)
+    if doc["state"] is not None and doc["state"] != state_doc(new):
+        raise CheckpointMismatch(record.version)
+    return record, new
+
+
+class CheckpointMismatch(FailedPrecondition):
+    """A checkpoint version whose whole state is not the state its change leads to (a corrupt
+    manifest).
+
+    Attributes:
+        version: The checkpoint's version.
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(
+            f"manifest version {version}: its checkpoint disagrees with the changes before it (a corrupt manifest)"
+        )
+
+
+def _decode_head(data: bytes, version: int | None) -> tuple[_Reader, dict[str, Any], VersionRecord]:
+    """Checks everything of a version object but its state: (reader, document, record
+    without state)."""
     where = "manifest version" if version is None else f"manifest version {version}"
     try:
         doc = json.loads(data)
@@ -602,25 +697,20 @@ def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
     if isinstance(written, bool) or not isinstance(written, (int, float)) or not math.isfinite(written):
         raise ManifestFormatError("written_at_s", f"must be a finite number, got {written!r}", where=where)
     change = r.change(doc["change"], "change")
-    state = None if doc["state"] is None else r.state(doc["state"], "state")
-    if state is not None and state.version != number:
-        raise ManifestFormatError("state.version", f"is {state.version}, the record's version is {number}", where=where)
-    return VersionRecord(version=number, change=change, written_at_s=float(written), state=state)
+    return r, doc, VersionRecord(version=number, change=change, written_at_s=float(written))
 
 
 def state_doc(state: ManifestState) -> dict[str, Any]:
     """The JSON document of a state (as a checkpoint version holds it); "marks" only when
-    there are live marks."""
+    there are live marks. The step documents are shared with the state's steps (built once
+    each): read them, do not change them."""
     doc: dict[str, Any] = {
         "version": state.version,
         "watermark": state.watermark,
         "producers": [
             {"id": p.producer, "epoch": p.epoch, "last_step": p.last_step, "version": p.version} for p in state.producers
         ],
-        "steps": [
-            {"step": s.step, "producer": s.producer, "version": s.version, "objects": _objects_doc(s.entry.objects)}
-            for s in state.steps
-        ],
+        "steps": [s._doc for s in state.steps],
     }
     if state.marks:
         doc["marks"] = [

@@ -26,11 +26,13 @@ the slice of their (dp, cp) coordinates. The object is laid out as
 So every byte of the object is covered by a check: a slice's bytes by its crc32, the footer's
 by the trailer's crc32, the trailer's by its magics, version, flags and the size equation.
 
-A reader that knows the object's size (the manifest records it) does one range read of the
-trailer (`trailer_range`, `read_trailer`), one of the footer (`footer_range`, `read_footer`)
-and then one per slice it needs (`Footer.slice`, `decode_slice`); `load_footer` and
-`load_slice` do the same through a `fetch(start, end)` callable such as
-`functools.partial(storage.get_range, key)`. Decoding treats the bytes as hostile: every
+A reader that knows the object's size (the manifest records it) reads the trailer
+(`trailer_range`, `read_trailer`), the footer (`footer_range`, `read_footer`) and then one
+range per slice it needs (`Footer.slice`, `decode_slice`); `load_footer` and `load_slice` do
+so through a `fetch(start, end)` callable such as `functools.partial(storage.get_range, key)`,
+`load_footer(..., suffix_bytes=FOOTER_SUFFIX_BYTES)` with one suffix read of the object's last
+bytes (a start computed from the size), which holds trailer and footer unless the footer is
+larger. Decoding treats the bytes as hostile: every
 offset and length is checked against the object's size, unknown dtypes, bad shapes, overlaps,
 bad magic, version or checksum are refused with `CorruptTGB` naming the field. Decoded arrays
 are views of the fetched bytes (np.frombuffer, no copy): read-only when given bytes, writable
@@ -54,6 +56,9 @@ from batchplane.core.errors import InvalidArgument
 #: Leading magic of the trailer, and its trailing magic.
 MAGIC = b"BPTG"
 END_MAGIC = b"GTPB"
+#: Bytes of `load_footer`'s first (suffix) read: the trailer and a footer of up to about 50
+#: slices in one request.
+FOOTER_SUFFIX_BYTES = 8192
 #: The format version this module writes and the only one it reads.
 FORMAT_VERSION = 1
 #: The footer's "format" value.
@@ -410,14 +415,21 @@ def decode_tgb(data: bytes | bytearray | memoryview, *, step: int | None = None)
     return {(e.dp, e.cp): decode_slice(view[e.offset : e.offset + e.length], e) for e in footer.slices}
 
 
-def load_footer(fetch: Callable[[int, int], bytes], *, object_size: int, step: int | None = None) -> Footer:
-    """Reads a TGB's footer with two range reads: the trailer, then the footer.
+def load_footer(fetch: Callable[[int, int], bytes], *, object_size: int, step: int | None = None,
+                suffix_bytes: int = TRAILER_BYTES) -> Footer:
+    """Reads a TGB's footer with one suffix range read of the object's last `suffix_bytes`
+    (trailer and footer, when the footer fits), or a second read of the rest of the footer.
+    The default reads the trailer alone, then the footer (two reads); `FOOTER_SUFFIX_BYTES`
+    saves the second for footers of up to about 50 slices.
 
     Args:
         fetch: Returns bytes [start, end) of the object (e.g. a bound `Storage.get_range`);
             a short answer is refused, not retried.
         object_size: The object's size, as the manifest records it.
         step: The step the manifest says it is; None skips that check.
+        suffix_bytes: Bytes of the first read (at least the trailer, at most the object):
+            larger saves the second read for larger footers, at the price of fetching slice
+            bytes for smaller ones. TRAILER_BYTES (the default) reads the trailer alone.
 
     Returns:
         The footer, checked (cache it: it is immutable, like the object).
@@ -426,9 +438,18 @@ def load_footer(fetch: Callable[[int, int], bytes], *, object_size: int, step: i
         CorruptTGB: anything `read_trailer` or `read_footer` refuses.
     """
     start, end = trailer_range(object_size)
-    trailer = read_trailer(fetch(start, end), object_size=object_size)
+    first = max(start - max(0, suffix_bytes - TRAILER_BYTES), 0)
+    suffix = fetch(first, end)
+    if len(suffix) != end - first:
+        raise CorruptTGB("trailer", f"expected {end - first} bytes, got {len(suffix)} (truncated object?)")
+    view = memoryview(suffix)
+    trailer = read_trailer(view[start - first:], object_size=object_size)
     lo, hi = footer_range(trailer)
-    return read_footer(fetch(lo, hi) if hi > lo else b"", trailer, step=step)
+    if hi <= lo:
+        return read_footer(b"", trailer, step=step)
+    if lo >= first:
+        return read_footer(view[lo - first: hi - first], trailer, step=step)
+    return read_footer(fetch(lo, first) + bytes(view[: hi - first]), trailer, step=step)
 
 
 def load_slice(fetch: Callable[[int, int], bytes], footer: Footer, *, dp: int, cp: int) -> dict[str, np.ndarray]:

@@ -147,11 +147,15 @@ def read_header(storage: Storage, prefix: str) -> JournalHeader:
     return JournalHeader.decode(storage.get(key), where=f"journal header {key!r} in {storage.describe()}")
 
 
+class JournalMismatch(FailedPrecondition):
+    """The journal was opened for another job, mesh or token columns: writing on cannot help."""
+
+
 def claim_header(storage: Storage, prefix: str, header: JournalHeader) -> JournalHeader:
     """Creates the journal's header, or checks that the existing one is `header`.
 
     Raises:
-        FailedPrecondition: The journal was opened for another job, mesh or token columns.
+        JournalMismatch: The journal was opened for another job, mesh or token columns.
     """
     if storage.put_if_absent(header_key(prefix), header.encode()):
         return header
@@ -161,7 +165,7 @@ def claim_header(storage: Storage, prefix: str, header: JournalHeader) -> Journa
             f"{name} {getattr(found, name)!r} (this writer: {getattr(header, name)!r})"
             for name in ("job", "mesh", "token_names") if getattr(found, name) != getattr(header, name)
         ]
-        raise FailedPrecondition(
+        raise JournalMismatch(
             f"the journal at {prefix or '/'} in {storage.describe()} was opened with {', '.join(diffs)}; "
             "a journal holds one job written for one mesh: use another prefix"
         )
