@@ -171,6 +171,7 @@ RPCS = [
     Rpc("Constructor", "Report", common_pb2.ReportRequest, False, "constructor", ("trainer",), None, _never),
     Rpc("Constructor", "GetLength", constructor_pb2.GetLengthRequest, False, "constructor", ("trainer",), None, _if_wait_ms,
         _wait_ms(negative=True, zero=True), examples=14),
+    Rpc("Constructor", "MarkCheckpoint", constructor_pb2.MarkCheckpointRequest, False, "constructor", ("trainer",), None, _never, examples=14),
 ]
 BY_NAME = {str(rpc): rpc for rpc in RPCS}
 
@@ -313,7 +314,7 @@ def _fetch_samples(draw: st.DrawFn, facts: JobFacts) -> Message:
 def aim(rpc: Rpc, request: Message, part: int, facts: JobFacts, data: st.DataObject) -> None:
     """Points `request` at the part it goes to (`part`: its index): a rank that constructor
     serves, a source that loader serves."""
-    if str(rpc) == "Constructor.GetBatch":
+    if str(rpc) in ("Constructor.GetBatch", "Constructor.MarkCheckpoint"):
         request.rank = data.draw(st.sampled_from(facts.constructor_ranks[part]))
     elif str(rpc) == "Loader.GetSummary":
         request.source = data.draw(st.sampled_from(facts.loader_sources[part]))
@@ -351,6 +352,10 @@ def typical_requests(rpc: Rpc, facts: JobFacts) -> st.SearchStrategy[Message]:
         ),
         "Constructor.Report": lambda: st.builds(common_pb2.ReportRequest, step=_steps(facts), losses=_losses(facts)),
         "Constructor.GetLength": lambda: st.builds(constructor_pb2.GetLengthRequest, wait_ms=st.integers(0, WAIT_CAP_MS)),
+        "Constructor.MarkCheckpoint": lambda: st.builds(
+            constructor_pb2.MarkCheckpointRequest, step=_steps(facts),
+            rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
+        ),
     }[str(rpc)]()
 
 

@@ -19,7 +19,11 @@ count, default 2); each record is one run, `summarize_samples` gives the medians
   token, -100 on each row's last token and on padding; attention_mask; position_ids). Ranks are
   not in lockstep (no collective per step).
 
-Record fields: system (batchplane | dataloader), ranks, samples, seconds, samples_per_s,
+With `--journal`, a third system, batchplane-journal: the same job with `batch.delivery:
+journal` (a producer commits every step to the journal in the run folder; each pod's constructor
+reads its ranks' slices from there), its producer's CPU counted with the rest.
+
+Record fields: system (batchplane | dataloader | batchplane-journal), ranks, samples, seconds, samples_per_s,
 cpu_s_per_1k_samples, processes. Times run from the first batch to the last: batchplane's
 ranks are in lockstep, so from the step 0 the first rank received; the DataLoader's ranks each
 wait after their first step until all have one (start-up behind them, the workers prefetching).
@@ -52,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-repeats", type=positive_int, default=2, help="Part B: runs of each system per rank count, alternating (default 2)")
     parser.add_argument("--loaders", type=positive_int, default=2, help="Part B: batchplane loader groups (default 2)")
     parser.add_argument("--ranks-per-constructor", type=positive_int, default=8, help="Part B: ranks a batchplane constructor serves (default 8)")
+    parser.add_argument("--journal", action="store_true", help="Part B: also run batchplane with journal delivery (batch.delivery: journal)")
 
 
 def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callable[[str], None]) -> list[dict]:
@@ -64,13 +69,14 @@ def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callab
         if args.global_batch % (ranks * args.dp_microbatches):
             raise ValueError(f"--global-batch {args.global_batch} must be a multiple of ranks x --dp-microbatches = {ranks * args.dp_microbatches}")
         for repeat in range(args.sample_repeats):
-            for system in ("batchplane", "dataloader"):
+            for system in ("batchplane", "dataloader", *(["batchplane-journal"] if getattr(args, "journal", False) else [])):
                 progress(f"{system}, {ranks} ranks, run {repeat + 1} of {args.sample_repeats}")
                 where = folder / f"{system}-{ranks}-{repeat}"
-                if system == "batchplane":
+                if system.startswith("batchplane"):
                     record = run_batchplane(
                         where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches,
                         loaders=args.loaders, ranks_per_constructor=min(args.ranks_per_constructor, ranks),
+                        delivery="journal" if system == "batchplane-journal" else "stream",
                     )
                 else:
                     record = run_dataloader(where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches)
@@ -91,13 +97,14 @@ def summarize_samples(records: list[dict]) -> dict:
                 key: round(statistics.median(r[key] for r in records if r.get("system") == system and r["ranks"] == ranks), 5)
                 for key in ("samples_per_s", "cpu_s_per_1k_samples")
             }
-            for system in ("batchplane", "dataloader")
+            for system in ("batchplane", "dataloader", "batchplane-journal")
             if any(r.get("system") == system and r["ranks"] == ranks for r in records)
         }
-        if len(medians) == 2:
-            medians["batchplane_over_dataloader"] = {
-                key: round(medians["batchplane"][key] / medians["dataloader"][key], 4) for key in ("samples_per_s", "cpu_s_per_1k_samples")
-            }
+        for system in ("batchplane", "batchplane-journal"):
+            if system in medians and "dataloader" in medians:
+                medians[f"{system.replace('-', '_')}_over_dataloader"] = {
+                    key: round(medians[system][key] / medians["dataloader"][key], 4) for key in ("samples_per_s", "cpu_s_per_1k_samples")
+                }
         out[str(ranks)] = medians
     return out
 
@@ -147,9 +154,11 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
 
 
 def run_batchplane(
-    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, microbatches: int, loaders: int, ranks_per_constructor: int
+    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, microbatches: int, loaders: int, ranks_per_constructor: int,
+    delivery: str = "stream",
 ) -> dict:
-    """One run of a batchplane job at `ranks` ranks with the stand-in trainer."""
+    """One run of a batchplane job at `ranks` ranks with the stand-in trainer (`delivery`:
+    stream, or journal)."""
     from batchplane.bench.jobs import start_trainer, write_job
     from batchplane.launcher.local import LocalCluster
 
@@ -157,7 +166,7 @@ def run_batchplane(
         folder, f"delivery-{ranks}", data, ranks=ranks, batch=batch, loaders={"count": loaders},
         constructors={"ranks_per_constructor": ranks_per_constructor}, network={"tls": False},
     )
-    _set_microbatches(config, microbatches)
+    _set_microbatches(config, microbatches, delivery=delivery)
     steps_path = folder / "steps.jsonl"
     with LocalCluster(config) as cluster:
         trainer = start_trainer(cluster, range(ranks), step_seconds=0, out=steps_path)
@@ -180,14 +189,15 @@ def run_batchplane(
     start = min(s["received"] for s in first.values())
     end = max(s["received"] for s in steps)
     samples = sum(len(s["samples"]) for s in steps) - sum(len(s["samples"]) for s in first.values())
-    return _record("batchplane", ranks, samples, end - start, cpu_at_last, cpu_at_first)
+    return _record("batchplane" if delivery == "stream" else f"batchplane-{delivery}", ranks, samples, end - start, cpu_at_last, cpu_at_first)
 
 
-def _set_microbatches(config: pathlib.Path, microbatches: int) -> None:
+def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str = "stream") -> None:
     import yaml
 
     job = yaml.safe_load(config.read_text())
     job["batch"]["microbatches"] = microbatches
+    job["batch"]["delivery"] = delivery
     config.write_text(yaml.safe_dump(job))
 
 
