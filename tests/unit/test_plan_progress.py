@@ -264,3 +264,37 @@ def test_a_request_told_to_wait_moves_the_window_once_however_long_it_waits() ->
         plan_through(p, p.limit + 1)
         assert p.ask(0, 10**9, delivered_below=10**9, again=True) == Ahead(7)
     assert p.consumed_below == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.sampled_from(["ask", "far", "rewind", "plan", "heartbeat"]), st.integers(0, 2), st.integers(0, 30)), max_size=60
+    )
+)
+def test_a_served_step_survives_the_drop_of_consumed_plans_whatever_was_claimed_before(events: list) -> None:
+    """The driver drops the plans below `consumed_below` right after each decision. A claim of
+    delivery recorded earlier by a request told to wait (a far step, as attack a sends) may have
+    moved `consumed_below` past a step nobody asked for since: a request for that step must then
+    be re-planned, not served from a plan about to be dropped (the planner waited for it for
+    ever: tests/unit/test_planner_request_bounds.py, one run in four)."""
+    p = started(3, horizon=0, lead=4)
+    asked = {c: 0 for c in range(3)}
+    for kind, c, step in events:
+        if kind == "plan":
+            plan_through(p, min(p.next_to_plan + step % 4, max(p.limit or 0, 0)))
+        elif kind == "heartbeat":
+            p.delivered(c, min(step, asked[c]))
+        else:
+            if kind == "far":
+                step = 10**9
+            rewind = kind == "rewind"
+            decision = p.ask(c, step, delivered_below=min(step, asked[c]) if rewind else step, rewind=rewind)
+            if isinstance(decision, Ahead):
+                continue  # the driver gives up on it without dropping anything (Unavailable)
+            asked[c] = step if rewind else max(asked[c], step)
+            p.forget_consumed()
+            if isinstance(decision, Replan):
+                assert decision.step == step and p.next_to_plan == step
+            else:
+                assert p.kept(step) or step >= p.next_to_plan, (step, p.consumed_below, p.next_to_plan)

@@ -22,8 +22,7 @@ What it changes in Hugging Face's loop (transformers 5.24; `trainer.py`'s `_run_
   into every checkpoint folder as `batchplane_data.json`; `train(resume_from_checkpoint=...)`
   loads it into every rank's client before iterating, and Hugging Face never skips batches itself
   (`ignore_data_skip` is forced on): the client resumes at the checkpoint's step, also against a
-  data plane that kept running past it (it rewinds). Once a checkpoint is saved, every rank
-  tells the data plane (`Client.checkpointed`): journal delivery then keeps its steps.
+  data plane that kept running past it (it rewinds).
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from batchplane.client.client import Client
-from batchplane.client.errors import DataPlaneError
 from batchplane.client.hf import HF_IGNORE_INDEX, PACKED_ATTENTION, causal_lm_inputs
 
 __all__ = ["DATA_STATE_NAME", "Trainer", "loss_normalizer"]
@@ -371,24 +369,11 @@ class Trainer(transformers.Trainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Hugging Face's checkpoint, with the client's state written first (by the processes
         that save, rank 0), so every checkpoint with a trainer state has the data's too."""
-        state = self.data.state_dict()
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, DATA_STATE_NAME)
             with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(state, f)
+                json.dump(self.data.state_dict(), f)
             os.replace(path + ".tmp", path)
         super()._save_checkpoint(model, trial)
-        self._mark_checkpoint(state)
-
-    def _mark_checkpoint(self, state: Mapping[str, Any]) -> None:
-        """After a save, on every rank: `Client.checkpointed` (journal delivery keeps the
-        checkpoint's steps); a failure is logged, the pod's earlier mark holds (keeps more)."""
-        checkpointed = getattr(self.data, "checkpointed", None)
-        if checkpointed is None:
-            return
-        try:
-            checkpointed(state)
-        except DataPlaneError as exc:
-            log.warning("the checkpoint at step %s was saved but not marked in the data plane: %s", state.get("next_step"), exc)

@@ -143,7 +143,11 @@ class PlanProgress:
             if step > limit:
                 return Ahead(limit)
         latest = self._asked.get(constructor, step)
-        replan = step < self._kept[0]
+        # Against the plans kept once those every constructor was handed are dropped (the
+        # driver drops them after this decision): a claim recorded earlier (a far request told
+        # to wait) may already have moved `consumed_below` past this step.
+        lo, hi = self._kept
+        replan = step < min(max(self.consumed_below, lo), hi)
         if step < self.start and not rewind:
             raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
         if replan and step < self.horizon:
