@@ -188,6 +188,23 @@ def test_a_restarted_constructor_may_ask_again_from_what_its_ranks_were_handed()
     assert isinstance(p.ask(1, 5, delivered_below=5), Serve)
 
 
+
+def test_a_rewind_through_a_restarted_constructor_lowers_what_it_handed() -> None:
+    """A trainer restarts from an older checkpoint through a constructor that restarted too
+    (a whole pod): its first request is a rewind the planner has no earlier request to compare
+    with. The plans from the restore point must stay kept, not be dropped for a claim of
+    delivery made before the restart."""
+    p = started()
+    plan_through(p, 9)
+    p.ask(0, 8, delivered_below=8)
+    p.ask(1, 5, delivered_below=5)
+    assert p.restarted(0) == 8
+    assert isinstance(p.ask(0, 6, delivered_below=6, rewind=True), Serve)
+    p.ask(1, 8, delivered_below=8)
+    assert p.consumed_below == 6, "the rewound ranks still need steps 6 and 7"
+    assert list(p.forget_consumed()) == list(range(6))
+    assert isinstance(p.ask(0, 7, delivered_below=7), Serve), "served from the kept plan, not re-planned"
+
 @settings(max_examples=200, deadline=None)
 @given(
     events=st.lists(

@@ -132,17 +132,16 @@ class PlanProgress:
         if self.start is None:
             return Start()
         below = min(delivered_below, self.next_to_plan)
-        limit = self.limit
-        if limit is not None and step > limit:
+        lead = self._lead
+        if lead is not None and step > self.consumed_below + lead:
             # What its ranks were handed still counts, so the window can move for it: a
             # constructor that only ever asks ahead (restarted while the planner was, its ranks
             # past the planner's restart) would otherwise hold it where it is for good.
             if not again:
                 self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
-                limit = self.limit
-            if step > limit:
-                return Ahead(limit)
-        latest = self._asked.get(constructor, step)
+            if step > self.consumed_below + lead:
+                return Ahead(self.consumed_below + lead)
+        latest = self._asked.get(constructor)  # None: restarted (or new) since it last asked
         # Against the plans kept once those every constructor was handed are dropped (the
         # driver drops them after this decision): a claim recorded earlier (a far request told
         # to wait) may already have moved `consumed_below` past this step.
@@ -152,11 +151,13 @@ class PlanProgress:
             raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
         if replan and step < self.horizon:
             raise rewind_refused(step, self.horizon)
-        if replan or (rewind and step < latest):  # its ranks need the steps from `step` again
+        # A rewind from a constructor that restarted since it last asked is one too: what it was
+        # believed to have handed (kept across its restart) no longer holds for its ranks.
+        if replan or (rewind and (latest is None or step < latest)):  # its ranks need the steps from `step` again
             self._asked[constructor] = step
             self._delivered[constructor] = min(self._delivered.get(constructor, step), below, step)
         else:
-            self._asked[constructor] = max(latest, step)
+            self._asked[constructor] = step if latest is None else max(latest, step)
             self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
         if not replan:
             return Serve()
