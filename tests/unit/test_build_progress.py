@@ -1,5 +1,7 @@
 """The constructor's build rules (`constructor.progress.BuildProgress`): start, serve, rewind,
-prefetch, ranks that never ask, and builds that finish across a rewind. Pure: milliseconds."""
+prefetch, ranks that never ask, builds that finish across a rewind, what plan requests say, and
+rejoining a restarted planner. Pure: milliseconds. The last cases replay, as unit cases, the
+restart and rewind runs of tests/integration/test_restarts.py and test_rewind.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from batchplane.constructor.progress import BuildProgress
-from batchplane.core.errors import FailedPrecondition
+from batchplane.core.errors import FailedPrecondition, NotFound, Unavailable
 
 
 def build_all(p: BuildProgress, *, end: int | None = None) -> list[int]:
@@ -71,15 +73,15 @@ def test_a_rewind_to_a_held_batch_builds_again_from_the_first_missing_step() -> 
 def test_plan_requests_are_rewinds_up_to_what_the_planner_served_before_the_restart() -> None:
     p = BuildProgress((0,), prefetch_steps=2)
     p.ask(0, 0, restart=True)
-    assert p.plan_request(p.to_build())  # the restart's own step
+    assert p.plan_request(p.to_build()).rewind  # the restart's own step
     p.built(0, (0,), epoch=p.epoch)
-    assert not p.plan_request(p.to_build())
+    assert not p.plan_request(p.to_build()).rewind
     p.built(1, (0,), epoch=p.epoch)
-    assert not p.plan_request(p.to_build())
+    assert not p.plan_request(p.to_build()).rewind
     p.built(2, (0,), epoch=p.epoch)
     p.ask(0, 2)
     p.ask(0, 1, restart=True)
-    assert [p.plan_request(s) for s in (1, 2, 3, 4)] == [True, True, False, False]
+    assert [p.plan_request(s).rewind for s in (1, 2, 3, 4)] == [True, True, False, False]
 
 
 def test_a_rewind_before_the_oldest_step_the_planner_can_replan_is_refused_and_changes_nothing() -> None:
@@ -263,3 +265,144 @@ def test_a_producer_builds_only_its_own_steps_and_refuses_anothers() -> None:
     p.ask(1, 7)
     assert build_all(p) == [13]
     assert p.furthest_step() == 16
+
+
+def plan_all(p: BuildProgress, requests: list, *, end: int | None = None) -> None:
+    """As `build_all`, asking the planner for each step first (the requests go to `requests`)."""
+    while (step := p.to_build()) is not None:
+        requests.append(p.plan_request(step))
+        p.planned(0)
+        if end is not None and step >= end:
+            p.ended(step, epoch=p.epoch)
+        else:
+            p.built(step, p.ranks, epoch=p.epoch)
+
+
+def test_a_plan_request_carries_the_starting_ranks_fingerprints_only_for_the_start_step() -> None:
+    p = BuildProgress((0, 1), prefetch_steps=2)
+    p.ask(1, 4, restart=True, resume={"data": "f1"})
+    p.ask(0, 4, restart=True, resume={"data": "other"})  # building has started: not used
+    requests: list = []
+    plan_all(p, requests)
+    assert [(r.step, dict(r.resume)) for r in requests] == [(4, {"data": "f1"}), (5, {}), (6, {})]
+    assert [r.delivered_below for r in requests] == [4, 4, 4]
+    p.ask(0, 5)
+    p.ask(1, 6)
+    plan_all(p, requests)
+    assert [(r.step, r.delivered_below) for r in requests[3:]] == [(7, 5)]  # rank 0 has not been handed step 5 yet
+    assert p.prefetched() == 2  # steps 6 and 7 past rank 0's step 5
+
+
+def test_a_restarted_constructor_whose_ranks_lag_each_other_serves_both() -> None:
+    """test_restarts.test_a_restarted_constructor_serves_ranks_that_lag_each_other: killed while
+    rank 0 wanted step 8 and rank 1 step 6 (held), restarted with the oldest step either may ask
+    for (6, the planner says); rank 0 reaches it first."""
+    p = BuildProgress((0, 1), prefetch_steps=3, resume_step=6)
+    assert p.rejoin_step() is None  # not planned for yet: nothing to tell a restarted planner
+    asked = p.ask(0, 8, restart=True)
+    assert asked.started and p.start == 6
+    requests: list = []
+    plan_all(p, requests)
+    assert [r.step for r in requests] == [6, 7, 8, 9]  # rank 1 has not asked: it stands at the start
+    assert all(r.delivered_below == 6 for r in requests)  # loaders keep step 6 and later for rank 1
+    assert p.is_ready(0, 8) and p.rejoin_step() == 6
+    p.ask(1, 6)  # the held rank goes on: its step is there
+    assert p.is_ready(1, 6)
+    for step in (7, 8):
+        p.ask(1, step)
+        plan_all(p, requests)
+        assert p.is_ready(1, step)
+    assert p.rejoin_step() == 8 and requests[-1].delivered_below == 8
+
+
+def test_a_restarted_planner_is_rejoined_on_its_not_found_code_from_the_slowest_ranks_step() -> None:
+    """test_restarts, part "planner": the planner restarted and answers NotFound (its status
+    code) to a plan request; the constructor registers again from the step its slowest rank
+    waits for. Any other error, whatever its text, is retried or raised, never a rejoin."""
+    p = BuildProgress((0, 1), prefetch_steps=2)
+    p.ask(0, 3, restart=True)
+    p.ask(1, 3, restart=True)
+    plan_all(p, [])
+    p.ask(0, 4)
+    p.ask(0, 5)
+    assert p.rejoin_after(NotFound("constructor 0 has not registered")) == 3  # rank 1 is at 3
+    assert p.rejoin_after(NotFound("")) == 3
+    assert p.rejoin_after(Unavailable("constructor 0 has not registered")) is None
+    assert p.rejoin_after(FailedPrecondition("constructor 0 has not registered")) is None
+    p.ask(1, 5)
+    assert p.rejoin_after(NotFound("x")) == 5
+
+
+def test_ranks_rewinding_to_different_steps_at_different_moments_get_every_step_again() -> None:
+    """test_rewind.test_ranks_rewinding_to_different_steps_at_different_moments_...: both ranks
+    run to step 30; rank 0 restarts from its checkpoint at 10, rank 1 a little later from 20.
+    Each is served every step from its checkpoint on; the plan requests of steps the planner
+    served before are rewinds, those past them are not; loaders may release only below the
+    slowest rank's step."""
+    p = BuildProgress((0, 1), prefetch_steps=2)
+    requests: list = []
+    for step in range(31):
+        for rank in (0, 1):
+            p.ask(rank, step, restart=step == 0)
+            plan_all(p, requests)
+            assert p.is_ready(rank, step)
+    furthest = max(r.step for r in requests)
+    assert furthest == 32 and not any(r.rewind for r in requests[1:])
+    served: dict[int, list[int]] = {0: [], 1: []}
+    mark = len(requests)
+    asked = p.ask(0, 10, restart=True)
+    assert asked.rewound and p.next == 10
+    for step in range(10, 13):  # rank 0 trains three steps before rank 1 restarts
+        if step > 10:
+            p.ask(0, step)
+        plan_all(p, requests)
+        assert p.is_ready(0, step)
+        served[0].append(step)
+    p.ask(1, 20, restart=True)
+    at = {0: 12, 1: 20}
+    while min(at.values()) < 40:
+        for rank in (0, 1):
+            if at[rank] < 40 and p.is_ready(rank, at[rank]):
+                if not served[rank] or served[rank][-1] != at[rank]:
+                    served[rank].append(at[rank])
+                at[rank] += 1
+                p.ask(rank, at[rank])
+        plan_all(p, requests)
+    assert served[0] == list(range(10, 40)) and served[1] == list(range(20, 40))
+    again = requests[mark:]
+    assert [r.step for r in again] == list(range(10, 43))  # built again from step 10 on, each once
+    assert all(r.rewind == (r.step <= furthest) for r in again), [(r.step, r.rewind) for r in again]
+    assert again[0].delivered_below == 10  # rank 0 went back to step 10: the loaders keep it again
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    prefetch=st.integers(0, 3),
+    actions=st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 10)), max_size=60),
+)
+def test_a_step_planned_before_is_asked_again_only_as_a_rewind_and_releases_never_pass_a_rank(ranks: int, prefetch: int, actions: list) -> None:
+    """Ranks moving on or restarting anywhere they reached: the planner, which drops a
+    constructor's plans once it moved past them, is asked for a step again only with `rewind`;
+    `delivered_below` is never past a rank's step (loaders would free its samples); the
+    fingerprints go with the start step only."""
+    p = BuildProgress(range(ranks), prefetch_steps=prefetch)
+    at: dict[int, int] = {}
+    requests: list = []
+    for rank, restart, back in actions:
+        rank %= ranks
+        if rank in at and not restart:
+            if not p.is_ready(rank, at[rank]):
+                continue
+            at[rank] += 1
+        else:
+            at[rank] = max(min(at.get(rank, 0), p.furthest_step() if p.start is not None else 0) - back, 0)
+        p.ask(rank, at[rank], restart=restart or len(at) == 1, resume={"r": str(rank)})
+        planned = len(requests)
+        plan_all(p, requests)
+        for i in range(planned, len(requests)):
+            r = requests[i]
+            if any(q.step >= r.step for q in requests[:i]):
+                assert r.rewind, (r.step, [q.step for q in requests[:i]])
+            assert r.delivered_below <= min(at.values(), default=r.step) or len(at) < ranks
+            assert bool(r.resume) == (r.step == p.start)

@@ -242,7 +242,7 @@ def test_a_constructor_whose_loader_sends_a_huge_header_retries_and_builds_once_
     pipeline = StepPipeline(JOB, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel())
     loader = _Loader()
     pipeline._planner = _Planner()
-    pipeline._loader = lambda address: loader
+    pipeline._fetcher._loader = lambda address: loader
     try:
         with pytest.raises(Unavailable, match=r"loader at loader-0:1 sent a malformed response"):
             pipeline.batch(0, 0, timeout_s=1.5)

@@ -78,9 +78,10 @@ def payload_columns(draw) -> list[PayloadColumn]:
 
 
 @st.composite
-def step_samples(draw):
-    """(columns, tokens per sample, ground-truth values per column per sample, microbatch offsets)."""
-    columns = draw(payload_columns())
+def step_samples(draw, columns: list[PayloadColumn] | None = None):
+    """(columns, tokens per sample, ground-truth values per column per sample, microbatch offsets);
+    `columns` given: of those columns."""
+    columns = draw(payload_columns()) if columns is None else columns
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     counts = draw(st.lists(st.integers(0, 4), min_size=1, max_size=3))  # samples per microbatch; 0: a filler
     n = sum(counts)
@@ -383,7 +384,7 @@ def test_a_pipeline_builds_the_declared_columns_it_fetched_for_each_cp_rank() ->
     pipeline = StepPipeline(JOB, index=0, ranks=(0, 1), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel())
     loader = _Loader()
     pipeline._planner = _Planner()
-    pipeline._loader = lambda address: loader
+    pipeline._fetcher._loader = lambda address: loader
     try:
         with pytest.raises(Unavailable, match=r"loader at loader-0:1 sent a malformed response: column 'pixels'"):
             pipeline.batch(0, 0, timeout_s=1.5)

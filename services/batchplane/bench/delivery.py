@@ -246,6 +246,8 @@ def _stream_server(path: str, payloads: dict[str, list[BuiltBatch]]):
         name, index = request.decode().split(":")
         yield from chunks[(name, int(index))]
 
+    # Deliberately not core.rpc.create_grpc_server: this is the bare-gRPC ceiling the factory's
+    # server (interceptor, health, security) is measured against.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.max_send_message_length", 4 << 20)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("batchplane.bench.Stream", {"Get": grpc.unary_stream_rpc_method_handler(get)})])
     server.add_insecure_port(f"unix://{path}")
@@ -262,15 +264,14 @@ def _constructor_server(path: str, payloads: dict[str, list[BuiltBatch]], *, shm
     from batchplane.constructor.metrics import ConstructorMetrics
     from batchplane.constructor.service import ConstructorServicer, add_to_server
     from batchplane.constructor.slabs import SESSIONS_PER_RANK, SlabPool, SlabServer, slab_socket_path
-    from batchplane.core.rpc import ServerMetrics, create_grpc_server
+    from batchplane.core.rpc import RpcSettings, ServerMetrics, create_grpc_server
     from batchplane.core.tls import Security
     from batchplane.v1 import common_pb2
 
     registry = CollectorRegistry()
     address = f"unix://{path}"
-    server, _, _ = create_grpc_server(
-        host=address, port=0, metrics=ServerMetrics("constructor", registry), max_message_bytes=4 << 20, security=Security(None), local=True
-    )
+    rpc = RpcSettings(security=Security(None), max_message_bytes=4 << 20)
+    server, _, _ = create_grpc_server(rpc, host=address, port=0, metrics=ServerMetrics("constructor", registry), local=True)
     metrics = ConstructorMetrics(registry)
     pipeline = _StandInPipeline(payloads)
     slabs = None
@@ -382,6 +383,7 @@ class StreamReceiver(Receiver):
         import grpc
 
         self._sizes = {k: [len(b.payload) for b in v] for k, v in payloads.items()}
+        # Deliberately not core.rpc.create_channel: the bare-gRPC baseline (see _stream_server).
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 4 << 20)])
         self._get = self._channel.unary_stream(STREAM_METHOD)  # identity serializers: bytes in, bytes out
         self._buffer = bytearray(max(max(v) for v in self._sizes.values()))

@@ -220,26 +220,26 @@ def assemble(
         ValueError: max_length < 1, an unknown length_policy, or a declared column missing
             from `samples.columns`.
     """
-    limit = {"max_length": max_length, "policy": length_policy}
     _check_columns(samples, payload)
     if pack_length is not None:
         return _assemble_packed(
             samples, step=step, rank=rank, pad_id=pad_id, ignore_id=ignore_id, token_dtype=token_dtype,
-            global_loss_tokens=global_loss_tokens, pack_length=pack_length, payload=payload, **limit,
+            global_loss_tokens=global_loss_tokens, pack_length=pack_length, payload=payload, max_length=max_length,
+            policy=length_policy,
         )
     token_columns = [c for c in payload if c.kind == TOKEN]
-    fields = (*SAMPLE_FIELDS, CHUNKS_FIELD) if splits(**limit) else SAMPLE_FIELDS
+    fields = (*SAMPLE_FIELDS, CHUNKS_FIELD) if splits(max_length=max_length, policy=length_policy) else SAMPLE_FIELDS
     lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
     layouts: list[MicrobatchLayout] = []
     pieces: list[tuple[Chunks, dict[str, np.ndarray | Pieces]]] = []
     offset = 0
     for m in range(len(samples.offsets) - 1):
         lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
-        seqs = chunks(lengths[lo:hi], **limit)
+        seqs = chunks(lengths[lo:hi], max_length=max_length, policy=length_policy)
         rows = max(len(seqs), 1)
         width = max(int(seqs.lengths.max()) if hi > lo else 1, 1)
         whole = _whole_columns(samples, payload, lo, hi)
-        tensors = []
+        tensors: list[TensorLayout] = []
         for name, dtype, shape in (
             ("input_ids", token_dtype, (rows, width)),
             ("labels", token_dtype, (rows, width)),
@@ -249,10 +249,10 @@ def assemble(
             *((c.name, c.dtype, (rows, width, *c.shape)) for c in token_columns),
             *((name, np.dtype(t.dtype).name, tuple(t.shape)) for name, t in whole.items()),
         ):
-            layout = TensorLayout(name, dtype, shape, offset)
-            tensors.append(layout)
-            offset += align(layout.nbytes)
-        loss = loss_tokens(lengths[lo:hi], **limit)
+            spec = TensorLayout(name, dtype, shape, offset)
+            tensors.append(spec)
+            offset += align(spec.nbytes)
+        loss = loss_tokens(lengths[lo:hi], max_length=max_length, policy=length_policy)
         layouts.append(
             MicrobatchLayout(
                 tensors=tuple(tensors),
@@ -363,14 +363,14 @@ def _assemble_packed(
 ) -> BuiltBatch:
     lengths = np.fromiter((len(t) for t in samples.tokens), dtype=np.int32, count=len(samples.tokens))
     split = splits(max_length=max_length, policy=policy)
-    microbatches = []
+    microbatches: list[tuple[Mapping[str, np.ndarray | Pieces], MicrobatchLayout]] = []
     for m in range(len(samples.offsets) - 1):
         lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
         token_columns = [TokenColumn(c.name, c.dtype, c.shape, c.fill, samples.columns[c.name][lo:hi]) for c in payload if c.kind == TOKEN]
-        tensors = pack(
+        tensors: dict[str, np.ndarray | Pieces] = dict(pack(
             samples.tokens[lo:hi], max_length=pack_length, pad_id=pad_id, ignore_id=ignore_id, dtype=token_dtype,
             max_sample_length=max_length, length_policy=policy, columns=token_columns,
-        )
+        ))
         tensors.pop("sample_rows")
         sample_chunks = tensors.pop("sample_chunks")
         packed_columns = {c.name: tensors.pop(c.name) for c in token_columns}
@@ -445,8 +445,8 @@ def derive(
     Loss tokens and weights are those of the slice the rank computes a loss on (the whole
     microbatch without CP).
     """
-    pads = {"input_ids": pad_id, "labels": ignore_id, "attention_mask": False, "position_ids": 0, "segment_ids": 0, "loss_mask": False}
-    out = []
+    pads: dict[str, float] = {"input_ids": pad_id, "labels": ignore_id, "attention_mask": False, "position_ids": 0, "segment_ids": 0, "loss_mask": False}
+    out: list[tuple[Mapping[str, np.ndarray | Pieces], MicrobatchLayout]] = []
     for tensors, meta in zip(tensors_of(batch), batch.microbatches):
         if not with_tensors:
             out.append(({}, meta))

@@ -148,7 +148,7 @@ def cp_slice(
     cp: int,
     rank: int,
     mode: str,
-    pad_values: Mapping[str, int | bool],
+    pad_values: Mapping[str, float],
 ) -> dict[str, np.ndarray]:
     """CP rank `rank`'s share of a microbatch: the per-token tensors are padded on the right to
     cp_width(...) and cut to the rank's columns (`cp_columns`) on axis 1; everything else passes

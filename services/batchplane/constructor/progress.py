@@ -28,6 +28,13 @@ Rules (each a test in tests/unit/test_build_progress.py):
 - Once every pulling rank has asked for the end-of-data step, whatever the loaders hold for this
   constructor can go (`finished`, true once; again after a rewind reaches the end again): no
   later fetch will carry the release.
+- A plan request carries the checkpoint fingerprints of the request that started building
+  (with the start step's request only) and the step below which every pulling rank was handed
+  everything (`plan_request`).
+- A planner that answers NotFound (it restarted and does not know this constructor) is joined
+  again from the slowest pulling rank's step (`rejoin_after`); the step a constructor asks to be
+  planned from when it registers again is that one too, once the planner has planned for it
+  (`rejoin_step`).
 - A constructor with a `stride` (journal producers: producer i of n builds the steps s with
   s % n == i) builds and serves only its own steps: "the next step" is the next own one,
   prefetching counts own steps, and a request for another's step is refused.
@@ -36,9 +43,27 @@ Rules (each a test in tests/unit/test_build_progress.py):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from batchplane.core.errors import FailedPrecondition, rewind_refused
+from batchplane.core.errors import BatchplaneError, FailedPrecondition, NotFound, rewind_refused
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What a plan request to the planner says (planner.proto GetPlanRequest).
+
+    Attributes:
+        rewind: Behind steps the planner served this constructor before a restart, or the
+            restart's own step: the planner serves it again.
+        resume: The checkpoint fingerprints of the rank whose request started building, sent
+            with the start step's request only.
+        delivered_below: Every step below it was handed to all of this constructor's pulling ranks.
+    """
+
+    step: int
+    rewind: bool
+    resume: Mapping[str, str]
+    delivered_below: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +121,15 @@ class BuildProgress:
         self._planned_through = -1  # the furthest step asked of the planner
         self._rewind_through = -1  # plan requests up to it are marked rewind
         self._finished = False  # `finished` said so since the last rewind
+        self._planned = False  # the planner has answered a plan request: the job has started
+        self._resume: dict[str, str] = {}  # the starting request's checkpoint fingerprints
 
     # ---- trainer side ----------------------------------------------------------------------
 
-    def ask(self, rank: int, step: int, *, restart: bool = False) -> Asked:
-        """Rank `rank` asks for `step`; `restart`: its trainer (re)starts there.
+    def ask(self, rank: int, step: int, *, restart: bool = False, resume: Mapping[str, str] | None = None) -> Asked:
+        """Rank `rank` asks for `step`; `restart`: its trainer (re)starts there; `resume`: the
+        fingerprints of the checkpoint it resumed from (those of the request that starts
+        building go to the planner with the plan request of the start step).
 
         Raises:
             FailedPrecondition: without `restart`, a step before the start or one the rank has
@@ -120,19 +149,21 @@ class BuildProgress:
                 f"step {step} is ahead of every step asked here: ask for step {self.furthest_step()} or earlier "
                 "(a trainer resumes at a step the data plane has reached)"
             )
-        if started:
+        if self.start is None:
             self.start = self.next = step if self._resume_step is None else self.own(min(step, self._resume_step))
-        behind = step < latest or step < self.start
+            self._resume = dict(resume or {})
+        start = self.start
+        behind = step < latest or step < start
         if behind and not restart:
-            if step < self.start:
-                raise FailedPrecondition(f"step {step} is before step {self.start}, where this job started")
+            if step < start:
+                raise FailedPrecondition(f"step {step} is before step {start}, where this job started")
             raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
         self._progress[rank] = step
         if restart:
             self._rewind_through = max(self._rewind_through, self._planned_through, step)
         if behind:
             self._finished = False
-            self.start = min(self.start, step)
+            self.start = min(start, step)
             missing = step
             while (rank, missing) in self._ready:
                 missing += self.stride
@@ -190,11 +221,31 @@ class BuildProgress:
         self.next = step
         return step
 
-    def plan_request(self, step: int) -> bool:
-        """The planner is asked for the plan of `step`; returns whether the request is a rewind
-        (behind steps it served this constructor before a restart, or the restart's own step)."""
+    def plan_request(self, step: int) -> PlanRequest:
+        """The planner is asked for the plan of `step`: what the request says."""
         self._planned_through = max(self._planned_through, step)
-        return step <= self._rewind_through
+        return PlanRequest(
+            step=step,
+            rewind=step <= self._rewind_through,
+            resume=dict(self._resume) if step == self.start else {},
+            delivered_below=self.slowest(),
+        )
+
+    def planned(self, oldest: int) -> None:
+        """The planner answered a plan request, saying the oldest step its ledger keeps."""
+        self._planned = True
+        self.oldest = oldest
+
+    def rejoin_after(self, error: BatchplaneError) -> int | None:
+        """The step to register again from after a plan request failed with `error`, or None
+        (the error is not the planner's NotFound for an unregistered constructor: it restarted
+        and does not know this one). The signal is the status code (`core.rpc.reraise`), never
+        the error's text."""
+        return self.slowest() if isinstance(error, NotFound) else None
+
+    def prefetched(self) -> int:
+        """Own steps built ahead of the step after the slowest pulling rank's."""
+        return max((self.next - self.slowest()) // self.stride - 1, 0)
 
     def built(self, step: int, ranks: Iterable[int], *, epoch: int) -> tuple[tuple[int, int], ...]:
         """`step` was built for `ranks` in epoch `epoch`; returns the (rank, step) batches to keep
@@ -230,6 +281,7 @@ class BuildProgress:
         """The first step from `step` on that this constructor builds."""
         return step + (self.offset - step) % self.stride
 
-    def rejoin_step(self) -> int:
-        """The oldest step this constructor may still need planned."""
-        return self.slowest()
+    def rejoin_step(self) -> int | None:
+        """The oldest step this constructor may still need planned (its ranks have not all been
+        handed it; a restart would build it again); None until the planner has planned for it."""
+        return self.slowest() if self._planned else None

@@ -1,5 +1,6 @@
 """Reading what the constructor's peers answer: a loader's FetchSamples stream into an Arrow
-table, and the planner's GetPlan answer into each bucket's arrays, checked by `bounds` before
+table (and its samples into `build.Fetched`), and the planner's GetPlan answer into a
+`build.StepPlan` (each bucket's arrays, the secondary graphs' parts), checked by `bounds` before
 anything is allocated from a peer's number or used. No calls and no sockets here: a stream is
 any iterator of its messages. What does not follow the contract raises
 `bounds.MalformedResponse` (an Unavailable: the step is built again from a fresh plan).
@@ -13,7 +14,6 @@ blob's a multiple of prod(shape). `sample_columns` turns them into per-sample vi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -31,28 +31,16 @@ from batchplane.constructor.bounds import (
     fetch_bytes_cap,
     fetch_payload_limit,
 )
+from batchplane.constructor.build import Bucket, Fetched, StepPlan
 from batchplane.constructor.subbatch import SubPart
 from batchplane.core import payload as payload_schema
+from batchplane.core.config import JobSettings
 from batchplane.core.payload import PayloadColumn
 from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
 from batchplane.wire import PayloadReceiver, WireFormatError, decode_array
 
 #: The payload of a FetchSamples stream (loader.proto): one row per sample.
 FETCH_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input_ids", pa.list_(pa.int32()))])
-
-class Bucket(NamedTuple):
-    """One bucket's plan."""
-
-    source: np.ndarray  # int32 [n]
-    seq: np.ndarray  # int64 [n]
-    row: np.ndarray  # int64 [n]
-    epoch: np.ndarray  # int32 [n]
-    length: np.ndarray  # int32 [n]
-    offsets: np.ndarray  # int64 [m + 1], microbatch offsets
-    fetchers: int
-    loaders: np.ndarray  # int32 [n]
-    copies: np.ndarray  # int32 [n]: constructors fetching each sample (RankPlan.copies, else fetchers)
-
 
 #: The most values a blob column holds in one payload: its list offsets are int32 (the loader
 #: cannot send more; `payload.normalize` refuses more). `bounds.fetch_bytes_cap` bounds all
@@ -329,3 +317,42 @@ def plan_subplans(
             where=f"subplan {name[:64]!r}", peer="planner", address=address,
         )
     return parts
+
+
+def step_plan(
+    plan: planner_pb2.GetPlanResponse, *, asked: int, address: str, job: JobSettings, consumes: Callable[[str, int], bool]
+) -> StepPlan:
+    """A GetPlan answer (not the end of data) to a request for step `asked`, decoded and checked
+    (`plan_buckets`, `plan_subplans`).
+
+    Args:
+        job: The job's settings.
+        consumes: Whether one of this constructor's ranks consumes (axis, bucket).
+    Raises:
+        MalformedResponse: see `plan_buckets` and `plan_subplans`.
+    """
+    batch, constructors = job.batch, job.constructor_count
+    buckets = plan_buckets(
+        plan, asked=asked, address=address, constructors=constructors, max_samples=batch.global_batch_size, microbatches=batch.microbatches
+    )
+    parts = plan_subplans(
+        plan, address=address, constructors=constructors, max_samples=batch.global_batch_size, payload=batch.payload, consumes=consumes
+    )
+    return StepPlan(step=plan.step, axis=plan.axis or "DP", global_loss_tokens=plan.global_loss_tokens, buckets=buckets, parts=parts)
+
+
+def fetched_samples(tables: Sequence[pa.Table], columns: Sequence[PayloadColumn]) -> Fetched:
+    """The samples of received payloads (`receive_samples`) by (source, seq): each one's token
+    ids and, per declared column, its view (`sample_columns`)."""
+    tokens: dict[tuple[int, int], np.ndarray] = {}
+    views: dict[str, dict[tuple[int, int], np.ndarray]] = {c.name: {} for c in columns}
+    for table in tables:
+        values = table.column("input_ids").combine_chunks()
+        flat = values.values.to_numpy()
+        offsets = values.offsets.to_numpy()
+        keys = [(int(k), int(s)) for k, s in zip(table.column("source").to_numpy(), table.column("seq").to_numpy())]
+        for i, key in enumerate(keys):
+            tokens[key] = flat[offsets[i] : offsets[i + 1]]
+        for name, column in sample_columns(table, columns).items():
+            views[name].update(zip(keys, column))
+    return Fetched(tokens, views)
