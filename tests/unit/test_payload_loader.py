@@ -24,6 +24,7 @@ from batchplane.core.payload import PayloadColumn, arrow_type
 from batchplane.loader.fetch import PAYLOAD_SCHEMA, FetchBook, encode_payload, payload_schema
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.source import ParquetSource
+from batchplane.loader.reading import BufferedWindow
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import (
     BoundTransform,
@@ -46,6 +47,11 @@ GROUP, GROUPS = 6, 8
 ROWS = GROUP * GROUPS
 FAIL_DOC = 20  # the transform breaks a declaration on this document's row group (row group 3)
 NULL_ROW = 31  # a sample the transform rejects (row group 5)
+
+
+def _first_window(stream: SourceStream) -> BufferedWindow:
+    """The first window the stream holds."""
+    return next(iter(stream._windows)).data
 
 
 def _tokens(row: int) -> list[int]:
@@ -211,7 +217,7 @@ def test_a_window_cuts_or_empties_the_columns_of_long_samples(data: pathlib.Path
     stream = _open(data, window_row_groups=GROUPS, shuffle=True, max_length=5, policy=policy)
     try:
         rows, lengths, reasons = _summary(stream)
-        window = stream._windows[0]
+        window = _first_window(stream)
         for j, row in enumerate(rows.tolist()):
             mask = window.columns["mask"][j].as_py()
             if len(_tokens(row)) > 5 and reasons[j] in (0, bad.TOO_LONG):
@@ -238,7 +244,7 @@ def test_a_row_group_whose_transform_breaks_a_declaration_is_bad_and_logged(data
     assert np.count_nonzero(reasons) == GROUP + 1
     logged = [r.getMessage() for r in caplog.records if "transform failed" in r.getMessage()]
     assert len(logged) == 1 and "part-00000.parquet" in logged[0] and f"row group {FAIL_DOC // GROUP}" in logged[0] and "'pix'" in logged[0]
-    window = next(w for w in stream._windows if w.seq_start <= int(np.flatnonzero(failed)[0]) < w.seq_end)
+    window = next(w.data for w in stream._windows if w.seq_start <= int(np.flatnonzero(failed)[0]) < w.seq_end)
     j = int(np.flatnonzero(failed)[0]) - window.seq_start
     assert [window.columns[c.name][j].as_py() for c in PAYLOAD] == [[], -1, [0, 0, 0], [], 0.5], "a failed row group's columns are empty"
 
@@ -282,7 +288,7 @@ def test_a_contiguous_fetch_is_a_slice_of_the_window(data: pathlib.Path) -> None
         _, lengths, _ = _summary(stream)
         start = next(s for s in range(ROWS) if lengths[s:s + 4].all())
         batch = FetchBook({0: stream}).fetch(constructor=0, step=0, sources=np.zeros(4, np.int32), seqs=np.arange(start, start + 4))
-        window = stream._windows[0]
+        window = _first_window(stream)
         assert batch.column("input_ids").values.buffers()[1].address == window.ids.values.buffers()[1].address
         assert batch.column("pix").to_pylist() == window.columns["pix"].slice(start, 4).to_pylist()
     finally:
@@ -301,6 +307,7 @@ def test_the_payload_bytes_count_the_declared_columns(data: pathlib.Path) -> Non
         assert FetchBook({0: stream}, max_payload_bytes=exact).fetch(constructor=0, step=0, sources=sources, seqs=seqs).num_rows == len(seqs)
         with pytest.raises(ResourceExhausted):
             FetchBook({0: stream}, max_payload_bytes=exact - 1).fetch(constructor=0, step=1, sources=sources, seqs=seqs)
-        assert stream._windows[0].nbytes > stream._windows[0].ids.nbytes + sum(c.nbytes for c in stream._windows[0].columns.values()) - 1
+        window = _first_window(stream)
+        assert window.nbytes > window.ids.nbytes + sum(c.nbytes for c in window.columns.values()) - 1
     finally:
         stream.close()

@@ -21,6 +21,7 @@ from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.service import LoaderServicer
 from batchplane.loader.source import ParquetSource
+from batchplane.loader.reading import BufferedWindow
 from batchplane.loader.stream import ByteBudget, SourceStream
 from batchplane.loader.transforms import BoundTransform
 from batchplane.planner.membership import SummaryTarget
@@ -33,6 +34,11 @@ ROWS = GROUP * GROUPS
 FAIL_DOC = 7
 #: Rows of row group 2: a null token list, an empty one, one longer than MAX_LENGTH.
 NULL_ROW, EMPTY_ROW, LONG_ROW = 10, 11, 12
+
+
+def _first_window(stream: SourceStream) -> BufferedWindow:
+    """The first window the stream holds."""
+    return next(iter(stream._windows)).data
 
 
 def _tokens(row: int) -> list[int] | None:
@@ -116,7 +122,7 @@ def test_each_bad_sample_carries_its_reason_and_good_ones_zero(open_stream, poli
     for code in range(1, len(bad.REASONS)):  # the metrics count what the codes say
         counted = metrics.bad_samples.labels("a", bad.reason_name(code))._value.get()
         assert counted == np.count_nonzero(reasons == code), bad.reason_name(code)
-    window = stream._windows[0]
+    window = _first_window(stream)
     assert window.nbytes >= window.reasons.nbytes + window.lengths.nbytes + window.rows.nbytes
 
 

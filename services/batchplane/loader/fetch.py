@@ -51,7 +51,8 @@ from batchplane.core.errors import InvalidArgument
 from batchplane.core.payload import PayloadColumn, schema_fields
 from batchplane.loader.bounds import MAX_HELD_STEPS, check_payload
 from batchplane.loader.rows import gather, rows_nbytes
-from batchplane.loader.stream import TOKEN_TYPE, BufferedWindow, SourceStream
+from batchplane.loader.reading import TOKEN_TYPE, BufferedWindow
+from batchplane.loader.stream import SourceStream
 
 #: The payload's columns before the declared ones (`payload_schema`).
 PAYLOAD_SCHEMA = pa.schema([("source", pa.int32()), ("seq", pa.int64()), ("input_ids", TOKEN_TYPE)])

@@ -19,8 +19,7 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
 from batchplane.core.userfile import job_hook
-from batchplane.core.rpc import ServerMetrics, add_servicer, create_channel, create_grpc_server, serving_status, set_serving
-from batchplane.core.tls import Security
+from batchplane.core.rpc import RpcSettings, ServerMetrics, add_servicer, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.loader.bounds import FetchLimits
 from batchplane.loader.fetch import FetchBook
 from batchplane.loader.metrics import LoaderMetrics
@@ -81,7 +80,7 @@ class RunningLoader:
     job: JobSettings | None = None
     process: ProcessSettings | None = None
     registration: planner_pb2.RegisterLoaderRequest | None = None
-    security: Security | None = None
+    rpc: RpcSettings | None = None
     health: HealthServicer | None = None
     _done_registering: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -89,8 +88,7 @@ class RunningLoader:
         return self.health is not None and serving_status(self.health)
 
     def _planner_channel(self) -> grpc.Channel:
-        job = self.job
-        return create_channel(self.process.planner, peer="planner", security=self.security, max_message_bytes=job.network.max_message_bytes)
+        return create_channel(self.rpc, self.process.planner, peer="planner")
 
     def keep_registered(self) -> None:
         """Registers again every `network.heartbeat_s` (idempotent), so that a restarted planner, which
@@ -164,7 +162,7 @@ class RunningLoader:
         self.server.stop(grace_s).wait()
 
 
-def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningLoader:
+def start_loader(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> RunningLoader:
     """Starts loader `process.index` of `job` and registers it with the planner.
 
     Raises:
@@ -179,20 +177,16 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
     try:
         servicer = LoaderServicer(streams, FetchBook(streams), metrics, limits=FetchLimits.of(job))
         server, port, health = create_grpc_server(
-            host=process.listen or job.network.host,
-            port=process.port,
-            metrics=ServerMetrics("loader", registry),
-            max_message_bytes=job.network.max_message_bytes,
-            security=security,
+            rpc, host=process.listen or job.network.host, port=process.port, metrics=ServerMetrics("loader", registry)
         )
         add_servicer(server, servicer, loader_pb2.DESCRIPTOR.services_by_name["Loader"])  # FetchSamples' chunks serialized once
         server.start()
         address = process.advertise or process.listen or f"{job.network.host}:{port}"
         running = RunningLoader(
-            address, server, streams, job, process, registration=_registration(process, address, streams), security=security, health=health
+            address, server, streams, job, process, registration=_registration(process, address, streams), rpc=rpc, health=health
         )
         who = f"loader {process.index}" + (f" (shadow of replica {process.shadow_of!r})" if process.shadow_of else "")
-        registered = register_with_planner(job, process, security, rpc="RegisterLoader", request=running.registration, who=who)
+        registered = register_with_planner(job, process, rpc, method="RegisterLoader", request=running.registration, who=who)
         if registered.shadow:
             log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica)
         running.registration.shadow_of = running.streams_replica if registered.shadow else ""
