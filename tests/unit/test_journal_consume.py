@@ -1,7 +1,9 @@
 """Journal delivery's consumer side (batchplane.constructor.consume) over a journal the producer
 wrote on MemoryStorage: every rank gets the very header and payload streaming delivery would
-send; past the end marker, the end-of-data header and the length; DP 2->4 at resume delivers
-each written slice exactly once; a CP change and Report are refused; marks follow the pod."""
+send, plus the journal cursor of the next step; past the end marker, the end-of-data header and
+the length; DP 2->4 at resume delivers each written slice exactly once, and resumes that carry
+the cursor (DP 2->4->2, 4->2->4, 2->1->2) go on where the last one stopped; a CP change and
+Report are refused; marks follow the pod."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from test_journal_produce import FakePipeline, info_of, make_job, produce, strea
 
 from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer
 from batchplane.constructor.metrics import ConstructorMetrics
-from batchplane.core.errors import FailedPrecondition
+from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.storage import MemoryStorage
 from batchplane.journal.commit import ManifestStore
 from batchplane.v1 import common_pb2, constructor_pb2
@@ -42,13 +44,21 @@ def serve(job, storage, index: int, **kwargs) -> JournalConstructorServicer:
     return JournalConstructorServicer(job, consumer, metrics, storage=storage)
 
 
-def get(servicer, rank: int, step: int, *, restart: bool = False) -> tuple[constructor_pb2.BatchHeader, bytes]:
+def fetch(servicer, rank: int, step: int, *, restart: bool = False,
+          cursor: constructor_pb2.JournalCursor | None = None) -> tuple[constructor_pb2.BatchHeader, bytes]:
     """One GetBatch as a client receives it: the header, then the chunks joined."""
-    request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=2000, restart=restart)
+    request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=2000, restart=restart, journal_cursor=cursor)
     items = list(servicer.GetBatch(request, Context()))
     first = items[0] if isinstance(items[0], constructor_pb2.GetBatchResponse) else constructor_pb2.GetBatchResponse.FromString(items[0])
     chunks = [constructor_pb2.GetBatchResponse.FromString(i).chunk.data for i in items[1:]]
     return first.header, b"".join(chunks)
+
+
+def get(servicer, rank: int, step: int, *, restart: bool = False) -> tuple[constructor_pb2.BatchHeader, bytes]:
+    """`fetch` without the header's journal cursor: what streaming delivery would send."""
+    header, payload = fetch(servicer, rank, step, restart=restart)
+    header.ClearField("journal_cursor")
+    return header, payload
 
 
 @pytest.fixture
@@ -135,6 +145,55 @@ def test_dp_2_to_4_at_resume_reads_each_written_slice_once() -> None:
         assert get(servicer, wider.pod_ranks(pod)[0], 5)[0].end_of_data  # written steps 8, 9 do not exist
         assert servicer.GetLength(constructor_pb2.GetLengthRequest(), Context()).length.num_steps == 5
     assert seen == {(s, dp): 1 for s in range(2, 8) for dp in range(2)}
+
+
+def test_each_header_carries_where_the_next_step_starts_in_the_journal(written) -> None:
+    job, storage, pipeline = written
+    servicer = serve(job, storage, 0)
+    for step in range(6):
+        for rank in pipeline.ranks:
+            cursor = fetch(servicer, rank, step)[0].journal_cursor
+            assert (cursor.step, cursor.offset) == (step + 1, 0) and cursor.manifest_version >= step + 1
+    assert not fetch(servicer, 0, 6)[0].HasField("journal_cursor")  # the end of data
+
+
+@pytest.mark.parametrize("meshes", [(2, 4, 2), (4, 2, 4), (2, 1, 2), (2, 4, 1)])
+def test_resumes_across_dp_changes_carry_the_cursor_and_read_each_written_slice_once(meshes: tuple[int, ...]) -> None:
+    """Each resume takes two logical steps (the checkpoint's cursor from the last header),
+    the last one reads to the end: the written slices are read in order, each exactly once."""
+    first = make_job(dp=meshes[0])
+    storage = MemoryStorage()
+    pipeline = FakePipeline(first, end=12)
+    produce(first, storage, pipeline)
+    by_payload = {bytes(pipeline.delivery(dp, s).batch.payload): (s, dp) for s in range(12) for dp in range(meshes[0])}
+    seen: list[tuple[int, int]] = []
+    step, cursor = 0, None
+    for n, dp in enumerate(meshes):
+        servicer = serve(make_job(dp=dp), storage, 0)  # one pod of every rank
+        resumed, last = step, n == len(meshes) - 1
+        while last or step < resumed + 2:
+            answers = [fetch(servicer, rank, step, restart=step == resumed, cursor=cursor if step == resumed else None)
+                       for rank in range(dp)]
+            if answers[0][0].end_of_data:
+                break
+            assert [h.step for h, _ in answers] == [step] * dp
+            seen += [by_payload[payload] for _, payload in answers]
+            cursor = answers[0][0].journal_cursor
+            assert {h.journal_cursor.SerializeToString() for h, _ in answers} == {cursor.SerializeToString()}
+            step += 1
+    assert servicer.GetLength(constructor_pb2.GetLengthRequest(), Context()).length.num_steps == step
+    written = [(s, d) for s in range(12) for d in range(meshes[0])]
+    assert seen == written[: len(seen)] and len(written) - len(seen) < meshes[-1]
+
+
+def test_a_restart_cursor_outside_the_written_mesh_is_refused(written) -> None:
+    job, storage, pipeline = written
+    servicer = serve(job, storage, 0)
+    get(servicer, 0, 0)
+    with pytest.raises(InvalidArgument, match="offset"):
+        fetch(servicer, 0, 1, restart=True, cursor=constructor_pb2.JournalCursor(step=1, offset=2))
+    with pytest.raises(InvalidArgument, match="manifest_version"):
+        fetch(servicer, 0, 1, restart=True, cursor=constructor_pb2.JournalCursor(manifest_version=-1, step=1))
 
 
 def test_a_cp_change_is_refused_naming_both_meshes(written) -> None:

@@ -1,6 +1,7 @@
 """BatchplaneDataLoader's own logic over a stand-in client (no data plane, no sockets): the
 pairs it yields, where it resumes (between steps and between microbatches, from any rank's
-entry), and what it refuses."""
+entry), that a saved state is marked in the data plane once training goes on, and what it
+refuses."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class FakeClient:
         self.dp_rank = dp_rank
         self.next_step = 0
         self.loaded: list[dict] = []
+        self.marked: list[dict] = []
 
     def __iter__(self):
         while self.next_step < len(self.steps):
@@ -47,6 +49,10 @@ class FakeClient:
     def load_state_dict(self, state: dict) -> None:
         self.loaded.append(dict(state))
         self.next_step = state["next_step"]
+
+    def checkpointed(self, state: dict) -> bool:
+        self.marked.append(dict(state))
+        return True
 
     def close(self) -> None:
         pass
@@ -96,6 +102,23 @@ def test_a_mid_step_state_resumes_at_the_next_microbatch_from_any_ranks_entry() 
     again.load_state_dict(saved)
     assert (again.state_dict()["dp_rank_0"]["next_step"], again.state_dict()["dp_rank_0"]["microbatch"]) == (1, 1)
     assert [first_ids(p) for p in again] == [(1, 1), (2, 0), (2, 1)]
+
+
+def test_a_saved_state_is_marked_at_the_next_microbatch_and_a_load_marks_nothing() -> None:
+    client = FakeClient([2, 2, 2])
+    tt = loader(client)
+    it = iter(tt)
+    next(it), next(it), next(it)  # step 0 and the first microbatch of step 1
+    saved = tt.state_dict()["dp_rank_0"]
+    assert client.marked == []  # not before training goes on: the save may still fail
+    next(it)
+    assert client.marked == [saved] and (saved["next_step"], saved["microbatch"]) == (1, 1)
+    next(it)
+    assert len(client.marked) == 1  # once
+    tt.state_dict()  # DCP asks for the state to load into
+    tt.load_state_dict({})
+    list(it)
+    assert len(client.marked) == 1
 
 
 def test_an_iterator_started_again_inside_a_step_continues_with_its_next_microbatch() -> None:

@@ -49,12 +49,18 @@ from batchplane.client.endpoints import AddressBook
 from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
+from batchplane.v1 import constructor_pb2
 
-#: The state_dict format: 4 holds the fingerprints as one JSON string, so that its keys never
+#: The state_dict format: 5 adds "journal", journal cursors (journal delivery) as one JSON
+#: string, "{}" without any; 4 holds the fingerprints as one JSON string, so that its keys never
 #: change (torch.distributed.checkpoint loads into the keys of the current state); 3 (a mapping)
-#: still loads.
-STATE_VERSION = 4
-LOADABLE_VERSIONS = (3, 4)
+#: and 4 still load (without a cursor).
+STATE_VERSION = 5
+LOADABLE_VERSIONS = (3, 4, 5)
+#: The fields of a journal cursor in the state ("journal"), as in `JournalCursor`.
+CURSOR_FIELDS = ("manifest_version", "step", "offset")
+#: The least state of the "journal" key: no cursor.
+NO_CURSORS = "{}"
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +129,11 @@ class Client:
         if rank is None and world is not None and world.isdigit() and int(world) != size:
             raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has {size} ranks ({shape})")
         self._next_step = 0
+        #: Where logical steps start in the journal (journal delivery): the last step yielded
+        #: and the next one, where known (a batch's header says where the next one starts).
+        self._cursors: dict[int, constructor_pb2.JournalCursor] = {}
         self._resume: dict[str, str] = {}
+        self._resume_cursor: constructor_pb2.JournalCursor | None = None
         self._restart = True  # the first request says the trainer (re)starts there
         #: Groups of settings that changed since the checkpoint this client resumed from.
         self.resumed_across: tuple[str, ...] = ()
@@ -194,21 +204,26 @@ class Client:
                 fetched = pending.result()
                 if fetched is None:
                     return
-                batch, copied = fetched
+                batch, copied, cursor = fetched
                 if copied is not None and self._copier is not None:  # this thread's stream waits for the side stream's copies
                     self._copier.hand_over([*batch["microbatches"], *batch["subbatches"].values()], copied)
                 batch["data_wait_s"] = time.perf_counter() - begin
-                self._next_step = batch["step"] + 1
+                step = batch["step"]
+                self._next_step = step + 1
+                self._cursors = {} if cursor is None else {**{s: c for s, c in self._cursors.items() if s == step}, step + 1: cursor}
                 pending = self._executor.submit(self._fetch, self._next_step)
                 yield batch
         finally:
             pending.cancel()
 
-    def _fetch(self, step: int) -> tuple[dict[str, Any], Any] | None:
-        """Step `step`'s batch (on the fetch thread), and the event of its device copies (None
-        on the CPU); None past the end of data."""
-        header, storage = self._connection.batch(self.rank, step, pin=self.pin_memory, resume=self._resume, restart=self._restart)
-        self._resume, self._restart = {}, False
+    def _fetch(self, step: int) -> tuple[dict[str, Any], Any, constructor_pb2.JournalCursor | None] | None:
+        """Step `step`'s batch (on the fetch thread), the event of its device copies (None on
+        the CPU) and the journal cursor of the step after it (None with stream delivery); None
+        past the end of data."""
+        header, storage = self._connection.batch(
+            self.rank, step, pin=self.pin_memory, resume=self._resume, restart=self._restart, cursor=self._resume_cursor
+        )
+        self._resume, self._restart, self._resume_cursor = {}, False, None
         if header.end_of_data:
             return None
         shm = header.HasField("shm")
@@ -249,7 +264,7 @@ class Client:
             "global_loss_tokens": header.global_loss_tokens,
             "sources": self.sources,
             "format": self.format,
-        }, copied
+        }, copied, header.journal_cursor if header.HasField("journal_cursor") else None
 
     def _note_transport(self, transport: str) -> None:
         self._transport = transport
@@ -304,7 +319,12 @@ class Client:
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the step after the last one yielded, and the job and settings it
-        belongs to (fingerprints per group of settings, see `load_state_dict`). Nothing in it is
+        belongs to (fingerprints per group of settings, see `load_state_dict`); with journal
+        delivery also "journal", where that step and the last one yielded start in the journal
+        (a JSON object: logical step -> the manifest version read, the written step and the DP
+        slice in it; "{}" without any), so a resume after a change of DP, and any later one,
+        reads on where it stopped, also when a framework adapter sets "next_step" back to the
+        step in training (a checkpoint between its microbatches). Nothing in it is
         specific to the rank ("rank" is informational): ranks take the same steps, so the state
         that frameworks save from rank 0 only (Hugging Face Trainer, Lightning, accelerate) or
         de-duplicate across ranks (torch.distributed.checkpoint) restores every rank. The client
@@ -316,6 +336,7 @@ class Client:
             "fingerprints": json.dumps(dict(self.job.fingerprints), sort_keys=True),
             "rank": self.rank,
             "next_step": self._next_step,
+            "journal": json.dumps({str(s): {name: getattr(c, name) for name in CURSOR_FIELDS} for s, c in sorted(self._cursors.items())}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -337,6 +358,10 @@ class Client:
         step = state["next_step"]
         if not isinstance(step, int) or step < 0:
             raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
+        cursors = _journal_cursors(state.get("journal", NO_CURSORS))
+        if cursors and step not in cursors:
+            log.warning("rank %d resumes at step %d but the state's journal cursors are for steps %s: the constructor takes the step "
+                        "to start at the journal step of the same number", self.rank, step, sorted(cursors))
         then, now = _fingerprints(state["fingerprints"]), dict(self.job.fingerprints)
         if then.get("data") != now.get("data"):
             raise InvalidRequestError(
@@ -350,6 +375,8 @@ class Client:
         self._resume = then
         self._restart = True
         self._next_step = step
+        self._resume_cursor = cursors.get(step)
+        self._cursors = {} if self._resume_cursor is None else {step: self._resume_cursor}
 
     def checkpointed(self, state: Mapping[str, Any] | None = None) -> bool:
         """Tells the data plane that a checkpoint was saved, once the save succeeded: call it on
@@ -384,7 +411,13 @@ class Client:
     # ---- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Ends the client, deterministically: cancels the step being received in the background,
+        waits for the fetch thread to end, then closes the connection (no gRPC call or thread
+        outlives it, so nothing of gRPC's is torn down at interpreter exit). Idempotent; the
+        client serves no batch after it. Call it (or use the client as a context manager) before
+        the process exits."""
+        self._connection.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
         self._connection.close()
 
     def __enter__(self) -> Client:
@@ -404,6 +437,24 @@ def _fingerprints(value: Any) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"state_dict fingerprints must be a mapping of settings groups to hashes, got {type(value).__name__}")
     return {str(k): str(v) for k, v in value.items()}
+
+
+def _journal_cursors(value: Any) -> dict[int, constructor_pb2.JournalCursor]:
+    """A state's journal cursors: a JSON object of logical steps to objects of `CURSOR_FIELDS`
+    (integers >= 0 each)."""
+    try:
+        cursors = json.loads(value) if isinstance(value, str) else None
+    except ValueError as exc:
+        raise InvalidRequestError(f"state_dict journal is not JSON: {exc}") from exc
+    if not isinstance(cursors, dict) or not all(
+        step.isdigit() and isinstance(fields, dict) and set(fields) == set(CURSOR_FIELDS)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields.values())
+        for step, fields in cursors.items()
+    ):
+        raise InvalidRequestError(
+            f"state_dict journal must be a JSON object of steps to objects of integers >= 0 {list(CURSOR_FIELDS)}, got {value!r}"
+        )
+    return {int(step): constructor_pb2.JournalCursor(**fields) for step, fields in cursors.items()}
 
 
 def _resolve_rank(rank: int | None) -> int:

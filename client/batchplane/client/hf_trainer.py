@@ -22,7 +22,9 @@ What it changes in Hugging Face's loop (transformers 5.24; `trainer.py`'s `_run_
   into every checkpoint folder as `batchplane_data.json`; `train(resume_from_checkpoint=...)`
   loads it into every rank's client before iterating, and Hugging Face never skips batches itself
   (`ignore_data_skip` is forced on): the client resumes at the checkpoint's step, also against a
-  data plane that kept running past it (it rewinds).
+  data plane that kept running past it (it rewinds). Once a checkpoint is saved (Hugging Face's
+  `on_save`, on every rank), each rank tells the data plane (`Client.checkpointed`) with the
+  state that was saved: journal delivery then keeps its steps.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from batchplane.client.client import Client
+from batchplane.client.errors import DataPlaneError
 from batchplane.client.hf import HF_IGNORE_INDEX, PACKED_ATTENTION, causal_lm_inputs
 
 __all__ = ["DATA_STATE_NAME", "Trainer", "loss_normalizer"]
@@ -99,6 +102,17 @@ class _EpochFromStep(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         state.epoch = state.global_step / max(self._trainer._steps_in_epoch, 1)
+
+
+class _MarkCheckpoint(transformers.TrainerCallback):
+    """After Hugging Face saved a checkpoint (`on_save`, on every rank): `Client.checkpointed`
+    with the data state saved in it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._trainer._mark_checkpoint()
 
 
 class Trainer(transformers.Trainer):
@@ -182,7 +196,9 @@ class Trainer(transformers.Trainer):
                 data.close()
             raise
         self._steps_in_epoch = self._max_steps
+        self._saved_state: dict[str, Any] | None = None  # the data state of the checkpoint being saved
         self.add_callback(_EpochFromStep(self))
+        self.add_callback(_MarkCheckpoint(self))
 
     # ---- checks at the edge ---------------------------------------------------------------
 
@@ -368,12 +384,27 @@ class Trainer(transformers.Trainer):
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Hugging Face's checkpoint, with the client's state written first (by the processes
-        that save, rank 0), so every checkpoint with a trainer state has the data's too."""
+        that save, rank 0), so every checkpoint with a trainer state has the data's too. Every rank
+        keeps the state for `_mark_checkpoint` (the ranks' states are equal)."""
+        state = self._saved_state = self.data.state_dict()
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, DATA_STATE_NAME)
             with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(self.data.state_dict(), f)
+                json.dump(state, f)
             os.replace(path + ".tmp", path)
         super()._save_checkpoint(model, trial)
+
+    def _mark_checkpoint(self) -> None:
+        """After a save, on every rank (`on_save`): `Client.checkpointed` with the saved state
+        (journal delivery keeps the checkpoint's steps); a failure is logged, the pod's earlier
+        mark holds (it keeps more, never less)."""
+        state, self._saved_state = self._saved_state, None
+        checkpointed = getattr(self.data, "checkpointed", None)
+        if state is None or checkpointed is None:
+            return
+        try:
+            checkpointed(state)
+        except DataPlaneError as exc:
+            log.warning("the checkpoint at step %s was saved but not marked in the data plane: %s", state.get("next_step"), exc)

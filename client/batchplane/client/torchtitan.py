@@ -26,7 +26,11 @@ under "dataloader": {"dp_rank_<i>": the client's state, plus the microbatch to r
 rank's entry. The entries are equal (the client's state is rank-agnostic), so `load_state_dict`
 takes this rank's entry or any other, and a checkpoint taken between the microbatches of a step
 resumes at the next microbatch. DCP looks up this rank's key on load: a restart with a larger DP
-degree finds no entry for the new ranks (load one rank's entry into every loader instead).
+degree finds no entry for the new ranks (load one rank's entry into every loader instead). After
+a save, the next microbatch asked for tells the data plane (`Client.checkpointed`, on every
+rank, with the entry saved): training went on, so the save succeeded (with torchtitan's async
+checkpointing it may still be writing), and journal delivery keeps that checkpoint's steps; a
+failure to mark is logged and the earlier mark holds, which keeps more, never less.
 
 End of data: the iterator stops (StopIteration); torchtitan's `batch_generator` turns that into
 its DataloaderExhaustedError and the train loop ends ("Ran out of data"). Since a step is whole or
@@ -53,7 +57,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 
 from batchplane.client.client import Client
-from batchplane.client.errors import InvalidRequestError
+from batchplane.client.errors import DataPlaneError, InvalidRequestError
 
 __all__ = ["BatchplaneDataLoader"]
 
@@ -139,6 +143,7 @@ class BatchplaneDataLoader(BaseDataLoader):
         self._resume_step: int | None = None
         self._skip: int = 0
         self._checked_rank = False
+        self._saved: dict[str, Any] | None = None  # the entry last saved, marked at the next microbatch
 
     def _check_job(self) -> None:
         job = self._client.job
@@ -186,6 +191,7 @@ class BatchplaneDataLoader(BaseDataLoader):
             self._step, self._handed = step, first
             for index in range(first, len(microbatches)):
                 pair = self._pair(microbatches[index], ignore_id, batch)
+                self._mark_saved()
                 self._handed = index + 1  # before the yield: a checkpoint now resumes after it
                 yield pair
 
@@ -236,7 +242,18 @@ class BatchplaneDataLoader(BaseDataLoader):
     def state_dict(self) -> dict[str, Any]:
         """{"dp_rank_<i>": {the client's state (plain values), "microbatch": the next one of
         its step, "microbatches_per_step"}, "world_size": the DP degree}."""
-        return {self._rank_id: self._entry(), "world_size": self.dp_world_size}
+        entry = self._saved = self._entry()  # torchtitan asks for it to save a checkpoint
+        return {self._rank_id: entry, "world_size": self.dp_world_size}
+
+    def _mark_saved(self) -> None:
+        """`Client.checkpointed` for the entry last saved, if any (see the module docstring)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        try:
+            self._client.checkpointed(saved)
+        except DataPlaneError as exc:
+            log.warning("the checkpoint at step %s was saved but not marked in the data plane: %s", saved.get("next_step"), exc)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resumes at the saved step and microbatch: this rank's entry, else any rank's (they are
@@ -246,6 +263,7 @@ class BatchplaneDataLoader(BaseDataLoader):
             InvalidRequestError: no entry in a non-empty state, a mid-step position saved with
                 another number of microbatches per step, or a state the client refuses.
         """
+        self._saved = None  # DCP asked for the state to load into, not to save it
         if not state_dict:
             return
         entry = _pick_entry(state_dict, self._rank_id)

@@ -1,15 +1,21 @@
 """Talking to the constructor: retries with backoff inside a deadline, and the one table that
 turns gRPC status codes into the client's exceptions. A retry looks the constructor's address up
 again (the endpoints file of a restarted data plane may name a new one). Batches come through
-shared memory when the constructor's slab socket is there (`slabs`), else over the gRPC stream."""
+shared memory when the constructor's slab socket is there (`slabs`), else over the gRPC stream.
+
+Closing is deterministic: `cancel` stops the call in flight on another thread (the client's fetch
+thread) and refuses every later one, so that thread ends; `close` then closes the channel, with
+no call left on it (a channel closed under a call still running on another thread, or left open
+at interpreter exit, can abort the process in gRPC's C++ core)."""
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -75,6 +81,9 @@ class ConstructorConnection:
         self._slabs_retry_at = 0.0
         self._slabs_refused_inode: tuple[int, int] = (-1, -1)
         self._buffers = ReceiveBuffers()
+        self._lock = threading.Lock()  # guards the two below
+        self._closed = False
+        self._active: Any = None  # the GetBatch stream being read, for `cancel`
         self._connect(self._addresses.wait(timeout_s=timeout_s))
 
     @property
@@ -132,6 +141,8 @@ class ConstructorConnection:
 
     def _follow_address(self) -> None:
         """Reconnects when the constructor's address changed (a restarted data plane)."""
+        if self._closed:
+            return
         try:
             address, _ = self._addresses.lookup()
         except errors.InvalidRequestError:
@@ -144,22 +155,35 @@ class ConstructorConnection:
         return self._call(lambda remaining: self._stub.GetInfo(constructor_pb2.GetInfoRequest(), timeout=remaining), "GetInfo")
 
     def batch(
-        self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None, restart: bool = False
+        self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None, restart: bool = False,
+        cursor: constructor_pb2.JournalCursor | None = None,
     ) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
         """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream);
         `resume`: the fingerprints of the checkpoint the rank resumed from (first request);
-        `restart`: the rank's trainer (re)starts at `step` (its first request)."""
+        `restart`: the rank's trainer (re)starts at `step` (its first request); `cursor`: where
+        `step` starts in the journal, from that checkpoint (journal delivery)."""
 
         def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             # The constructor answers before the call's deadline: a batch, or what it waits for.
             wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
             slabs = self.slab_channel()
             request = constructor_pb2.GetBatchRequest(
-                rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart,
+                rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart, journal_cursor=cursor,
                 shm_session=slabs.session if slabs is not None else "",
                 released_slabs=slabs.take_releases() if slabs is not None else (),  # sent once: the constructor applies them first
             )
             stream = self._stub.GetBatch(request, timeout=remaining)
+            with self._lock:
+                if self._closed:
+                    stream.cancel()
+                self._active = stream
+            try:
+                return receive(stream, slabs)
+            finally:
+                with self._lock:
+                    self._active = None
+
+        def receive(stream: Any, slabs: SlabChannel | None) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
             first = next(stream, None)
             if first is None or first.WhichOneof("part") != "header":
                 raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
@@ -209,10 +233,14 @@ class ConstructorConnection:
         while True:
             remaining = give_up - time.monotonic()
             attempts += 1
+            if self._closed:
+                raise errors.DataPlaneUnavailable(f"{what} at constructor {self.address}: the client was closed")
             try:
                 return attempt(max(remaining, 0.1))
             except grpc.RpcError as exc:
                 code = exc.code()
+                if self._closed:
+                    raise errors.DataPlaneUnavailable(f"{what} at constructor {self.address}: the client was closed") from None
                 if code not in RETRYABLE or time.monotonic() + backoff >= give_up:
                     tried = f"gave up after {attempts} attempts in {time.monotonic() - begin:.1f} s: " if code in RETRYABLE else ""
                     raise ERROR_OF.get(code, errors.DataPlaneError)(
@@ -222,8 +250,21 @@ class ConstructorConnection:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
             self._follow_address()
 
+    def cancel(self) -> None:
+        """Cancels the GetBatch in flight (on any thread) and refuses every later call
+        (DataPlaneUnavailable); idempotent. The channel stays open until `close`."""
+        with self._lock:
+            self._closed = True
+            active = self._active
+        if active is not None:
+            active.cancel()
+
     def close(self) -> None:
+        """Cancels (`cancel`), then closes the slab session and the channel. Call it once no
+        other thread is inside a call any more (`Client.close` joins its fetch thread first)."""
+        self.cancel()
         if self._slabs is not None:
             self._slabs.close()
         if self._channel is not None:
             self._channel.close()
+            self._channel = None

@@ -39,7 +39,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs")
+    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs", "journal_cursor")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class GetBatchRequest(_message.Message):
     RESTART_FIELD_NUMBER: _ClassVar[int]
     SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SLABS_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_CURSOR_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
@@ -61,7 +62,18 @@ class GetBatchRequest(_message.Message):
     restart: bool
     shm_session: str
     released_slabs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ...) -> None: ...
+    journal_cursor: JournalCursor
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ...) -> None: ...
+
+class JournalCursor(_message.Message):
+    __slots__ = ("manifest_version", "step", "offset")
+    MANIFEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    manifest_version: int
+    step: int
+    offset: int
+    def __init__(self, manifest_version: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class GetLengthRequest(_message.Message):
     __slots__ = ("wait_ms",)
@@ -112,7 +124,7 @@ class SubBatchSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches", "shm")
+    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches", "shm", "journal_cursor")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +137,7 @@ class BatchHeader(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     SUBBATCHES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_CURSOR_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     dp_rank: int
@@ -137,7 +150,8 @@ class BatchHeader(_message.Message):
     tp_rank: int
     subbatches: _containers.RepeatedCompositeFieldContainer[SubBatchSpec]
     shm: ShmPlacement
-    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ...) -> None: ...
+    journal_cursor: JournalCursor
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ...) -> None: ...
 
 class ShmPlacement(_message.Message):
     __slots__ = ("slab", "offset", "length")

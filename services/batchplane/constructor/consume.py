@@ -15,15 +15,22 @@ planner or to loaders.
 - Report: refused (FAILED_PRECONDITION): a producer runs ahead of training, so training losses
   cannot steer it (configuration refuses adaptive mixtures with journal delivery).
 
-Logical steps when the mesh changed (DP only). The journal holds the written mesh's steps; with
-the same DP, logical step s is written step s. With another DP, the first step the pod's ranks
-ask for after this process starts (s0, the step they resume at) is taken to start at written
-step s0 (`SliceCursor(s0)`: the checkpoint they resume from was taken under the written mesh),
-and later steps follow `slices.cursor_for(s, origin_step=s0, ...)` (`slices`' rule: DP grown
-reads consecutive written steps' slices as one step, DP shrunk alternating slices). A restart at
-a step before s0 cannot be mapped and is refused; carrying the cursor in the client's
-checkpoint comes with the client API. A CP change is refused (FAILED_PRECONDITION naming both
-meshes): the slices are opaque headers and payloads, which cannot be re-cut.
+Logical steps and the journal cursor. The journal holds the written mesh's steps; the consumer
+numbers logical steps from an anchor: logical step s0 starts at journal position c0 (a
+`SliceCursor`), and step s >= s0 starts at `slices.cursor_for(s, origin_step=s0, origin=c0, ...)`
+(`slices`' rule: DP grown reads consecutive written steps' slices as one step, DP shrunk
+alternating slices). Every batch header carries the cursor of the next step
+(`BatchHeader.journal_cursor`), which the client keeps in its state_dict and sends back with its
+restart (`GetBatchRequest.journal_cursor`): a restart with a cursor anchors the mapping there
+(again whenever it disagrees with the current mapping: a rollback, or a second resume after a
+DP change, DP 2 -> 4 -> 2, where logical and written steps differ). Without one (a fresh start,
+or a checkpoint of stream delivery) the first step asked for, s0, is taken to start at written
+step s0; with an anchor at its own written step and the same DP, logical step s is written step
+s, before the anchor too. Otherwise a restart without a cursor before s0 cannot be mapped and is
+refused. A CP change is refused (FAILED_PRECONDITION naming both meshes): the slices are opaque
+headers and payloads, which cannot be re-cut. Under a DP change each header still carries its
+written step's `global_loss_tokens` and `loss_weight`s (not yet the logical step's: that needs
+the loss tokens of slices other pods read).
 
 Marks: the consumer records the progress mark `pod-I` (`JournalReader.record_watermark`) at
 the step below which all its ranks took every step, every `MARK_EVERY` steps, so
@@ -39,6 +46,7 @@ max_lag, so a trainer that never checkpoints is paced by its progress marks, not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -61,7 +69,7 @@ from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.rpc import add_servicer, stream_payload, wait_seconds
 from batchplane.core.storage import Storage
 from batchplane.journal.reader import JournalReader, JournalStep, ReaderCursor
-from batchplane.journal.slices import DataMesh, SliceCursor, cursor_for, logical_steps
+from batchplane.journal.slices import DataMesh, SliceCursor, cursor_for, flat_index, logical_steps
 from batchplane.journal.writer import read_end, read_header
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
@@ -107,7 +115,7 @@ class JournalConsumer:
         self._pulling = [r for r in self.ranks if rules.pulls(r)] or list(self.ranks)
         self._cond = threading.Condition()
         self._written: DataMesh | None = None
-        self._origin: int | None = None  # the first logical step asked (the cursor rule's origin)
+        self._anchor: tuple[int, SliceCursor] | None = None  # logical step s0 starts at journal position c0
         self._reader: JournalReader | None = None
         self._reader_start = 0  # the logical step the reader started at
         self._read_next = 0  # the logical step the reader hands out next (past what it dropped)
@@ -122,11 +130,15 @@ class JournalConsumer:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def batch(self, rank: int, step: int, *, timeout_s: float, restart: bool = False) -> tuple[constructor_pb2.BatchHeader, memoryview] | None:
-        """Rank `rank`'s header and payload of logical step `step`; None past the end of data.
+    def batch(self, rank: int, step: int, *, timeout_s: float, restart: bool = False,
+              cursor: SliceCursor | None = None) -> tuple[constructor_pb2.BatchHeader, memoryview] | None:
+        """Rank `rank`'s header and payload of logical step `step`, the header carrying the next
+        step's journal cursor; None past the end of data. `cursor` (with `restart`): where
+        `step` starts in the journal, from the trainer's checkpoint.
 
         Raises:
-            InvalidArgument: a rank not served here.
+            InvalidArgument: a rank not served here; a cursor the journal's written mesh has no
+                such position in.
             FailedPrecondition: without `restart`, a step the rank moved past; a step too far
                 ahead of the pod's slowest rank; a mesh the journal cannot be read with.
             Unavailable: not committed in time; retry.
@@ -136,7 +148,7 @@ class JournalConsumer:
                                   f"{self.mesh.world} ranks ({self.mesh.describe()})")
         deadline = self._clock() + timeout_s
         with self._cond:
-            self._ask(rank, step, restart=restart)
+            self._ask(rank, step, restart=restart, cursor=cursor if restart else None)
             item = self._wait_for(step, deadline)
         mark = self._mark_due()
         if mark is not None:
@@ -144,7 +156,11 @@ class JournalConsumer:
         if item is None:
             return None
         coords = self.mesh.coords(rank)
-        return decode_slice(item.batches[(coords.dp, coords.cp)], rank=rank, step=step, mesh=self.mesh)
+        header, payload = decode_slice(item.batches[(coords.dp, coords.cp)], rank=rank, step=step, mesh=self.mesh)
+        after = item.cursor
+        header.journal_cursor.manifest_version = after.manifest_version
+        header.journal_cursor.step, header.journal_cursor.offset = after.position.step, after.position.offset
+        return header, payload
 
     def length(self) -> common_pb2.JobLength:
         """The job's length in logical steps, once the end marker is written."""
@@ -163,7 +179,7 @@ class JournalConsumer:
 
     # ---- the buffer (under the lock) ---------------------------------------------------------
 
-    def _ask(self, rank: int, step: int, *, restart: bool) -> None:
+    def _ask(self, rank: int, step: int, *, restart: bool, cursor: SliceCursor | None) -> None:
         latest = self._progress.get(rank)
         if latest is not None and step < latest and not restart:
             raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
@@ -173,11 +189,15 @@ class JournalConsumer:
                 f"step {step} is more than journal.max_lag_steps ({self._job.journal.max_lag_steps}) ahead of the slowest "
                 f"rank of this pod (step {slowest})"
             )
+        if self._written is not None and cursor is not None:
+            flat_index(cursor, written=self._written)  # an offset the written DP has (TopologyError otherwise)
         self._progress[rank] = step
-        if self._origin is None:
-            self._origin = step
-            log.info("ranks %s start at step %d", list(self.ranks), step)
-        if step not in self._buffer and (self._reader is None or step < self._reader_start or restart and step < self._next_read()):
+        if self._anchor is None or cursor is not None and self._anchor != (step, cursor) and self._maps(step) != cursor:
+            self._anchor = (step, SliceCursor(step) if cursor is None else cursor)
+            self._end = None  # in logical steps of the old anchor
+            log.info("ranks %s start at step %d (journal step %d, slice %d)", list(self.ranks), step, *dataclasses.astuple(self._anchor[1]))
+            self._reposition(step)
+        elif step not in self._buffer and (self._reader is None or step < self._reader_start or restart and step < self._next_read()):
             self._reposition(step)
         self._release()
 
@@ -234,7 +254,7 @@ class JournalConsumer:
     def _not_committed(self, step: int) -> str:
         """Why logical step `step` is not served yet: the journal and its last committed step."""
         last = self._reader.visible_through if self._reader is not None else None
-        remapped = self._written is not None and self._written.dp != self._reader_mesh.dp
+        remapped = self._written is not None and not self._identity(self._written)
         committed = "the manifest was not read yet" if last is None else (
             "no step is committed yet" if last < 0 else f"last committed {'written ' if remapped else ''}step {last}")
         where = f"the journal at {self._prefix or '/'} in {self._storage.describe()}"
@@ -277,16 +297,31 @@ class JournalConsumer:
         reader.start()
         return reader
 
+    def _identity(self, written: DataMesh) -> bool:
+        """Logical steps are written steps: the same DP, anchored at its own written step."""
+        return written.dp == self._reader_mesh.dp and (self._anchor is None or self._anchor[1] == SliceCursor(self._anchor[0]))
+
+    def _maps(self, step: int) -> SliceCursor | None:
+        """Where logical step `step` starts by the current anchor; None when the written mesh is
+        not known yet or the step lies before an anchor it cannot be mapped from (under the lock)."""
+        if self._written is None:
+            return None
+        try:
+            return self._cursor(step, self._written)
+        except FailedPrecondition:
+            return None
+
     def _cursor(self, step: int, written: DataMesh) -> SliceCursor:
-        if written.dp == self._reader_mesh.dp:
+        if self._identity(written):
             return SliceCursor(step)
-        origin = self._origin if self._origin is not None else step
+        origin, position = self._anchor if self._anchor is not None else (step, SliceCursor(step))
         if step < origin:
             raise FailedPrecondition(
                 f"step {step} is before step {origin}, where this consumer's ranks started reading a journal written for "
-                f"dp={written.dp} with dp={self._reader_mesh.dp}: that cannot be mapped; restart the constructor"
+                f"dp={written.dp} with dp={self._reader_mesh.dp} (at journal step {position.step}, slice {position.offset}): "
+                "that cannot be mapped without the journal cursor of a checkpoint; restart from one (its state_dict holds it)"
             )
-        return cursor_for(step, origin_step=origin, origin=SliceCursor(origin), written=written, reader=self._reader_mesh)
+        return cursor_for(step, origin_step=origin, origin=position, written=written, reader=self._reader_mesh)
 
     def _written_mesh(self, timeout_s: float) -> DataMesh | None:
         """The journal's written mesh (checked against this job's); None while no producer opened it."""
@@ -318,10 +353,10 @@ class JournalConsumer:
             self._end = self._to_logical(end, written)
 
     def _to_logical(self, end: int, written: DataMesh) -> int:
-        if written.dp == self._reader_mesh.dp:
+        if self._identity(written):
             return end
-        origin = self._origin or 0
-        return origin + logical_steps(SliceCursor(origin), end, written=written, reader=self._reader_mesh)
+        origin, position = self._anchor if self._anchor is not None else (0, SliceCursor(0))
+        return origin + logical_steps(position, end, written=written, reader=self._reader_mesh)
 
     def _logical_end(self) -> int | None:
         with self._cond:
@@ -414,6 +449,7 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         check_batch_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume)
         got = self._consumer.batch(
             request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS), restart=request.restart,
+            cursor=_requested_cursor(request),
         )
         self._mark_recorder.handed(request.rank, request.step, restart=request.restart)
         if got is None:
@@ -447,6 +483,20 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         """Where logical step `step` starts in the written steps (same DP: step itself)."""
         written = self._consumer._written
         return SliceCursor(step) if written is None else self._consumer._cursor(step, written)
+
+
+def _requested_cursor(request: constructor_pb2.GetBatchRequest) -> SliceCursor | None:
+    """The request's journal cursor; None when it has none.
+
+    Raises:
+        InvalidArgument: a negative field (`slices.TopologyError` names it).
+    """
+    if not request.HasField("journal_cursor"):
+        return None
+    cursor = request.journal_cursor
+    if cursor.manifest_version < 0:
+        raise InvalidArgument(f"journal_cursor.manifest_version: must be >= 0, got {cursor.manifest_version}")
+    return SliceCursor(cursor.step, cursor.offset)
 
 
 def add_consumer_to_server(servicer: JournalConstructorServicer, server: grpc.Server) -> None:

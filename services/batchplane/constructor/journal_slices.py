@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from batchplane.constructor.pipeline import Delivery
+from batchplane.constructor.build import Delivery
 from batchplane.constructor.service import batch_header
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.mesh import ClientPlaceTree

@@ -26,7 +26,7 @@ from typing import Protocol
 from batchplane.constructor.checkpoint_marks import counts_for_lag
 from batchplane.constructor.journal_slices import encode_step
 from batchplane.constructor.metrics import ConstructorMetrics
-from batchplane.constructor.pipeline import Delivery
+from batchplane.constructor.build import Delivery
 from batchplane.constructor.reclaim_loop import ReclaimLoop
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, NotFound, Unavailable

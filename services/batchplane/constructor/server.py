@@ -30,8 +30,7 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
 from batchplane.core.registration import register_with_planner
-from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
-from batchplane.core.tls import Security
+from batchplane.core.rpc import RpcSettings, ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.core.userfile import job_hook
 from batchplane.journal.location import open_journal_storage
 from batchplane.v1 import common_pb2, planner_pb2, planner_pb2_grpc
@@ -44,7 +43,7 @@ class RunningConstructor:
     address: str
     server: grpc.Server
     pipeline: StepPipeline
-    security: Security
+    rpc: RpcSettings
     health: HealthServicer
     slabs: SlabServer | None = None
     producer: JournalProducer | None = None
@@ -55,7 +54,7 @@ class RunningConstructor:
         saying the oldest step it may still need: a restarted planner resumes there even when
         this constructor asks for no plan for a while (its ranks are busy, or past the end of
         data). Runs on a thread of its own."""
-        with create_channel(process.planner, peer="planner", security=self.security, max_message_bytes=job.network.max_message_bytes) as channel:
+        with create_channel(self.rpc, process.planner, peer="planner") as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             while not self._stopped.wait(job.network.heartbeat_s):
                 step = self.pipeline.rejoin_step()
@@ -94,7 +93,7 @@ class _Building:
     ranks: tuple[int, ...]
 
 
-def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
+def start_constructor(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> RunningConstructor:
     """Starts constructor `process.index` of `job` and registers it with the planner. It serves
     its trainer with local credentials (core.tls: a Unix socket in a folder only the pod's group
     enters, or loopback TCP) and calls the planner and loaders over mutual TLS.
@@ -108,7 +107,7 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
             "batch.delivery", "is journal: start the constructor as a producer (--produce --index I --planner ADDR, I < journal.producers) "
             "or as a pod's consumer (--consume --index I)", job.batch.delivery,
         )
-    b = _start_building(job, process, registry, security)
+    b = _start_building(job, process, registry, rpc)
     slabs = None
     if process.listen and process.listen.startswith("unix:") and job.constructors.shm_bytes:
         # Beside the trainer's socket, in the same folder, under the same umask.
@@ -118,12 +117,12 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     b.server.start()
     set_serving(b.health, "batchplane.v1.Constructor")
     log.info("serving ranks %s", list(b.ranks))
-    running = RunningConstructor(b.address, b.server, b.pipeline, security, b.health, slabs)
+    running = RunningConstructor(b.address, b.server, b.pipeline, rpc, b.health, slabs)
     threading.Thread(target=running.keep_registered, args=(job, process, b.ranks), name="register", daemon=True).start()
     return running
 
 
-def start_producer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConstructor:
+def start_producer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> RunningConstructor:
     """Starts the producer of journal delivery (`--produce`): constructor 0 of the planner's
     view, building every rank's batches and committing them to the journal (`produce`). Its
     gRPC server serves health only.
@@ -136,12 +135,12 @@ def start_producer(job: JobSettings, process: ProcessSettings, registry: Collect
     if job.batch.delivery != "journal":
         raise ConfigError("batch.delivery", "--produce needs batch.delivery: journal", job.batch.delivery)
     storage = open_journal_storage(job, _run_dir(job, process), check_writes=True)
-    b = _start_building(job, process, registry, security)
+    b = _start_building(job, process, registry, rpc)
     producer = JournalProducer(job, pipeline=b.pipeline, storage=storage, info=b.info, metrics=b.metrics, index=process.index)
     b.server.start()
     set_serving(b.health, "batchplane.v1.Constructor")
     log.info("producing the journal at %s for ranks %s", storage.describe(), list(b.ranks))
-    running = RunningConstructor(b.address, b.server, b.pipeline, security, b.health, producer=producer.start())
+    running = RunningConstructor(b.address, b.server, b.pipeline, rpc, b.health, producer=producer.start())
     threading.Thread(target=running.keep_registered, args=(job, process, b.ranks), name="register", daemon=True).start()
     return running
 
@@ -163,7 +162,7 @@ class RunningConsumer:
         self.server.stop(grace_s).wait()
 
 
-def start_consumer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningConsumer:
+def start_consumer(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> RunningConsumer:
     """Starts pod `process.index`'s consumer of journal delivery (`--consume`): serves the
     Constructor service to the pod's ranks from the journal (`consume`), with local credentials
     as `start_constructor`. Talks to no planner and no loader.
@@ -180,7 +179,7 @@ def start_consumer(job: JobSettings, process: ProcessSettings, registry: Collect
     storage = open_journal_storage(job, _run_dir(job, process), check_writes=True)
     ranks = job.pod_ranks(process.index)
     metrics = ConstructorMetrics(registry)
-    server, address, health = _create_server(job, process, registry, security)
+    server, address, health = _create_server(job, process, registry, rpc)
     consumer = JournalConsumer(job, storage=storage, index=process.index, ranks=ranks, metrics=metrics)
     add_consumer_to_server(JournalConstructorServicer(job, consumer, metrics, storage=storage), server)
     server.start()
@@ -194,23 +193,18 @@ def _run_dir(job: JobSettings, process: ProcessSettings) -> pathlib.Path:
 
 
 def _create_server(
-    job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security
+    job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings
 ) -> tuple[grpc.Server, str, HealthServicer]:
     if process.listen:
         prepare_socket_folder(process.listen)
         os.umask(0o007)  # the socket: owner and group read and write, nobody else
     server, port, health = create_grpc_server(
-        host=process.listen or job.network.host,
-        port=process.port,
-        metrics=ServerMetrics("constructor", registry),
-        max_message_bytes=job.network.max_message_bytes,
-        security=security,
-        local=True,
+        rpc, host=process.listen or job.network.host, port=process.port, metrics=ServerMetrics("constructor", registry), local=True
     )
     return server, process.advertise or process.listen or f"{job.network.host}:{port}", health
 
 
-def _start_building(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> _Building:
+def _start_building(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> _Building:
     """The server (not started), the registration with the planner and the pipeline."""
     if not 0 <= process.index < job.constructor_count:
         why = "journal.producers" if job.batch.delivery == "journal" else "mesh ranks / constructors.ranks_per_constructor"
@@ -219,14 +213,14 @@ def _start_building(job: JobSettings, process: ProcessSettings, registry: Collec
         raise ConfigError("--planner", "is required for a constructor", None)
     ranks = job.constructor_ranks(process.index)
     metrics = ConstructorMetrics(registry)
-    server, address, health = _create_server(job, process, registry, security)
-    registered = _register(job, process, security, address, ranks)
+    server, address, health = _create_server(job, process, registry, rpc)
+    registered = _register(job, process, rpc, address, ranks)
     info = registered.job
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
     pipeline = StepPipeline(
         job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
-        connect=lambda peer_address, peer: create_channel(peer_address, peer=peer, security=security, max_message_bytes=job.network.max_message_bytes),
-        rejoin=lambda step: _register(job, process, security, address, ranks, next_step=step),
+        connect=lambda peer_address, peer: create_channel(rpc, peer_address, peer=peer),
+        rejoin=lambda step: _register(job, process, rpc, address, ranks, next_step=step),
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
         oldest_step=registered.oldest_step,
     )
@@ -240,10 +234,10 @@ def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, 
 
 
 def _register(
-    job: JobSettings, process: ProcessSettings, security: Security, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
+    job: JobSettings, process: ProcessSettings, rpc: RpcSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
 ) -> planner_pb2.RegisterConstructorResponse:
     request = _request(process, address, ranks, next_step=next_step)
-    return register_with_planner(job, process, security, rpc="RegisterConstructor", request=request, who=f"constructor {process.index}")
+    return register_with_planner(job, process, rpc, method="RegisterConstructor", request=request, who=f"constructor {process.index}")
 
 
 def prepare_socket_folder(listen: str) -> None:

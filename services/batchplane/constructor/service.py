@@ -13,7 +13,8 @@ import grpc
 from batchplane.constructor.assemble import TensorLayout
 from batchplane.constructor.bounds import check_batch_request, check_checkpoint_request, check_released_slabs, check_report
 from batchplane.constructor.metrics import ConstructorMetrics
-from batchplane.constructor.pipeline import Delivery, StepPipeline
+from batchplane.constructor.build import Delivery
+from batchplane.constructor.pipeline import StepPipeline
 from batchplane.constructor.slabs import SESSION_LOST, UNKNOWN_SESSION, Placement, SlabServer
 from batchplane.core.errors import InvalidArgument
 from batchplane.core.mesh import ClientPlaceTree
