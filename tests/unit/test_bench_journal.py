@@ -8,15 +8,16 @@ import argparse
 
 import pytest
 
-from batchplane.bench import BENCHMARKS, load
+from batchplane.bench import BENCHMARKS, journal_commit, load
 from batchplane.bench import journal as bench
+from batchplane.journal.manifest import Commit, ManifestState, Register, StepEntry, StepObject, apply
 
 COMMIT_FIELDS = {
     "kind", "store", "policy", "producers", "payload_kb", "commit_success_rate", "committed_mb_per_s",
     "commit_latency_s", "step_visible_latency_s", "attempts", "conflicts", "errors", "commits", "steps_committed",
     "offered_mb_per_s", "fragile_window_s", "gap_s", "cycle_s", "warmup_s", "measured_s", "attempts_per_producer",
     "manifest_versions", "manifest_version_start", "manifest_version_end",
-    "exactly_once", "cpu_util", "paper_commit_success_rate", "paper_committed_mb_per_s",
+    "exactly_once", "cpu_util", "load_avg", "paper_commit_success_rate", "paper_committed_mb_per_s",
 }
 READ_FIELDS = {
     "kind", "store", "world", "read", "dp", "cp", "bytes_per_rank", "slice_bytes", "read_amplification",
@@ -34,7 +35,7 @@ def _args(tmp_path, argv: list[str]) -> argparse.Namespace:
     bench.add_arguments(parser)
     return parser.parse_args([
         "--dir", str(tmp_path), "--stores", "local", "--producers", "8", "--policies", "naive,dac",
-        "--duration-s", "1.5", "--warmup-s", "0.5", "--max-duration-s", "3", "--max-warmup-s", "2", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
+        "--duration-s", "1.5", "--warmup-s", "0.5", "--cycles", "2", "--max-duration-s", "20", "--max-warmup-s", "10", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
         "--worlds", "4,8", "--read-cp", "2", "--slice-kb", "4", "--read-steps", "2", "--read-ranks", "4",
         "--trace-steps", "60", "--checkpoint-every", "5", "--max-lag", "20", "--trace-points", "4",
         "--state-payload-kb", "10", "--state-commits", "2", *argv,
@@ -75,6 +76,27 @@ def test_committing_every_step_conflicts_more_than_dac(result) -> None:
         assert r["steps_committed"] > 0 and r["committed_mb_per_s"] > 0
         assert r["manifest_version_end"] >= r["manifest_version_start"] + r["commits"]
         assert r["paper_commit_success_rate"] is None  # the paper's figures are at 32 producers
+
+
+def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_path) -> None:
+    args = _args(tmp_path, [])
+    entry = StepEntry(7, (StepObject("tgb/000000000007.tgb", 2_000_000, "crc32:00000000"),))
+    state = apply(apply(ManifestState(), Register("p000")), Commit("p000", 1, (entry,)))
+    # (end, batch start, outcome, fragile window, gap, committed): before, in (lost, won), after.
+    results = [{"attempts": [(0.5, 0.4, 1, 0.1, 0.0, ((3, 9_000_000, 0.2),)), (1.5, 1.0, 0, 0.2, 1.0, ()),
+                             (2.5, 1.0, 1, 0.4, 3.0, ((7, 2_000_000, 1.2),)), (4.5, 4.0, -1, 0.1, 0.0, ())],
+                "built": [(0.2, 9_000_000), (1.2, 2_000_000), (4.2, 5_000_000)], "cpu_s": 1.5}]
+    r = journal_commit._record("local", "dac", 1, args, results, final=state, version_start=1, start=0.0,
+                               window=(1.0, 3.0), cycle_s=1.0)
+    assert (r["attempts"], r["conflicts"], r["errors"], r["commits"]) == (2, 1, 0, 1)
+    assert r["commit_success_rate"] == 0.5 and r["steps_committed"] == 1 and r["exactly_once"]
+    assert r["committed_mb_per_s"] == pytest.approx(1.0) and r["offered_mb_per_s"] == pytest.approx(1.0)
+    assert r["fragile_window_s"] == pytest.approx(0.3) and r["gap_s"] == pytest.approx(2.0)
+    assert r["commit_latency_s"] == pytest.approx(1.5) and r["step_visible_latency_s"] == pytest.approx(1.3)
+    assert r["cpu_util"] == pytest.approx(0.5) and r["measured_s"] == 2.0 and r["warmup_s"] == 1.0
+    other = apply(apply(ManifestState(), Register("p001")), Commit("p001", 1, (entry,)))
+    assert not journal_commit._record("local", "dac", 1, args, results, final=other, version_start=1, start=0.0,
+                                      window=(1.0, 3.0), cycle_s=1.0)["exactly_once"]  # committed by another
 
 
 def test_slice_reads_fetch_about_one_slice_and_dense_reads_the_whole_step(result) -> None:

@@ -73,6 +73,39 @@ def test_dac_policy_uses_the_moving_average_and_its_jitter_only_lengthens_the_ga
         assert feasible(policy.gap_s(), ema, n, 0.05, 0.2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    outcomes=st.lists(st.tuples(st.booleans(), st.floats(1e-4, 2.0), st.integers(1, 128)), min_size=1, max_size=12),
+    eps_c=st.floats(0.005, 0.5),
+    eps_d=st.floats(0.01, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dac_gap_meets_both_budgets_after_any_outcomes_and_a_conflict_spreads_the_retry_over_a_cycle(
+    outcomes: list[tuple[bool, float, int]], eps_c: float, eps_d: float, seed: int
+) -> None:
+    s = DacSettings(conflict_budget=eps_c, duty_budget=eps_d, jitter=0.2, conflict_jitter=1.0, max_gap_s=1e9)
+    policy = DacPolicy(s, random=random.Random(seed).random)
+    for success, w, n in outcomes:
+        policy.on_attempt(success=success, fragile_window_s=w, producers=n)
+        ema = policy.fragile_window_s
+        assert ema is not None
+        optimal = smallest_feasible_gap_s(ema, n, conflict_budget=eps_c, duty_budget=eps_d)
+        assert feasible(policy.gap_s(), ema, n, eps_c, eps_d)  # both budgets, whatever the jitter
+        assert optimal <= policy.gap_s() <= optimal * (1.2 if success else 2.0) + 1e-12
+
+
+def test_dac_retries_a_conflict_anywhere_in_a_whole_cycle() -> None:
+    gaps = []
+    for seed in range(200):
+        policy = DacPolicy(DacSettings(jitter=0.2, conflict_jitter=1.0), random=random.Random(seed).random)
+        policy.on_attempt(success=False, fragile_window_s=0.01, producers=32)
+        gaps.append(policy.gap_s() / policy.optimal_gap_s - 1)
+    assert min(gaps) < 0.1 and max(gaps) > 0.9  # spread over [g*, 2 g*], not within 20 % of g*
+    policy = DacPolicy(DacSettings(jitter=0.2, conflict_jitter=1.0), random=lambda: 0.99)
+    policy.on_attempt(success=True, fragile_window_s=0.01, producers=32)
+    assert policy.gap_s() == pytest.approx(policy.optimal_gap_s * 1.198)
+
+
 def test_dac_gap_grows_with_producers_and_with_the_fragile_window() -> None:
     gaps = [smallest_feasible_gap_s(0.1, n, conflict_budget=0.05, duty_budget=0.5) for n in (1, 8, 32, 64)]
     assert gaps[0] == pytest.approx(0.1)  # alone: only the duty budget binds
@@ -129,7 +162,8 @@ def test_the_registry_names_every_policy_of_the_benchmark() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("conflict_budget", 0.0), ("conflict_budget", 1.0), ("duty_budget", 0.0), ("duty_budget", 1.5),
-     ("ema_alpha", 0.0), ("jitter", -0.1), ("max_gap_s", 0.0), ("max_gap_s", math.inf)],
+     ("ema_alpha", 0.0), ("jitter", -0.1), ("conflict_jitter", math.nan), ("max_gap_s", 0.0),
+     ("max_gap_s", math.inf)],
 )
 def test_dac_settings_out_of_range_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ConfigError) as info:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, TensorLayout
 from batchplane.constructor.journal_slices import CorruptSlice, decode_slice, encode_step, slice_names
 from batchplane.constructor.metrics import ConstructorMetrics
-from batchplane.constructor.pipeline import Delivery
+from batchplane.constructor.build import Delivery
 from batchplane.constructor.produce import INFO_KEY, JournalProducer, load_info, store_info
 from batchplane.constructor.service import batch_header
 from batchplane.core.config import job_from_mapping

@@ -35,7 +35,11 @@ The policies (`POLICIES`):
   g_d = W (1 - eps_d) / eps_d (Eq. 8). W is an exponential moving average of measured fragile
   windows (Eq. 6), N the producer count read from the committed state after each attempt. The
   gap used is g* (1 + xi) with xi uniform in [0, delta] (Eq. 10): the jitter only lengthens the
-  gap, so the jittered gap stays feasible (both budgets hold for every g >= g*).
+  gap, so the jittered gap stays feasible (both budgets hold for every g >= g*). After a
+  conflict xi is uniform in [0, delta_conflict] instead (default 1, a whole cycle): producers
+  that started together (a job's launch, a burst of correlated commits) conflict with each other
+  and would otherwise stay within delta g* of each other for many cycles, against Eq. 2's
+  independent starts; spreading the retry over a whole cycle desynchronizes them at once.
 """
 
 from __future__ import annotations
@@ -198,6 +202,8 @@ class DacSettings:
             in (0, 1].
         ema_alpha: Weight of the newest fragile window in its moving average, in (0, 1].
         jitter: delta, the largest relative lengthening of the gap, >= 0.
+        conflict_jitter: delta_conflict, the largest relative lengthening of the gap after a
+            conflict, >= 0.
         max_gap_s: A ceiling on the gap in seconds (a safety net: budgets are no longer met
             above it), > 0.
     """
@@ -206,6 +212,7 @@ class DacSettings:
     duty_budget: float = 0.25
     ema_alpha: float = 0.2
     jitter: float = 0.2
+    conflict_jitter: float = 1.0
     max_gap_s: float = 300.0
 
     def check(self) -> None:
@@ -213,8 +220,10 @@ class DacSettings:
         _check_open("dac.conflict_budget", self.conflict_budget, 0.0, 1.0)
         _check_open("dac.duty_budget", self.duty_budget, 0.0, 1.0, high_ok=True)
         _check_open("dac.ema_alpha", self.ema_alpha, 0.0, 1.0, high_ok=True)
-        if not (math.isfinite(self.jitter) and self.jitter >= 0):
-            raise ConfigError("dac.jitter", "must be a finite number >= 0", self.jitter)
+        for field in ("jitter", "conflict_jitter"):
+            value = getattr(self, field)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"dac.{field}", "must be a finite number >= 0", value)
         if not (self.max_gap_s > 0 and math.isfinite(self.max_gap_s)):
             raise ConfigError("dac.max_gap_s", "must be a finite number > 0", self.max_gap_s)
 
@@ -322,7 +331,7 @@ class DacPolicy:
             self._window_s, self._producers, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget
         )
         self._optimal_s = min(optimal, s.max_gap_s)
-        xi = s.jitter * min(max(self._random(), 0.0), 1.0)
+        xi = (s.jitter if success else s.conflict_jitter) * min(max(self._random(), 0.0), 1.0)
         self._gap_s = min(self._optimal_s * (1.0 + xi), s.max_gap_s)
 
 

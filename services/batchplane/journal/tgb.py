@@ -247,7 +247,7 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
     for entry, (_, _, columns, start, length) in zip(entries, plans):
         for _, _, _, little, rel in columns:
             if little.nbytes:
-                view[start + rel : start + rel + little.nbytes] = little.reshape(-1).view(np.uint8)
+                view[start + rel : start + rel + little.nbytes] = little.reshape(-1).view(np.uint8).data
         entry["crc32"] = zlib.crc32(view[start : start + length])
     view.release()
     footer = json.dumps(
