@@ -240,7 +240,7 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
 
     from prometheus_client import CollectorRegistry
 
-    from batchplane.core.rpc import ServerMetrics, create_grpc_server
+    from batchplane.core.rpc import RpcSettings, ServerMetrics, create_grpc_server
 
     ca = LocalCA(tmp_path / "ca")
     server_folder = ca.issue(Identity("planner"), tmp_path / "server")
@@ -249,7 +249,7 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
     tokens = {"operator": "t-operator", "loader": "t-loader"}
     security = Security(CertificateFolder(server_folder), role_tokens=tokens)
     server, port, health = create_grpc_server(
-        host="127.0.0.1", port=0, metrics=ServerMetrics("planner", CollectorRegistry()), max_message_bytes=4 << 20, security=security
+        RpcSettings(security=security, max_message_bytes=4 << 20), host="127.0.0.1", port=0, metrics=ServerMetrics("planner", CollectorRegistry())
     )
 
     class Status(planner_pb2_grpc.PlannerServicer):

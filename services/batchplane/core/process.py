@@ -32,7 +32,7 @@ from batchplane.core.errors import BatchplaneError, ConfigError
 from batchplane.core.metrics import build_info, process_registry, start_metrics_server
 
 if TYPE_CHECKING:
-    from batchplane.core.tls import Security
+    from batchplane.core.rpc import RpcSettings
 
 log = logging.getLogger(__name__)
 
@@ -184,23 +184,24 @@ def write_ready_file(path: pathlib.Path, info: dict) -> None:
 def run_service(
     part: str,
     argv: Sequence[str] | None,
-    start: Callable[[JobSettings, ProcessSettings, CollectorRegistry, Security], Running],
+    start: Callable[[JobSettings, ProcessSettings, CollectorRegistry, RpcSettings], Running],
 ) -> int:
     """Runs one service process until SIGTERM/SIGINT (or its parent's exit).
 
     Args:
         part: "planner", "loader" or "constructor".
         argv: Command-line arguments (None: sys.argv).
-        start: Builds and starts the service with the process's transport security (core.tls:
-            mutual TLS from --tls-dir unless the job's network.tls is off, tokens from
-            --token-file and --auth-tokens); raises BatchplaneError for bad configuration or
+        start: Builds and starts the service with the process's gRPC settings (core.rpc: the
+            job's message limit and the transport security of core.tls: mutual TLS from
+            --tls-dir unless the job's network.tls is off, tokens from --token-file and
+            --auth-tokens); raises BatchplaneError for bad configuration or
             data, which ends the process with exit status 2 and the error in the log, and
             PortUnavailable when it cannot bind its --port (exit status 3).
     Returns:
         The process exit status: 0 after a stop, EXIT_BAD_INPUT, EXIT_PORT_UNAVAILABLE or
         EXIT_METRICS_PORT_UNAVAILABLE (--metrics-port cannot be bound).
     """
-    from batchplane.core.rpc import PortUnavailable  # here: the operator logs through this module without grpc
+    from batchplane.core.rpc import PortUnavailable, RpcSettings  # here: the operator logs through this module without grpc
     from batchplane.core.tls import process_security
 
     settings = parse_process_args(part, argv)
@@ -226,7 +227,7 @@ def run_service(
         security = process_security(
             tls=job.network.tls, tls_dir=settings.tls_dir, token_file=settings.token_file, auth_tokens=settings.auth_tokens, on_reload=reloads.inc
         )
-        running = start(job, settings, registry, security)
+        running = start(job, settings, registry, RpcSettings.of(job.network, security))
     except PortUnavailable as exc:
         log.error("cannot start %s: %s", name, exc)
         return EXIT_PORT_UNAVAILABLE

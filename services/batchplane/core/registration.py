@@ -11,24 +11,23 @@ from google.protobuf.message import Message
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
 from batchplane.core.process import ProcessSettings
-from batchplane.core.rpc import call_with_retry, create_channel, reraise
-from batchplane.core.tls import Security
+from batchplane.core.rpc import RpcSettings, call_with_retry, create_channel, reraise
 from batchplane.v1 import planner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 def register_with_planner(
-    job: JobSettings, process: ProcessSettings, security: Security, *, rpc: str, request: Message, who: str
+    job: JobSettings, process: ProcessSettings, rpc: RpcSettings, *, method: str, request: Message, who: str
 ) -> Message:
-    """Calls Planner.<rpc>(request) until the planner answers, and returns its response (whose
+    """Calls Planner.<method>(request) until the planner answers, and returns its response (whose
     `job` is the job it serves).
 
     Args:
         job: The job as this process read it.
         process: This process's settings (planner address, config path).
-        security: This process's transport security.
-        rpc: "RegisterLoader" or "RegisterConstructor".
+        rpc: This process's message limits and transport security.
+        method: "RegisterLoader" or "RegisterConstructor".
         request: The registration request.
         who: "loader 0", "constructor 1": for errors and logs.
     Raises:
@@ -36,12 +35,12 @@ def register_with_planner(
         InvalidArgument: the planner refused the registration (the message says why).
         ConfigError: the planner runs a job with another fingerprint than this process's file.
     """
-    with create_channel(process.planner, peer="planner", security=security, max_message_bytes=job.network.max_message_bytes) as channel:
-        call = getattr(planner_pb2_grpc.PlannerStub(channel), rpc)
+    with create_channel(rpc, process.planner, peer="planner") as channel:
+        call = getattr(planner_pb2_grpc.PlannerStub(channel), method)
         try:
             response = call_with_retry(
                 lambda: call(request, timeout=job.network.rpc_timeout_s),
-                what=f"{rpc} with planner at {process.planner}",
+                what=f"{method} with planner at {process.planner}",
                 deadline_s=job.network.rpc_timeout_s * 2,
             )
         except grpc.RpcError as exc:

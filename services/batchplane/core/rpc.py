@@ -1,11 +1,14 @@
 """gRPC plumbing shared by the services: the one table from domain errors to status codes, a
 server interceptor that authorizes every call (core.authz), applies the table and counts every
-request, server and channel factories with the job's message limits and transport security
-(core.tls), health checking, and retries for service-to-service calls.
+request, server and channel factories built from one settings object (`RpcSettings`: the job's
+message limits and the process's transport security, core.tls), health checking, and retries for
+service-to-service calls. Every gRPC server and channel of the services is made here (or in
+core.tls, which this module drives); tests/unit/test_rpc_factories.py holds them to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -20,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from batchplane.core import errors
 from batchplane.core.authz import authorize
+from batchplane.core.config import NetworkSettings
 from batchplane.core.tls import Security
 from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2
@@ -226,13 +230,28 @@ class PortUnavailable(OSError):
 SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RpcSettings:
+    """What every gRPC server and channel of a process is built with, made once at its start
+    (`RpcSettings.of`) and handed to the factories below."""
+
+    #: The process's transport security (mutual TLS and tokens, or off).
+    security: Security
+    #: Largest message accepted or sent (`network.max_message_bytes`).
+    max_message_bytes: int
+
+    @classmethod
+    def of(cls, network: NetworkSettings, security: Security) -> RpcSettings:
+        """The settings of a process of a job whose network section is `network`."""
+        return cls(security=security, max_message_bytes=network.max_message_bytes)
+
+
 def create_grpc_server(
+    settings: RpcSettings,
     *,
     host: str,
     port: int,
     metrics: ServerMetrics,
-    max_message_bytes: int,
-    security: Security,
     local: bool = False,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
@@ -240,11 +259,10 @@ def create_grpc_server(
     but not started.
 
     Args:
+        settings: The process's message limits and transport security.
         host: Interface to bind (e.g. "127.0.0.1"), or a Unix socket address "unix:///path".
         port: TCP port; 0 picks a free one; ignored for a Unix socket.
         metrics: The service's request metrics.
-        max_message_bytes: Largest message accepted or sent.
-        security: The process's transport security (mutual TLS, or off).
         local: Serve the trainer of this pod (local credentials) instead of the other parts.
         max_workers: Threads serving RPCs.
     Returns:
@@ -253,10 +271,11 @@ def create_grpc_server(
         PortUnavailable: `port` (not 0) cannot be bound, e.g. a live process listens on it.
         OSError: no free port could be bound.
     """
+    security = settings.security
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         interceptors=[_ErrorsAndMetrics(metrics, security)],
-        options=[*message_options(max_message_bytes), *SERVER_OPTIONS],
+        options=[*message_options(settings.max_message_bytes), *SERVER_OPTIONS],
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -288,10 +307,14 @@ def set_serving(health_servicer: health.HealthServicer, *services: str) -> None:
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [("SingleThreadedUnaryStream", 1)]
 
 
-def create_channel(address: str, *, peer: str, security: Security, max_message_bytes: int) -> grpc.Channel:
-    """A channel to a part of role `peer` ("planner", "loader") with the job's message limits,
-    over mutual TLS unless the job turned it off."""
-    return security.channel(address, peer=peer, options=[*message_options(max_message_bytes), *CHANNEL_OPTIONS])
+def create_channel(settings: RpcSettings, address: str, *, peer: str) -> grpc.Channel:
+    """A channel to the part of role `peer` at `address` with the job's message limits: to a
+    planner or loader over mutual TLS unless the job turned it off; to a constructor's trainer
+    side ("constructor") with local credentials, as its trainer connects."""
+    options = [*message_options(settings.max_message_bytes), *CHANNEL_OPTIONS]
+    if peer == "constructor":
+        return local_channel(address, options=options)
+    return settings.security.channel(address, peer=peer, options=options)
 
 
 def serving_status(health_servicer: health.HealthServicer) -> bool:
@@ -310,14 +333,10 @@ class _NoContext:
         pass
 
 
-def is_serving(address: str, *, peer: str, security: Security, timeout_s: float = 1.0) -> bool:
+def is_serving(settings: RpcSettings, address: str, *, peer: str, timeout_s: float = 1.0) -> bool:
     """True when the server of role `peer` at `address` answers its health check with SERVING
     (a constructor's trainer socket: peer "constructor")."""
-    if peer == "constructor":
-        channel = local_channel(address)
-    else:
-        channel = security.channel(address, peer=peer)
-    with channel:
+    with create_channel(settings, address, peer=peer) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

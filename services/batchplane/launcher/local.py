@@ -36,7 +36,7 @@ from batchplane.core.process import EXIT_METRICS_PORT_UNAVAILABLE, EXIT_PORT_UNA
 from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.core.identity import INDEXED_ROLES, Identity
 from batchplane.core.localca import LocalCA
-from batchplane.core.rpc import is_serving
+from batchplane.core.rpc import RpcSettings, create_channel, is_serving
 from batchplane.core.tls import TLS_OFF_WARNING, CertificateFolder, Security
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
@@ -135,7 +135,8 @@ class LocalCluster:
         self.producers: list[ServiceProcess] = []
         self._replicas_started = 0
         self.ca: LocalCA | None = None
-        self.security = Security(None)
+        #: How this launcher reaches the parts (health checks, the planner's status).
+        self.rpc = RpcSettings.of(self.job.network, Security(None))
 
     @property
     def processes(self) -> list[ServiceProcess]:
@@ -215,7 +216,7 @@ class LocalCluster:
             return
         self.ca = LocalCA(self.tls_dir / "ca", name=self.job.job)
         own = self.ca.issue(Identity("operator"), self.tls_dir / "launcher")
-        self.security = Security(CertificateFolder(own))
+        self.rpc = RpcSettings.of(self.job.network, Security(CertificateFolder(own)))
 
     def _trainer_socket(self, index: int) -> list[str]:
         """With TLS on, a constructor serves its trainers on a Unix socket with local credentials,
@@ -327,7 +328,7 @@ class LocalCluster:
                 if p.ready_path.exists():
                     info = json.loads(p.ready_path.read_text())
                     p.address, p.metrics_port = info["address"], info["metrics_port"]
-                    if is_serving(p.address, peer=_role_of(p.module), security=self.security):
+                    if is_serving(self.rpc, p.address, peer=_role_of(p.module)):
                         pending.remove(p)
                         _warn_if_moved(p)
             if pending and time.monotonic() > give_up:
@@ -477,7 +478,7 @@ class LocalCluster:
 
     def status(self, *, timeout_s: float = 5.0) -> planner_pb2.GetStatusResponse:
         """The planner's GetStatus."""
-        with self.security.channel(self.planner.address, peer="planner") as channel:
+        with create_channel(self.rpc, self.planner.address, peer="planner") as channel:
             return planner_pb2_grpc.PlannerStub(channel).GetStatus(planner_pb2.GetStatusRequest(), timeout=timeout_s)
 
     def stop(self, *, timeout_s: float = 10.0) -> None:

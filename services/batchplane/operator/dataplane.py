@@ -22,7 +22,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from batchplane.core.errors import ConfigError
 from batchplane.core.schedule import ScheduleError, schedule_from_mapping
@@ -250,15 +250,10 @@ def _parse_group(raw: object, i: int, dataplane: str) -> SourceGroup:
             if not (_is_number(cost) and cost >= 0):
                 raise SpecError(f"{at}.sources[{j}].costSecondsPerSample", "must be a finite number >= 0", cost)
             cost_s[source_name] = float(cost)
-    low, high = raw.get("minReplicas"), raw.get("maxReplicas")
-    for field, value in (("minReplicas", low), ("maxReplicas", high)):
-        if not (_is_int(value) and value >= 1):
-            raise SpecError(f"{at}.{field}", "must be an integer >= 1", value)
+    low, high = _positive_int(raw, at, "minReplicas"), _positive_int(raw, at, "maxReplicas")
     if high < low:
         raise SpecError(f"{at}.maxReplicas", f"must be >= minReplicas ({low})", high)
-    workers = raw.get("workersPerActor", 1)
-    if not (_is_int(workers) and workers >= 1):
-        raise SpecError(f"{at}.workersPerActor", "must be an integer >= 1", workers)
+    workers = _positive_int(raw, at, "workersPerActor", default=1)
     resources = _mapping(raw.get("resources", {}), f"{at}.resources")
     for key, quantities in resources.items():
         if key not in ("requests", "limits"):
@@ -278,8 +273,16 @@ def _parse_group(raw: object, i: int, dataplane: str) -> SourceGroup:
     )
 
 
+def _positive_int(raw: Mapping[str, Any], at: str, field: str, *, default: int | None = None) -> int:
+    """`raw[field]` (`default` when absent), an integer >= 1."""
+    value = raw.get(field, default)
+    if not (_is_int(value) and value >= 1):
+        raise SpecError(f"{at}.{field}", "must be an integer >= 1", value)
+    return value
+
+
 def _parse_scaling(raw: Mapping[str, Any]) -> ScalingSettings:
-    kwargs: dict[str, float | int] = {}
+    kwargs: dict[str, Any] = {}  # ScalingSettings' fields by name: ints and floats, checked by it
     threshold = raw.get("threshold")
     if threshold is not None:
         if not (_is_number(threshold) and 0 <= threshold < 1):
@@ -433,9 +436,9 @@ def _mapping(value: object, field: str) -> Mapping[str, Any]:
     return value
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

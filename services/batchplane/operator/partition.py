@@ -562,7 +562,7 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
         field = f"sources[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(field, "must be a mapping", item)
-        text = {}
+        text: dict[str, str] = {}
         for key, default in (("name", None), ("path", ""), ("token_column", "input_ids")):
             value = item.get(key, default)
             if not isinstance(value, str) or (key == "name" and not value):
@@ -571,12 +571,12 @@ def profiles_from_mapping(data: Any) -> ProfileSet:
         state = item.get("state_bytes")
         if isinstance(state, bool) or not isinstance(state, int) or state < 0:
             raise ConfigError(f"{field}.state_bytes", "must be an integer >= 0", state)
-        numbers = {}
-        for key, default in (("transform_s_per_sample", None), ("read_s_per_sample", 0.0), ("weight", 1.0)):
-            value = item.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{field}.{key}", "must be a finite number >= 0", value)
-            numbers[key] = float(value)
+        numbers: dict[str, float] = {}
+        for key, default_number in (("transform_s_per_sample", None), ("read_s_per_sample", 0.0), ("weight", 1.0)):
+            number = item.get(key, default_number)
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
+                raise ConfigError(f"{field}.{key}", "must be a finite number >= 0", number)
+            numbers[key] = float(number)
         transform, args, columns = item.get("transform"), item.get("transform_args") or {}, item.get("columns")
         if transform is not None and not isinstance(transform, str):
             raise ConfigError(f"{field}.transform", "must be an import path 'module:callable' or null", transform)

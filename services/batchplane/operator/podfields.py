@@ -368,6 +368,7 @@ def crd_properties(fields: Sequence[PodField] = LOADER_FIELDS) -> dict[str, Any]
     """The DataPlane CRD's openAPIV3Schema of `fields` (under spec.loader.properties): Kubernetes
     objects keep unknown fields (the operator checks them strictly, `parse_pod_options`)."""
     out: dict[str, Any] = {}
+    node: dict[str, Any]
     for f in fields:
         if f.shape == "list":
             node = {"type": "array", "description": f.description,
@@ -388,6 +389,7 @@ def values_properties(fields: Sequence[PodField] = LOADER_FIELDS) -> dict[str, A
     """The chart's values.schema.json of `fields`: Kubernetes objects by `$ref` to
     `values_definitions()`, the same schema the operator checks them with."""
     out: dict[str, Any] = {}
+    node: dict[str, Any]
     for f in fields:
         if f.shape == "list":
             node = {"type": "array", "description": f.description, "items": {"$ref": f"#/definitions/{f.kube_type}"}}

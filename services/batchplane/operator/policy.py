@@ -352,8 +352,7 @@ def _ceil(x: float) -> int:
 
 
 def _at_least(field: str, value: object, minimum: float, *, integer: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) if integer else isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or (not integer and not math.isfinite(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)) or not math.isfinite(value):
         raise ConfigError(field, "must be an integer" if integer else "must be a finite number", value)
     if value < minimum:
         raise ConfigError(field, f"must be >= {minimum}", value)

@@ -177,8 +177,8 @@ def update(rule: AdaptiveRule, state: AdaptiveState, losses: Mapping[str, float]
         if name not in losses:
             continue
         r, old = float(losses[name]), state.ema[k]
-        ema[k] = r if old is None else beta * old + (1 - beta) * r
-        progress[k] = max(-1.0, (old - ema[k]) / old) if old is not None and old > 0 else None
+        new = ema[k] = r if old is None else beta * old + (1 - beta) * r
+        progress[k] = max(-1.0, (old - new) / old) if old is not None and old > 0 else None
     after = dataclasses.replace(state, ema=tuple(ema), progress=tuple(progress), reports=state.reports + 1)
     known = [p for p in progress if p is not None]
     if not known:
@@ -288,12 +288,12 @@ def rule_from_mapping(data: Mapping[str, Any] | None, source_names: Sequence[str
         if key not in KEYS:
             raise ScheduleError(f"{FIELD}.{key}", f"unknown key; known keys: {', '.join(KEYS)}", data[key])
     names = _checked_names(source_names)
-    per_source = {
-        key: _per_source(data.get(key), f"{FIELD}.{key}", names, default)
+    initial, minimum, maximum = (
+        _per_source(data.get(key), f"{FIELD}.{key}", names, default)
         for key, default in (("initial", 1.0), ("minimum", 0.0), ("maximum", 1.0))
-    }
+    )
     scalars = {key: data[key] for key in KEYS[3:] if key in data}
-    return AdaptiveRule(source_names=names, **per_source, **scalars)
+    return AdaptiveRule(source_names=names, initial=initial, minimum=minimum, maximum=maximum, **scalars)
 
 
 def adaptive_schedule(data: Mapping[str, Any] | None, source_names: Sequence[str]) -> AdaptiveSchedule:

@@ -181,6 +181,7 @@ def _karmarkar_karp(values: list[float], parts: int) -> list[list[int]]:
         if len(sb) > len(sa):
             sa, ta, sb, tb = sb, tb, sa, ta
         if len(sb) == 1:  # the common case, done in place (the popped lists are ours)
+            t: _Node
             if len(sa) == k:
                 v, t = sa.pop(0) + sb[0], (ta.pop(0), tb[0])
             else:
@@ -223,7 +224,7 @@ def _combine(
     sums = sa[ov:]
     trees = ta[ov:]
     new_sums = [x + y for x, y in zip(sa[:ov], reversed(sb[:ov]))] + sb[ov:]
-    new_trees: list[_Node] = list(zip(ta[:ov], reversed(tb[:ov]))) + tb[ov:]
+    new_trees: list[_Node] = [*zip(ta[:ov], reversed(tb[:ov])), *tb[ov:]]
     if len(new_sums) <= _INSERT_MAX:
         for v, t in zip(new_sums, new_trees):
             j = bisect.bisect_right(sums, v)

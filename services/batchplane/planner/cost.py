@@ -140,16 +140,17 @@ def _linear(lengths: np.ndarray, features: Mapping[str, np.ndarray] | None = Non
     return np.asarray(lengths, dtype=np.float64).copy()
 
 
-def _wrap_user(path: str, fn: Callable[[np.ndarray], object]) -> CostFn:
+def _wrap_user(path: str, fn: Callable[..., object]) -> CostFn:
     """Wraps a user cost callable with checks of its result.
 
     Args:
         path: The callable's import path, for error messages.
-        fn: The callable.
+        fn: The callable: of the lengths, and of `features=` too when it takes them.
     Returns:
         The checked cost function.
     """
 
+    parameters: Mapping[str, inspect.Parameter]
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # some builtins have no signature: lengths only

@@ -39,7 +39,7 @@ file, which those processes import by name (the fingerprint holds the file's dig
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from batchplane.core.mesh import DISTRIBUTION_AXES, ClientPlaceTree
 from batchplane.core.methods import BALANCE_METHODS
 from batchplane.planner.cost import CostFn, make_cost_fn
 from batchplane.planner.padded import Rows, rows_of
-from batchplane.planner.plan import Balancing, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
+from batchplane.planner.plan import Balancing, LengthLimit, SampleTable, StepPlan, SubPlan, assign, good_samples, sample_costs
 from batchplane.planner.token_budget import token_budget_steps
 
 BUILTIN_METHODS = BALANCE_METHODS
@@ -372,7 +372,7 @@ class Strategy:
         Raises:
             StrategyError: a hook or cost model returned something unusable.
         """
-        limit = {"max_length": max_length, "length_policy": length_policy}
+        limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         if self.windowed:
             return self.run_window(step, allocated, np.zeros(len(allocated), np.int64), mesh, steps=1, default_cost=default_cost, packed=packed, **limit)[0]
         samples, bad = good_samples(allocated)
@@ -427,7 +427,7 @@ class Strategy:
         """
         if not self.windowed:
             raise StrategyError(f"graph {self.primary.name!r}: only 'token_budget' plans over windows of several steps")
-        limit = {"max_length": max_length, "length_policy": length_policy}
+        limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         samples, _ = good_samples(allocated)
         home = np.asarray(home, np.int64)
         bad = np.bincount(home[np.asarray(allocated.length) <= 0], minlength=steps)
@@ -458,7 +458,7 @@ class Strategy:
     ) -> tuple[SampleTable, np.ndarray, np.ndarray, Rows | None]:
         """The good samples with the summary hooks' features, and the primary graph's metadata,
         costs and padded rows (None unless it balances lengths) of each."""
-        limit = {"max_length": max_length, "length_policy": length_policy}
+        limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         for g in (self.primary, *self.secondary):
             if g.summary is not None:
                 samples = _with_features(samples, g.summary(samples), g.name)
@@ -475,7 +475,7 @@ class Strategy:
 
     def _subplans(self, samples: SampleTable, mesh: ClientPlaceTree, default_cost: CostFn, *, max_length: int | None, length_policy: str) -> tuple[SubPlan, ...]:
         """The secondary graphs' assignments of one step's samples."""
-        limit = {"max_length": max_length, "length_policy": length_policy}
+        limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         subplans = []
         for g in self.secondary:
             values = _metadata(samples, g, required=False)
@@ -534,7 +534,7 @@ def _metadata(samples: SampleTable, g: GraphSpec, *, required: bool = True) -> n
     return np.rint(np.asarray(values, dtype=np.float64)).astype(np.int64)
 
 
-def _limit_of(g: GraphSpec, *, max_length: int | None, length_policy: str) -> dict:
+def _limit_of(g: GraphSpec, *, max_length: int | None, length_policy: str) -> LengthLimit:
     """The length limit as it applies to graph `g`: only sequences ("length") are split."""
     return {"max_length": max_length if g.metadata == "length" else None, "length_policy": length_policy}
 
@@ -560,8 +560,10 @@ def _with_features(samples: SampleTable, extra: Mapping[str, np.ndarray], graph:
 
 def _checked_raw(result: object, n: int, buckets: int, graph: str) -> tuple[tuple[np.ndarray, ...], ...]:
     """A plan_raw result as [bucket][microbatch] int64 arrays, checked to be an aligned partition."""
+    if not isinstance(result, Iterable):
+        raise StrategyError(f"{graph}.plan_raw: must return [bucket][microbatch] index arrays, got {type(result).__name__}")
     try:
-        plan = tuple(tuple(np.sort(np.asarray(mb, dtype=np.int64)) for mb in bucket) for bucket in result)  # type: ignore[union-attr]
+        plan = tuple(tuple(np.sort(np.asarray(mb, dtype=np.int64)) for mb in bucket) for bucket in result)
     except (TypeError, ValueError) as exc:
         raise StrategyError(f"{graph}.plan_raw: must return [bucket][microbatch] index arrays: {exc}") from exc
     if len(plan) != buckets:

@@ -149,11 +149,14 @@ class Ledger:
             taken: Per source, the seqs the step consumes; default: the allocation's ranges.
             window: The step's window (`Window.to_json`), recorded as is.
         Raises:
-            ValueError: the step takes a seq already consumed (I1 guard).
+            ValueError: the step takes a seq already consumed (I1 guard), or has neither an
+                allocation nor `taken`.
         """
         if allocation is not None and allocation.step != plan.step:
             raise ValueError(f"allocation of step {allocation.step} with plan of step {plan.step}")
         if taken is None:
+            if allocation is None:
+                raise ValueError(f"step {plan.step} has no allocation: the seqs it takes must be given")
             taken = [IntervalSet([(start, start + count)]) if count else IntervalSet.empty() for start, count in zip(allocation.starts, allocation.counts)]
         for k, spans in enumerate(taken):
             again = spans.intersection(self.consumed[k])
@@ -183,9 +186,9 @@ class Ledger:
         if len(plan.samples) >= plan.dp:
             self.balance[self.method].add(plan.built_rank_costs())
             if self.compare and _compared(self.steps):
-                for method, totals in self.balance.items():
+                for method, other in self.balance.items():
                     if method != self.method:
-                        totals.add(_built_costs(plan, method))
+                        other.add(_built_costs(plan, method))
         shares = allocation.shares if allocation is not None else [c / total if total else 0.0 for c in counts]
         identities = np.stack([plan.samples.source, plan.samples.row, plan.samples.epoch], axis=1).astype(np.int64)  # [n, 3]
         record = {
@@ -215,4 +218,5 @@ def state_to_json(state: MixtureState) -> dict[str, Any]:
 
 def state_from_json(data: dict[str, Any]) -> MixtureState:
     """The mixture state of a record's "after" field."""
-    return MixtureState(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return MixtureState(**fields)

@@ -39,7 +39,8 @@ def step_table(record: Mapping[str, Any], sources: Sequence[str]) -> list[dict[s
 def find(records: Iterable[Mapping[str, Any]], source: int, row: int) -> tuple[list[Sighting], list[int]]:
     """Every delivery of sample `row` of source index `source`, in step order, and the steps
     that cannot tell (thinned records)."""
-    seen, thinned = [], []
+    seen: list[Sighting] = []
+    thinned: list[int] = []
     for record in records:
         if is_thinned(record):
             thinned.append(record["step"])

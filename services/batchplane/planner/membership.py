@@ -210,9 +210,9 @@ class Membership:
             for table in (self._num_rows, self._orders, self._routing, self._frontier):
                 table.pop(k, None)
         self._replicas.pop(index, None)
-        for table in (self._departed, self._shadows, self._failed):
-            for key in [key for key in table if key[0] == index]:
-                del table[key]
+        for by_replica in (self._departed, self._shadows, self._failed):
+            for key in [key for key in by_replica if key[0] == index]:
+                del by_replica[key]
         self._promoted = {key for key in self._promoted if key[0] != index}
         self._incarnations = {key: v for key, v in self._incarnations.items() if key[0] != index}
 

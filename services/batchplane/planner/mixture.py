@@ -255,10 +255,11 @@ class Mixture:
                 min(global_batch_size, samples left), so the count has a closed form. None
                 replays the allocations (a schedule that changes which sources it weighs).
         """
-        if any(end is None for end in self.stream_ends):
+        ends = [end for end in self.stream_ends if end is not None]
+        if len(ends) < len(self.stream_ends):
             return None
         if always_active is not None:
-            left = sum(max(self.stream_ends[k] - state.cursors[k], 0) for k in always_active)
+            left = sum(max(ends[k] - state.cursors[k], 0) for k in always_active)
             return state.step + -(-left // self.global_batch_size)
         while True:
             allocation, after = self.allocate(state)
@@ -361,8 +362,8 @@ def _apportion(run: MixtureState, n: int, remaining: list[float]) -> list[int]:
     target = {k: offset[k] + share[k] * end for k in active}
     cap = {k: taken[k] + remaining[k] for k in active}
     upper = {k: min(math.floor(target[k] + 1 - delta + 1e-9), cap[k]) for k in active}
-    for k in active:  # what each source must have by the sub-step's end
-        taken[k] = min(max(taken[k], math.ceil(target[k] - 1 + delta - 1e-9)), cap[k])
+    for k in active:  # what each source must have by the sub-step's end (cap[k] is inf for an endless source)
+        taken[k] = int(min(max(taken[k], math.ceil(target[k] - 1 + delta - 1e-9)), cap[k]))
     free = n - sum(taken[k] - run.phase_counts[k] for k in active)
     # The rest by earliest deadline: source k's next sample is due at (taken + 1 - delta - offset) / share.
     due = [((taken[k] + 1 - delta - offset[k]) / share[k], k) for k in active if taken[k] < upper[k]]

@@ -113,9 +113,8 @@ def rows_of(
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
-    limit = {"max_length": max_length, "policy": length_policy}
-    width = sample_lengths.longest_chunks(lengths, **limit).astype(np.int64)
-    rows = sample_lengths.chunk_counts(lengths, **limit).astype(np.int64)
+    width = sample_lengths.longest_chunks(lengths, max_length=max_length, policy=length_policy).astype(np.int64)
+    rows = sample_lengths.chunk_counts(lengths, max_length=max_length, policy=length_policy).astype(np.int64)
     zero = {name: np.zeros(len(lengths)) for name in features}
     base = np.asarray(sample_costs(cost_fn, lengths, zero, max_length=max_length, length_policy=length_policy), dtype=np.float64)
     widths = np.unique(width)
@@ -467,7 +466,7 @@ class _Table:
             return None
         # The exact bounds: (bound, partner rank, give, take), least first.
         cand_a = self.candidates[a, :m]
-        options = []
+        options: list[tuple[float, int, int, int]] = []
         if moves is not None:
             give = np.argmin(moves, axis=1)
             bound = moves[np.arange(p), give]
@@ -478,10 +477,10 @@ class _Table:
             take = np.argmin(bound, axis=1)
             bound = bound[np.arange(len(take)), take]
             options += zip(bound.tolist(), rank.tolist(), cand_a[give].tolist(), self.candidates[partners[rank], take].tolist())
-        bound, rank, give, take = min(options)
-        if not bound < limit:
+        least_bound, partner, given, taken = min(options)
+        if not least_bound < limit:
             return None
-        return bound, int(partners[rank]), give, take
+        return least_bound, int(partners[partner]), given, taken
 
 
 def _least_swaps(kept: np.ndarray, joins_b: np.ndarray, joins_a: np.ndarray, left_b: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -31,6 +32,14 @@ from batchplane.planner.token_budget import token_budget
 
 
 _COLUMNS = (("source", np.int32), ("seq", np.int64), ("row", np.int64), ("length", np.int32), ("epoch", np.int32))
+
+
+class LengthLimit(TypedDict):
+    """How the constructor lays samples out, passed on as keyword arguments (`**limit`): the
+    job's `batch.max_length` (None: no limit) and `batch.length_policy`."""
+
+    max_length: int | None
+    length_policy: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +56,8 @@ class SampleTable:
 
     @classmethod
     def empty(cls) -> SampleTable:
-        return cls(**{name: np.zeros(0, dtype) for name, dtype in _COLUMNS})
+        columns: dict[str, Any] = {name: np.zeros(0, dtype) for name, dtype in _COLUMNS}
+        return cls(**columns)
 
     @classmethod
     def concat(cls, tables: Sequence[SampleTable]) -> SampleTable:
@@ -237,6 +247,8 @@ def split(costs: np.ndarray, parts: int, method: object) -> list[np.ndarray]:
     """
     if isinstance(method, str):
         return partition(costs, parts, method)
+    if not callable(method):
+        raise TypeError(f"balancing method {method!r} is neither a method name nor a callable")
     groups = [np.sort(np.asarray(g, dtype=np.int64)) for g in method(costs, parts)]
     name = getattr(method, "__name__", repr(method))
     if len(groups) != parts:
@@ -296,11 +308,11 @@ def assign(
     else:
         ranks = split(costs, buckets, b.method)
     ranks = fill_short_groups(ranks, costs, minimum=b.microbatches)
-    if aware:
+    if aware and rows is not None:
         size = b.group_size if b.group_size and b.group_size < buckets else buckets
         ranks = [r for lo in range(0, buckets, size) for r in rebalance(ranks[lo : lo + size], b.microbatches, rows, minimum=b.microbatches)]
         return tuple(tuple(group(rank_index, b.microbatches, rows)) for rank_index in ranks)
-    result = []
+    result: list[tuple[np.ndarray, ...]] = []
     for rank_index in ranks:
         if b.microbatches == 1:  # the bucket is its one microbatch: nothing to split
             result.append((np.sort(rank_index),))
@@ -348,7 +360,7 @@ def build_step_plan(
         The plan; a function of its arguments only (I4).
     """
     samples, bad = good_samples(allocated)
-    limit = {"max_length": max_length, "length_policy": length_policy}
+    limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
     lengths = samples.length.astype(np.int64)
     costs = np.asarray(sample_costs(cost_fn, lengths, samples.features, **limit), dtype=np.float64)
     rows = rows_of(cost_fn, lengths, samples.features, costs, padded=not packed, **limit)

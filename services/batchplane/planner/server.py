@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from batchplane.core.config import JobSettings
 from batchplane.core.process import EXIT_FENCED, ProcessSettings
-from batchplane.core.rpc import ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
-from batchplane.core.tls import Security
+from batchplane.core.rpc import RpcSettings, ServerMetrics, create_channel, create_grpc_server, serving_status, set_serving
 from batchplane.planner.book import PlanBook
 from batchplane.planner.fencing import Fenced, FencedStorage, claim_epoch
 from batchplane.planner.journal import open_ledger_storage
@@ -59,7 +58,7 @@ def summary_lookahead(job: JobSettings, *, window: int = 1) -> int:
     return max(min(max(2 * job.batch.global_batch_size, 256), 65536), window * job.batch.global_batch_size + MAX_SEARCH)
 
 
-def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, security: Security) -> RunningPlanner:
+def start_planner(job: JobSettings, process: ProcessSettings, registry: CollectorRegistry, rpc: RpcSettings) -> RunningPlanner:
     """Starts the planner of `job`: opens its ledger (`ledger.location`, else `ledger/` in the
     run folder, `process.run_dir` or the job's `run_dir`) and claims the next writer epoch of
     it, fencing any planner still writing it.
@@ -83,7 +82,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     book = PlanBook(job, membership=membership, store=store, metrics=metrics, ledger=ledger, strategy=strategy, schedule=schedule)
 
     def connect(address: str) -> grpc.Channel:
-        return create_channel(address, peer="loader", security=security, max_message_bytes=job.network.max_message_bytes)
+        return create_channel(rpc, address, peer="loader")
 
     watch = ReplicaWatch(membership, job.loaders.failover, metrics, connect=connect, shadows=job.loaders.shadow)
     puller = SummaryPuller(
@@ -91,11 +90,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
         observe=watch.observe,
     )
     server, port, health = create_grpc_server(
-        host=process.listen or job.network.host,
-        port=process.port,
-        metrics=ServerMetrics("planner", registry),
-        max_message_bytes=job.network.max_message_bytes,
-        security=security,
+        rpc, host=process.listen or job.network.host, port=process.port, metrics=ServerMetrics("planner", registry)
     )
     planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book, store, metrics), server)
     server.start()

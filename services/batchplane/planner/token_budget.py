@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 import numpy as np
 
@@ -180,11 +181,11 @@ def token_budget_steps(
     ranks = _positive_int(ranks, "ranks")
     min_microbatches = _positive_int(min_microbatches, "min_microbatches")
     lens, c = _check_samples(lengths, costs)
-    if max_tokens is not None:
+    if max_cost is None:  # then max_tokens is given
         max_tokens = _positive_int(max_tokens, "max_tokens")
-        limit = {"max_length": max_length, "policy": length_policy}
-        rows = chunk_counts(lens, **limit).tolist()
-        widths = longest_chunks(lens, **limit).tolist()
+        lens_array = np.asarray(lens, dtype=np.int64)
+        rows = chunk_counts(lens_array, max_length=max_length, policy=length_policy).tolist()
+        widths = longest_chunks(lens_array, max_length=max_length, policy=length_policy).tolist()
         groups = _group_tokens(lens, max_tokens, padded=padded, rows=rows, widths=widths)
     else:
         budget = float(max_cost)
@@ -318,10 +319,10 @@ def _positive_int(value: object, what: str) -> int:
         TypeError: Not an integer (bools included).
         ValueError: Below 1.
     """
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer, got {value!r}")
     try:
-        v = operator.index(value)
+        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+            raise TypeError
+        v = operator.index(value)  # TypeError for an array of more than one element, too
     except TypeError:
         raise TypeError(f"{what} must be an integer, got {value!r}") from None
     if v < 1:
