@@ -3,12 +3,13 @@ running data plane (real processes on 127.0.0.1) and clients that collect every 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -210,7 +211,21 @@ def wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) ->
 
 
 def start_cluster(config: pathlib.Path) -> LocalCluster:
+    """Starts the data plane of job file `config` (stopping what it started where one part fails
+    to start); the caller stops it."""
     return LocalCluster(config, log_level="INFO").start()
+
+
+@contextlib.contextmanager
+def running_cluster(config: pathlib.Path) -> Iterator[LocalCluster]:
+    """The data plane of job file `config`, running for the block and stopped after it however
+    the block ends: every process it holds then (restarted ones too) by its pid, SIGTERM, then
+    SIGKILL after 10 s."""
+    cluster = start_cluster(config)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def ledger_records(run_dir: pathlib.Path) -> list[dict]:

@@ -5,10 +5,10 @@ timeout, and the message names the part that is gone and its address."""
 from __future__ import annotations
 
 import pathlib
-import signal
 
 import pytest
-from harness import skewed_lengths, start_cluster, write_job, write_source
+from disturbed import kill
+from harness import running_cluster, skewed_lengths, write_job, write_source
 
 from batchplane.client import Client
 from batchplane.client.errors import DataPlaneUnavailable
@@ -26,18 +26,14 @@ def test_the_trainer_is_told_which_part_is_gone(tmp_path: pathlib.Path, part: st
         constructors={"prefetch_steps": 1},
         network={"rpc_timeout_s": 1.0},
     )
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         victim = cluster.loaders[0] if part == "loader" else cluster.planner
         with Client(cluster.constructors[0].address, rank=0, timeout_s=5.0) as client:
             batches = iter(client)
             for _ in range(2):
                 next(batches)
-            victim.popen.send_signal(signal.SIGKILL)
-            victim.popen.wait()
+            kill(victim)
             with pytest.raises(DataPlaneUnavailable) as raised:
                 for _ in range(10):  # the prefetched steps, then the one that cannot be built
                     next(batches)
-    finally:
-        cluster.stop()
     assert f"{part} at {victim.address}" in str(raised.value)

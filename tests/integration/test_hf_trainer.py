@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from disturbed import kill_tree
 from harness import SourceData, ledger_records, scrape, start_cluster, wait_until, write_job
 
 from batchplane.client import Client
@@ -91,38 +92,13 @@ def start_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str) ->
         log.close()
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def kill_trainer(proc: subprocess.Popen, out: pathlib.Path) -> None:
-    """SIGKILLs torchrun's process group and each worker's (torchrun starts every worker in a
-    session of its own), as when the trainer's node dies; returns once none is left."""
-    workers = [int(p.read_text()) for p in out.glob("pid-rank*")]
-    for pid in workers:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    wait_until(lambda: not any(alive(pid) for pid in workers), timeout_s=30, what="the trainer's workers to die")
-
-
 def run_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str, timeout_s: float = 120) -> None:
     proc = start_torchrun(out, endpoints, *options)
     try:
         code = proc.wait(timeout=timeout_s)
     finally:
         if proc.poll() is None:
-            kill_trainer(proc, out)
+            kill_tree(proc)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-6000:]}"
 
 
@@ -280,7 +256,7 @@ def test_a_killed_trainer_resumes_from_its_hf_checkpoint_on_the_running_data_pla
             wait_until(stalled, timeout_s=90, what=f"both ranks to train step {STALL_AFTER}")
             time.sleep(0.5)  # rank 1 runs on into step 25, its client fetching ahead
         finally:
-            kill_trainer(first, out)
+            kill_tree(first)
         assert first.returncode == -signal.SIGKILL
         checkpoints = sorted(int(p.name.split("-")[1]) for p in (out / "hf").glob("checkpoint-*"))
         assert checkpoints == [10, CHECKPOINT]

@@ -22,15 +22,16 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from disturbed import kill  # noqa: E402
 from harness import (  # noqa: E402
     Batch,
     assert_same_batches,
     collect,
     peer_channel,
     run_ranks,
+    running_cluster,
     sample_ids,
     skewed_lengths,
-    start_cluster,
     to_numpy,
     wait_until,
     write_job,
@@ -44,6 +45,7 @@ from batchplane.core.object_storage import ObjectStorage  # noqa: E402
 from batchplane.core.storage import LocalStorage, Storage  # noqa: E402
 from batchplane.journal.commit import ManifestStore  # noqa: E402
 from batchplane.journal.writer import read_end  # noqa: E402
+from batchplane.launcher.local import LocalCluster  # noqa: E402
 from batchplane.v1 import constructor_pb2, constructor_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -75,11 +77,8 @@ def _journal_job(root: pathlib.Path, name: str, *, journal: dict | None = None, 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Batch]]:
     """The reference: the same job delivered by streaming."""
-    cluster = start_cluster(_job(tmp_path_factory.mktemp("stream"), "stream"))
-    try:
+    with running_cluster(_job(tmp_path_factory.mktemp("stream"), "stream")) as cluster:
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
-    finally:
-        cluster.stop()
     assert [len(b) for b in batches.values()] == [STEPS] * MESH["dp"]
     return batches
 
@@ -97,11 +96,6 @@ def _last_committed(storage: Storage) -> int:
     return ManifestStore(storage).latest().visible_through
 
 
-def _kill(process) -> None:
-    process.popen.kill()  # SIGKILL: nothing pending is flushed
-    process.popen.wait()
-
-
 def _joined(*parts: dict[int, list[Batch]]) -> dict[int, list[Batch]]:
     return {rank: [b for part in parts for b in part[rank]] for rank in parts[0]}
 
@@ -109,9 +103,8 @@ def _joined(*parts: dict[int, list[Batch]]) -> dict[int, list[Batch]]:
 def test_trainers_outlive_every_producer_then_wait_naming_the_journal_and_finish_once_one_is_back(
     tmp_path: pathlib.Path, streamed: dict
 ) -> None:
-    cluster = start_cluster(_journal_job(tmp_path, "gone", journal={"max_lag_steps": MAX_LAG}))
-    journal = LocalStorage(cluster.run_dir / "journal")
-    try:
+    with running_cluster(_journal_job(tmp_path, "gone", journal={"max_lag_steps": MAX_LAG})) as cluster:
+        journal = LocalStorage(cluster.run_dir / "journal")
         lock = threading.Lock()
         killed: list[int] = []
 
@@ -119,7 +112,7 @@ def test_trainers_outlive_every_producer_then_wait_naming_the_journal_and_finish
             with lock:  # the other rank waits: no mark moves the producer's limit while it dies
                 if batch["step"] == 2 and not killed:
                     for producer in cluster.producers:
-                        _kill(producer)
+                        kill(producer)
                     killed.append(rank)
 
         got: dict[int, list[Batch]] = {}
@@ -160,22 +153,19 @@ def test_trainers_outlive_every_producer_then_wait_naming_the_journal_and_finish
         cluster.restart_producer()
         rest, _ = collect(cluster.endpoints_path, range(MESH["dp"]), states=states)
         wait_until(lambda: read_end(journal) is not None, timeout_s=30, what="the end marker")
-    finally:
-        cluster.stop()
     assert_same_batches(_joined(got, rest), streamed)
     assert sorted(_committed(journal)) == list(range(STEPS))
 
 
 def test_a_rollback_replays_the_delivered_bytes_from_the_journal_alone(tmp_path: pathlib.Path, streamed: dict) -> None:
     rollback = 5
-    cluster = start_cluster(_journal_job(tmp_path, "rollback"))
-    try:
+    with running_cluster(_journal_job(tmp_path, "rollback")) as cluster:
         first, states = collect(cluster.endpoints_path, range(MESH["dp"]), stop_after=rollback)
         rest, _ = collect(cluster.endpoints_path, range(MESH["dp"]), states=states)
         assert_same_batches(_joined(first, rest), streamed)
 
         for process in [*cluster.producers, *cluster.loaders, cluster.planner]:
-            _kill(process)
+            kill(process)
         assert all(p.popen.poll() is not None for p in [*cluster.producers, *cluster.loaders, cluster.planner])
         # Twice: the consumers move back to step `rollback` from the end, then from there again.
         for _ in range(2):
@@ -183,8 +173,6 @@ def test_a_rollback_replays_the_delivered_bytes_from_the_journal_alone(tmp_path:
             assert_same_batches(replayed, rest)
         for constructor in cluster.constructors:
             assert constructor.popen.poll() is None, f"{constructor.name} exited; end of its log:\n{constructor.log_tail()}"
-    finally:
-        cluster.stop()
 
 
 def _identities(batches: dict[int, list[Batch]]) -> list[tuple[int, int]]:
@@ -197,23 +185,17 @@ def test_a_data_parallel_resize_at_resume_reads_the_journal_and_keeps_every_samp
 ) -> None:
     resume_at = 6  # STEPS - 6 written steps are left: an even number, two per step read at dp 4
     pods = {"ranks_per_constructor": 2}
-    cluster = start_cluster(_journal_job(tmp_path, "written", mesh={"dp": dp_written}, constructors=pods))
-    journal = cluster.run_dir / "journal"
-    try:
+    with running_cluster(_journal_job(tmp_path, "written", mesh={"dp": dp_written}, constructors=pods)) as cluster:
+        journal = cluster.run_dir / "journal"
         first, states = collect(cluster.endpoints_path, range(dp_written), stop_after=resume_at)
         wait_until(lambda: read_end(LocalStorage(journal)) is not None, timeout_s=60, what="the producer to reach the end")
-    finally:
-        cluster.stop()
     assert {s["next_step"] for s in states.values()} == {resume_at}
 
     config = _journal_job(tmp_path, "read", mesh={"dp": dp_read}, constructors=pods, journal={"location": str(journal)})
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         for producer in cluster.producers:  # the journal holds every step: no producer needed
-            _kill(producer)
+            kill(producer)
         second, _ = collect(cluster.endpoints_path, range(dp_read), states={r: states[0] for r in range(dp_read)})
-    finally:
-        cluster.stop()
 
     left = (STEPS - resume_at) * dp_written // dp_read
     for rank in range(dp_read):
@@ -236,9 +218,8 @@ def test_journal_delivery_on_s3_survives_a_killed_producer(tmp_path: pathlib.Pat
     for name, value in s3.env().items():  # the service processes inherit it
         monkeypatch.setenv(name, value)
     url = f"s3://{BUCKET}/{tmp_path.name}/journal"
-    cluster = start_cluster(_journal_job(tmp_path, "s3", journal={"location": url, "policy": "fixed10", "prefetch_steps": 1}))
-    journal = ObjectStorage.from_url(url)
-    try:
+    with running_cluster(_journal_job(tmp_path, "s3", journal={"location": url, "policy": "fixed10", "prefetch_steps": 1})) as cluster:
+        journal = ObjectStorage.from_url(url)
         killed = []
 
         def kill_once(rank: int, batch: dict) -> None:
@@ -248,8 +229,6 @@ def test_journal_delivery_on_s3_survives_a_killed_producer(tmp_path: pathlib.Pat
 
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]), on_batch=kill_once)
         wait_until(lambda: read_end(journal) is not None, timeout_s=30, what="the end marker")
-    finally:
-        cluster.stop()
     assert killed and cluster.producers[0].pid != killed[0]
     assert_same_batches(batches, streamed)
     assert sorted(_committed(journal)) == list(range(STEPS))
@@ -259,12 +238,10 @@ def test_journal_delivery_on_s3_survives_a_killed_producer(tmp_path: pathlib.Pat
 def test_a_producer_killed_at_random_moments_commits_every_step_once(tmp_path: pathlib.Path, streamed: dict) -> None:
     rng = random.Random(18)
     targets = sorted(rng.sample(range(1, STEPS - 2), 3))  # kill once the journal committed through these
-    cluster = start_cluster(_journal_job(tmp_path, "random", journal={"policy": "dac", "max_lag_steps": MAX_LAG}))
-    journal = LocalStorage(cluster.run_dir / "journal")
     kills: list[int] = []
     failure: list[BaseException] = []
 
-    def killer() -> None:
+    def killer(cluster: LocalCluster, journal: LocalStorage) -> None:
         try:
             for target in targets:
                 wait_until(lambda: _last_committed(journal) >= target, timeout_s=60, what=f"step {target} committed")
@@ -273,14 +250,13 @@ def test_a_producer_killed_at_random_moments_commits_every_step_once(tmp_path: p
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             failure.append(exc)
 
-    try:
-        thread = threading.Thread(target=killer, name="killer")
+    with running_cluster(_journal_job(tmp_path, "random", journal={"policy": "dac", "max_lag_steps": MAX_LAG})) as cluster:
+        journal = LocalStorage(cluster.run_dir / "journal")
+        thread = threading.Thread(target=killer, args=(cluster, journal), name="killer")
         thread.start()
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
         thread.join(timeout=120)
         wait_until(lambda: read_end(journal) is not None, timeout_s=30, what="the end marker")
-    finally:
-        cluster.stop()
     assert not failure, failure
     assert len(kills) == len(targets) and all(k >= t for k, t in zip(kills, targets)), (kills, targets)
     assert_same_batches(batches, streamed)

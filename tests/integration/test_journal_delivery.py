@@ -11,7 +11,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from harness import assert_same_batches, collect, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from disturbed import kill
+from harness import assert_same_batches, collect, running_cluster, skewed_lengths, wait_until, write_job, write_source
 
 from batchplane.core.storage import LocalStorage
 from batchplane.journal.commit import ManifestStore
@@ -34,11 +35,8 @@ def _job(root: pathlib.Path, name: str, **settings) -> pathlib.Path:
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The reference: the same job delivered by streaming."""
     root = tmp_path_factory.mktemp("stream")
-    cluster = start_cluster(_job(root, "stream"))
-    try:
+    with running_cluster(_job(root, "stream")) as cluster:
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
-    finally:
-        cluster.stop()
     assert [len(b) for b in batches.values()] == [STEPS] * MESH["dp"]
     return batches
 
@@ -56,51 +54,40 @@ def _committed(run_dir: pathlib.Path) -> list[int]:
 
 def test_journal_delivery_gives_the_streaming_runs_batches(tmp_path: pathlib.Path, streamed: dict) -> None:
     config = _job(tmp_path, "journal", batch={"delivery": "journal"}, journal={"policy": "naive"})
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         assert len(cluster.producers) == 1 and len(cluster.constructors) == MESH["dp"]
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
-    finally:
-        cluster.stop()
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
 
 
 def test_a_killed_producer_resumes_after_its_last_commit_and_skips_or_repeats_nothing(tmp_path: pathlib.Path, streamed: dict) -> None:
     config = _job(tmp_path, "killed", batch={"delivery": "journal"}, journal={"policy": "fixed10", "prefetch_steps": 1})
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         killed = []
 
         def kill_once(rank: int, batch: dict) -> None:
             if rank == 0 and batch["step"] == 3 and not killed:
-                producer = cluster.producers[0]
-                producer.popen.kill()  # SIGKILL: no flush of what it built but did not commit
-                producer.popen.wait()
+                kill(cluster.producers[0])  # no flush of what it built but did not commit
                 killed.append(batch["step"])
                 cluster.restart_producer()
 
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]), on_batch=kill_once)
         assert killed == [3]
         wait_until(lambda: len(_committed(cluster.run_dir)) >= STEPS, timeout_s=30, what="the producer to commit every step")
-    finally:
-        cluster.stop()
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))  # each planned step committed exactly once
 
 
 def test_two_producers_build_alternate_steps_and_one_killed_loses_or_repeats_nothing(tmp_path: pathlib.Path, streamed: dict) -> None:
     config = _job(tmp_path, "two", batch={"delivery": "journal"}, journal={"policy": "dac", "producers": 2})
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         assert len(cluster.producers) == 2
         killed = []
 
         def kill_once(rank: int, batch: dict) -> None:
             if rank == 1 and batch["step"] == 4 and not killed:
-                producer = cluster.producers[1]
-                producer.popen.kill()
-                producer.popen.wait()
+                kill(cluster.producers[1])
                 killed.append(batch["step"])
                 cluster.restart_producer(1)
 
@@ -110,8 +97,6 @@ def test_two_producers_build_alternate_steps_and_one_killed_loses_or_repeats_not
         store = ManifestStore(LocalStorage(cluster.run_dir / "journal"))
         owners = {entry.step: record.change.producer for v in range(1, store.latest().version + 1)
                   if hasattr((record := store.read_record(v)).change, "steps") for entry in record.change.steps}
-    finally:
-        cluster.stop()
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
     assert owners == {step: f"p{step % 2}" for step in range(STEPS)}, "producer i committed exactly the steps s % 2 == i"

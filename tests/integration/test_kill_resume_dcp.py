@@ -17,11 +17,11 @@ import collections
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
 import pytest
+from disturbed import kill_tree
 from harness import start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
@@ -63,41 +63,6 @@ def torchrun(endpoints: pathlib.Path, out: pathlib.Path, ckpt: pathlib.Path, fmt
         )
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rpartition(")")[2].split()[1])].append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_job(proc: subprocess.Popen) -> list[int]:
-    """SIGKILLs torchrun's process group and each worker's: torchrun starts every worker in a
-    session of its own, so killing torchrun's group alone would leave the workers training."""
-    pids = [proc.pid, *descendants(proc.pid)]
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)  # a no-op error for a pid that leads no group
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    return pids
-
-
 def alive(pids: list[int]) -> list[int]:
     live = []
     for pid in pids:
@@ -114,7 +79,7 @@ def run_to_end(proc: subprocess.Popen, out: pathlib.Path) -> None:
     try:
         code = proc.wait(timeout=100)
     finally:
-        kill_job(proc)
+        kill_tree(proc)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-4000:]}"
 
 
@@ -169,7 +134,7 @@ def test_a_job_killed_mid_run_resumes_from_its_latest_checkpoint_with_nothing_lo
 
             wait_until(ready, timeout_s=90, what="the first run to train two steps past a checkpoint")
         finally:
-            pids = kill_job(first)
+            pids = kill_tree(first)
         wait_until(lambda: not alive(pids), timeout_s=10, what="every process of the killed job to be gone")
         assert not list(first_out.glob("done*.json")), "the first run ended before it was killed"
         checkpoint = latest_checkpoint(ckpt, fmt)

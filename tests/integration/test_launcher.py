@@ -18,10 +18,11 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
-from harness import collect, sample_ids, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from disturbed import kill_tree
+from harness import collect, running_cluster, sample_ids, skewed_lengths, start_cluster, wait_until, write_job, write_source
 from prometheus_client import CollectorRegistry
 
-from batchplane.core.rpc import PortUnavailable, ServerMetrics, create_grpc_server
+from batchplane.core.rpc import PortUnavailable, RpcSettings, ServerMetrics, create_grpc_server
 from batchplane.core.tls import Security
 from batchplane.launcher.local import LocalCluster, Ports
 
@@ -82,7 +83,7 @@ def test_up_prints_endpoints_and_stops_everything_on_sigterm(tmp_path: pathlib.P
         wait_until(lambda: not any(_alive(p) for p in pids), timeout_s=10, what="every service to exit")
         assert "stopped" in (tmp_path / "run" / "logs" / "planner.log").read_text()
     finally:
-        up.kill()
+        kill_tree(up)  # and whatever of its services still runs
 
 
 def test_up_stops_by_itself_when_every_rank_reached_the_end_of_data(tmp_path: pathlib.Path) -> None:
@@ -95,7 +96,7 @@ def test_up_stops_by_itself_when_every_rank_reached_the_end_of_data(tmp_path: pa
         assert up.wait(timeout=30) == 0
         assert "every rank reached the end of the data" in up.stdout.read()
     finally:
-        up.kill()
+        kill_tree(up)  # and whatever of its services still runs
 
 
 def test_services_exit_when_their_launcher_is_killed(tmp_path: pathlib.Path) -> None:
@@ -152,7 +153,7 @@ def test_up_restarts_a_planner_that_died_and_the_trainers_finish(tmp_path: pathl
         assert json.loads(endpoints_path.read_text())["planner"] == address, "the planner keeps its address"
         assert up.wait(timeout=60) == 0, "up stops by itself at the end of the data"
     finally:
-        up.kill()
+        kill_tree(up)  # and whatever of its services still runs
     delivered = [s for rank in (0, 1) for batch in (*first[rank], *rest[rank]) for mb in sample_ids([batch])[0] for s in mb]
     assert sorted(delivered) == [(0, r) for r in range(60)], "every sample exactly once across the restart"
 
@@ -182,12 +183,9 @@ def test_up_started_again_on_its_run_folder_keeps_every_address(tmp_path: pathli
     start_cluster(config).stop()
     before = _endpoints(tmp_path / "run")
     assert set(before["metrics"]) == {"planner", "loader-0", "loader-0-shadow", "constructor-0", "constructor-1"}
-    cluster = start_cluster(config)
-    try:
+    with running_cluster(config) as cluster:
         assert _endpoints(tmp_path / "run") == before, "every gRPC address and metrics URL is the same"
         assert cluster.status().job.job_id == "test", "and the processes serve there"
-    finally:
-        cluster.stop()
 
 
 def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -203,12 +201,9 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
     holders = [_listener(port) for port in taken.values()]
     caplog.set_level(logging.INFO, logger="batchplane.launcher.local")
     try:
-        cluster = start_cluster(config)
-        try:
+        with running_cluster(config) as cluster:
             after = _endpoints(tmp_path / "run")
             assert cluster.status().job.job_id == "test", "the planner serves on its new address, and the loaders found it"
-        finally:
-            cluster.stop()
     finally:
         for sock in holders:
             sock.close()
@@ -285,7 +280,7 @@ def test_the_ports_of_an_earlier_run_are_read_by_process_name(tmp_path: pathlib.
 
 def _server(port: int = 0) -> tuple[grpc.Server, int]:
     server, bound, _ = create_grpc_server(
-        host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry()), max_message_bytes=1 << 20, security=Security(None)
+        RpcSettings(security=Security(None), max_message_bytes=1 << 20), host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry())
     )
     return server, bound
 

@@ -30,7 +30,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # the shared contract
 
-from harness import Batch, collect, sample_ids, skewed_lengths, start_cluster, to_numpy, wait_until, write_job, write_source  # noqa: E402
+from disturbed import Kill, disturb  # noqa: E402
+from harness import Batch, collect, running_cluster, sample_ids, skewed_lengths, start_cluster, to_numpy, wait_until, write_job, write_source  # noqa: E402
 from s3_proxy import S3Proxy  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from storage_contract import *  # noqa: E402,F403 - the contract's tests, run here on ObjectStorage over S3
@@ -187,37 +188,13 @@ def test_a_planner_killed_mid_run_resumes_from_the_bucket_with_every_row_once(s3
         tmp_path / "job.yaml", sources, sources=entries, run_dir=str(tmp_path / "run"), ledger={"location": location},
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
     )
-    cluster = start_cluster(config)
-    progress = {0: -1, 1: -1}
-    reached = threading.Condition()
-    restarted: dict = {}
-
-    def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.03)
-        with reached:
-            progress[rank] = batch["step"]
-            reached.notify_all()
-
-    def kill_and_restart() -> None:
-        with reached:
-            reached.wait_for(lambda: min(progress.values()) >= 5, timeout=60)
-        planner = cluster.planner
-        planner.popen.send_signal(signal.SIGKILL)
-        planner.popen.wait()
-        restarted["at"] = dict(progress)
-        restarted["process"] = cluster.restart(planner)
-
-    killer = threading.Thread(target=kill_and_restart)
-    try:
-        killer.start()
-        got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=paced)
-        killer.join(timeout=60)
-        planner_log = restarted["process"].log_path.read_text()
-    finally:
-        cluster.stop()
+    with running_cluster(config) as cluster:
+        run = disturb(cluster, [0, 1], [Kill(5, "planner")], step_s=0.03)
+    got, (restarted,) = run.batches, run.killed
+    planner_log = restarted.process.log_path.read_text()
 
     last = len(got[0]) - 1
-    assert min(restarted["at"].values()) < last - 1, "the kill came after the last step"
+    assert restarted.at < last - 1, "the kill came after the last step"
     assert f"ledger in object store {location} (writer epoch 1)" in planner_log
     assert f"ledger in object store {location} (writer epoch 2)" in planner_log
     resumed = re.search(r"job resumes at step (\d+) from the ledger's record of step (\d+) \(generation 1\)", planner_log)

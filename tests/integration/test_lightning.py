@@ -13,12 +13,12 @@ import collections
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from disturbed import kill_tree
 from harness import start_cluster, write_job, write_source
 
 pytestmark = pytest.mark.integration
@@ -42,16 +42,8 @@ def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Pa
     try:
         code = proc.wait(timeout=100)
     finally:
-        _kill_group(proc)
+        kill_tree(proc)
     assert code == 0, f"the Lightning trainer exited with {code}:\n{log.read_text()[-4000:]}"
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def lines(out: pathlib.Path) -> dict[int, list[dict]]:

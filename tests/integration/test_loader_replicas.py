@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import collections
 import pathlib
-import threading
-import time
 
 import pytest
-from harness import assert_same_batches, collect, sample_ids, scrape, start_cluster, wait_until, write_job, write_source
+from disturbed import Act, Kill, disturb, undisturbed_run
+from harness import assert_same_batches, running_cluster, sample_ids, scrape, write_job, write_source
+
+from batchplane.launcher.local import LocalCluster, ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -28,45 +29,26 @@ def test_a_replica_joins_and_the_original_leaves_mid_epoch_and_nothing_is_lost(t
         batch={"global_batch_size": 8, "microbatches": 1, "token_dtype": "int32"},
         loaders={"read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}},
     )
-    cluster = start_cluster(job)
-    reached = collections.Counter()
-    progress = threading.Condition()
 
-    def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.02)
-        with progress:
-            reached[rank] = batch["step"]
-            progress.notify_all()
-
-    def scale() -> None:
-        with progress:
-            progress.wait_for(lambda: min(reached[0], reached[1]) >= JOIN_AT, timeout=120)
-        scaled["joined"] = cluster.add_loader(0)
-        with progress:
-            progress.wait_for(lambda: min(reached[0], reached[1]) >= LEAVE_AT, timeout=120)
+    def leave(cluster: LocalCluster) -> tuple[ServiceProcess, float]:
+        """The original replica leaves; returns it and what it had sent of source a before."""
         original = next(p for p in cluster.loaders if p.name == "loader-0")
-        scaled["sent_before_leaving"] = scrape(f"http://127.0.0.1:{original.metrics_port}/metrics")['batchplane_loader_samples_sent_total{source="a"}']
+        sent = scrape(f"http://127.0.0.1:{original.metrics_port}/metrics")['batchplane_loader_samples_sent_total{source="a"}']
         cluster.remove_loader(original)
-        scaled["left"] = original
+        return original, sent
 
-    scaled: dict = {}
-    scaler = threading.Thread(target=scale)
-    try:
-        scaler.start()
-        batches, _ = collect(cluster.endpoints_path, [0, 1], on_batch=paced)
-        scaler.join(timeout=120)
-        joined = scaled["joined"]
-        wait_until(lambda: "left" in scaled, timeout_s=10, what="the original replica to leave")
+    with running_cluster(job) as cluster:  # the trainers wait for the new replica to start (a long step)
+        run = disturb(cluster, [0, 1], [Act(JOIN_AT, lambda c: c.add_loader(0), hold=True), Act(LEAVE_AT, leave)], step_s=0.02)
+        joined, (left, sent_before_leaving) = run.acted
         sent_by_joined = scrape(f"http://127.0.0.1:{joined.metrics_port}/metrics")['batchplane_loader_samples_sent_total{source="a"}']
-        left_log = scaled["left"].log_tail(50)
-    finally:
-        cluster.stop()
+        left_log = left.log_tail(50)
+    batches = run.batches
     assert [b["step"] for b in batches[0]] == [b["step"] for b in batches[1]], "every rank gets the same steps (I2)"
     delivered = collections.Counter(s for rank in (0, 1) for step in sample_ids(batches[rank]) for mb in step for s in mb)
     assert max(delivered.values()) == 1, "a sample was delivered twice"
     assert set(delivered) == {(k, r) for k, s in enumerate(sources) for r in range(len(s.rows))}, "a sample was lost"
-    assert scaled["left"].popen.returncode == 0 and "every window routed here was served" in left_log
-    assert 0 < sent_by_joined < 1600 and 0 < scaled["sent_before_leaving"] < 1600, "both replicas served part of source a"
+    assert left.popen.returncode == 0 and "every window routed here was served" in left_log
+    assert 0 < sent_by_joined < 1600 and 0 < sent_before_leaving < 1600, "both replicas served part of source a"
 
 
 def test_a_replica_killed_without_a_shadow_is_adopted_by_its_sibling(tmp_path: pathlib.Path) -> None:
@@ -85,49 +67,15 @@ def test_a_replica_killed_without_a_shadow_is_adopted_by_its_sibling(tmp_path: p
             loaders={"read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}, "failover": {"probe_interval_s": 0.1, "failures": 3}},
         )
 
-    cluster = start_cluster(job("undisturbed"))
-    try:
-        expected, _ = collect(cluster.endpoints_path, [0, 1])
-    finally:
-        cluster.stop()
-
-    cluster = start_cluster(job("adopted"))
-    reached = collections.Counter()
-    progress = threading.Condition()
-    events: dict = {}
-
-    def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.02)
-        with progress:
-            reached[rank] = batch["step"]
-            progress.notify_all()
-
-    def scale_then_kill() -> None:
-        try:
-            with progress:
-                progress.wait_for(lambda: min(reached[0], reached[1]) >= 4, timeout=120)
-            cluster.add_loader(0)
-            with progress:
-                progress.wait_for(lambda: min(reached[0], reached[1]) >= 30, timeout=120)
-            original = next(p for p in cluster.loaders if p.name == "loader-0")
-            original.popen.kill()  # SIGKILL; nobody restarts it
-            original.popen.wait()
-            events["killed_at"] = min(reached[0], reached[1])
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            events["failure"] = exc
-
-    killer = threading.Thread(target=scale_then_kill)
-    try:
-        killer.start()
-        got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=paced)
-        killer.join(timeout=120)
+    expected = undisturbed_run(job("undisturbed"), [0, 1])
+    with running_cluster(job("adopted")) as cluster:
+        # a second replica joins (the trainers wait for it: however long it takes to start, the
+        # kill comes mid-run); then the original dies, and nobody restarts it
+        got = disturb(cluster, [0, 1], [Act(4, lambda c: c.add_loader(0), hold=True), Kill(30, "loader-0", restart=False)], step_s=0.02)
         planner_log = cluster.planner.log_path.read_text()
         metrics = scrape(f"http://127.0.0.1:{cluster.planner.metrics_port}/metrics")
-    finally:
-        cluster.stop()
-    if "failure" in events:
-        raise events["failure"]
-    assert events["killed_at"] < len(expected[0]) - 1
+    (killed,) = got.killed
+    assert killed.at < len(expected.batches[0]) - 1
     assert "loader replica '0' of group 0 failed: replica '0-1' serves its windows" in planner_log
     assert metrics['batchplane_planner_loader_adoptions_total{group="0"}'] == 1
-    assert_same_batches(got, expected)
+    assert_same_batches(got.batches, expected.batches)

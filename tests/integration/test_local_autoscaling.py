@@ -1,11 +1,14 @@
 """The operator's local backend end to end: a job whose staged mixture raises source a's weight
-from 1/4 to 7/8 and back runs as local processes; a real Prometheus (Debian's `prometheus`,
-started here on 127.0.0.1) scrapes its planner every second; `LocalAutoscaler` reads the weights
-and throughput through Prometheus's HTTP API each second and starts and stops replicas of a's
-loader group. a's group must gain replicas within a bounded number of intervals after the rise
-and lose them after the fall, while the trainers receive every sample at most once (I1; the
-epochs are endless) and every rank the same steps (I2). When the prometheus binary is missing
-the test fails, saying how to install it."""
+from 1/16 to 15/16 runs as local processes; a real Prometheus (Debian's `prometheus`, started here
+on 127.0.0.1) scrapes its planner every second; `LocalAutoscaler` reads the weights and
+throughput through Prometheus's HTTP API each second and starts replicas of a's loader group.
+a's group must gain replicas within a bounded number of intervals after the rise, the new
+replica must serve a's samples, and the trainers receive every sample at most once (I1; the
+epochs are endless) and every rank the same steps (I2) across the join. The policy's sequences
+over time (the fall, cooldowns, the moving average) run on a simulated clock in
+tests/unit/test_local_autoscaler.py and tests/unit/test_scaling_policy.py; a replica leaving
+mid-epoch with real processes is tests/integration/test_loader_replicas.py. When the prometheus
+binary is missing the test fails, saying how to install it."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import threading
 import time
 
 import pytest
-from harness import skewed_lengths, start_cluster, write_job, write_source
+from harness import scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
 from prometheus_server import PrometheusServer, find_prometheus
 
 from batchplane.client import Client
@@ -27,11 +30,10 @@ from batchplane.operator.prometheus import PrometheusReader
 pytestmark = pytest.mark.integration
 
 JOB = "autoscale"
-RISE, FALL = 150, 260
+RISE = 150
 STAGES = [
-    {"start": 0, "weights": {"a": 1, "b": 3}},
-    {"start": RISE, "weights": {"a": 7, "b": 1}},
-    {"start": FALL, "weights": {"a": 1, "b": 3}},
+    {"start": 0, "weights": {"a": 1, "b": 15}},
+    {"start": RISE, "weights": {"a": 15, "b": 1}},
 ]
 STEP_PAUSE_S = 0.05
 INTERVAL_S = 1.0
@@ -39,7 +41,7 @@ SCALING = ScalingSettings(window_intervals=2, consecutive_intervals=2, up_thresh
 BOUND_INTERVALS = 8  # a decision lands within this many intervals of the weight change it follows
 
 
-def test_the_operator_adds_loaders_when_a_weight_rises_and_removes_them_when_it_falls(tmp_path: pathlib.Path) -> None:
+def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tmp_path: pathlib.Path) -> None:
     find_prometheus()  # fails with how to install it
     sources = [write_source(tmp_path / "data", n, skewed_lengths(400, seed=i), files=2, row_group_size=20, seed=i) for i, n in enumerate("ab")]
     job = write_job(
@@ -73,10 +75,13 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_removes_them_when_it_
         threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in (0, 1)]
         for t in threads:
             t.start()
-        time.sleep(4 * INTERVAL_S)  # the throughput the trainers reach, as the operator will see it
+        time.sleep(4 * INTERVAL_S)  # a window of the throughput the trainers reach, measured as the operator will see it
         throughput = sum(reader.sample_rate(3.0, JOB).values())
         assert throughput > 0, "the trainers consume nothing"
-        cost = 2.4 / throughput  # a's group needs 1 replica at weight 1/4, 3 at 7/8
+        # a's group needs 1 replica at weight 1/16 (need 0.27) and 3 at 15/16 (need 4.05, max 3): 3.9x
+        # either side of the up threshold (1.05), for a throughput measured low or high on a loaded
+        # machine (the trainers' rate may double after the first seconds)
+        cost = 3.6 / throughput
         specs = {
             0: GroupSpec("a", ("a",), {"a": cost}, min_replicas=1, max_replicas=3, scaling=SCALING),
             1: GroupSpec("b", ("b",), {"b": cost / 10}, min_replicas=1, max_replicas=1, scaling=SCALING),
@@ -88,9 +93,12 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_removes_them_when_it_
             row = autoscaler.step(time.monotonic() - start)
             if row is not None:
                 trace.append(row)
-            fell = [r for r in trace if r.step is not None and r.step > FALL + 5]
-            if fell and fell[-1].groups[0][1] == 1 and len(fell) > 2:
+            if trace and trace[-1].groups[0][1] >= 2:  # a's group grew
                 break
+        if len(autoscaler.replicas(0)) >= 2:  # the trainers run on until the new replica served some of a
+            joined = autoscaler.replicas(0)[-1]
+            metrics = f"http://127.0.0.1:{joined.metrics_port}/metrics"
+            wait_until(lambda: scrape(metrics).get('batchplane_loader_samples_sent_total{source="a"}', 0) > 0, timeout_s=30, what="the new replica to serve")
     finally:
         stop.set()
         for t in threads:
@@ -104,16 +112,14 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_removes_them_when_it_
     assert not failures, f"a client failed: {failures[0]!r}"
 
     risen = next(i for i, r in enumerate(trace) if r.weights.get("a", 0) > 0.8)
-    assert risen >= 1 and all(r.groups[0][1] == 1 for r in trace[:risen]), "one loader while a's weight is 1/4"
+    assert risen >= 1 and all(r.groups[0][1] == 1 for r in trace[:risen]), "one loader while a's weight is 1/16"
     most = max(r.groups[0][1] for r in trace[risen : risen + BOUND_INTERVALS])
     assert most >= 2, f"a's loader group did not grow within {BOUND_INTERVALS} intervals of the rise"
-    fallen = next(i for i in range(risen, len(trace)) if trace[i].weights.get("a", 1) < 0.3)
-    assert any(r.groups[0][1] == 1 for r in trace[fallen : fallen + BOUND_INTERVALS]), "a's loader group did not shrink after the fall"
     assert all(r.groups[1][1] == 1 for r in trace)
-    # I1 and I2 across every join and leave
+    # I1 and I2 across the join
     steps = {rank: [s for s, _ in seen[rank]] for rank in seen}
     common = min(len(steps[0]), len(steps[1]))
     assert steps[0][:common] == steps[1][:common] == list(range(common))
     delivered = collections.Counter(i for rank in seen for _, ids in seen[rank] for i in ids)
     assert max(delivered.values()) == 1, "a sample was delivered twice"
-    assert len(delivered) > 12 * (FALL - 10)
+    assert len(delivered) > 12 * (RISE - 10)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pathlib
 import re
-import signal
 import threading
 import time
 
 import pytest
-from harness import assert_same_batches, collect, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from disturbed import Kill, assert_same_run, disturb, kill, undisturbed_run
+from harness import assert_same_batches, collect, running_cluster, scrape, skewed_lengths, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -44,48 +44,20 @@ def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_pa
         write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
         write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
     ]
-    cluster = start_cluster(_job(tmp_path, sources, "undisturbed", windows=windows))
-    try:
-        expected, _ = collect(cluster.endpoints_path, [0, 1])
-    finally:
-        cluster.stop()
-
-    cluster = start_cluster(_job(tmp_path, sources, "restarted", windows=windows))
-    reached = threading.Condition()
-    progress = {0: -1, 1: -1}
-    restarted = {}
-
-    def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.03)
-        with reached:
-            progress[rank] = batch["step"]
-            reached.notify_all()
-
-    def kill_and_restart() -> None:
-        with reached:
-            reached.wait_for(lambda: min(progress.values()) >= KILL_AT + seed, timeout=60)
-        victim = {"planner": cluster.planner, "constructor": cluster.constructors[1], "loader": cluster.loaders[0]}[part]
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait()
-        restarted["at"] = dict(progress)
-        restarted["log"] = cluster.restart(victim).log_path
-
-    killer = threading.Thread(target=kill_and_restart)
-    try:
-        killer.start()
-        got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=paced)
-        killer.join(timeout=60)
-        log = restarted["log"].read_text()
-    finally:
-        cluster.stop()
+    expected = undisturbed_run(_job(tmp_path, sources, "undisturbed", windows=windows), [0, 1])
+    victim = {"planner": "planner", "constructor": "constructor-1", "loader": "loader-0"}[part]
+    with running_cluster(_job(tmp_path, sources, "restarted", windows=windows)) as cluster:
+        got = disturb(cluster, [0, 1], [Kill(KILL_AT + seed, victim)], step_s=0.03)
+    (killed,) = got.killed
+    log = killed.process.log_path.read_text()
     if part == "planner":
         assert "resuming at step" in log, "the restarted planner did not resume mid-job"
     elif part == "constructor":
         assert re.search(r"starting at step [1-9]", log), "the restarted constructor did not start mid-job"
     else:
         assert "joined mid-job" in log, "the restarted loader did not restore its position"
-    assert min(restarted["at"].values()) < len(expected[0]) - 1, "the kill came after the last step"
-    assert_same_batches(got, expected)
+    assert killed.at < len(expected.batches[0]) - 1, "the kill came after the last step"
+    assert_same_run(got, expected)
 
 
 def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: pathlib.Path) -> None:
@@ -102,12 +74,7 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
             constructors={"ranks_per_constructor": 2, "prefetch_steps": 3},
         )
 
-    cluster = start_cluster(job("undisturbed"))
-    try:
-        expected, _ = collect(cluster.endpoints_path, [0, 1])
-    finally:
-        cluster.stop()
-    cluster = start_cluster(job("restarted"))
+    expected = undisturbed_run(job("undisturbed"), [0, 1]).batches
     progress = {0: -1, 1: -1}
     restarted = {}
     holding = threading.Event()  # rank 1 is between steps: it has not asked for its next one
@@ -120,26 +87,24 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
         elif batch["step"] == HOLD_AT:  # hold while the constructor is killed and restarted,
             holding.set()
             assert restarted_event.wait(timeout=60)
-            # and until rank 0's retries have reached the restarted one first
-            wait_until(lambda: restarted["log"].read_text().count("starting at step") >= 2, timeout_s=30, what="rank 0 to reach it")
+            # and until rank 0's retries have reached the restarted one first (it builds once asked)
+            metrics = f"http://127.0.0.1:{restarted['process'].metrics_port}/metrics"
+            wait_until(lambda: scrape(metrics).get("batchplane_constructor_batches_built_total", 0) > 0, timeout_s=30, what="rank 0 to reach it")
 
     def kill_and_restart() -> None:
         holding.wait(timeout=60)
         wait_until(lambda: progress[0] > HOLD_AT, timeout_s=30, what="rank 0 to run ahead of rank 1")
         victim = cluster.constructors[0]
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait()
+        kill(victim)
         restarted["at"] = dict(progress)
-        restarted["log"] = cluster.restart(victim).log_path
+        restarted["process"] = cluster.restart(victim)
         restarted_event.set()
 
-    killer = threading.Thread(target=kill_and_restart)
-    try:
+    with running_cluster(job("restarted")) as cluster:
+        killer = threading.Thread(target=kill_and_restart)
         killer.start()
         got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=uneven)
         killer.join(timeout=60)
-    finally:
-        cluster.stop()
     assert restarted["at"][0] > restarted["at"][1] == HOLD_AT, "the ranks did not lag each other at the kill"
-    assert re.search(r"starting at step [1-9]", restarted["log"].read_text())
+    assert re.search(r"starting at step [1-9]", restarted["process"].log_path.read_text())
     assert_same_batches(got, expected)

@@ -7,12 +7,12 @@ undisturbed run delivers."""
 from __future__ import annotations
 
 import pathlib
-import signal
-import threading
-import time
 
 import pytest
-from harness import assert_same_batches, collect, scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
+from disturbed import Act, Kill, disturb, undisturbed_run
+from harness import assert_same_batches, running_cluster, scrape, skewed_lengths, wait_until, write_job, write_source
+
+from batchplane.launcher.local import LocalCluster, ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -33,61 +33,34 @@ def test_a_killed_loader_is_replaced_by_its_shadow_and_nothing_changes_for_the_t
         write_source(tmp_path / "data", name, skewed_lengths(rows, seed=i), row_group_size=10, seed=i)
         for i, (name, rows) in enumerate([("a", 300), ("b", 240), ("c", 180)])
     ]
-    cluster = start_cluster(_job(tmp_path, sources, "undisturbed", shadow=False))
-    try:
-        expected, _ = collect(cluster.endpoints_path, [0, 1])
-    finally:
-        cluster.stop()
+    expected = undisturbed_run(_job(tmp_path, sources, "undisturbed", shadow=False), [0, 1])
 
-    cluster = start_cluster(_job(tmp_path, sources, "shadowed", shadow=True))
-    names = sorted(p.name for p in cluster.loaders)
-    assert names == ["loader-0", "loader-0-shadow", "loader-1", "loader-1-shadow"]
-    reached = threading.Condition()
-    progress = {0: -1, 1: -1}
-    events: dict[str, object] = {}
+    def restart_once_promoted(cluster: LocalCluster) -> ServiceProcess:
+        """loader-0, killed, is restarted once its shadow took over: it comes back as the shadow."""
+        wait_until(lambda: _promotions(cluster) >= 1, timeout_s=30, what="the shadow of loader 0 to be promoted")
+        return cluster.restart(next(p for p in cluster.loaders if p.name == "loader-0"))
 
-    def paced(rank: int, batch: dict) -> None:
-        time.sleep(0.04)
-        with reached:
-            progress[rank] = batch["step"]
-            reached.notify_all()
-
-    def kill(name: str) -> None:
-        victim = next(p for p in cluster.loaders if p.name == name)
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait()
-
-    def chaos() -> None:
-        try:
-            with reached:
-                reached.wait_for(lambda: min(progress.values()) >= FIRST_KILL, timeout=60)
-            kill("loader-0")  # not restarted until the shadow has taken over
-            events["first"] = min(progress.values())
-            planner_log = cluster.planner.log_path
-            wait_until(lambda: "promoted its shadow" in planner_log.read_text(), timeout_s=30, what="the shadow of loader 0 to be promoted")
-            original = next(p for p in cluster.loaders if p.name == "loader-0")
-            events["restarted_log"] = cluster.restart(original).log_path  # comes back as the shadow
-            with reached:
-                reached.wait_for(lambda: min(progress.values()) >= SECOND_KILL, timeout=60)
-            kill("loader-0-shadow")  # the promoted one: the restarted original takes over again
-            events["second"] = min(progress.values())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            events["failure"] = exc
-
-    killer = threading.Thread(target=chaos)
-    try:
-        killer.start()
-        got, _ = collect(cluster.endpoints_path, [0, 1], on_batch=paced)
-        killer.join(timeout=60)
+    schedule = [
+        Kill(FIRST_KILL, "loader-0", restart=False),
+        Act(FIRST_KILL, restart_once_promoted, hold=True),  # however long a start takes, the second kill comes mid-run
+        Kill(SECOND_KILL, "loader-0-shadow", restart=False),  # the promoted one: the restarted original takes over again
+    ]
+    with running_cluster(_job(tmp_path, sources, "shadowed", shadow=True)) as cluster:
+        names = sorted(p.name for p in cluster.loaders)
+        assert names == ["loader-0", "loader-0-shadow", "loader-1", "loader-1-shadow"]
+        got = disturb(cluster, [0, 1], schedule, step_s=0.04)
         metrics = scrape(f"http://127.0.0.1:{cluster.planner.metrics_port}/metrics")
         planner_log = cluster.planner.log_path.read_text()
-    finally:
-        cluster.stop()
-    if "failure" in events:
-        raise events["failure"]
-    assert events["second"] < len(expected[0]) - 1, "the second kill came after the last step"
-    assert "serving as the shadow of replica '0'" in events["restarted_log"].read_text()
+    (restarted,) = got.acted
+    assert got.killed[1].at < len(expected.batches[0]) - 1, "the second kill came after the last step"
+    assert "serving as the shadow of replica '0'" in restarted.log_path.read_text()
     assert planner_log.count("promoted its shadow") == 2
     assert metrics['batchplane_planner_shadow_promotions_total{group="0"}'] == 2
     assert metrics['batchplane_planner_loader_failures_total{group="0"}'] == 2
-    assert_same_batches(got, expected)
+    assert_same_batches(got.batches, expected.batches)
+
+
+def _promotions(cluster: LocalCluster) -> float:
+    """How many times the planner promoted the shadow of loader group 0."""
+    metrics = scrape(f"http://127.0.0.1:{cluster.planner.metrics_port}/metrics")
+    return metrics.get('batchplane_planner_shadow_promotions_total{group="0"}', 0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from disturbed import kill_tree
 from harness import SourceData, start_cluster, write_job
 
 from batchplane.client import Client, InvalidRequestError
@@ -78,28 +78,9 @@ def run_torchtitan(endpoints: pathlib.Path, dump: pathlib.Path, out: pathlib.Pat
     try:
         code = proc.wait(timeout=100)
     finally:
-        _kill(proc)
+        kill_tree(proc)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-5000:]}"
     return {r: json.loads((out / f"done{r}.json").read_text()) for r in (0, 1)}
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """Kills torchrun's group and what is left of its workers (each in a session of its own)."""
-    pids = [proc.pid]
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == proc.pid:
-                    pids.append(int(entry.name))
-            except (OSError, ValueError):
-                pass
-    for pid in pids:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    proc.wait()
 
 
 def lines(out: pathlib.Path) -> dict[int, list[dict]]:

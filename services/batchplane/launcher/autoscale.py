@@ -103,12 +103,20 @@ class LocalAutoscaler:
             log.info("loader group %d: replica %s leaves (%s)", group, newest.name, decision.reason)
             self._cluster.remove_loader(newest)
 
-    def run(self, stop: threading.Event, *, interval_s: float, on_interval: Callable[[Interval], None] | None = None) -> None:
-        """Steps every `interval_s` until `stop` is set."""
-        start = time.monotonic()
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        interval_s: float,
+        on_interval: Callable[[Interval], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Steps every `interval_s` of `clock` (seconds) until `stop` is set; each step is told
+        the seconds since the first."""
+        start = clock()
         n = 0
-        while not stop.wait(max(start + (n + 1) * interval_s - time.monotonic(), 0)):
+        while not stop.wait(max(start + (n + 1) * interval_s - clock(), 0)):
             n += 1
-            row = self.step(time.monotonic() - start)
+            row = self.step(clock() - start)
             if row is not None and on_interval is not None:
                 on_interval(row)
