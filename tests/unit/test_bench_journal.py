@@ -13,33 +13,120 @@ from batchplane.bench import journal as bench
 from batchplane.journal.manifest import Commit, ManifestState, Register, StepEntry, StepObject, apply
 
 COMMIT_FIELDS = {
-    "kind", "store", "policy", "producers", "payload_kb", "commit_success_rate", "committed_mb_per_s",
-    "commit_latency_s", "step_visible_latency_s", "attempts", "conflicts", "errors", "commits", "steps_committed",
-    "offered_mb_per_s", "fragile_window_s", "gap_s", "cycle_s", "warmup_s", "measured_s", "attempts_per_producer",
-    "manifest_versions", "manifest_version_start", "manifest_version_end",
-    "exactly_once", "cpu_util", "load_avg", "paper_commit_success_rate", "paper_committed_mb_per_s",
+    "kind",
+    "store",
+    "policy",
+    "producers",
+    "payload_kb",
+    "commit_success_rate",
+    "committed_mb_per_s",
+    "commit_latency_s",
+    "step_visible_latency_s",
+    "attempts",
+    "conflicts",
+    "errors",
+    "commits",
+    "steps_committed",
+    "offered_mb_per_s",
+    "fragile_window_s",
+    "gap_s",
+    "cycle_s",
+    "warmup_s",
+    "measured_s",
+    "attempts_per_producer",
+    "manifest_versions",
+    "manifest_version_start",
+    "manifest_version_end",
+    "exactly_once",
+    "cpu_util",
+    "load_avg",
+    "paper_commit_success_rate",
+    "paper_committed_mb_per_s",
 }
 READ_FIELDS = {
-    "kind", "store", "world", "read", "dp", "cp", "bytes_per_rank", "slice_bytes", "read_amplification",
-    "latency_p50_s", "latency_p95_s", "ranks", "steps",
+    "kind",
+    "store",
+    "world",
+    "read",
+    "dp",
+    "cp",
+    "bytes_per_rank",
+    "slice_bytes",
+    "read_amplification",
+    "latency_p50_s",
+    "latency_p95_s",
+    "ranks",
+    "steps",
 }
 STORAGE_FIELDS = {"kind", "store", "reclaim", "step", "bytes_stored"}
 STATE_FIELDS = {
-    "kind", "store", "payload_kb", "commits", "commit_latency_s", "control_latency_s", "manifest_latency_s",
-    "control_manifest_latency_s", "delta_pct", "delta_median_pct",
+    "kind",
+    "store",
+    "payload_kb",
+    "commits",
+    "commit_latency_s",
+    "control_latency_s",
+    "manifest_latency_s",
+    "control_manifest_latency_s",
+    "delta_pct",
+    "delta_median_pct",
 }
 
 
 def _args(tmp_path, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    return parser.parse_args([
-        "--dir", str(tmp_path), "--stores", "local", "--producers", "8", "--policies", "naive,dac",
-        "--duration-s", "1.5", "--warmup-s", "0.5", "--cycles", "2", "--max-duration-s", "20", "--max-warmup-s", "10", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "100",
-        "--worlds", "4,8", "--read-cp", "2", "--slice-kb", "4", "--read-steps", "2", "--read-ranks", "4",
-        "--trace-steps", "60", "--checkpoint-every", "5", "--max-lag", "20", "--trace-points", "4",
-        "--state-payload-kb", "10", "--state-commits", "2", *argv,
-    ])
+    return parser.parse_args(
+        [
+            "--dir",
+            str(tmp_path),
+            "--stores",
+            "local",
+            "--producers",
+            "8",
+            "--policies",
+            "naive,dac",
+            "--duration-s",
+            "1.5",
+            "--warmup-s",
+            "0.5",
+            "--cycles",
+            "2",
+            "--max-duration-s",
+            "20",
+            "--max-warmup-s",
+            "10",
+            "--payload-kb",
+            "10",
+            "--build-ms",
+            "5",
+            "--pregrown-steps",
+            "100",
+            "--worlds",
+            "4,8",
+            "--read-cp",
+            "2",
+            "--slice-kb",
+            "4",
+            "--read-steps",
+            "2",
+            "--read-ranks",
+            "4",
+            "--trace-steps",
+            "60",
+            "--checkpoint-every",
+            "5",
+            "--max-lag",
+            "20",
+            "--trace-points",
+            "4",
+            "--state-payload-kb",
+            "10",
+            "--state-commits",
+            "2",
+            *argv,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +170,19 @@ def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_pat
     entry = StepEntry(7, (StepObject("tgb/000000000007.tgb", 2_000_000, "crc32:00000000"),))
     state = apply(apply(ManifestState(), Register("p000")), Commit("p000", 1, (entry,)))
     # (end, batch start, outcome, fragile window, gap, committed): before, in (lost, won), after.
-    results = [{"attempts": [(0.5, 0.4, 1, 0.1, 0.0, ((3, 9_000_000, 0.2),)), (1.5, 1.0, 0, 0.2, 1.0, ()),
-                             (2.5, 1.0, 1, 0.4, 3.0, ((7, 2_000_000, 1.2),)), (4.5, 4.0, -1, 0.1, 0.0, ())],
-                "built": [(0.2, 9_000_000), (1.2, 2_000_000), (4.2, 5_000_000)], "cpu_s": 1.5}]
-    r = journal_commit._record("local", "dac", 1, args, results, final=state, version_start=1, start=0.0,
-                               window=(1.0, 3.0), cycle_s=1.0)
+    results = [
+        {
+            "attempts": [
+                (0.5, 0.4, 1, 0.1, 0.0, ((3, 9_000_000, 0.2),)),
+                (1.5, 1.0, 0, 0.2, 1.0, ()),
+                (2.5, 1.0, 1, 0.4, 3.0, ((7, 2_000_000, 1.2),)),
+                (4.5, 4.0, -1, 0.1, 0.0, ()),
+            ],
+            "built": [(0.2, 9_000_000), (1.2, 2_000_000), (4.2, 5_000_000)],
+            "cpu_s": 1.5,
+        }
+    ]
+    r = journal_commit._record("local", "dac", 1, args, results, final=state, version_start=1, start=0.0, window=(1.0, 3.0), cycle_s=1.0)
     assert (r["attempts"], r["conflicts"], r["errors"], r["commits"]) == (2, 1, 0, 1)
     assert r["commit_success_rate"] == 0.5 and r["steps_committed"] == 1 and r["exactly_once"]
     assert r["committed_mb_per_s"] == pytest.approx(1.0) and r["offered_mb_per_s"] == pytest.approx(1.0)
@@ -95,8 +190,9 @@ def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_pat
     assert r["commit_latency_s"] == pytest.approx(1.5) and r["step_visible_latency_s"] == pytest.approx(1.3)
     assert r["cpu_util"] == pytest.approx(0.5) and r["measured_s"] == 2.0 and r["warmup_s"] == 1.0
     other = apply(apply(ManifestState(), Register("p001")), Commit("p001", 1, (entry,)))
-    assert not journal_commit._record("local", "dac", 1, args, results, final=other, version_start=1, start=0.0,
-                                      window=(1.0, 3.0), cycle_s=1.0)["exactly_once"]  # committed by another
+    assert not journal_commit._record(
+        "local", "dac", 1, args, results, final=other, version_start=1, start=0.0, window=(1.0, 3.0), cycle_s=1.0
+    )["exactly_once"]  # committed by another
 
 
 def test_slice_reads_fetch_about_one_slice_and_dense_reads_the_whole_step(result) -> None:

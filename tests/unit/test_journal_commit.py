@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from batchplane.core.errors import FailedPrecondition, Unavailable
 from batchplane.core.storage import MemoryStorage
-from batchplane.journal.commit import ManifestSettings, ManifestStore, Producer, version_key
+from batchplane.journal import commit as commit_module
+from batchplane.journal.commit import ManifestSettings, ManifestStore, PreparedVersion, Producer, version_key
 from batchplane.journal.manifest import (
     Commit,
     Fenced,
@@ -100,8 +101,7 @@ operations = st.lists(
         st.tuples(st.just("start"), st.integers(0, 2)),
         st.tuples(st.just("build"), st.integers(0, 5)),
         st.tuples(st.just("build"), st.integers(0, 5)),
-        st.tuples(st.just("attempt"), st.integers(0, 5), st.none() | st.integers(0, 5),
-                  st.sampled_from([None, None, "crash", "unknown"])),
+        st.tuples(st.just("attempt"), st.integers(0, 5), st.none() | st.integers(0, 5), st.sampled_from([None, None, "crash", "unknown"])),
         st.tuples(st.just("attempt"), st.integers(0, 5), st.integers(0, 5), st.just(None)),
         st.tuples(st.just("crash"), st.integers(0, 5)),
     ),
@@ -210,6 +210,7 @@ def check_history(storage: MemoryStorage, final: ManifestState, *, slots: int, t
 
 # --- examples -------------------------------------------------------------------------------
 
+
 def obj(step: int, tag: str = "") -> StepEntry:
     return StepEntry(step, (StepObject(f"tgb/{step}{tag}", 1, "test:0"),))
 
@@ -296,8 +297,7 @@ def test_the_latest_version_is_found_from_a_listing_and_checkpoints_after_reclam
     assert decode_record(storage.get(version_key(16))).state == ManifestStore(storage).read(16)
     assert decode_record(storage.get(version_key(17))).state is None
     clock = FakeClock()
-    stale = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock,
-                          check_writes=False)
+    stale = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock, check_writes=False)
     assert stale.read(5).version == 5
     assert stale.latest() == latest
     for v in range(1, 17):  # the reclaimer: ascending, below the newest checkpoint
@@ -305,16 +305,15 @@ def test_the_latest_version_is_found_from_a_listing_and_checkpoints_after_reclam
     cold = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4), check_writes=False)
     assert cold.latest() == latest
     # A reader whose known version was reclaimed and who has not seen it for a while finds out.
-    behind = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock,
-                           check_writes=False)
+    behind = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=4, confirm_after_s=5), clock=clock, check_writes=False)
     behind._state, behind._seen_at = ManifestState(version=7), 0.0  # as if it had read version 7 long ago
     clock.now = 100.0
     assert behind.latest() == latest
     # ... and a writer does not put on a base it has not seen recently.
     clock.now = 200.0
-    assert behind.put(latest, Register("p1")) is None
+    assert behind.put(behind.prepare(latest, Register("p1"))) is None
     assert behind.latest() == latest
-    assert behind.put(latest, Register("p1")) is not None
+    assert behind.put(behind.prepare(latest, Register("p1"))) is not None
 
 
 def test_a_version_its_predecessor_does_not_allow_is_reported_as_corrupt() -> None:
@@ -355,10 +354,9 @@ def test_dac_paces_a_producer_through_the_injected_clock() -> None:
     attempts = p.flush()
     assert [a.committed for a in attempts] == [(1, 2)]
     assert slept and all(s == pytest.approx(policy.gap_s(), rel=0.5) for s in slept)
-    # windows of one read (0.5 s), or two after a long pause (the known version is looked up again)
-    assert 0.5 <= policy.fragile_window_s <= 1.0
+    # every window is the final probe (one read, 0.5 s) and the put
+    assert policy.fragile_window_s == pytest.approx(0.5)
     assert policy.gap_s() == pytest.approx(policy.fragile_window_s * 9)  # alone: the duty budget binds
-
 
 
 def test_the_fragile_window_starts_at_the_read_of_the_current_version() -> None:
@@ -393,8 +391,7 @@ def test_dac_reads_the_producer_count_from_the_committed_state_and_commits_every
         Producer(ManifestStore(storage, check_writes=False), f"p{i}").register()
     policy = DacPolicy(DacSettings(jitter=0.0), random=lambda: 0.0)
     clock = FakeClock()
-    p = Producer(ManifestStore(storage, clock=clock, check_writes=False), "p0", policy=policy, clock=clock,
-                 sleep=clock.sleep)
+    p = Producer(ManifestStore(storage, clock=clock, check_writes=False), "p0", policy=policy, clock=clock, sleep=clock.sleep)
     p.register()
     assert policy._producers == 4
     for s in range(5):
@@ -402,3 +399,126 @@ def test_dac_reads_the_producer_count_from_the_committed_state_and_commits_every
     clock.now += 1e6
     attempt = p.maybe_commit()
     assert attempt is not None and attempt.committed == (0, 1, 2, 3, 4)
+
+
+class CountingStorage(MemoryStorage):
+    """One producer's view of a shared MemoryStorage that counts its manifest puts."""
+
+    def __init__(self, shared: MemoryStorage) -> None:
+        super().__init__()
+        self._objects = shared._objects
+        self.manifest_puts = 0
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key.startswith("manifest/"):
+            self.manifest_puts += 1
+        return super().put_if_absent(key, data)
+
+
+def test_a_version_committed_between_prepare_and_the_final_probe_is_caught_up_on_without_a_put() -> None:
+    """The probe after preparing finds the other producer's version: the attempt reads it,
+    rebases (the step it took is dropped) and prepares again, and puts once; no lost race."""
+    shared = MemoryStorage()
+    other = Producer(ManifestStore(shared, check_writes=False), "p1")
+    other.register()
+    counting = CountingStorage(shared)
+    store = ManifestStore(counting, check_writes=False)
+    outcomes: list[bool] = []
+
+    class Recording(DacPolicy):
+        def on_attempt(self, *, success: bool, fragile_window_s: float, producers: int) -> None:
+            outcomes.append(success)
+            super().on_attempt(success=success, fragile_window_s=fragile_window_s, producers=producers)
+
+    p = Producer(store, "p0", policy=Recording(random=lambda: 0.0), sleep=lambda s: None)
+    p.register()
+    outcomes.clear()
+    for s in range(3):
+        p.add(obj(s))
+    prepared: list[PreparedVersion] = []
+    prepare = store.prepare
+
+    def racing_prepare(base: ManifestState, change: Commit) -> PreparedVersion:
+        out = prepare(base, change)
+        if not prepared:
+            other.commit([obj(1, "other")])  # lands after the first prepare, before its probe
+        prepared.append(out)
+        return out
+
+    store.prepare = racing_prepare  # type: ignore[method-assign]
+    puts_before = counting.manifest_puts
+    attempt = p.attempt()
+    assert len(prepared) == 2 and prepared[1].base_version == prepared[0].base_version + 1
+    assert counting.manifest_puts - puts_before == 1  # the stale preparation was never put
+    assert attempt.success and attempt.wrote and attempt.caught_up == 1
+    assert attempt.committed == (0, 2) and attempt.taken == (1,)
+    assert outcomes == [True]  # one attempt reported to the policy, and no conflict
+    final = ManifestStore(shared, check_writes=False).latest()
+    assert final.version == attempt.version == prepared[1].base_version + 1
+    assert [(c.step, c.producer) for c in final.steps] == [(0, "p0"), (1, "p1"), (2, "p0")]
+    versions = [decode_record(shared.get(k)).change for k in shared.list("manifest/")]
+    commits = [s.step for c in versions if isinstance(c, Commit) for s in c.steps]
+    assert sorted(commits) == [0, 1, 2]  # each step committed once
+    assert [o.key for o in p.orphans] == ["tgb/1"]
+
+
+def test_the_fragile_window_excludes_the_rebase_apply_and_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However long the CPU work of an attempt takes (here 7 s on the injected clock), the
+    window is the final probe (0.5 s) and the put (0.25 s)."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, clock=clock, check_writes=False)
+    p = Producer(store, "p0", clock=clock, sleep=clock.sleep)
+    p.register()
+    for s in range(4):
+        p.add(obj(s))
+
+    def slow(fn: Callable, seconds: float) -> Callable:
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            clock.now += seconds
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(commit_module, "rebase", slow(commit_module.rebase, 1.0))
+    monkeypatch.setattr(commit_module, "apply", slow(commit_module.apply, 2.0))
+    monkeypatch.setattr(commit_module, "encode_record", slow(commit_module.encode_record, 4.0))
+    storage_get, storage_put = storage.get, storage.put_if_absent
+
+    def slow_get(key: str) -> bytes:
+        clock.now += 0.5
+        return storage_get(key)
+
+    def slow_put(key: str, data: bytes) -> bool:
+        clock.now += 0.25
+        return storage_put(key, data)
+
+    storage.get = slow_get  # type: ignore[method-assign]
+    storage.put_if_absent = slow_put  # type: ignore[method-assign]
+    began = clock.now
+    attempt = p.attempt()
+    assert attempt.success and attempt.committed == (0, 1, 2, 3)
+    # latest's probe, the rebase, apply and encoding, the final probe, the put
+    assert clock.now - began == pytest.approx(0.5 + 1.0 + 2.0 + 4.0 + 0.5 + 0.25)
+    assert attempt.fragile_window_s == pytest.approx(0.75)
+
+
+def test_a_stale_preparation_is_not_put() -> None:
+    """A version prepared longer ago than confirm_after_s is refused without a write (its
+    written_at_s would make it look older to the reclaimer), as is one whose base is no longer
+    the newest the store has seen."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, settings=ManifestSettings(confirm_after_s=5), clock=clock, check_writes=False)
+    p = Producer(store, "p0", clock=clock, sleep=clock.sleep)
+    p.register()
+    base = store.latest()
+    prepared = store.prepare(base, Commit("p0", 1, (obj(0),)))
+    clock.now += 6
+    assert store.latest() == base  # seen again: only the preparation is stale
+    assert store.put(prepared) is None and storage.list("manifest/") == [version_key(1)]
+    again = store.prepare(base, Commit("p0", 1, (obj(0),)))
+    Producer(ManifestStore(storage, check_writes=False), "p1").register()  # version 2
+    assert not store.still_newest(base) and store.cached is not None and store.cached.version == 2
+    assert store.put(again) is None  # its base is no longer the newest seen
+    assert store.put(store.prepare(store.cached, Commit("p0", 1, (obj(0),)))) is not None

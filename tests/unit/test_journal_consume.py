@@ -44,8 +44,9 @@ def serve(job, storage, index: int, **kwargs) -> JournalConstructorServicer:
     return JournalConstructorServicer(job, consumer, metrics, storage=storage)
 
 
-def fetch(servicer, rank: int, step: int, *, restart: bool = False,
-          cursor: constructor_pb2.JournalCursor | None = None) -> tuple[constructor_pb2.BatchHeader, bytes]:
+def fetch(
+    servicer, rank: int, step: int, *, restart: bool = False, cursor: constructor_pb2.JournalCursor | None = None
+) -> tuple[constructor_pb2.BatchHeader, bytes]:
     """One GetBatch as a client receives it: the header, then the chunks joined."""
     request = constructor_pb2.GetBatchRequest(rank=rank, step=step, wait_ms=2000, restart=restart, journal_cursor=cursor)
     items = list(servicer.GetBatch(request, Context()))
@@ -112,7 +113,6 @@ def test_a_step_moved_past_is_refused_unless_restarting(written) -> None:
         assert (header.SerializeToString(), payload) == streamed(pipeline.delivery(rank, 1), pipeline.mesh)
 
 
-
 def test_a_rollback_after_the_end_reads_the_journal_again(written) -> None:
     # Regression: with every step taken, the buffer is empty but the reader is past the end;
     # a restart at an earlier step must move the reader back, not wait for a step never read again.
@@ -172,8 +172,9 @@ def test_resumes_across_dp_changes_carry_the_cursor_and_read_each_written_slice_
         servicer = serve(make_job(dp=dp), storage, 0)  # one pod of every rank
         resumed, last = step, n == len(meshes) - 1
         while last or step < resumed + 2:
-            answers = [fetch(servicer, rank, step, restart=step == resumed, cursor=cursor if step == resumed else None)
-                       for rank in range(dp)]
+            answers = [
+                fetch(servicer, rank, step, restart=step == resumed, cursor=cursor if step == resumed else None) for rank in range(dp)
+            ]
             if answers[0][0].end_of_data:
                 break
             assert [h.step for h, _ in answers] == [step] * dp

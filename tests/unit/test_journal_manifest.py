@@ -21,11 +21,15 @@ from batchplane.journal.manifest import (
     Fenced,
     ManifestFormatError,
     ManifestState,
+    Mark,
+    ProducerState,
+    Rebased,
     Refusal,
     Register,
     Retain,
     StepEntry,
     StepObject,
+    Unmark,
     VersionRecord,
     apply,
     decode_next,
@@ -103,8 +107,7 @@ def test_states_round_trip_through_their_encoding_and_the_visible_prefix_is_the_
 
 
 @settings(max_examples=60, deadline=None)
-@given(histories(), st.sampled_from(PRODUCERS), st.lists(st.integers(0, 40), min_size=1, max_size=5, unique=True),
-       st.booleans())
+@given(histories(), st.sampled_from(PRODUCERS), st.lists(st.integers(0, 40), min_size=1, max_size=5, unique=True), st.booleans())
 def test_rebase_keeps_exactly_the_uncommitted_steps_and_what_it_keeps_applies(history, p, steps, same_objects) -> None:
     state, _ = history
     me = state.producer(p)
@@ -119,8 +122,7 @@ def test_rebase_keeps_exactly_the_uncommitted_steps_and_what_it_keeps_applies(hi
     kept = [e.step for e in rebased.commit.steps] if rebased.commit else []
     assert sorted([*kept, *rebased.mine, *rebased.taken]) == steps
     assert all(not state.is_committed(s) for s in kept)
-    assert all(state.step(s).entry == entry(s, "a" if same_objects else "b") and state.step(s).producer == p
-               for s in rebased.mine)
+    assert all(state.step(s).entry == entry(s, "a" if same_objects else "b") and state.step(s).producer == p for s in rebased.mine)
     assert all(state.is_committed(s) for s in rebased.taken)
     if rebased.commit:
         after = apply(state, rebased.commit)
@@ -192,6 +194,7 @@ def test_active_producers_counts_recent_changes() -> None:
 
 # --- encoding refusals -----------------------------------------------------------------------
 
+
 def good_doc() -> dict:
     state = registered("p0")
     state = apply(state, Commit("p0", 1, (entry(0),)))
@@ -207,6 +210,7 @@ def _set(path: tuple, value):
             del target[path[-1]]
         else:
             target[path[-1]] = value
+
     return mutate
 
 
@@ -258,7 +262,9 @@ def test_the_encoding_is_the_documented_format() -> None:
     doc = good_doc()
     assert doc["format"] == FORMAT and doc["format_version"] == 1
     assert doc["change"] == {
-        "kind": "commit", "producer": "p0", "epoch": 1,
+        "kind": "commit",
+        "producer": "p0",
+        "epoch": 1,
         "steps": [{"step": 0, "objects": [{"key": "tgb/0-a", "size": 10, "checksum": "sha256:0000"}]}],
     }
     assert doc["state"]["producers"] == [{"id": "p0", "epoch": 1, "last_step": 0, "version": 2}]
@@ -314,3 +320,140 @@ def test_decode_next_applies_a_change_and_compares_a_checkpoint() -> None:
         decode_next(encode_record(VersionRecord(2, change, 0.0, state=wrong)), state)
     with pytest.raises(ManifestFormatError, match="version"):
         decode_next(encode_record(VersionRecord(3, change, 0.0)), state)
+
+
+# --- apply's and rebase's positions against the per-step rules ------------------------------
+
+
+@st.composite
+def listed_states(draw: st.DrawFn) -> ManifestState:
+    """A state with a watermark and steps listed above it, by "a" and "b" (entries tagged "a")."""
+    watermark = draw(st.integers(0, 20))
+    numbers = sorted(draw(st.sets(st.integers(watermark, 60), max_size=30)))
+    steps = tuple(CommittedStep(entry(s), draw(st.sampled_from("ab")), 1 + s % 4) for s in numbers)
+    producers = tuple(ProducerState(p, 1, draw(st.integers(-1, 60)), 1) for p in "ab")
+    return ManifestState(version=5, watermark=watermark, steps=steps, producers=producers)
+
+
+pending_steps = st.lists(st.tuples(st.integers(0, 70), st.sampled_from("ab")), max_size=10)
+
+
+def _refusal(fn, *args) -> tuple:
+    try:
+        return ("ok", fn(*args))
+    except CommitRefused as exc:
+        return (exc.reason, exc.steps)
+
+
+def _apply_per_step(state: ManifestState, change: Commit) -> ManifestState:
+    """A Commit applied by the rules one step at a time (`is_committed` per step, then a sort
+    of every step): what apply computed before it shared one search between check and merge."""
+    current = state.producer(change.producer)
+    steps = [e.step for e in change.steps]
+    if not steps:
+        raise CommitRefused(Refusal.EMPTY, "", steps=())
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise CommitRefused(Refusal.NOT_INCREASING, "", steps=steps)
+    done = [s for s in steps if state.is_committed(s)]
+    if done:
+        raise CommitRefused(Refusal.ALREADY_COMMITTED, "", steps=done)
+    if steps[0] <= current.last_step:
+        raise CommitRefused(Refusal.NOT_ADVANCING, "", steps=[s for s in steps if s <= current.last_step])
+    for e in change.steps:
+        if not e.objects:
+            raise CommitRefused(Refusal.EMPTY, "", steps=[e.step])
+    new = dataclasses.replace(current, last_step=steps[-1], version=state.version + 1)
+    producers = tuple(sorted((*(p for p in state.producers if p.producer != change.producer), new), key=lambda p: p.producer))
+    return dataclasses.replace(state, version=state.version + 1, steps=_sorted_reference(state, change), producers=producers)
+
+
+def _rebase_per_step(state: ManifestState, commit: Commit) -> Rebased:
+    """rebase by the rules one step at a time (`step` and `is_committed` per pending step)."""
+    current = state.producer(commit.producer)
+    keep, mine, taken = [], [], []
+    for e in commit.steps:
+        done = state.step(e.step)
+        if done is not None and done.entry == e and done.producer == commit.producer:
+            mine.append(e.step)
+        elif state.is_committed(e.step):
+            taken.append(e.step)
+        else:
+            keep.append(e)
+    stuck = [e.step for e in keep if e.step <= current.last_step]
+    if stuck:
+        raise CommitRefused(Refusal.NOT_ADVANCING, "", steps=stuck)
+    return Rebased(commit=dataclasses.replace(commit, steps=tuple(keep)) if keep else None, mine=tuple(mine), taken=tuple(taken))
+
+
+@settings(max_examples=200, deadline=None)
+@given(listed_states(), pending_steps, st.booleans(), st.booleans())
+def test_apply_and_rebase_of_a_commit_equal_the_per_step_rules(
+    state: ManifestState, pending, increasing: bool, empty_objects: bool
+) -> None:
+    """Any commit (in order or not, steps listed, below the watermark, past the last listed one)
+    is refused or applied, and rebased, as the per-step rules say."""
+    if increasing:
+        pending = sorted({s: t for s, t in pending}.items())
+    entries = [entry(s, tag) for s, tag in pending]
+    if empty_objects and entries:
+        entries[-1] = StepEntry(entries[-1].step, ())
+    change = Commit("a", 1, tuple(entries))
+    assert _refusal(apply, state, change) == _refusal(_apply_per_step, state, change)
+    assert _refusal(rebase, state, change) == _refusal(_rebase_per_step, state, change)
+    # the commit of the newest steps (every one past the last listed): the append path
+    top = max([state.watermark - 1, *(c.step for c in state.steps), state.producer("a").last_step]) + 1
+    newest = Commit("a", 1, tuple(entry(top + i) for i in range(len(entries))))
+    assert _refusal(apply, state, newest) == _refusal(_apply_per_step, state, newest)
+    assert _refusal(rebase, state, newest) == _refusal(_rebase_per_step, state, newest)
+
+
+# --- the record's text against one json.dumps of the whole document ---------------------------
+
+
+def _change_reference(change) -> dict:
+    if isinstance(change, Commit):
+        steps = [
+            {"step": e.step, "objects": [{"key": o.key, "size": o.size, "checksum": o.checksum} for o in e.objects]} for e in change.steps
+        ]
+        return {"kind": "commit", "producer": change.producer, "epoch": change.epoch, "steps": steps}
+    if isinstance(change, Register):
+        return {"kind": "register", "producer": change.producer}
+    if isinstance(change, Mark):
+        return {"kind": "mark", "mark": change.mark, "manifest_version": change.manifest_version, "step": change.step}
+    if isinstance(change, Unmark):
+        return {"kind": "unmark", "mark": change.mark}
+    return {"kind": "retain", "watermark": change.watermark}
+
+
+step_objects = st.builds(StepObject, st.text(min_size=1, max_size=8), st.integers(0, 2**40), st.text(min_size=1, max_size=8))
+changes = st.one_of(
+    st.builds(
+        Commit,
+        st.sampled_from(PRODUCERS),
+        st.integers(1, 9),
+        st.lists(st.builds(StepEntry, st.integers(0, 10**9), st.tuples(step_objects)), max_size=4).map(tuple),
+    ),
+    st.builds(Register, st.sampled_from(PRODUCERS)),
+    st.builds(Retain, st.integers(1, 100)),
+    st.builds(Mark, st.sampled_from(PRODUCERS), st.integers(0, 100), st.integers(0, 100)),
+    st.builds(Unmark, st.sampled_from(PRODUCERS)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(changes, st.floats(0, 2e9), histories(), st.booleans())
+def test_a_record_is_the_json_of_its_whole_document(change, written_at_s: float, history, checkpoint: bool) -> None:
+    """The record joins cached step texts, yet its bytes are one sorted, compact ASCII dump."""
+    state = history[0]
+    record = VersionRecord(version=state.version, change=change, written_at_s=written_at_s, state=state if checkpoint else None)
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": record.version,
+        "written_at_s": written_at_s,
+        "change": _change_reference(change),
+        "state": state_doc(state) if checkpoint else None,
+    }
+    want = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    assert encode_record(record) == want
+    assert encode_record(record) == want  # again, from the cached step texts

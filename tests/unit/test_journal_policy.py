@@ -161,9 +161,17 @@ def test_the_registry_names_every_policy_of_the_benchmark() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("conflict_budget", 0.0), ("conflict_budget", 1.0), ("duty_budget", 0.0), ("duty_budget", 1.5),
-     ("ema_alpha", 0.0), ("jitter", -0.1), ("conflict_jitter", math.nan), ("max_gap_s", 0.0),
-     ("max_gap_s", math.inf)],
+    [
+        ("conflict_budget", 0.0),
+        ("conflict_budget", 1.0),
+        ("duty_budget", 0.0),
+        ("duty_budget", 1.5),
+        ("ema_alpha", 0.0),
+        ("jitter", -0.1),
+        ("conflict_jitter", math.nan),
+        ("max_gap_s", 0.0),
+        ("max_gap_s", math.inf),
+    ],
 )
 def test_dac_settings_out_of_range_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ConfigError) as info:

@@ -30,12 +30,17 @@ from batchplane.v1 import common_pb2
 
 def make_job(*, dp: int = 2, cp: int = 1, tp: int = 1, pp: int = 1, ranks_per_constructor: int | None = None, **journal):
     world = dp * cp * tp * pp
-    return job_from_mapping({
-        "job": "journal", "sources": [{"name": "a", "path": "a"}], "mesh": {"dp": dp, "cp": cp, "tp": tp, "pp": pp},
-        "batch": {"global_batch_size": 8, "microbatches": 1, "delivery": "journal"}, "loaders": {"count": 1},
-        "constructors": {"ranks_per_constructor": ranks_per_constructor or world},
-        "journal": {"policy": "naive", "max_lag_steps": 64, "prefetch_steps": 2, **journal},
-    })
+    return job_from_mapping(
+        {
+            "job": "journal",
+            "sources": [{"name": "a", "path": "a"}],
+            "mesh": {"dp": dp, "cp": cp, "tp": tp, "pp": pp},
+            "batch": {"global_batch_size": 8, "microbatches": 1, "delivery": "journal"},
+            "loaders": {"count": 1},
+            "constructors": {"ranks_per_constructor": ranks_per_constructor or world},
+            "journal": {"policy": "naive", "max_lag_steps": 64, "prefetch_steps": 2, **journal},
+        }
+    )
 
 
 def mesh_of(job) -> ClientPlaceTree:
@@ -84,7 +89,9 @@ class FakePipeline:
 
 
 def info_of(job) -> common_pb2.JobInfo:
-    return common_pb2.JobInfo(job_id=job.job, fingerprint=job.fingerprint, sources=["a"], mesh=common_pb2.Mesh(dp=job.mesh.dp, cp=job.mesh.cp))
+    return common_pb2.JobInfo(
+        job_id=job.job, fingerprint=job.fingerprint, sources=["a"], mesh=common_pb2.Mesh(dp=job.mesh.dp, cp=job.mesh.cp)
+    )
 
 
 def produce(job, storage, pipeline) -> JournalProducer:
@@ -101,7 +108,9 @@ def streamed(delivery: Delivery, mesh: ClientPlaceTree) -> tuple[bytes, bytes]:
 # ---- journal_slices ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dp", "cp", "tp", "pp", "broadcast"), [(2, 1, 1, 1, False), (1, 2, 2, 2, False), (2, 1, 2, 1, True), (1, 1, 3, 2, True)])
+@pytest.mark.parametrize(
+    ("dp", "cp", "tp", "pp", "broadcast"), [(2, 1, 1, 1, False), (1, 2, 2, 2, False), (2, 1, 2, 1, True), (1, 1, 3, 2, True)]
+)
 def test_every_rank_decodes_what_streaming_delivery_sends(dp: int, cp: int, tp: int, pp: int, broadcast: bool) -> None:
     job = make_job(dp=dp, cp=cp, tp=tp, pp=pp)
     pipeline = FakePipeline(job, broadcast=broadcast, extra=b"\x07extra")
@@ -209,7 +218,9 @@ def test_the_producer_commits_every_step_then_the_end_marker() -> None:
 def test_the_producer_counts_what_it_wrote() -> None:
     job = make_job(dp=2)
     registry = CollectorRegistry()
-    producer = JournalProducer(job, pipeline=FakePipeline(job, end=3), storage=MemoryStorage(), info=info_of(job), metrics=ConstructorMetrics(registry))
+    producer = JournalProducer(
+        job, pipeline=FakePipeline(job, end=3), storage=MemoryStorage(), info=info_of(job), metrics=ConstructorMetrics(registry)
+    )
     producer.run()
     assert registry.get_sample_value("batchplane_constructor_journal_steps_written_total") == 3
     assert registry.get_sample_value("batchplane_constructor_journal_commits_total") >= 1
@@ -248,7 +259,9 @@ def test_stop_ends_a_producer_waiting_for_batches() -> None:
     job = make_job(dp=2)
     pipeline = FakePipeline(job)
     pipeline.unavailable = 10**9
-    producer = JournalProducer(job, pipeline=pipeline, storage=MemoryStorage(), info=info_of(job), metrics=ConstructorMetrics(CollectorRegistry()))
+    producer = JournalProducer(
+        job, pipeline=pipeline, storage=MemoryStorage(), info=info_of(job), metrics=ConstructorMetrics(CollectorRegistry())
+    )
     producer.start()
     threading.Event().wait(0.05)
     producer.stop()

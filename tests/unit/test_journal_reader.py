@@ -66,10 +66,12 @@ def storage(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Storage:
     return CountingStorage() if request.param == "memory" else LocalStorage(tmp_path / "store")
 
 
-def write(storage: Storage, steps: range, *, mesh: DataMesh = DataMesh(2), producer: str = "p0",
-          settings: ManifestSettings = FAST) -> JournalWriter:
-    w = JournalWriter(storage, prefix=PREFIX, producer_id=producer, mesh=mesh, token_names=TOKENS,
-                      manifest_settings=settings, sleep=lambda s: None)
+def write(
+    storage: Storage, steps: range, *, mesh: DataMesh = DataMesh(2), producer: str = "p0", settings: ManifestSettings = FAST
+) -> JournalWriter:
+    w = JournalWriter(
+        storage, prefix=PREFIX, producer_id=producer, mesh=mesh, token_names=TOKENS, manifest_settings=settings, sleep=lambda s: None
+    )
     w.resume()
     for step in steps:
         w.write(step, {(d, c): batch(step, d, c) for d in range(mesh.dp) for c in range(mesh.cp)})
@@ -80,8 +82,7 @@ def write(storage: Storage, steps: range, *, mesh: DataMesh = DataMesh(2), produ
 def reader(storage: Storage, mesh: DataMesh, **kw) -> JournalReader:
     coords = kw.pop("coords", [(d, c) for d in range(mesh.dp) for c in range(mesh.cp)])
     kw.setdefault("depth", 0)
-    return JournalReader(storage, prefix=PREFIX, mesh=mesh, coords=coords, poll_s=0.005,
-                         manifest_settings=FAST, **kw)
+    return JournalReader(storage, prefix=PREFIX, mesh=mesh, coords=coords, poll_s=0.005, manifest_settings=FAST, **kw)
 
 
 def test_slices_are_range_read_once_and_the_footer_once_per_step() -> None:
@@ -150,8 +151,9 @@ def test_a_reader_waiting_for_an_uncommitted_step_says_so(storage: Storage, capl
 
 def test_prefetch_follows_a_live_writer() -> None:
     storage = MemoryStorage()
-    w = JournalWriter(storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), token_names=TOKENS,
-                      manifest_settings=FAST, sleep=lambda s: None)
+    w = JournalWriter(
+        storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), token_names=TOKENS, manifest_settings=FAST, sleep=lambda s: None
+    )
     w.resume()
 
     def produce() -> None:
@@ -267,12 +269,19 @@ def test_marks_and_reclaim_rounds_in_any_order_never_delete_what_a_live_mark_nee
     rng = random.Random(7)
     storage = MemoryStorage()
     wall = Wall()
-    w = JournalWriter(storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), token_names=TOKENS,
-                      manifest_settings=FAST, sleep=lambda s: None, wall_clock=wall)
+    w = JournalWriter(
+        storage,
+        prefix=PREFIX,
+        producer_id="p0",
+        mesh=DataMesh(2),
+        token_names=TOKENS,
+        manifest_settings=FAST,
+        sleep=lambda s: None,
+        wall_clock=wall,
+    )
     w.resume()
     marks = Watermarks(storage, prefix=PREFIX, settings=FAST)
-    reclaimer = Reclaimer(storage, prefix=PREFIX, policy=RetentionPolicy(min_age_s=1.0), manifest_settings=FAST,
-                          wall_clock=wall)
+    reclaimer = Reclaimer(storage, prefix=PREFIX, policy=RetentionPolicy(min_age_s=1.0), manifest_settings=FAST, wall_clock=wall)
     live: dict[str, int] = {}
     step = deleted = 0
     for _ in range(60):

@@ -41,11 +41,13 @@ def _coord(dp: int, cp: int = 0, tp: int = 0, pp: int = 0) -> Coord:
 def _reader_of(draw, written: DataMesh) -> DataMesh:
     """A reader mesh: DP grown or shrunk by an integer ratio (or any size), CP by an integer ratio."""
     d = written.dp
-    dp = draw(st.one_of(
-        st.integers(1, 3).map(lambda k: d * k),
-        st.sampled_from([d // k for k in range(1, d + 1) if d % k == 0]),
-        st.integers(1, 7),
-    ))
+    dp = draw(
+        st.one_of(
+            st.integers(1, 3).map(lambda k: d * k),
+            st.sampled_from([d // k for k in range(1, d + 1) if d % k == 0]),
+            st.integers(1, 7),
+        )
+    )
     c = written.cp
     cp = draw(st.sampled_from(sorted({c * k for k in (1, 2, 3)} | {c // k for k in range(1, c + 1) if c % k == 0})))
     return DataMesh(dp=dp, cp=cp, cp_mode=written.cp_mode)
@@ -53,9 +55,13 @@ def _reader_of(draw, written: DataMesh) -> DataMesh:
 
 @st.composite
 def _chain(draw):
-    written = DataMesh(dp=draw(st.integers(1, 4)), cp=draw(st.sampled_from([1, 2, 4])), cp_mode=draw(st.sampled_from(["zigzag", "contiguous"])))
+    written = DataMesh(
+        dp=draw(st.integers(1, 4)), cp=draw(st.sampled_from([1, 2, 4])), cp_mode=draw(st.sampled_from(["zigzag", "contiguous"]))
+    )
     start = SliceCursor(draw(st.integers(0, 5)), draw(st.integers(0, written.dp - 1)))
-    segments = draw(st.lists(st.tuples(_reader_of(written), st.integers(0, 4), st.integers(1, 2), st.integers(1, 2)), min_size=1, max_size=3))
+    segments = draw(
+        st.lists(st.tuples(_reader_of(written), st.integers(0, 4), st.integers(1, 2), st.integers(1, 2)), min_size=1, max_size=3)
+    )
     return written, start, segments
 
 
@@ -111,7 +117,9 @@ def test_cursors_and_whole_logical_steps(case, committed_end) -> None:
     assert written_steps(end, written=written, reader=reader).stop > committed_end
     # cursor_for composes: from any intermediate origin the same cursors follow.
     mid = cursor_for(3, origin_step=0, origin=start, written=written, reader=reader)
-    assert cursor_for(7, origin_step=3, origin=mid, written=written, reader=reader) == cursor_for(7, origin_step=0, origin=start, written=written, reader=reader)
+    assert cursor_for(7, origin_step=3, origin=mid, written=written, reader=reader) == cursor_for(
+        7, origin_step=0, origin=start, written=written, reader=reader
+    )
 
 
 @pytest.mark.parametrize("t", range(4))
@@ -196,7 +204,10 @@ def test_cp_remap_delivers_exactly_the_readers_tokens_or_refuses(case) -> None:
     stored = {(0, 0, k): cp_slice(full, cp=c, rank=k, mode=mode, pad_values=_PAD) for k in range(c)}
     padded_width = cp_width(width, cp=c, mode=mode)
     padded = cp_slice(full, cp=1, rank=0, mode=mode, pad_values=_PAD)
-    padded = {n: (np.concatenate([a, np.full((a.shape[0], padded_width - width, *a.shape[2:]), _PAD[n], a.dtype)], axis=1) if n in _PAD else a) for n, a in padded.items()}
+    padded = {
+        n: (np.concatenate([a, np.full((a.shape[0], padded_width - width, *a.shape[2:]), _PAD[n], a.dtype)], axis=1) if n in _PAD else a)
+        for n, a in padded.items()
+    }
     multiple = c2 if mode == "contiguous" or c2 == 1 else 2 * c2
     seen = []
     for r in range(c2):

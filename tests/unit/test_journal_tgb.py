@@ -171,7 +171,8 @@ def _footer_bytes(obj: bytes) -> bytes:
 def test_every_byte_of_an_object_is_covered() -> None:
     slices = {
         (d, c): {"input_ids": np.arange(6, dtype=np.int64).reshape(2, 3) + d, "cu": np.array([0, 3], np.int32), "m": np.float16(c)}
-        for d in range(2) for c in range(2)
+        for d in range(2)
+        for c in range(2)
     }
     slices[(1, 1)] = {}
     obj = bytes(tgb.encode_tgb(slices, step=7, dp=2, cp=2))
@@ -225,6 +226,7 @@ def _set(path, value):
         for part in path[:-1]:
             node = node[part]
         node[path[-1]] = value
+
     return edit
 
 

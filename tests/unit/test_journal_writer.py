@@ -47,8 +47,9 @@ def storage(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Storage:
 
 
 def writer(storage: Storage, producer: str = "p0", *, mesh: DataMesh = DataMesh(2), **kw) -> JournalWriter:
-    return JournalWriter(storage, prefix=PREFIX, producer_id=producer, mesh=mesh, token_names=TOKENS,
-                         job="job-1", sleep=lambda s: None, **kw)
+    return JournalWriter(
+        storage, prefix=PREFIX, producer_id=producer, mesh=mesh, token_names=TOKENS, job="job-1", sleep=lambda s: None, **kw
+    )
 
 
 def read_all(storage: Storage, steps: int, *, mesh: DataMesh = DataMesh(2), **kw) -> list:
@@ -194,8 +195,9 @@ def test_max_lag_holds_the_writer_until_a_checkpoint_mark_advances(storage: Stor
             reader.record_watermark(cursor)
             marked.append(cursor)
 
-    w = JournalWriter(storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), policy="fixed10",
-                      retention=RetentionPolicy(max_lag=3), sleep=sleep)
+    w = JournalWriter(
+        storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), policy="fixed10", retention=RetentionPolicy(max_lag=3), sleep=sleep
+    )
     w.resume()
     for step in range(3):
         assert w.wait_for_room(step)
@@ -208,8 +210,15 @@ def test_max_lag_holds_the_writer_until_a_checkpoint_mark_advances(storage: Stor
     w.write(3, step_slices(3, DataMesh(2)))
     w.write(4, step_slices(4, DataMesh(2)))
     stop = threading.Event()
-    w2 = JournalWriter(storage, prefix=PREFIX, producer_id="p1", mesh=DataMesh(2), retention=RetentionPolicy(max_lag=3),
-                       stop=stop, sleep=lambda s: stop.set())
+    w2 = JournalWriter(
+        storage,
+        prefix=PREFIX,
+        producer_id="p1",
+        mesh=DataMesh(2),
+        retention=RetentionPolicy(max_lag=3),
+        stop=stop,
+        sleep=lambda s: stop.set(),
+    )
     w2.resume()
     assert not w2.wait_for_room(5), "a set stop event ends the pause"
 

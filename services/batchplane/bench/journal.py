@@ -100,6 +100,7 @@ def _names(allowed: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
         if not values or bad:
             raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(allowed)}, got {text!r}")
         return list(dict.fromkeys(values))
+
     return parse
 
 
@@ -111,10 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add = parser.add_argument
     add("--stores", type=_names(STORES), default=list(STORES), help="stores to run on (default local,s3)")
-    add("--policies", type=_names(sorted(POLICIES)), default=list(PAPER_FIGURE7)[::-1],
-        help="commit policies (default naive,fixed10,fixed100,aimd,incr,dac)")
-    add("--producers", type=_int_list, default=[32],
-        help="producer counts (default 32, the paper's Figure 7; e.g. 8,32,64 for the sweep)")
+    add(
+        "--policies",
+        type=_names(sorted(POLICIES)),
+        default=list(PAPER_FIGURE7)[::-1],
+        help="commit policies (default naive,fixed10,fixed100,aimd,incr,dac)",
+    )
+    add("--producers", type=_int_list, default=[32], help="producer counts (default 32, the paper's Figure 7; e.g. 8,32,64 for the sweep)")
     journal_commit.add_arguments(parser)
     add("--payload-kb", type=positive_int, default=100, help="KB per TGB in the commit and storage runs (default 100)")
     add("--checkpoint-every", type=positive_int, default=10, help="storage run: steps per checkpoint (default 10)")
@@ -149,9 +153,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     """
     journal_commit.check_arguments(args)
     if args.max_lag <= args.checkpoint_every * args.live_checkpoints:
-        raise ValueError(f"--max-lag {args.max_lag} must exceed --checkpoint-every x --live-checkpoints "
-                         f"({args.checkpoint_every * args.live_checkpoints}): the producer would wait for a checkpoint "
-                         "that waits for it")
+        raise ValueError(
+            f"--max-lag {args.max_lag} must exceed --checkpoint-every x --live-checkpoints "
+            f"({args.checkpoint_every * args.live_checkpoints}): the producer would wait for a checkpoint "
+            "that waits for it"
+        )
     bad = [w for w in args.worlds if w % args.read_cp]
     if bad:
         raise ValueError(f"--worlds {bad} are not multiples of --read-cp {args.read_cp}")
@@ -179,11 +185,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                     progress(f"journal: {store} producer state at {kb} KB: {r['delta_pct']:+.1f} % commit latency")
     return {
         "benchmark": "journal",
-        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()
-                     if k not in ("json", "benchmark")},
-        "paper": {"figure7_at_32_producers": {p: {"commit_success_rate": s, "committed_mb_per_s": m}
-                                              for p, (s, m) in PAPER_FIGURE7.items()},
-                  "figure9": PAPER_FIGURE9},
+        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items() if k not in ("json", "benchmark")},
+        "paper": {
+            "figure7_at_32_producers": {p: {"commit_success_rate": s, "committed_mb_per_s": m} for p, (s, m) in PAPER_FIGURE7.items()},
+            "figure9": PAPER_FIGURE9,
+        },
         "skipped": skipped,
         "storage_summary": summary,
         "records": records,
@@ -198,9 +204,11 @@ def _open_stores(store: str, folder: pathlib.Path, progress: Callable[[str], Non
     """Yields `fresh(name)`, an empty store per point (None: the store cannot run here); it
     drops the stores of the earlier points (a commit point writes gigabytes)."""
     if store == "local":
+
         def fresh_local(name: str) -> Place:
             shutil.rmtree(folder / "local", ignore_errors=True)
             return Place(str(folder / "local" / name))
+
         try:
             yield fresh_local
         finally:
@@ -216,6 +224,7 @@ def _open_stores(store: str, folder: pathlib.Path, progress: Callable[[str], Non
             server.reset()
             server.create_bucket(BUCKET)
             return Place(f"s3://{BUCKET}/{name}", server.env())
+
         yield fresh_s3
 
 
@@ -259,8 +268,7 @@ class _SizedStorage:
 # --- reads (§7.4) ---------------------------------------------------------------------------
 
 
-def _read_records(store: str, fresh: Callable[[str], Place], args: argparse.Namespace,
-                  progress: Callable[[str], None]) -> list[dict]:
+def _read_records(store: str, fresh: Callable[[str], Place], args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict]:
     out = []
     slice_bytes = args.slice_kb * 1000
     for world in args.worlds:
@@ -269,8 +277,12 @@ def _read_records(store: str, fresh: Callable[[str], Place], args: argparse.Name
         fill = make_fill(slice_bytes, args.seed)
         producer = Producer(ManifestStore(storage), "writer")
         producer.register()
-        producer.commit([write_step(storage, s, synthetic_tgb(s, world=world, slice_bytes=slice_bytes, cp=cp, fill=fill))
-                         for s in range(args.read_steps)])
+        producer.commit(
+            [
+                write_step(storage, s, synthetic_tgb(s, world=world, slice_bytes=slice_bytes, cp=cp, fill=fill))
+                for s in range(args.read_steps)
+            ]
+        )
         state = ManifestStore(storage, check_writes=False).latest()
         objects = [state.step(s).entry.objects[0] for s in range(args.read_steps)]
         count = min(world, args.read_ranks)
@@ -278,18 +290,30 @@ def _read_records(store: str, fresh: Callable[[str], Place], args: argparse.Name
         for mode in ("slice", "dense"):
             reads = [(rank, obj) for obj in objects for rank in ranks]
             with ThreadPoolExecutor(args.read_threads) as pool:
-                results = list(pool.map(lambda ro: _read_one(storage, ro[1], rank=ro[0], cp=cp, mode=mode,
-                                                             slice_bytes=slice_bytes), reads))
+                results = list(pool.map(lambda ro: _read_one(storage, ro[1], rank=ro[0], cp=cp, mode=mode, slice_bytes=slice_bytes), reads))
             latencies = sorted(r[0] for r in results)
             fetched = _mean([r[1] for r in results])
-            out.append({
-                "kind": "read", "store": store, "world": world, "read": mode, "dp": world // cp, "cp": cp,
-                "bytes_per_rank": fetched, "slice_bytes": slice_bytes, "read_amplification": fetched / slice_bytes,
-                "latency_p50_s": _quantile(latencies, 0.50), "latency_p95_s": _quantile(latencies, 0.95),
-                "ranks": len(ranks), "steps": args.read_steps,
-            })
-            progress(f"journal: {store} {mode} reads at world {world}: {fetched / 1e3:.1f} KB per rank, "
-                     f"p50 {out[-1]['latency_p50_s'] * 1e3:.1f} ms")
+            out.append(
+                {
+                    "kind": "read",
+                    "store": store,
+                    "world": world,
+                    "read": mode,
+                    "dp": world // cp,
+                    "cp": cp,
+                    "bytes_per_rank": fetched,
+                    "slice_bytes": slice_bytes,
+                    "read_amplification": fetched / slice_bytes,
+                    "latency_p50_s": _quantile(latencies, 0.50),
+                    "latency_p95_s": _quantile(latencies, 0.95),
+                    "ranks": len(ranks),
+                    "steps": args.read_steps,
+                }
+            )
+            progress(
+                f"journal: {store} {mode} reads at world {world}: {fetched / 1e3:.1f} KB per rank, "
+                f"p50 {out[-1]['latency_p50_s'] * 1e3:.1f} ms"
+            )
     return out
 
 
@@ -315,7 +339,7 @@ def _read_one(storage: Storage, obj: StepObject, *, rank: int, cp: int, mode: st
         trailer = tgb.read_trailer(view[slice(*tgb.trailer_range(len(whole)))], object_size=len(whole))
         footer = tgb.read_footer(view[slice(*tgb.footer_range(trailer))], trailer)
         entry = footer.slice(dp, c)
-        batch = tgb.decode_slice(view[entry.offset: entry.offset + entry.length], entry)
+        batch = tgb.decode_slice(view[entry.offset : entry.offset + entry.length], entry)
     seconds = time.perf_counter() - begin
     if batch["payload"].nbytes != slice_bytes:
         raise RuntimeError(f"rank {rank} read {batch['payload'].nbytes} bytes of {obj.key}, expected {slice_bytes}")
@@ -350,28 +374,29 @@ def _storage_trace(store: str, storage: Storage, *, reclaim: bool, args: argpars
         floor = min(m.step for m in marks)
         if reclaim:
             _reclaim(sized, consumer.latest(), marks, policy, settings)
-        while floor > (head := consumer.latest()).watermark and consumer.put(head, Retain(floor)) is None:
+        while floor > (head := consumer.latest()).watermark and consumer.put(consumer.prepare(head, Retain(floor))) is None:
             pass  # the producer committed in between: read again
         if consumed // every % sample_every == 0 or consumed == steps:
-            out.append({"kind": "storage", "store": store, "reclaim": reclaim, "step": consumed,
-                        "bytes_stored": sum(sized.sizes.values())})
+            out.append({"kind": "storage", "store": store, "reclaim": reclaim, "step": consumed, "bytes_stored": sum(sized.sizes.values())})
     oldest = marks[0].step
     if oldest < steps:  # a rollback to the oldest live checkpoint still finds its step
         sized.get(consumer.latest().step(oldest).entry.objects[0].key)
     return out
 
 
-def _reclaim(sized: _SizedStorage, state: ManifestState, marks: deque, policy: retention.RetentionPolicy,
-             settings: ManifestSettings) -> None:
+def _reclaim(
+    sized: _SizedStorage, state: ManifestState, marks: deque, policy: retention.RetentionPolicy, settings: ManifestSettings
+) -> None:
     """Deletes what `retention.reclaim` allows: objects of steps below the floor, old versions."""
     k = settings.checkpoint_every
     prefix = MANIFEST_FOLDER
-    versions = sorted(int(key[len(prefix):].split(".")[0]) for key in sized.sizes if key.startswith(prefix))
+    versions = sorted(int(key[len(prefix) :].split(".")[0]) for key in sized.sizes if key.startswith(prefix))
     decision = retention.reclaim(
         watermarks=list(marks),
         steps=[retention.StepInfo(c.step, c.version, 0.0, tuple(o.key for o in c.entry.objects)) for c in state.steps],
         versions=[retention.VersionInfo(v, 0.0, (v // k) * k) for v in versions],
-        now_s=1.0, policy=policy,
+        now_s=1.0,
+        policy=policy,
     )
     for key in decision.objects:
         sized.delete(key)
@@ -402,8 +427,9 @@ def _producer_state(store: str, storage: Storage, *, payload_kb: int, args: argp
             # The control: the same entry, dummy metadata in place of the producer's state, the
             # same requests (probe the next version, put it), no state machine.
             state = producer.store.cached
-            meta = json.dumps({"producer": "producer", "epoch": producer.epoch, "last_step": producer.last_step,
-                               "version": state.version if state else 0})
+            meta = json.dumps(
+                {"producer": "producer", "epoch": producer.epoch, "last_step": producer.last_step, "version": state.version if state else 0}
+            )
             while True:
                 key = f"control/{control_version + 1:012d}.json"
                 try:
@@ -424,8 +450,12 @@ def _producer_state(store: str, storage: Storage, *, payload_kb: int, args: argp
     state, control = [t[0] for t in timed["state"]], [t[0] for t in timed["control"]]
     state_s, control_s = _mean(state), _mean(control)
     return {
-        "kind": "producer_state", "store": store, "payload_kb": payload_kb, "commits": args.state_commits,
-        "commit_latency_s": state_s, "control_latency_s": control_s,
+        "kind": "producer_state",
+        "store": store,
+        "payload_kb": payload_kb,
+        "commits": args.state_commits,
+        "commit_latency_s": state_s,
+        "control_latency_s": control_s,
         "manifest_latency_s": _mean([t[1] for t in timed["state"]]),
         "control_manifest_latency_s": _mean([t[1] for t in timed["control"]]),
         "delta_pct": 100.0 * (state_s - control_s) / control_s if control_s else 0.0,
@@ -442,4 +472,3 @@ def _mean(values: list[float]) -> float:
 
 def _quantile(sorted_values: list[float], q: float) -> float:
     return float(np.quantile(sorted_values, q)) if sorted_values else 0.0
-

@@ -27,10 +27,11 @@ committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first atte
 to the end of the attempt that committed it, retries and gaps included), step_visible_latency_s
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
 as failed attempts), commits, steps_committed, offered_mb_per_s (what the producers wrote),
-fragile_window_s (mean, from the read that found the current version to the end of the put),
-gap_s (the policy's wait after an attempt, mean: DAC's g* (1 + xi)), cycle_s (the median time
-between a producer's last two warm-up attempts), warmup_s, measured_s (the window's length),
-attempts_per_producer (in the window), manifest_versions (committed in the window),
+fragile_window_s (mean, from the start of the final probe, the GET that found no version after
+the one the commit was prepared on, to the end of the put; the rebase, apply and encoding come
+before it), gap_s (the policy's wait after an attempt, mean: DAC's g* (1 + xi)), cycle_s (the
+median time between a producer's last two warm-up attempts), warmup_s, measured_s (the window's
+length), attempts_per_producer (in the window), manifest_versions (committed in the window),
 manifest_version_start, manifest_version_end, exactly_once (every step committed once, by its
 builder), cpu_util (CPU seconds of the producer processes per second of the run: 2.0 is two
 cores busy), load_avg (the machine's 1-minute load average at the end: other work shares the
@@ -59,8 +60,12 @@ from batchplane.journal.policy import make_policy
 
 #: The paper's Figure 7 at 32 producers: policy -> (commit success rate, MB/s).
 PAPER_FIGURE7 = {
-    "dac": (0.963, 431.9), "incr": (0.642, 110.5), "fixed100": (0.643, 107.5),
-    "aimd": (0.955, 79.0), "fixed10": (0.131, 50.0), "naive": (0.090, 7.1),
+    "dac": (0.963, 431.9),
+    "incr": (0.642, 110.5),
+    "fixed100": (0.643, 107.5),
+    "aimd": (0.955, 79.0),
+    "fixed10": (0.131, 50.0),
+    "naive": (0.090, 7.1),
 }
 COMMIT_WORLD = 32
 _MB = 1e6
@@ -73,12 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the commit part's flags (see the module docstring)."""
     add = parser.add_argument
     add("--duration-s", type=float, default=4.0, help="least measured seconds per commit point (default 4)")
-    add("--cycles", type=float, default=5.0,
-        help="attempts the median producer completes in the measured window (default 5)")
+    add("--cycles", type=float, default=5.0, help="attempts the median producer completes in the measured window (default 5)")
     add("--max-duration-s", type=float, default=60.0, help="most measured seconds per commit point (default 60)")
     add("--warmup-s", type=float, default=1.0, help="least unmeasured seconds before the window (default 1)")
-    add("--warmup-attempts", type=positive_int, default=2,
-        help="attempts every producer completes before the window opens (default 2: the policy has adapted)")
+    add(
+        "--warmup-attempts",
+        type=positive_int,
+        default=2,
+        help="attempts every producer completes before the window opens (default 2: the policy has adapted)",
+    )
     add("--max-warmup-s", type=float, default=40.0, help="most unmeasured seconds before the window (default 40)")
     add("--build-ms", type=float, default=20.0, help="ms each producer spends building a TGB, slept (default 20)")
     add("--pregrown-steps", type=int, default=2000, help="committed steps the manifest starts with (default 2,000)")
@@ -92,18 +100,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--max-duration-s must be >= --duration-s, --max-warmup-s >= --warmup-s, --cycles >= 0")
 
 
-def commit_records(store: str, fresh: Callable[[str], Place], args: argparse.Namespace,
-                   progress: Callable[[str], None]) -> list[dict]:
+def commit_records(store: str, fresh: Callable[[str], Place], args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict]:
     """One record per producer count and policy on `store` (`fresh(name)`: an empty store)."""
     out = []
     for producers in args.producers:
         for policy in args.policies:
-            out.append(commit_point(store, fresh(f"commit-{policy}-{producers}"), policy=policy, producers=producers,
-                                    args=args))
+            out.append(commit_point(store, fresh(f"commit-{policy}-{producers}"), policy=policy, producers=producers, args=args))
             r = out[-1]
-            progress(f"journal: {store} {policy} x{producers}: {r['commit_success_rate']:.1%} success, "
-                     f"{r['committed_mb_per_s']:.1f} MB/s, {r['commit_latency_s']:.3f} s per commit, "
-                     f"W {r['fragile_window_s'] * 1e3:.1f} ms, cpu {r['cpu_util']:.2f}, load {r['load_avg']:.1f}")
+            progress(
+                f"journal: {store} {policy} x{producers}: {r['commit_success_rate']:.1%} success, "
+                f"{r['committed_mb_per_s']:.1f} MB/s, {r['commit_latency_s']:.3f} s per commit, "
+                f"W {r['fragile_window_s'] * 1e3:.1f} ms, cpu {r['cpu_util']:.2f}, load {r['load_avg']:.1f}"
+            )
     return out
 
 
@@ -137,9 +145,12 @@ class _Shared:
 
     @classmethod
     def make(cls, ctx: Any, producers: int) -> _Shared:
-        return cls(clock=ctx.Array("d", [0.0, float("inf"), float("inf")], lock=False),
-                   ready=ctx.Array("i", producers, lock=False), attempts=ctx.Array("i", producers, lock=False),
-                   ends=ctx.Array("d", 2 * producers, lock=False))
+        return cls(
+            clock=ctx.Array("d", [0.0, float("inf"), float("inf")], lock=False),
+            ready=ctx.Array("i", producers, lock=False),
+            attempts=ctx.Array("i", producers, lock=False),
+            ends=ctx.Array("d", 2 * producers, lock=False),
+        )
 
 
 def commit_point(store: str, place: Place, *, policy: str, producers: int, args: argparse.Namespace) -> dict:
@@ -152,14 +163,24 @@ def commit_point(store: str, place: Place, *, policy: str, producers: int, args:
     pregrow(storage, args.pregrown_steps, settings, tgb_bytes=tgb_bytes)
     ctx = _context()
     shared = _Shared.make(ctx, producers)
-    jobs = [_Job(place=place, index=i, policy=policy, seed=args.seed, first=args.pregrown_steps + i, stride=producers,
-                 build_s=args.build_ms / 1000, slice_bytes=slice_bytes) for i in range(producers)]
+    jobs = [
+        _Job(
+            place=place,
+            index=i,
+            policy=policy,
+            seed=args.seed,
+            first=args.pregrown_steps + i,
+            stride=producers,
+            build_s=args.build_ms / 1000,
+            slice_bytes=slice_bytes,
+        )
+        for i in range(producers)
+    ]
     procs, conns = [], []
     try:
         for job in jobs:
             receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_producer_process, args=(job, shared, send), name=f"producer-{job.index}",
-                               daemon=True)
+            proc = ctx.Process(target=_producer_process, args=(job, shared, send), name=f"producer-{job.index}", daemon=True)
             proc.start()
             send.close()
             procs.append(proc)
@@ -181,12 +202,33 @@ def commit_point(store: str, place: Place, *, policy: str, producers: int, args:
     if failed:
         raise RuntimeError(f"a producer failed in {store} {policy} x{producers}:\n{failed[0]}")
     final = ManifestStore(storage, settings=settings, check_writes=False).latest()
-    return _record(store, policy, producers, args, results, final=final, version_start=version_start, start=start,
-                   window=(window_start, window_end), cycle_s=cycle_s)
+    return _record(
+        store,
+        policy,
+        producers,
+        args,
+        results,
+        final=final,
+        version_start=version_start,
+        start=start,
+        window=(window_start, window_end),
+        cycle_s=cycle_s,
+    )
 
 
-def _record(store: str, policy: str, producers: int, args: argparse.Namespace, results: list[dict], *, final: Any,
-            version_start: int, start: float, window: tuple[float, float], cycle_s: float) -> dict:
+def _record(
+    store: str,
+    policy: str,
+    producers: int,
+    args: argparse.Namespace,
+    results: list[dict],
+    *,
+    final: Any,
+    version_start: int,
+    start: float,
+    window: tuple[float, float],
+    cycle_s: float,
+) -> dict:
     """The commit record from the producers' raw attempts, counting what ends in `window`."""
     lo, hi = window
     measured = hi - lo
@@ -216,20 +258,33 @@ def _record(store: str, policy: str, producers: int, args: argparse.Namespace, r
     cpu = sum(r["cpu_s"] for r in results)
     paper = PAPER_FIGURE7.get(policy) if producers == 32 else None
     return {
-        "kind": "commit", "store": store, "policy": policy, "producers": producers, "payload_kb": args.payload_kb,
+        "kind": "commit",
+        "store": store,
+        "policy": policy,
+        "producers": producers,
+        "payload_kb": args.payload_kb,
         "commit_success_rate": commits / attempts if attempts else 0.0,
         "committed_mb_per_s": committed_bytes / _MB / measured,
         "commit_latency_s": _mean(latencies),
         "step_visible_latency_s": _mean(visible),
-        "attempts": attempts, "conflicts": conflicts, "errors": errors,
-        "commits": commits, "steps_committed": len(steps),
+        "attempts": attempts,
+        "conflicts": conflicts,
+        "errors": errors,
+        "commits": commits,
+        "steps_committed": len(steps),
         "offered_mb_per_s": written / _MB / measured,
         "fragile_window_s": _mean(windows),
         "gap_s": _mean(gaps),
-        "cycle_s": cycle_s, "warmup_s": lo - start, "measured_s": measured,
+        "cycle_s": cycle_s,
+        "warmup_s": lo - start,
+        "measured_s": measured,
         "attempts_per_producer": attempts / producers,
-        "manifest_versions": commits, "manifest_version_start": version_start, "manifest_version_end": final.version,
-        "exactly_once": exactly_once, "cpu_util": cpu / max(1e-9, hi - start), "load_avg": os.getloadavg()[0],
+        "manifest_versions": commits,
+        "manifest_version_start": version_start,
+        "manifest_version_end": final.version,
+        "exactly_once": exactly_once,
+        "cpu_util": cpu / max(1e-9, hi - start),
+        "load_avg": os.getloadavg()[0],
         "paper_commit_success_rate": paper[0] if paper else None,
         "paper_committed_mb_per_s": paper[1] if paper else None,
     }
@@ -301,8 +356,11 @@ def _produce(job: _Job, shared: _Shared) -> dict:
     storage = job.place.open()
     while job.index > 0 and not shared.ready[job.index - 1]:
         time.sleep(0.005)  # register in turn (see the module docstring)
-    producer = Producer(ManifestStore(storage, settings=ManifestSettings(), check_writes=False), job.producer_id,
-                        policy=make_policy(job.policy, random=random.Random(job.seed * 1000 + job.index).random))
+    producer = Producer(
+        ManifestStore(storage, settings=ManifestSettings(), check_writes=False),
+        job.producer_id,
+        policy=make_policy(job.policy, random=random.Random(job.seed * 1000 + job.index).random),
+    )
     producer.register(max_attempts=100_000)
     data_fill = fill(job.slice_bytes, job.seed + job.index)
     shared.ready[job.index] = 1

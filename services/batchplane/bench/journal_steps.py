@@ -16,7 +16,14 @@ from batchplane.core.storage import Storage
 from batchplane.journal import tgb
 from batchplane.journal.commit import ManifestSettings, version_key
 from batchplane.journal.manifest import (
-    Commit, ManifestState, Register, StepEntry, StepObject, VersionRecord, apply, encode_record,
+    Commit,
+    ManifestState,
+    Register,
+    StepEntry,
+    StepObject,
+    VersionRecord,
+    apply,
+    encode_record,
 )
 
 
@@ -41,7 +48,7 @@ class Place:
 def synthetic_tgb(step: int, *, world: int, slice_bytes: int, cp: int = 1, fill: np.ndarray) -> bytearray:
     """A synthetic TGB of world / cp x cp slices of `slice_bytes` each (views of `fill`)."""
     dp = world // cp
-    slices = {(d, c): {"payload": fill[((d * cp + c) * 4096) % 65536:][:slice_bytes]} for d in range(dp) for c in range(cp)}
+    slices = {(d, c): {"payload": fill[((d * cp + c) * 4096) % 65536 :][:slice_bytes]} for d in range(dp) for c in range(cp)}
     return tgb.encode_tgb(slices, step=step, dp=dp, cp=cp)
 
 

@@ -29,7 +29,17 @@ deleted): delete version objects only in ascending order, only below the newest 
 version, and only once older than a minimum age (by the record's `written_at_s`) far above
 `confirm_after_s`. Then "N exists and N+1 does not" means N+1 was never committed, and a
 writer never re-creates a deleted version: it puts N+1 only on a base N it saw within
-`confirm_after_s`.
+`confirm_after_s`, and only a record prepared within `confirm_after_s` (so its `written_at_s`
+is no older than that when it is put).
+
+A commit attempt does its CPU work before the read it races from: it reads the newest version,
+rebases its pending steps onto it and prepares the next version (`ManifestStore.prepare`: the
+change applied, the record encoded), and only then probes for the version after its base (one
+GET). If one appeared, it catches up and prepares again, without a put (that is not a lost
+race); if none did, it puts. The fragile window W, in which another producer's commit makes the
+put lose, runs from the start of that final probe to the end of the put: one GET and one put,
+with no CPU work per pending step in between (the commit policy's gap grows with W, and the
+steps pending at an attempt with the gap).
 
 Exactly once across producer failures: a producer id registers (a Register change: the next
 fencing epoch) before it commits; its state (epoch, last committed step) is committed in the
@@ -44,6 +54,7 @@ injectable; the only I/O is through the `Storage`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -106,8 +117,11 @@ class ManifestSettings:
             raise ConfigError("journal.checkpoint_every", "must be an integer >= 1", self.checkpoint_every)
         if not (isinstance(self.confirm_after_s, (int, float)) and self.confirm_after_s > 0 and math.isfinite(self.confirm_after_s)):
             raise ConfigError("journal.confirm_after_s", "must be a finite number > 0", self.confirm_after_s)
-        if (isinstance(self.active_within_versions, bool) or not isinstance(self.active_within_versions, int)
-                or self.active_within_versions < 1):
+        if (
+            isinstance(self.active_within_versions, bool)
+            or not isinstance(self.active_within_versions, int)
+            or self.active_within_versions < 1
+        ):
             raise ConfigError("journal.active_within_versions", "must be an integer >= 1", self.active_within_versions)
 
 
@@ -132,9 +146,16 @@ class ManifestStore:
         FailedPrecondition: `check_writes` and the storage ignores conditional puts.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", settings: ManifestSettings = ManifestSettings(),
-                 check_writes: bool = True, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        settings: ManifestSettings = ManifestSettings(),
+        check_writes: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         settings.check()
         if prefix and not prefix.endswith("/"):
             raise ConfigError("journal.prefix", "must be empty or end with '/'", prefix)
@@ -164,9 +185,7 @@ class ManifestStore:
     def catch_up_s(self) -> float:
         """Seconds the last `latest` spent before the read that found the newest version (the
         probe for the version after it, which found none): reading and applying the versions
-        committed since the previous call. A put on the newest version can lose only to a
-        version committed after that read began, so a producer's fragile window starts there,
-        not at the catch-up."""
+        committed since the previous call. Not fragile: a version committed then is read too."""
         return self._catch_up_s
 
     @property
@@ -232,32 +251,76 @@ class ManifestStore:
         """
         return decode_record(self.storage.get(self.key(version)), version=version)
 
-    def put(self, base: ManifestState, change: Change) -> ManifestState | None:
-        """Tries to commit `change` as version base.version + 1.
+    def prepare(self, base: ManifestState, change: Change) -> PreparedVersion:
+        """Builds version base.version + 1 without writing it: `change` applied to `base` and the
+        version's record encoded (the whole state too at a checkpoint). The CPU work of a
+        commit, done before the final probe so that it lies outside the fragile window.
 
         Args:
-            base: The state it applies to; it must be the newest this store has seen, seen
-                within `confirm_after_s` (else nothing is written: a stale base could re-create
-                a reclaimed version).
+            base: The state it applies to (the newest this store has seen, to be put).
             change: The change.
 
         Returns:
-            The new state if this call committed it; None if the version was taken (or the
-            base is stale): read `latest`, rebase and try again.
+            The prepared version, for `put`.
 
         Raises:
             Fenced, CommitRefused: `base` does not allow `change`.
-            Unavailable: The storage failed; whether the version was written is unknown.
         """
         new = apply(base, change)
-        if self._state is None or base.version != self._state.version:
-            return None
-        if self._clock() - self._seen_at > self.settings.confirm_after_s:
-            return None
         checkpoint = new.version % self.settings.checkpoint_every == 0
-        record = VersionRecord(version=new.version, change=change, written_at_s=float(self._wall_clock()),
-                               state=new if checkpoint else None)
-        if not self.storage.put_if_absent(self.key(new.version), encode_record(record)):
+        prepared_at = self._clock()  # with the record's written_at_s
+        record = VersionRecord(
+            version=new.version, change=change, written_at_s=float(self._wall_clock()), state=new if checkpoint else None
+        )
+        return PreparedVersion(base_version=base.version, state=new, data=encode_record(record), prepared_at_s=prepared_at)
+
+    def still_newest(self, state: ManifestState) -> bool:
+        """Whether `state` is still the newest version: one GET of the version after it (the
+        final probe before a put). A version found there is read and cached: the next `latest`
+        probes on from it.
+
+        Args:
+            state: The newest state this store has seen (else False, reading nothing).
+
+        Returns:
+            True if version state.version + 1 does not exist.
+
+        Raises:
+            ManifestFormatError, FailedPrecondition, Unavailable: As `latest`.
+        """
+        if self._state is None or state.version != self._state.version:
+            return False
+        try:
+            data = self.storage.get(self.key(state.version + 1))
+        except NotFound:
+            return True
+        self._state = _advance_bytes(self._state, data)
+        self._seen_at = self._clock()
+        return False
+
+    def put(self, prepared: PreparedVersion) -> ManifestState | None:
+        """Tries to commit a prepared version as version prepared.base_version + 1.
+
+        Args:
+            prepared: From `prepare`. Nothing is written unless its base is the newest version
+                this store has seen, seen within `confirm_after_s`, and it was prepared within
+                `confirm_after_s` (a stale base could re-create a reclaimed version; a stale
+                record's `written_at_s` would make it look older to the reclaimer).
+
+        Returns:
+            The new state if this call committed it; None if the version was taken (or the
+            base or the record is stale): read `latest`, rebase, prepare and try again.
+
+        Raises:
+            Unavailable: The storage failed; whether the version was written is unknown.
+        """
+        if self._state is None or prepared.base_version != self._state.version:
+            return None
+        now = self._clock()
+        if now - self._seen_at > self.settings.confirm_after_s or now - prepared.prepared_at_s > self.settings.confirm_after_s:
+            return None
+        new = prepared.state
+        if not self.storage.put_if_absent(self.key(new.version), prepared.data):
             return None
         self._state = new
         self._seen_at = self._clock()
@@ -291,8 +354,7 @@ class ManifestStore:
             self._seen_at = self._clock()
             return self._probe(state)
         raise Unavailable(
-            f"could not read the manifest in {self.storage.describe()}: versions kept vanishing while it was read "
-            f"({_COLD_TRIES} listings)"
+            f"could not read the manifest in {self.storage.describe()}: versions kept vanishing while it was read ({_COLD_TRIES} listings)"
         )
 
     def _load_down_from(self, top: int) -> tuple[ManifestState, int]:
@@ -330,7 +392,7 @@ class ManifestStore:
         out = []
         folder = self.prefix + MANIFEST_FOLDER
         for key in self.storage.list(folder):
-            m = _VERSION_NAME.match(key[len(folder):])
+            m = _VERSION_NAME.match(key[len(folder) :])
             if m and int(m.group(1)) > 0:
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -341,6 +403,23 @@ class ManifestStore:
         except NotFound:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """The next manifest version, built and encoded but not written (`ManifestStore.prepare`).
+
+    Attributes:
+        base_version: The version it follows.
+        state: Its state.
+        data: Its version object's bytes.
+        prepared_at_s: When it was prepared (the store's monotonic clock, seconds).
+    """
+
+    base_version: int
+    state: ManifestState
+    data: bytes
+    prepared_at_s: float
 
 
 def _advance(state: ManifestState, record: VersionRecord) -> ManifestState:
@@ -386,8 +465,11 @@ class Attempt:
         committed: Steps this attempt made visible.
         already: Steps found committed by an earlier attempt of this producer.
         taken: Steps found committed by another producer (their objects here are orphans).
-        fragile_window_s: Seconds from the read that found the current version (the probe that
-            found no newer one) to the end of the put.
+        fragile_window_s: Seconds from the start of the final probe (the GET that found no
+            version after the prepared one's base) to the end of the put; the rebase, apply
+            and encoding before it are outside. 0 when no put was tried.
+        caught_up: Versions that appeared between preparing and the final probe (each read,
+            and the commit rebased and prepared again, without a put: no lost race).
     """
 
     success: bool
@@ -397,6 +479,7 @@ class Attempt:
     already: tuple[int, ...] = ()
     taken: tuple[int, ...] = ()
     fragile_window_s: float = 0.0
+    caught_up: int = 0
 
 
 class Producer:
@@ -414,8 +497,15 @@ class Producer:
         sleep: Sleeps that many seconds (`flush` and `register` wait the policy's gap).
     """
 
-    def __init__(self, store: ManifestStore, producer_id: str, *, policy: CommitPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        store: ManifestStore,
+        producer_id: str,
+        *,
+        policy: CommitPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.store = store
         self.producer_id = producer_id
         self.policy: CommitPolicy = policy if policy is not None else NaivePolicy()
@@ -469,25 +559,33 @@ class Producer:
         """
         for _ in range(max_attempts):
             self._wait_gap()
-            start = self._clock()
-            base = self.store.latest()
-            start += self.store.catch_up_s
+            base, prepared, start, _ = self._prepare_on_newest(lambda _: Register(self.producer_id))
+            if prepared is None:  # cannot happen: a Register is always prepared
+                raise FailedPrecondition(f"producer {self.producer_id!r} prepared no registration")
             try:
-                new = self.store.put(base, Register(self.producer_id))
+                new = self.store.put(prepared)
             except Unavailable:
                 new = None  # perhaps written: registering again only fences that registration
             end = self._clock()
             self._last_end = end
-            self.policy.on_attempt(success=new is not None, fragile_window_s=end - start,
-                                   producers=(new or base).active_producers(self.store.settings.active_within_versions))
+            self.policy.on_attempt(
+                success=new is not None,
+                fragile_window_s=end - start,
+                producers=(new or base).active_producers(self.store.settings.active_within_versions),
+            )
             if new is not None:
                 state = new.producer(self.producer_id)
                 if state is None:  # cannot happen: the Register just applied made it
                     raise FailedPrecondition(f"producer {self.producer_id!r} is missing from the version that registered it")
                 self._epoch, self._last_step, self._fenced = state.epoch, state.last_step, None
                 self._orphan_pending(new)
-                log.info("producer %s registered with epoch %d at manifest version %d; resuming after step %d",
-                         self.producer_id, state.epoch, new.version, state.last_step)
+                log.info(
+                    "producer %s registered with epoch %d at manifest version %d; resuming after step %d",
+                    self.producer_id,
+                    state.epoch,
+                    new.version,
+                    state.last_step,
+                )
                 return state
         raise Unavailable(f"producer {self.producer_id!r} could not register: {max_attempts} attempts lost their race")
 
@@ -501,9 +599,9 @@ class Producer:
         self._check_live()
         after = self._pending[-1].step if self._pending else self._last_step
         if entry.step <= after:
-            raise FailedPrecondition(
-                f"producer {self.producer_id!r} builds step {entry.step} after step {after}: steps must increase"
-            )
+            raise FailedPrecondition(f"producer {self.producer_id!r} builds step {entry.step} after step {after}: steps must increase")
+        # Its record text, cached now: every attempt that carries the step only joins texts.
+        _ = entry.encoded
         self._pending.append(entry)
 
     def due(self) -> bool:
@@ -522,52 +620,77 @@ class Producer:
         return self.attempt() if self._pending and self.due() else None
 
     def attempt(self) -> Attempt:
-        """One commit attempt: read the newest version, rebase the pending steps onto it, put
-        the next version with them and this producer's new last step.
+        """One commit attempt: read the newest version, rebase the pending steps onto it and
+        prepare the next version with them and this producer's new last step, then probe for a
+        version after the base; if one appeared, catch up and prepare again (no put: not a lost
+        race), else put. The fragile window is the final probe and the put.
 
         Returns:
             The outcome; a lost race keeps the steps pending.
 
         Raises:
             Fenced: A newer process registered the id (the pending steps become orphans).
+            CommitRefused: The manifest does not allow the pending steps (see `rebase` and
+                `batchplane.journal.manifest.apply`).
             FailedPrecondition: Not registered.
             Unavailable: The storage failed while reading.
         """
         self._check_live()
-        start = self._clock()
-        base = self.store.latest()
-        # The fragile window opens with the read that found `base` the newest version (catching
-        # up on the versions before it is not fragile: a version committed then is read too).
-        start += self.store.catch_up_s
+        already: list[int] = []
+        taken: list[int] = []
+        commits: list[Commit] = []  # the rebased commit of each turn; the last is put
+
+        def rebased_commit(base: ManifestState) -> Commit | None:
+            try:
+                rebased = rebase(base, Commit(self.producer_id, self._epoch, tuple(self._pending)))
+            except Fenced as exc:
+                self._fence(exc, base)
+                raise
+            self._drop(rebased.mine, rebased.taken)
+            already.extend(rebased.mine)
+            taken.extend(rebased.taken)
+            mine = base.producer(self.producer_id)
+            self._last_step = max(self._last_step, mine.last_step if mine else -1)
+            if rebased.commit is not None:
+                commits.append(rebased.commit)
+            return rebased.commit
+
+        base, prepared, start, caught_up = self._prepare_on_newest(rebased_commit)
+        if prepared is None:
+            return Attempt(success=True, wrote=False, version=base.version, already=tuple(already), taken=tuple(taken), caught_up=caught_up)
         try:
-            rebased = rebase(base, Commit(self.producer_id, self._epoch, tuple(self._pending)))
-        except Fenced as exc:
-            self._fence(exc, base)
-            raise
-        self._drop(rebased.mine, rebased.taken)
-        mine = base.producer(self.producer_id)
-        self._last_step = max(self._last_step, mine.last_step if mine else -1)
-        if rebased.commit is None:
-            return Attempt(success=True, wrote=False, version=base.version, already=rebased.mine, taken=rebased.taken)
-        try:
-            new = self.store.put(base, rebased.commit)
+            new = self.store.put(prepared)
         except Unavailable as exc:
-            log.warning("producer %s: commit of version %d failed, outcome unknown (the next attempt finds out): %s",
-                        self.producer_id, base.version + 1, exc)
+            log.warning(
+                "producer %s: commit of version %d failed, outcome unknown (the next attempt finds out): %s",
+                self.producer_id,
+                base.version + 1,
+                exc,
+            )
             new = None
         end = self._clock()
         self._last_end = end
         window = end - start
-        self.policy.on_attempt(success=new is not None, fragile_window_s=window,
-                               producers=(new or base).active_producers(self.store.settings.active_within_versions))
+        self.policy.on_attempt(
+            success=new is not None,
+            fragile_window_s=window,
+            producers=(new or base).active_producers(self.store.settings.active_within_versions),
+        )
+        outcome = Attempt(
+            success=new is not None,
+            wrote=True,
+            version=base.version if new is None else new.version,
+            already=tuple(already),
+            taken=tuple(taken),
+            fragile_window_s=window,
+            caught_up=caught_up,
+        )
         if new is None:
-            return Attempt(success=False, wrote=True, version=base.version, already=rebased.mine,
-                           taken=rebased.taken, fragile_window_s=window)
-        committed = tuple(e.step for e in rebased.commit.steps)
+            return outcome
+        committed = tuple(e.step for e in commits[-1].steps)
         self._pending = []
         self._last_step = committed[-1]
-        return Attempt(success=True, wrote=True, version=new.version, committed=committed, already=rebased.mine,
-                       taken=rebased.taken, fragile_window_s=window)
+        return dataclasses.replace(outcome, committed=committed)
 
     def flush(self, *, max_attempts: int = 10_000) -> list[Attempt]:
         """Commits every pending step, waiting the policy's gap between attempts (the count of
@@ -604,6 +727,29 @@ class Producer:
             self.add(entry)
         return self.flush()
 
+    def _prepare_on_newest(
+        self, change_for: Callable[[ManifestState], Change | None]
+    ) -> tuple[ManifestState, PreparedVersion | None, float, int]:
+        """Reads the newest version, prepares `change_for(base)` on it, and probes for a version
+        after the base; while one appeared, does it all again on the newer version (each turn
+        means another producer committed, so the manifest progresses).
+
+        Returns:
+            (base, the version prepared on it or None if `change_for` gave no change, the start
+            of the final probe on the producer's clock, versions caught up on after preparing).
+        """
+        caught_up = 0
+        while True:
+            base = self.store.latest()
+            change = change_for(base)
+            if change is None:
+                return base, None, 0.0, caught_up
+            prepared = self.store.prepare(base, change)
+            start = self._clock()
+            if self.store.still_newest(base):
+                return base, prepared, start, caught_up
+            caught_up += 1
+
     def _wait_gap(self) -> None:
         remaining = self.policy.gap_s() - (self._clock() - self._last_end)
         if remaining > 0:
@@ -617,8 +763,9 @@ class Producer:
         self._orphans.extend(o for e in self._pending if e.step in orphaned for o in e.objects)
         self._pending = [e for e in self._pending if e.step not in gone]
         if taken:
-            log.info("producer %s: steps %s were committed by another producer; their objects here are orphans",
-                     self.producer_id, list(taken))
+            log.info(
+                "producer %s: steps %s were committed by another producer; their objects here are orphans", self.producer_id, list(taken)
+            )
 
     def _fence(self, exc: Fenced, state: ManifestState) -> None:
         self._fenced = exc

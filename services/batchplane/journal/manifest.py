@@ -153,6 +153,14 @@ class StepEntry:
     step: int
     objects: tuple[StepObject, ...]
 
+    @functools.cached_property
+    def encoded(self) -> str:
+        """Its JSON text in a Commit record (keys sorted, compact, ASCII), built once per object:
+        a producer's pending steps ride along every attempt until one commits them, so each
+        record's encoding costs joining the texts (`Producer.add` builds it when the step is
+        added)."""
+        return _dumps({"step": self.step, "objects": _objects_doc(self.objects)})
+
 
 @dataclass(frozen=True)
 class CommittedStep:
@@ -176,8 +184,7 @@ class CommittedStep:
     def _doc(self) -> dict[str, Any]:
         """Its JSON document in `state_doc`, built once per object: the steps of a state are
         shared by every later state of the same reader, so a checkpoint costs the new steps."""
-        return {"step": self.entry.step, "producer": self.producer, "version": self.version,
-                "objects": _objects_doc(self.entry.objects)}
+        return {"step": self.entry.step, "producer": self.producer, "version": self.version, "objects": _objects_doc(self.entry.objects)}
 
 
 @dataclass(frozen=True)
@@ -422,7 +429,7 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
                 Refusal.WATERMARK_PAST_MARK,
                 f"watermark {change.watermark} is past step {lowest}, which a live checkpoint's mark still needs",
             )
-        kept = state.steps[state._index(change.watermark):]
+        kept = state.steps[state._index(change.watermark) :]
         return dataclasses.replace(state, version=version, watermark=change.watermark, steps=kept)
     if isinstance(change, Mark):
         _check_producer_id(change.mark, what="mark id")
@@ -448,9 +455,9 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
             raise CommitRefused(Refusal.MARK_UNKNOWN, f"there is no mark {change.mark!r} to remove")
         return dataclasses.replace(state, version=version, marks=tuple(m for m in state.marks if m.mark != change.mark))
     if isinstance(change, Commit):
-        producer = _check_commit(state, change)
+        producer, positions = _check_commit(state, change)
         added = [CommittedStep(entry, change.producer, version) for entry in change.steps]
-        steps = _merged(state.steps, added)
+        steps = _merged(state.steps, added, positions)
         new = dataclasses.replace(producer, last_step=change.steps[-1].step, version=version)
         return dataclasses.replace(state, version=version, steps=steps, producers=_with_producer(state.producers, new))
     raise TypeError(f"not a manifest change: {type(change).__name__}")
@@ -477,14 +484,23 @@ def rebase(state: ManifestState, commit: Commit) -> Rebased:
     keep: list[StepEntry] = []
     mine: list[int] = []
     taken: list[int] = []
-    for entry in commit.steps:
-        done = state.step(entry.step)
-        if done is not None and done.entry == entry and done.producer == commit.producer:
-            mine.append(entry.step)
-        elif state.is_committed(entry.step):
-            taken.append(entry.step)
-        else:
-            keep.append(entry)
+    listed, watermark = state.steps, state.watermark
+    positions = _positions(listed, [e.step for e in commit.steps])
+    if positions is None:  # every step past the last listed one: only the watermark can take them
+        for entry in commit.steps:
+            if entry.step < watermark:
+                taken.append(entry.step)
+            else:
+                keep.append(entry)
+    else:
+        for entry, i in zip(commit.steps, positions):
+            done = listed[i] if i < len(listed) and listed[i].entry.step == entry.step else None
+            if done is not None and done.entry == entry and done.producer == commit.producer:
+                mine.append(entry.step)
+            elif done is not None or entry.step < watermark:
+                taken.append(entry.step)
+            else:
+                keep.append(entry)
     stuck = [e.step for e in keep if e.step <= current.last_step]
     if stuck:
         raise CommitRefused(
@@ -512,20 +528,27 @@ def _check_epoch(state: ManifestState, producer: str, epoch: int) -> ProducerSta
     return current
 
 
-def _check_commit(state: ManifestState, commit: Commit) -> ProducerState:
+def _check_commit(state: ManifestState, commit: Commit) -> tuple[ProducerState, list[int] | None]:
+    """The producer's state if `state` allows `commit`, and the steps' positions in
+    `state.steps` (`_positions`), which the merge reuses.
+
+    Raises:
+        Fenced, CommitRefused: As `apply`.
+    """
     current = _check_epoch(state, commit.producer, commit.epoch)
     steps = [e.step for e in commit.steps]
     if not steps:
         raise CommitRefused(Refusal.EMPTY, f"producer {commit.producer!r} commits no step", producer=commit.producer)
     if any(b <= a for a, b in zip(steps, steps[1:])):
-        raise CommitRefused(
-            Refusal.NOT_INCREASING, f"steps {steps} are not strictly increasing", producer=commit.producer, steps=steps
-        )
-    done = [s for s in steps if state.is_committed(s)]
+        raise CommitRefused(Refusal.NOT_INCREASING, f"steps {steps} are not strictly increasing", producer=commit.producer, steps=steps)
+    listed, watermark = state.steps, state.watermark
+    positions = _positions(listed, steps)
+    if positions is None:
+        done = [s for s in steps if s < watermark]
+    else:
+        done = [s for s, i in zip(steps, positions) if s < watermark or (i < len(listed) and listed[i].entry.step == s)]
     if done:
-        raise CommitRefused(
-            Refusal.ALREADY_COMMITTED, f"steps {done} are already committed", producer=commit.producer, steps=done
-        )
+        raise CommitRefused(Refusal.ALREADY_COMMITTED, f"steps {done} are already committed", producer=commit.producer, steps=done)
     if steps[0] <= current.last_step:
         raise CommitRefused(
             Refusal.NOT_ADVANCING,
@@ -535,22 +558,42 @@ def _check_commit(state: ManifestState, commit: Commit) -> ProducerState:
         )
     for entry in commit.steps:
         if not entry.objects:
-            raise CommitRefused(
-                Refusal.EMPTY, f"step {entry.step} has no object", producer=commit.producer, steps=[entry.step]
-            )
-    return current
+            raise CommitRefused(Refusal.EMPTY, f"step {entry.step} has no object", producer=commit.producer, steps=[entry.step])
+    return current, positions
 
 
-def _merged(steps: tuple[CommittedStep, ...], added: Sequence[CommittedStep]) -> tuple[CommittedStep, ...]:
-    """`steps` with `added` (strictly increasing, none of them in `steps`) inserted in order:
-    O(k log n) comparisons for k added steps (the copy of the tuple is one C-level pass), where
-    a sort of every step cost O(n log n) Python calls per version."""
-    if not steps or added[0].entry.step > steps[-1].entry.step:
+def _positions(steps: tuple[CommittedStep, ...], numbers: Sequence[int]) -> list[int] | None:
+    """Where each step number of `numbers` is, or would be inserted, in `steps` (sorted by
+    step): `bisect_left` for each, a search starting where the previous one ended while the
+    numbers increase, so the k increasing steps of a commit cost k searches in C over shrinking
+    ranges, and no Python call per listed step.
+
+    Returns:
+        The positions, or None when nothing is listed or every number is past the last listed
+        step (each would be appended): a producer committing its newest steps, with no search.
+    """
+    if not steps or not numbers or min(numbers) > steps[-1].entry.step:
+        return None
+    out: list[int] = []
+    lo, prev = 0, numbers[0]
+    for s in numbers:
+        if s < prev:  # not increasing (a rebase of any commit): search from the start
+            lo = 0
+        lo = bisect.bisect_left(steps, s, lo=lo, key=_STEP)
+        out.append(lo)
+        prev = s
+    return out
+
+
+def _merged(steps: tuple[CommittedStep, ...], added: Sequence[CommittedStep], positions: list[int] | None) -> tuple[CommittedStep, ...]:
+    """`steps` with `added` (strictly increasing, none of them in `steps`) inserted at their
+    `positions` (`_positions`; None: appended): one pass, O(n + k) for k added steps, the
+    listed steps between two insertions copied as one slice in C."""
+    if positions is None:
         return steps + tuple(added)
     out: list[CommittedStep] = []
     prev = 0
-    for c in added:
-        i = bisect.bisect_left(steps, c.entry.step, lo=prev, key=_STEP)
+    for c, i in zip(added, positions):
         out += steps[prev:i]
         out.append(c)
         prev = i
@@ -562,7 +605,7 @@ def _with_producer(producers: tuple[ProducerState, ...], new: ProducerState) -> 
     """`producers` (sorted by id) with `new` in its place: a binary search, no sort."""
     i = bisect.bisect_left(producers, new.producer, key=_PRODUCER)
     if i < len(producers) and producers[i].producer == new.producer:
-        return (*producers[:i], new, *producers[i + 1:])
+        return (*producers[:i], new, *producers[i + 1 :])
     if any(a.producer >= b.producer for a, b in zip(producers, producers[1:])):  # not sorted: keep the old rule
         return tuple(sorted((*(p for p in producers if p.producer != new.producer), new), key=_PRODUCER))
     return (*producers[:i], new, *producers[i:])
@@ -594,15 +637,18 @@ def encode_record(record: VersionRecord) -> bytes:
     """
     if not math.isfinite(record.written_at_s):
         raise ValueError(f"written_at_s must be finite, got {record.written_at_s}")
-    doc = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "version": record.version,
-        "written_at_s": record.written_at_s,
-        "change": _change_doc(record.change),
-        "state": None if record.state is None else state_doc(record.state),
-    }
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    rest = _dumps(
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "version": record.version,
+            "written_at_s": record.written_at_s,
+            "state": None if record.state is None else state_doc(record.state),
+        }
+    )
+    # "change" sorts before every other key: the document is {"change":<change>,<rest>}, as one
+    # json.dumps of it all would write, with a Commit's steps joined from their cached texts.
+    return f'{{"change":{_change_text(record.change)},{rest[1:]}'.encode("ascii")
 
 
 def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
@@ -624,8 +670,7 @@ def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
         return record
     state = r.state(doc["state"], "state")
     if state.version != record.version:
-        raise ManifestFormatError("state.version", f"is {state.version}, the record's version is {record.version}",
-                                  where=r.where)
+        raise ManifestFormatError("state.version", f"is {state.version}, the record's version is {record.version}", where=r.where)
     return dataclasses.replace(record, state=state)
 
 
@@ -664,9 +709,7 @@ class CheckpointMismatch(FailedPrecondition):
 
     def __init__(self, version: int) -> None:
         self.version = version
-        super().__init__(
-            f"manifest version {version}: its checkpoint disagrees with the changes before it (a corrupt manifest)"
-        )
+        super().__init__(f"manifest version {version}: its checkpoint disagrees with the changes before it (a corrupt manifest)")
 
 
 def _decode_head(data: bytes, version: int | None) -> tuple[_Reader, dict[str, Any], VersionRecord]:
@@ -686,9 +729,7 @@ def _decode_head(data: bytes, version: int | None) -> tuple[_Reader, dict[str, A
     if isinstance(fv, bool) or not isinstance(fv, int) or fv < 1:
         raise ManifestFormatError("format_version", f"must be an integer >= 1, got {fv!r}", where=where)
     if fv > FORMAT_VERSION:
-        raise ManifestFormatError(
-            "format_version", f"is {fv}, newer than {FORMAT_VERSION} (written by a newer batchplane)", where=where
-        )
+        raise ManifestFormatError("format_version", f"is {fv}, newer than {FORMAT_VERSION} (written by a newer batchplane)", where=where)
     r.fields(doc, "", {"format", "format_version", "version", "written_at_s", "change", "state"})
     number = r.integer(doc, "version", low=1)
     if version is not None and number != version:
@@ -707,16 +748,11 @@ def state_doc(state: ManifestState) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "version": state.version,
         "watermark": state.watermark,
-        "producers": [
-            {"id": p.producer, "epoch": p.epoch, "last_step": p.last_step, "version": p.version} for p in state.producers
-        ],
+        "producers": [{"id": p.producer, "epoch": p.epoch, "last_step": p.last_step, "version": p.version} for p in state.producers],
         "steps": [s._doc for s in state.steps],
     }
     if state.marks:
-        doc["marks"] = [
-            {"id": m.mark, "manifest_version": m.manifest_version, "step": m.step, "version": m.version}
-            for m in state.marks
-        ]
+        doc["marks"] = [{"id": m.mark, "manifest_version": m.manifest_version, "step": m.step, "version": m.version} for m in state.marks]
     return doc
 
 
@@ -729,23 +765,30 @@ def decode_state(doc: Any, *, where: str = "manifest state") -> ManifestState:
     return _Reader(where).state(doc, "")
 
 
-def _change_doc(change: Change) -> dict[str, Any]:
-    if isinstance(change, Register):
-        return {"kind": "register", "producer": change.producer}
-    if isinstance(change, Retain):
-        return {"kind": "retain", "watermark": change.watermark}
-    if isinstance(change, Mark):
-        return {"kind": "mark", "mark": change.mark, "manifest_version": change.manifest_version, "step": change.step}
-    if isinstance(change, Unmark):
-        return {"kind": "unmark", "mark": change.mark}
+def _change_text(change: Change) -> str:
+    """The JSON text of a change in its record. A Commit's steps are joined from their cached
+    `StepEntry.encoded` texts: its keys in sorted order are epoch, kind, producer, steps."""
     if isinstance(change, Commit):
-        return {
-            "kind": "commit",
-            "producer": change.producer,
-            "epoch": change.epoch,
-            "steps": [{"step": e.step, "objects": _objects_doc(e.objects)} for e in change.steps],
-        }
+        head = _dumps({"epoch": change.epoch, "kind": "commit", "producer": change.producer})
+        return f'{head[:-1]},"steps":[{",".join(e.encoded for e in change.steps)}]}}'
+    if isinstance(change, Register):
+        return _dumps({"kind": "register", "producer": change.producer})
+    if isinstance(change, Retain):
+        return _dumps({"kind": "retain", "watermark": change.watermark})
+    if isinstance(change, Mark):
+        return _dumps({"kind": "mark", "mark": change.mark, "manifest_version": change.manifest_version, "step": change.step})
+    if isinstance(change, Unmark):
+        return _dumps({"kind": "unmark", "mark": change.mark})
     raise TypeError(f"not a manifest change: {type(change).__name__}")
+
+
+#: The records' JSON encoder (one instance: `json.dumps` with these options builds one per call).
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _dumps(doc: Any) -> str:
+    """The record's JSON text of `doc`: keys sorted, no spaces, ASCII, no NaN."""
+    return _ENCODER.encode(doc)
 
 
 def _objects_doc(objects: Iterable[StepObject]) -> list[dict[str, Any]]:
@@ -777,8 +820,9 @@ class _Reader:
             raise self.fail(_join(path, name), f"must be >= {low}, got {value}")
         return value
 
-    def text(self, doc: Mapping[str, Any], name: str, *, path: str = "", pattern: re.Pattern[str] | None = None,
-             max_chars: int = _MAX_KEY_CHARS) -> str:
+    def text(
+        self, doc: Mapping[str, Any], name: str, *, path: str = "", pattern: re.Pattern[str] | None = None, max_chars: int = _MAX_KEY_CHARS
+    ) -> str:
         value = doc[name]
         if not isinstance(value, str) or not value or len(value) > max_chars:
             raise self.fail(_join(path, name), f"must be a string of 1 to {max_chars} characters, got {value!r}")
@@ -800,11 +844,13 @@ class _Reader:
         for i, item in enumerate(items):
             p = f"{_join(path, 'objects')}[{i}]"
             self.fields(item, p, {"key", "size", "checksum"})
-            out.append(StepObject(
-                key=self.text(item, "key", path=p),
-                size=self.integer(item, "size", path=p),
-                checksum=self.text(item, "checksum", path=p, max_chars=_MAX_CHECKSUM_CHARS),
-            ))
+            out.append(
+                StepObject(
+                    key=self.text(item, "key", path=p),
+                    size=self.integer(item, "size", path=p),
+                    checksum=self.text(item, "checksum", path=p, max_chars=_MAX_CHECKSUM_CHARS),
+                )
+            )
         return tuple(out)
 
     def change(self, doc: Any, path: str) -> Change:
@@ -819,8 +865,11 @@ class _Reader:
             return Retain(self.integer(doc, "watermark", path=path, low=1))
         if kind == "mark":
             self.fields(doc, path, {"kind", "mark", "manifest_version", "step"})
-            return Mark(self.text(doc, "mark", path=path, pattern=_PRODUCER_ID),
-                        self.integer(doc, "manifest_version", path=path), self.integer(doc, "step", path=path))
+            return Mark(
+                self.text(doc, "mark", path=path, pattern=_PRODUCER_ID),
+                self.integer(doc, "manifest_version", path=path),
+                self.integer(doc, "step", path=path),
+            )
         if kind == "unmark":
             self.fields(doc, path, {"kind", "mark"})
             return Unmark(self.text(doc, "mark", path=path, pattern=_PRODUCER_ID))
@@ -848,12 +897,14 @@ class _Reader:
         for i, item in enumerate(self.array(doc, "producers", path=path)):
             p = f"{_join(path, 'producers')}[{i}]"
             self.fields(item, p, {"id", "epoch", "last_step", "version"})
-            producers.append(ProducerState(
-                producer=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
-                epoch=self.integer(item, "epoch", path=p, low=1),
-                last_step=self.integer(item, "last_step", path=p, low=-1),
-                version=self.integer(item, "version", path=p, low=1),
-            ))
+            producers.append(
+                ProducerState(
+                    producer=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
+                    epoch=self.integer(item, "epoch", path=p, low=1),
+                    last_step=self.integer(item, "last_step", path=p, low=-1),
+                    version=self.integer(item, "version", path=p, low=1),
+                )
+            )
         ids = [p.producer for p in producers]
         if ids != sorted(set(ids)):
             raise self.fail(_join(path, "producers"), "must be sorted by id without repeats")
@@ -861,11 +912,13 @@ class _Reader:
         for i, item in enumerate(self.array(doc, "steps", path=path)):
             p = f"{_join(path, 'steps')}[{i}]"
             self.fields(item, p, {"step", "producer", "version", "objects"})
-            steps.append(CommittedStep(
-                entry=StepEntry(self.integer(item, "step", path=p), self.objects(item, p)),
-                producer=self.text(item, "producer", path=p, pattern=_PRODUCER_ID),
-                version=self.integer(item, "version", path=p, low=1),
-            ))
+            steps.append(
+                CommittedStep(
+                    entry=StepEntry(self.integer(item, "step", path=p), self.objects(item, p)),
+                    producer=self.text(item, "producer", path=p, pattern=_PRODUCER_ID),
+                    version=self.integer(item, "version", path=p, low=1),
+                )
+            )
         numbers = [s.step for s in steps]
         if any(b <= a for a, b in zip(numbers, numbers[1:])):
             raise self.fail(_join(path, "steps"), "must be sorted by step without repeats")
@@ -876,19 +929,20 @@ class _Reader:
         for i, item in enumerate(self.array(doc, "marks", path=path) if "marks" in doc else []):
             p = f"{_join(path, 'marks')}[{i}]"
             self.fields(item, p, {"id", "manifest_version", "step", "version"})
-            marks.append(MarkState(
-                mark=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
-                manifest_version=self.integer(item, "manifest_version", path=p),
-                step=self.integer(item, "step", path=p),
-                version=self.integer(item, "version", path=p, low=1),
-            ))
+            marks.append(
+                MarkState(
+                    mark=self.text(item, "id", path=p, pattern=_PRODUCER_ID),
+                    manifest_version=self.integer(item, "manifest_version", path=p),
+                    step=self.integer(item, "step", path=p),
+                    version=self.integer(item, "version", path=p, low=1),
+                )
+            )
         ids = [m.mark for m in marks]
         if ids != sorted(set(ids)):
             raise self.fail(_join(path, "marks"), "must be sorted by id without repeats")
         if "marks" in doc and not marks:
             raise self.fail(_join(path, "marks"), "is written only when it lists a mark")
-        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers),
-                             marks=tuple(marks))
+        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers), marks=tuple(marks))
 
 
 def _join(path: str, name: str) -> str:

@@ -7,10 +7,11 @@ randomness is an injected source of uniform numbers in [0, 1).
 A policy answers two questions: how many built, uncommitted steps to accumulate before an
 attempt (`min_steps`), and how long to wait after the end of the last attempt (`gap_s`). A
 driver attempts when both are met (`is_due`), and reports every attempt's outcome
-(`on_attempt`), success or conflict, with the fragile window it measured (from the read of the
-current manifest version to the end of the conditional put) and the producer count it read
-from the committed state. A driver that drains its last steps (the paper's finalization phase)
-ignores `min_steps` and honours `gap_s`.
+(`on_attempt`), success or conflict, with the fragile window it measured (from the read that
+confirmed the current manifest version the newest to the end of the conditional put; a driver
+does its CPU work before that read) and the producer count it read from the committed state.
+A driver that drains its last steps (the paper's finalization phase) ignores `min_steps` and
+honours `gap_s`.
 
 The policies (`POLICIES`):
 
@@ -73,7 +74,8 @@ class CommitPolicy(Protocol):
 
         Args:
             success: Whether its conditional put won.
-            fragile_window_s: Seconds from reading the current version to the end of the put.
+            fragile_window_s: Seconds from the read that confirmed the current version the newest
+                to the end of the put.
             producers: The producer count read from the committed state (>= 1, self included).
         """
         ...
@@ -264,8 +266,7 @@ def duty_gap_s(fragile_window_s: float, duty_budget: float) -> float:
     return fragile_window_s * (1.0 - duty_budget) / duty_budget
 
 
-def smallest_feasible_gap_s(fragile_window_s: float, producers: int, *, conflict_budget: float,
-                            duty_budget: float) -> float:
+def smallest_feasible_gap_s(fragile_window_s: float, producers: int, *, conflict_budget: float, duty_budget: float) -> float:
     """Eq. 9: the smallest gap >= 0 that meets both budgets.
 
     Args:
@@ -277,8 +278,7 @@ def smallest_feasible_gap_s(fragile_window_s: float, producers: int, *, conflict
     Returns:
         max(0, Eq. 7, Eq. 8).
     """
-    return max(0.0, conflict_gap_s(fragile_window_s, producers, conflict_budget),
-               duty_gap_s(fragile_window_s, duty_budget))
+    return max(0.0, conflict_gap_s(fragile_window_s, producers, conflict_budget), duty_gap_s(fragile_window_s, duty_budget))
 
 
 class DacPolicy:
@@ -327,9 +327,7 @@ class DacPolicy:
         else:
             self._window_s = s.ema_alpha * window + (1.0 - s.ema_alpha) * self._window_s
         self._producers = max(1, producers)
-        optimal = smallest_feasible_gap_s(
-            self._window_s, self._producers, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget
-        )
+        optimal = smallest_feasible_gap_s(self._window_s, self._producers, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget)
         self._optimal_s = min(optimal, s.max_gap_s)
         xi = (s.jitter if success else s.conflict_jitter) * min(max(self._random(), 0.0), 1.0)
         self._gap_s = min(self._optimal_s * (1.0 + xi), s.max_gap_s)
@@ -377,8 +375,6 @@ def _check_int(field: str, value: int, *, low: int, high: int | None = None) -> 
 
 
 def _check_open(field: str, value: float, low: float, high: float, *, high_ok: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low < value and (
-        value <= high if high_ok else value < high
-    )
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low < value and (value <= high if high_ok else value < high)
     if not ok:
         raise ConfigError(field, f"must be a number in ({low}, {high}{']' if high_ok else ')'}", value)

@@ -115,8 +115,15 @@ class Watermarks:
         sleep: Sleeps between lost races.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", settings: ManifestSettings = ManifestSettings(),
-                 check_writes: bool = True, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        settings: ManifestSettings = ManifestSettings(),
+        check_writes: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._store = ManifestStore(storage, prefix=prefix, settings=settings, check_writes=check_writes)
         self._sleep = sleep
 
@@ -152,7 +159,7 @@ class Watermarks:
             change = change_for(base)
             if change is None:
                 return base
-            new = self._store.put(base, change)
+            new = self._store.put(self._store.prepare(base, change))
             if new is not None:
                 return new
             self._sleep(min(0.001 * 2**attempt, 0.1))
@@ -190,11 +197,24 @@ class JournalReader:
         ConfigError: A bad depth, cache size or coordinate.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", mesh: DataMesh, coords: Collection[tuple[int, int]],
-                 cursor: SliceCursor | ReaderCursor = SliceCursor(0), start_step: int = 0, depth: int = 2,
-                 footer_cache: int = 64, poll_s: float = 0.05, stall_log_s: float = 30.0,
-                 expect_job: str | None = None, consumer_id: str = "consumer", manifest_settings: ManifestSettings = ManifestSettings(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        mesh: DataMesh,
+        coords: Collection[tuple[int, int]],
+        cursor: SliceCursor | ReaderCursor = SliceCursor(0),
+        start_step: int = 0,
+        depth: int = 2,
+        footer_cache: int = 64,
+        poll_s: float = 0.05,
+        stall_log_s: float = 30.0,
+        expect_job: str | None = None,
+        consumer_id: str = "consumer",
+        manifest_settings: ManifestSettings = ManifestSettings(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError("journal.read_ahead_steps", "must be an integer >= 0", depth)
         if isinstance(footer_cache, bool) or not isinstance(footer_cache, int) or footer_cache < 1:
@@ -384,13 +404,16 @@ class JournalReader:
             now = self._clock()
             if now - said >= self.stall_log_s:
                 said = now
-                log.warning("no producer has committed step %d for %.0f s; last committed step %d "
-                            "(the journal at %s in %s)", state.visible_through + 1, now - started,
-                            state.visible_through, self.prefix or "/", self.storage.describe())
-            if deadline is not None and now >= deadline:
-                raise Unavailable(
-                    f"journal step {written_step} is not committed yet (last committed step {state.visible_through})"
+                log.warning(
+                    "no producer has committed step %d for %.0f s; last committed step %d (the journal at %s in %s)",
+                    state.visible_through + 1,
+                    now - started,
+                    state.visible_through,
+                    self.prefix or "/",
+                    self.storage.describe(),
                 )
+            if deadline is not None and now >= deadline:
+                raise Unavailable(f"journal step {written_step} is not committed yet (last committed step {state.visible_through})")
             if self._stop.wait(self.poll_s):
                 raise Unavailable("the journal reader was closed")
 
@@ -404,12 +427,14 @@ class JournalReader:
             footer = self._footer(step, key, size, fetch)
             written = self.header.mesh
             if (footer.dp, footer.cp) != (written.dp, written.cp):
-                raise CorruptTGB("footer.dp", f"the object holds dp={footer.dp} x cp={footer.cp} slices, the journal is "
-                                 f"written for dp={written.dp} x cp={written.cp}")
+                raise CorruptTGB(
+                    "footer.dp",
+                    f"the object holds dp={footer.dp} x cp={footer.cp} slices, the journal is "
+                    f"written for dp={written.dp} x cp={written.cp}",
+                )
             batch = load_slice(fetch, footer, dp=dp, cp=cp)
         except CorruptTGB as exc:
-            raise CorruptTGB(exc.field, f"{exc.problem} (journal step {step}, object {key!r} in "
-                             f"{self.storage.describe()})") from exc
+            raise CorruptTGB(exc.field, f"{exc.problem} (journal step {step}, object {key!r} in {self.storage.describe()})") from exc
         except NotFound as exc:
             raise FailedPrecondition(
                 f"journal step {step}: its object {key!r} is gone from {self.storage.describe()} although manifest "
@@ -445,8 +470,12 @@ class JournalReader:
                 now = self._clock()
                 if now - said >= self.stall_log_s:
                     said = now
-                    log.warning("no producer has opened the journal at %s in %s for %.0f s",
-                                self.prefix or "/", self.storage.describe(), now - started)
+                    log.warning(
+                        "no producer has opened the journal at %s in %s for %.0f s",
+                        self.prefix or "/",
+                        self.storage.describe(),
+                        now - started,
+                    )
                 if self._stop.wait(self.poll_s):
                     raise Unavailable("the journal reader was closed") from None
         if self.expect_job is not None and header.job != self.expect_job:
@@ -460,9 +489,7 @@ class JournalReader:
 def _the_object(committed: CommittedStep) -> tuple[str, int]:
     objects = committed.entry.objects
     if len(objects) != 1:
-        raise InvalidArgument(
-            f"journal step {committed.step} lists {len(objects)} objects; this reader reads one TGB object per step"
-        )
+        raise InvalidArgument(f"journal step {committed.step} lists {len(objects)} objects; this reader reads one TGB object per step")
     return objects[0].key, objects[0].size
 
 

@@ -78,9 +78,16 @@ class Reclaimer:
         FailedPrecondition: The storage ignores conditional puts.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", policy: RetentionPolicy = RetentionPolicy(),
-                 manifest_settings: ManifestSettings = ManifestSettings(), clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        policy: RetentionPolicy = RetentionPolicy(),
+        manifest_settings: ManifestSettings = ManifestSettings(),
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         if policy.min_age_s < MIN_AGE_FACTOR * manifest_settings.confirm_after_s:
             raise ConfigError(
                 "journal.retention.min_age_s",
@@ -91,8 +98,9 @@ class Reclaimer:
         self.storage = storage
         self.prefix = prefix
         self.policy = policy
-        self._store = ManifestStore(storage, prefix=prefix, settings=manifest_settings, check_writes=True,
-                                    clock=clock, wall_clock=wall_clock)
+        self._store = ManifestStore(
+            storage, prefix=prefix, settings=manifest_settings, check_writes=True, clock=clock, wall_clock=wall_clock
+        )
         self._wall_clock = wall_clock
         self._records: dict[int, tuple[float, bool]] = {}  # version -> (written_at_s, is a checkpoint)
         self._first_seen: dict[str, float] = {}
@@ -112,8 +120,9 @@ class Reclaimer:
         versions = self._versions(now)
         decision = reclaim(
             watermarks=[Watermark(m.manifest_version, m.step) for m in state.marks],
-            steps=[StepInfo(s.step, s.version, self._written_at(s.version, now), tuple(o.key for o in s.entry.objects))
-                   for s in state.steps],
+            steps=[
+                StepInfo(s.step, s.version, self._written_at(s.version, now), tuple(o.key for o in s.entry.objects)) for s in state.steps
+            ],
             versions=versions,
             stored=self._stored(now),
             now_s=now,
@@ -134,8 +143,12 @@ class Reclaimer:
             self._records.pop(version, None)
             gone_versions.append(version)
         if deleted or gone_versions:
-            log.info("journal reclaimer: watermark at step %d; deleted %d objects and manifest versions %s",
-                     state.watermark, len(deleted), _span(gone_versions))
+            log.info(
+                "journal reclaimer: watermark at step %d; deleted %d objects and manifest versions %s",
+                state.watermark,
+                len(deleted),
+                _span(gone_versions),
+            )
         return ReclaimReport(decision, state.watermark, tuple(deleted), tuple(gone_versions))
 
     def _retain(self, state: ManifestState, gone: set[int]) -> ManifestState:
@@ -147,7 +160,7 @@ class Reclaimer:
         if target == state.watermark:
             return state
         try:
-            new = self._store.put(state, Retain(target))
+            new = self._store.put(self._store.prepare(state, Retain(target)))
         except CommitRefused as exc:  # a mark moved under us: next round
             log.info("journal reclaimer: watermark %d refused (%s); trying again next round", target, exc)
             return state
@@ -155,8 +168,9 @@ class Reclaimer:
 
     def _versions(self, now: float) -> list[VersionInfo]:
         folder = self.prefix + MANIFEST_FOLDER
-        numbers = sorted(int(m.group(1)) for key in self.storage.list(folder)
-                         if (m := _VERSION_NAME.match(key[len(folder):])) and int(m.group(1)) > 0)
+        numbers = sorted(
+            int(m.group(1)) for key in self.storage.list(folder) if (m := _VERSION_NAME.match(key[len(folder) :])) and int(m.group(1)) > 0
+        )
         out = []
         base = 0
         for version in numbers:

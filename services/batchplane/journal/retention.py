@@ -221,12 +221,15 @@ def reclaim(
 
     listed = {key for s in committed for key in s.objects}
     committed_steps = {s.step for s in committed}
-    orphans = sorted({
-        o.key for o in found
-        if o.key not in listed
-        and (o.step in committed_steps or (floor_step is not None and o.step < floor_step))
-        and old(o.written_at_s)
-    })
+    orphans = sorted(
+        {
+            o.key
+            for o in found
+            if o.key not in listed
+            and (o.step in committed_steps or (floor_step is not None and o.step < floor_step))
+            and old(o.written_at_s)
+        }
+    )
 
     old_versions: list[int] = []
     if floor_version is not None and stored_versions:

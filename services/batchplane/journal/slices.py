@@ -329,14 +329,18 @@ def assemble(
             for key in keys[1:]:
                 other = batches[key][name]
                 if other.dtype != head.dtype or other.shape != head.shape or not np.array_equal(other, head):
-                    raise TopologyError(f"{name}: not a per-token tensor, yet slices {keys[0]} and {key} differ; it cannot be remapped over CP")
+                    raise TopologyError(
+                        f"{name}: not a per-token tensor, yet slices {keys[0]} and {key} differ; it cannot be remapped over CP"
+                    )
             out[name] = head
             continue
         pieces = []
         for read in reads:
             array = batches[read.key][name]
             if array.ndim < 2:
-                raise TopologyError(f"{name}: a per-token tensor must be [rows, width, ...], got shape {list(array.shape)} in slice {read.key}")
+                raise TopologyError(
+                    f"{name}: a per-token tensor must be [rows, width, ...], got shape {list(array.shape)} in slice {read.key}"
+                )
             width = array.shape[1]
             if width % read.parts:
                 raise TopologyError(

@@ -66,10 +66,24 @@ FORMAT_NAME = "batchplane.tgb"
 #: Alignment of slices and columns, in bytes.
 ALIGN = 64
 #: Column dtypes a TGB may hold (numpy names); stored little-endian.
-DTYPES = frozenset({
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-})
+DTYPES = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)
 #: Most dimensions of a column.
 MAX_DIMS = 32
 #: Most slices of one TGB (dp * cp), and most columns of one slice.
@@ -237,10 +251,16 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
     footer_offset = offset
     entries = []
     for d, c, columns, start, length in plans:
-        entries.append({
-            "dp": d, "cp": c, "offset": start, "length": length, "crc32": 0,
-            "columns": [{"name": n, "dtype": t, "shape": list(s), "offset": o, "length": a.nbytes} for n, t, s, a, o in columns],
-        })
+        entries.append(
+            {
+                "dp": d,
+                "cp": c,
+                "offset": start,
+                "length": length,
+                "crc32": 0,
+                "columns": [{"name": n, "dtype": t, "shape": list(s), "offset": o, "length": a.nbytes} for n, t, s, a, o in columns],
+            }
+        )
     # The footer's length depends on the crc32s' digits, so the data are laid out first.
     out = bytearray(footer_offset)
     view = memoryview(out)
@@ -252,7 +272,8 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
     view.release()
     footer = json.dumps(
         {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "dp": dp, "cp": cp, "slices": entries},
-        sort_keys=True, separators=(",", ":"),
+        sort_keys=True,
+        separators=(",", ":"),
     ).encode()
     out += footer
     out += _TRAILER.pack(MAGIC, FORMAT_VERSION, 0, footer_offset, len(footer), zlib.crc32(footer), END_MAGIC)
@@ -356,7 +377,10 @@ def read_footer(data: bytes | bytearray | memoryview, trailer: Trailer, *, step:
     at = 0
     for entry in sorted(entries, key=lambda e: (e.offset, e.length)):
         if entry.offset != at:
-            raise CorruptTGB(f"footer.slices[({entry.dp}, {entry.cp})].offset", f"slices must tile [0, {trailer.footer_offset}): expected {at}, got {entry.offset}")
+            raise CorruptTGB(
+                f"footer.slices[({entry.dp}, {entry.cp})].offset",
+                f"slices must tile [0, {trailer.footer_offset}): expected {at}, got {entry.offset}",
+            )
         at += entry.length
     if at != trailer.footer_offset:
         raise CorruptTGB("footer.slices", f"slices end at {at}, the footer starts at {trailer.footer_offset}")
@@ -415,8 +439,9 @@ def decode_tgb(data: bytes | bytearray | memoryview, *, step: int | None = None)
     return {(e.dp, e.cp): decode_slice(view[e.offset : e.offset + e.length], e) for e in footer.slices}
 
 
-def load_footer(fetch: Callable[[int, int], bytes], *, object_size: int, step: int | None = None,
-                suffix_bytes: int = TRAILER_BYTES) -> Footer:
+def load_footer(
+    fetch: Callable[[int, int], bytes], *, object_size: int, step: int | None = None, suffix_bytes: int = TRAILER_BYTES
+) -> Footer:
     """Reads a TGB's footer with one suffix range read of the object's last `suffix_bytes`
     (trailer and footer, when the footer fits), or a second read of the rest of the footer.
     The default reads the trailer alone, then the footer (two reads); `FOOTER_SUFFIX_BYTES`
@@ -443,12 +468,12 @@ def load_footer(fetch: Callable[[int, int], bytes], *, object_size: int, step: i
     if len(suffix) != end - first:
         raise CorruptTGB("trailer", f"expected {end - first} bytes, got {len(suffix)} (truncated object?)")
     view = memoryview(suffix)
-    trailer = read_trailer(view[start - first:], object_size=object_size)
+    trailer = read_trailer(view[start - first :], object_size=object_size)
     lo, hi = footer_range(trailer)
     if hi <= lo:
         return read_footer(b"", trailer, step=step)
     if lo >= first:
-        return read_footer(view[lo - first: hi - first], trailer, step=step)
+        return read_footer(view[lo - first : hi - first], trailer, step=step)
     return read_footer(fetch(lo, first) + bytes(view[: hi - first]), trailer, step=step)
 
 

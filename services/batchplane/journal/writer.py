@@ -82,8 +82,12 @@ class JournalHeader:
     def encode(self) -> bytes:
         """The header object's bytes (deterministic)."""
         doc = {
-            "format": HEADER_FORMAT, "format_version": HEADER_FORMAT_VERSION, "job": self.job,
-            "dp": self.mesh.dp, "cp": self.mesh.cp, "cp_mode": self.mesh.cp_mode,
+            "format": HEADER_FORMAT,
+            "format_version": HEADER_FORMAT_VERSION,
+            "job": self.job,
+            "dp": self.mesh.dp,
+            "cp": self.mesh.cp,
+            "cp_mode": self.mesh.cp_mode,
             "token_names": sorted(self.token_names),
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -132,7 +136,7 @@ def parse_object_key(prefix: str, key: str) -> tuple[int, str, int] | None:
     folder = prefix + TGB_FOLDER
     if not key.startswith(folder):
         return None
-    m = _OBJECT_NAME.match(key[len(folder):])
+    m = _OBJECT_NAME.match(key[len(folder) :])
     return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
 
 
@@ -163,7 +167,8 @@ def claim_header(storage: Storage, prefix: str, header: JournalHeader) -> Journa
     if found != header:
         diffs = [
             f"{name} {getattr(found, name)!r} (this writer: {getattr(header, name)!r})"
-            for name in ("job", "mesh", "token_names") if getattr(found, name) != getattr(header, name)
+            for name in ("job", "mesh", "token_names")
+            if getattr(found, name) != getattr(header, name)
         ]
         raise JournalMismatch(
             f"the journal at {prefix or '/'} in {storage.describe()} was opened with {', '.join(diffs)}; "
@@ -203,7 +208,7 @@ def _read_end(storage: Storage, key: str) -> int | None:
         raise FailedPrecondition(f"end marker {key!r} in {storage.describe()}: not JSON ({exc})") from None
     end = doc.get("end_step") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or set(doc) != {"end_step"} or not isinstance(end, int) or isinstance(end, bool) or end < 0:
-        raise FailedPrecondition(f"end marker {key!r} in {storage.describe()}: expected {{\"end_step\": <int >= 0>}}, got {data[:80]!r}")
+        raise FailedPrecondition(f'end marker {key!r} in {storage.describe()}: expected {{"end_step": <int >= 0>}}, got {data[:80]!r}')
     return end
 
 
@@ -269,13 +274,27 @@ class JournalWriter:
         ConfigError: A bad policy name or setting.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", producer_id: str, mesh: DataMesh,
-                 policy: str | CommitPolicy = "naive", job: str = "", token_names: Collection[str] = (),
-                 first_step: int = 0, retention: RetentionPolicy | None = None,
-                 manifest_settings: ManifestSettings = ManifestSettings(), poll_s: float = 0.5,
-                 stop: threading.Event | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 random: Callable[[], float] | None = None, lag_marks: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        producer_id: str,
+        mesh: DataMesh,
+        policy: str | CommitPolicy = "naive",
+        job: str = "",
+        token_names: Collection[str] = (),
+        first_step: int = 0,
+        retention: RetentionPolicy | None = None,
+        manifest_settings: ManifestSettings = ManifestSettings(),
+        poll_s: float = 0.5,
+        stop: threading.Event | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        random: Callable[[], float] | None = None,
+        lag_marks: Callable[[str], bool] | None = None,
+    ) -> None:
         self.storage = storage
         self._lag_marks = lag_marks
         self.prefix = prefix
@@ -323,8 +342,9 @@ class JournalWriter:
                 for another job or mesh.
             Unavailable: The storage failed, or registering kept losing its race.
         """
-        store = ManifestStore(self.storage, prefix=self.prefix, settings=self._settings, check_writes=True,
-                              clock=self._clock, wall_clock=self._wall_clock)
+        store = ManifestStore(
+            self.storage, prefix=self.prefix, settings=self._settings, check_writes=True, clock=self._clock, wall_clock=self._wall_clock
+        )
         claim_header(self.storage, self.prefix, self.header)
         producer = Producer(store, self.producer_id, policy=self._policy, clock=self._clock, sleep=self._sleep)
         state = producer.register()
@@ -358,8 +378,14 @@ class JournalWriter:
             if started is None:
                 started = self._clock()
                 self.stats.backpressure_waits += 1
-                log.info("producer %s pauses before step %d: %d steps ahead of step %d, the lowest live checkpoint "
-                         "mark (max_lag %d)", self.producer_id, step, bp.lag, bp.floor_step, self.retention.max_lag)
+                log.info(
+                    "producer %s pauses before step %d: %d steps ahead of step %d, the lowest live checkpoint mark (max_lag %d)",
+                    self.producer_id,
+                    step,
+                    bp.lag,
+                    bp.floor_step,
+                    self.retention.max_lag,
+                )
                 if self.producer.pending:
                     self.flush()
             self._sleep(self.poll_s)
@@ -490,8 +516,7 @@ class JournalWriter:
                 continue
             _, producer, old_epoch = parsed
             if producer == self.producer_id and old_epoch < epoch and key not in listed:
-                log.info("producer %s: deleting %s, left uncommitted by its process of epoch %d",
-                         self.producer_id, key, old_epoch)
+                log.info("producer %s: deleting %s, left uncommitted by its process of epoch %d", self.producer_id, key, old_epoch)
                 self.storage.delete(key)
                 self.stats.orphans_deleted += 1
 
@@ -499,6 +524,4 @@ class JournalWriter:
         policy = self.retention if self.retention is not None else RetentionPolicy()
         counted = self._lag_marks or (lambda mark: True)
         marks = [Watermark(m.manifest_version, m.step) for m in state.marks if counted(m.mark)]
-        return backpressure(watermarks=marks, next_step=step, policy=policy,
-                            origin_step=max(self.first_step, state.watermark))
-
+        return backpressure(watermarks=marks, next_step=step, policy=policy, origin_step=max(self.first_step, state.watermark))
