@@ -254,7 +254,12 @@ class Planner:
                 assert book.owns(span.number), "a window of another replica is read only for somebody waiting"
                 assert span.start < book.planned_seq + book.read_ahead_samples, "read ahead only so far"
             good = (span.end - span.start) // 2 if event[1] else None
-            stored = book.stored(span, Read(span), nbytes=(span.end - span.start) * BYTES_PER_SAMPLE, unreleased=(span.end - span.start) if good is None else good)
+            stored = book.stored(
+                span,
+                Read(span),
+                nbytes=(span.end - span.start) * BYTES_PER_SAMPLE,
+                unreleased=(span.end - span.start) if good is None else good,
+            )
             if stored.kept is not None and not stored.kept.summarized:
                 assert book.owns(span.number)
             return stored.removed
@@ -402,3 +407,17 @@ def test_a_fetch_past_the_frontier_is_refused_before_anything_is_read() -> None:
     with pytest.raises(NotPlanned):
         book.check_fetch(np.array([25], np.int64), source="a")  # window 2: r0's, never asked about
     assert read_all(book) == [0]
+
+
+def test_a_summary_that_runs_over_several_windows_lets_fetches_reach_all_it_returned() -> None:
+    """test_hostile_loader (a fetch of positions never asked about): a summary asked from one
+    window returned the next ones too (already read ahead), and a fetch of a position it returned
+    was refused as never asked about."""
+    book = make(read_ahead=40)
+    book.summary_asked(0, routes=None, progress=Progress(0))
+    read_all(book)
+    _, end = book.summarize(0, 30)
+    assert end == 30, "the read-ahead held three windows"
+    book.check_fetch(np.array([29], np.int64), source="a")
+    with pytest.raises(NotPlanned, match="positions \\[30\\] lie at or past 30"):
+        book.check_fetch(np.array([30], np.int64), source="a")

@@ -154,7 +154,7 @@ class WindowBook(Generic[T]):
         """A shadow's part of a summary request its replica answered with `count` samples from
         `from_seq`: asks for that window (nobody waits for it) and takes the progress, so the
         shadow holds what the replica holds. Returns the windows removed."""
-        self.frontier.asked(from_seq)
+        self.frontier.asked(from_seq + max(count - 1, 0))
         if self.start_seq is None:
             self._seek(from_seq)
         removed = self._reroute(routes)
@@ -163,9 +163,7 @@ class WindowBook(Generic[T]):
             self._want(window_of(self.order, from_seq).number, replay=False)
         return removed
 
-    def restore(
-        self, from_seq: int, *, through_seq: int, routes: Routing | None, progress: Progress
-    ) -> tuple[int, list[HeldWindow[T]]]:
+    def restore(self, from_seq: int, *, through_seq: int, routes: Routing | None, progress: Progress) -> tuple[int, list[HeldWindow[T]]]:
         """A restarted replica's position: asks at once for its windows of positions
         [from_seq, through_seq), which constructors may still fetch. Returns the samples to
         read again and the windows removed."""
@@ -218,8 +216,9 @@ class WindowBook(Generic[T]):
 
     def summarize(self, from_seq: int, max_samples: int) -> tuple[list[tuple[T, int, int]], int]:
         """The held run of positions from `from_seq`, at most `max_samples`, as (window data,
-        first index, end index) pieces, marking those windows seen by the planner; and the
-        position after them."""
+        first index, end index) pieces, marking those windows seen by the planner (and asked
+        about: a summary may run over several windows, and fetches may reach all it returned);
+        and the position after them."""
         pieces: list[tuple[T, int, int]] = []
         i = bisect.bisect_right([w.seq_start for w in self._held], from_seq) - 1 if self.holds(from_seq) else len(self._held)
         seq, count = from_seq, 0
@@ -232,6 +231,8 @@ class WindowBook(Generic[T]):
             count += hi - lo
             seq = w.seq_start + hi
             i += 1
+        if seq > from_seq:  # the planner has these positions now: fetches may reach them
+            self.frontier.asked(seq - 1)
         return pieces, seq
 
     def check_fetch(self, seqs: np.ndarray, *, source: str) -> None:
