@@ -33,7 +33,9 @@ class Run:
 class Kill:
     """Once every rank has taken step `at`: SIGKILL the part named `name` (a `LocalCluster`
     process name: "planner", "loader-0", "constructor-1", ...) and, with `restart`, start it again
-    on its address as `batchplane up` does."""
+    on its address as `batchplane up` does. The ranks wait after step `at` until the part is dead
+    (not until it is back): a restart before it, slow on a loaded machine, cannot push a kill past
+    the end of the run."""
 
     at: int
     name: str
@@ -105,7 +107,7 @@ def disturb(
     barrier = threading.Barrier(len(ranks), timeout=120) if lockstep else None
     progress = dict.fromkeys(ranks, -1)
     finished = threading.Event()  # the trainers are done: a kill still waiting never comes
-    holds = sorted(item.at for item in planned if isinstance(item, Act) and item.hold)  # not done yet
+    holds = sorted(item.at for item in planned if isinstance(item, Kill) or item.hold)  # not done yet
     killed: list[Killed] = []
     acted: list[object] = []
     failures: list[BaseException] = []
@@ -134,7 +136,10 @@ def disturb(
                     continue
                 victim = next(p for p in cluster.processes if p.name == item.name)
                 kill(victim)
-                at = dict(progress)
+                with reached:
+                    at = dict(progress)
+                    holds.remove(item.at)
+                    reached.notify_all()
                 killed.append(Killed(item, at, cluster.restart(victim) if item.restart else victim))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             failures.append(exc)
