@@ -35,7 +35,7 @@ E2E_IMAGE  ?= batchplane-trainer:e2e
 BASE_IMAGE ?= python:3.11-slim-bookworm
 LOCAL_BASE ?= batchplane-base:bookworm
 
-.PHONY: venv proto-tools run test test-unit test-integration test-helm helm prometheus podman base-image image image-e2e image-smoke e2e-kind e2e-podman proto clean
+.PHONY: venv proto-tools run test test-unit test-integration test-helm format helm prometheus podman base-image image image-e2e image-smoke e2e-kind e2e-podman proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,7 +57,7 @@ run: $(STAMP)
 # which pytest 9.2 no longer reads.) tests/conftest.py keeps torch on one thread per process.
 # `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= logical
-PYTEST       := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST       := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test: $(STAMP) $(PROTO_TOOLS) $(HELM) prometheus
 	$(PYTEST)
@@ -71,6 +71,11 @@ test-integration: $(STAMP) $(HELM) prometheus
 # The Helm chart alone: helm lint/template and offline validation of every manifest.
 test-helm: $(STAMP) $(HELM)
 	$(PYTEST) tests/integration/test_helm_chart.py
+
+# The code as tests/unit/test_lint.py checks it: ruff's formatter, then its linter's fixes.
+format: $(STAMP)
+	$(VENV)/bin/ruff format client proto services tests deploy examples
+	$(VENV)/bin/ruff check --fix client proto services tests deploy examples
 
 helm: $(HELM)
 	@$(HELM) version --short

@@ -213,11 +213,11 @@ def _startup_gate(probe: Mapping[str, Any]) -> str:
         f"deadline = time.monotonic() + {timeout}\n"
         "while True:\n"
         "    try:\n"
-        f"        urllib.request.urlopen(\"http://127.0.0.1:{port}{path}\", timeout=2).close()\n"
+        f'        urllib.request.urlopen("http://127.0.0.1:{port}{path}", timeout=2).close()\n'
         "        break\n"
         "    except Exception as exc:\n"
         "        if time.monotonic() > deadline:\n"
-        f"            sys.exit(\"the constructor sidecar did not answer {path} on port {port} within {timeout} s: %s\" % exc)\n"
+        f'            sys.exit("the constructor sidecar did not answer {path} on port {port} within {timeout} s: %s" % exc)\n'
         "        time.sleep(1)'\n"
     )
 
@@ -339,7 +339,12 @@ def transform(docs: Sequence[Mapping[str, Any] | None]) -> PodmanPlan:
         for pod in chosen:
             if pod["spec"].get("subdomain") == sname:
                 host = pod["spec"].get("hostname", pod["metadata"]["name"])
-                for form in (f"{host}.{sname}.{sns}.svc.cluster.local", f"{host}.{sname}.{sns}.svc", f"{host}.{sname}.{sns}", f"{host}.{sname}"):
+                for form in (
+                    f"{host}.{sname}.{sns}.svc.cluster.local",
+                    f"{host}.{sname}.{sns}.svc",
+                    f"{host}.{sname}.{sns}",
+                    f"{host}.{sname}",
+                ):
                     dns[form] = pod["metadata"]["name"]
     pattern = (
         re.compile(r"(?<![A-Za-z0-9.-])(" + "|".join(re.escape(k) for k in sorted(dns, key=len, reverse=True)) + r")(?![A-Za-z0-9.-])")
@@ -544,7 +549,9 @@ class Moto:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", MOTO_SERVER, host, str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 30
         while True:
@@ -574,8 +581,11 @@ class Moto:
         import boto3
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY, region_name=REGION,
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
         )
 
     def stop(self) -> None:
@@ -644,8 +654,12 @@ def chart_values(kind: str, image: str, trainer_image: str, env: Mapping[str, st
         # The trainer runs as the sidecar's UID: kube play 4.3 ignores fsGroup, which is how the
         # chart's own example (another UID) enters the constructor's socket folder.
         "example": {
-            "enabled": True, "kind": kind, "steps": 100000, "image": {"repository": trepo, "tag": ttag},
-            "runAsUser": 10001, "runAsGroup": 10001,
+            "enabled": True,
+            "kind": kind,
+            "steps": 100000,
+            "image": {"repository": trepo, "tag": ttag},
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
         },
         # Plaintext between the pods: kube play 4.3 cannot mount the chart's certificate Secrets
         # (it writes a Secret's values still base64-encoded, and panics on a Secret volume
@@ -794,8 +808,12 @@ def trainer_samples(plan: PodmanPlan, sources: Sequence[str]) -> Counter[tuple[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=("job", "torchrun"), default="job",
-                        help="example.kind: job (one pod, two tiny_lm ranks; default) or torchrun (two pods, one rank each)")
+    parser.add_argument(
+        "--kind",
+        choices=("job", "torchrun"),
+        default="job",
+        help="example.kind: job (one pod, two tiny_lm ranks; default) or torchrun (two pods, one rank each)",
+    )
     parser.add_argument("--image", default="batchplane:dev", help="the service image (make image)")
     parser.add_argument("--trainer-image", default="batchplane-trainer:e2e", help="the trainer image (make image-e2e)")
     parser.add_argument("--helm", help="helm 3 (default: BATCHPLANE_HELM, helm on PATH, .tools/)")
@@ -841,16 +859,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [p["metadata"]["name"] for _, pods in plan.phases for p in pods]
         leftover = [n for n in names if run(["podman", "pod", "exists", n], check=False).returncode == 0]
         if leftover:
-            raise SystemExit(f"e2e_podman.py: pods {leftover} exist already (another run, or one with --keep): "
-                             f"remove them with `podman pod rm -f {' '.join(leftover)}`")
+            raise SystemExit(
+                f"e2e_podman.py: pods {leftover} exist already (another run, or one with --keep): "
+                f"remove them with `podman pod rm -f {' '.join(leftover)}`"
+            )
         for volume in volumes:  # a leftover volume would carry an earlier run's files
             run(["podman", "volume", "rm", "-f", volume], check=False)
 
         files = {}
         for phase, pods in plan.phases:
             path = workdir / f"{phase}.yaml"
-            path.write_text(f"# {phase}: made by deploy/e2e_podman.py from {workdir / 'rendered.yaml'}\n"
-                            + yaml.safe_dump_all(plan.documents(phase), sort_keys=False))
+            path.write_text(
+                f"# {phase}: made by deploy/e2e_podman.py from {workdir / 'rendered.yaml'}\n"
+                + yaml.safe_dump_all(plan.documents(phase), sort_keys=False)
+            )
             files[phase] = path
 
         planner = plan.pods("planner")[0]["metadata"]["name"]
@@ -870,7 +892,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"== trainers: {', '.join(p['metadata']['name'] for p in trainer_pods)}")
         podman.play(files["trainers"], [p["metadata"]["name"] for p in trainer_pods], volumes)
         mains = [
-            f"{p['metadata']['name']}-{c['name']}" for p in trainer_pods for c in p["spec"]["containers"]
+            f"{p['metadata']['name']}-{c['name']}"
+            for p in trainer_pods
+            for c in p["spec"]["containers"]
             if c["name"] not in sidecar_names(p)
         ]
         sidecars = [f"{p['metadata']['name']}-{n}" for p in trainer_pods for n in sidecar_names(p)]
@@ -908,8 +932,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = run([sys.executable, "-m", "batchplane.cli", "ledger", "stats", "--ledger", f"s3://{BUCKET}/ledger", "--json"], check=False)
         if stats.returncode == 0:
             summary = json.loads(stats.stdout)
-            log(f"   batchplane ledger stats: steps {summary.get('steps')}, samples {summary.get('samples')}, "
-                f"per source {({r['source']: r['samples'] for r in summary.get('sources', [])})}")
+            log(
+                f"   batchplane ledger stats: steps {summary.get('steps')}, samples {summary.get('samples')}, "
+                f"per source { ({r['source']: r['samples'] for r in summary.get('sources', [])}) }"
+            )
         else:
             log(f"   batchplane ledger stats failed: {stats.stderr.strip()[-500:]}")
         pods_run = [*(p["metadata"]["name"] for p in plan.pods("planner")), *loaders, *(p["metadata"]["name"] for p in trainer_pods)]
@@ -921,8 +947,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         received = trainer_samples(plan, result["sources"])
         if received is not None:
             same = received == result["counts"]
-            log(f"   the trainers' own record (timed_trainer's steps-*.jsonl): {sum(received.values())} samples, "
-                f"{'the same (source, row)s as the ledger' if same else 'NOT what the ledger says'}")
+            log(
+                f"   the trainers' own record (timed_trainer's steps-*.jsonl): {sum(received.values())} samples, "
+                f"{'the same (source, row)s as the ledger' if same else 'NOT what the ledger says'}"
+            )
             if not same:
                 raise RuntimeError("the trainers received other samples than the ledger records")
         if result["lost"] or result["repeated"] or result["unknown"]:
@@ -945,8 +973,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if args.keep:
-            log(f"--keep: left up: pods {podman.pods}, network {podman.network}, moto pid "
-                f"{moto.proc.pid if moto else '-'}; files in {workdir}")
+            log(
+                f"--keep: left up: pods {podman.pods}, network {podman.network}, moto pid "
+                f"{moto.proc.pid if moto else '-'}; files in {workdir}"
+            )
         else:
             log("== teardown")
             podman.teardown()

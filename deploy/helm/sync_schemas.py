@@ -111,7 +111,7 @@ def render_kube_types(definitions: dict[str, Any], version: str) -> str:
         '"""\n\n'
         "from typing import Any\n\n"
         f"#: The Kubernetes version the definitions come from.\nKUBERNETES_VERSION = {version!r}\n\n"
-        "#: Definition name -> JSON schema (references as \"#/$defs/<name>\").\n"
+        '#: Definition name -> JSON schema (references as "#/$defs/<name>").\n'
         f"DEFINITIONS: dict[str, Any] = {body}\n"
     )
 

@@ -92,7 +92,7 @@ def updated_readme(readme: str, values_text: str) -> str:
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
         raise ValueError(f"{README} lacks the lines {BEGIN!r} and {END!r}")
-    return readme[:start] + table(values_text) + readme[end + len(END):]
+    return readme[:start] + table(values_text) + readme[end + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> int:

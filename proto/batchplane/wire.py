@@ -38,9 +38,7 @@ def encode_array(array: np.ndarray) -> common_pb2.Array:
     return common_pb2.Array(dtype=array.dtype.name, shape=array.shape, data=little.tobytes())
 
 
-def decode_array(
-    message: common_pb2.Array, *, field: str, dtype: str | None = None, ndim: int | None = None
-) -> np.ndarray:
+def decode_array(message: common_pb2.Array, *, field: str, dtype: str | None = None, ndim: int | None = None) -> np.ndarray:
     """The array a message carries, as a read-only view of its bytes (no copy).
 
     Args:

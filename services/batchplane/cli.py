@@ -1,15 +1,15 @@
 """The `batchplane` command.
 
-    batchplane up -c job.yaml     start a job's data plane as local processes
-    batchplane demo               write a demo dataset and train a tiny model against it
-    batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency, mixture, ledger,
-                                  chaos, transport, delivery, vlm)
-    batchplane ledger show --step N | find SOURCE:INDEX | stats [--from A --to B]
-                                  lineage from a job's durable ledger
-    batchplane profile -c job.yaml [--samples N] [--out profiles.json] [--json]
-                                  measure each source: state memory, decode and transform time
-    batchplane partition --profiles profiles.json --pod-memory 32Gi --pod-cpus 8 [--out F]
-                                  loader groups, actors and workers per actor, as a DataPlane
+batchplane up -c job.yaml     start a job's data plane as local processes
+batchplane demo               write a demo dataset and train a tiny model against it
+batchplane bench NAME --json  run a benchmark (balance, token-budget, plan-latency, mixture, ledger,
+                              chaos, transport, delivery, vlm)
+batchplane ledger show --step N | find SOURCE:INDEX | stats [--from A --to B]
+                              lineage from a job's durable ledger
+batchplane profile -c job.yaml [--samples N] [--out profiles.json] [--json]
+                              measure each source: state memory, decode and transform time
+batchplane partition --profiles profiles.json --pod-memory 32Gi --pod-cpus 8 [--out F]
+                              loader groups, actors and workers per actor, as a DataPlane
 """
 
 from __future__ import annotations
@@ -29,18 +29,23 @@ from batchplane.core.errors import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: every command and flag (the README's "Command line" lists them)."""
     parser = argparse.ArgumentParser(prog="batchplane", description="batchplane: the data plane of large-model training")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}", help="print the installed version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_package_version()}", help="print the installed version and exit"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     up = commands.add_parser("up", help="start a job's planner, loaders and constructors as local processes")
     up.add_argument("-c", "--config", type=pathlib.Path, required=True, help="job configuration (YAML)")
     up.add_argument(
-        "--run-dir", type=pathlib.Path,
+        "--run-dir",
+        type=pathlib.Path,
         help="folder for logs, endpoints and the ledger unless ledger.location is set (default: the job's run_dir)",
     )
     up.add_argument("--log-level", default="INFO")
     up.add_argument(
-        "--autoscale", type=pathlib.Path, metavar="DATAPLANE",
+        "--autoscale",
+        type=pathlib.Path,
+        metavar="DATAPLANE",
         help="scale the loader groups from Prometheus as the operator does, with the groups, costs, bounds and scaling of "
         "this DataPlane file (e.g. from `batchplane partition`); its sourceGroups must be the job's loaders.groups",
     )
@@ -71,14 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
     queries["stats"].add_argument("--to", dest="last", type=int, default=None, help="last step, inclusive (default: the latest)")
     for query in queries.values():
         where = query.add_mutually_exclusive_group(required=True)
-        where.add_argument("-c", "--config", type=pathlib.Path, help="job configuration (YAML): its ledger.location, else its run_dir's ledger")
+        where.add_argument(
+            "-c", "--config", type=pathlib.Path, help="job configuration (YAML): its ledger.location, else its run_dir's ledger"
+        )
         where.add_argument("--ledger", help="a ledger folder (<run_dir>/ledger) or URL (s3://bucket/prefix)")
         query.add_argument("--json", action="store_true", help="print one JSON object")
 
-    profile = commands.add_parser("profile", help="measure each source of a job: file-access state memory, decode and transform time per sample")
+    profile = commands.add_parser(
+        "profile", help="measure each source of a job: file-access state memory, decode and transform time per sample"
+    )
     profile.add_argument("-c", "--config", type=pathlib.Path, required=True, help="job configuration (YAML)")
-    profile.add_argument("--samples", type=_positive_int, default=256, metavar="N", help="rows profiled per source, from its first row groups (default 256)")
-    profile.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profiles.json"), metavar="FILE", help="profiles file to write (default profiles.json)")
+    profile.add_argument(
+        "--samples", type=_positive_int, default=256, metavar="N", help="rows profiled per source, from its first row groups (default 256)"
+    )
+    profile.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("profiles.json"),
+        metavar="FILE",
+        help="profiles file to write (default profiles.json)",
+    )
     profile.add_argument("--json", action="store_true", help="also print the profiles as one JSON object (default: a table)")
 
     part = commands.add_parser(
@@ -87,21 +104,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     part.add_argument("--profiles", type=pathlib.Path, required=True, metavar="FILE", help="a file written by `batchplane profile`")
     part.add_argument("--pod-memory", required=True, metavar="QUANTITY", help="memory of one loader pod, e.g. 32Gi")
-    part.add_argument("--pod-cpus", required=True, metavar="QUANTITY", help="CPU cores of one loader pod, e.g. 8 or 7500m; a worker takes one")
-    part.add_argument("--max-workers-per-actor", type=_positive_int, metavar="W", help="W: workers per loader pod at most (default: the pod's whole cores)")
-    part.add_argument("--max-actors-per-source", type=_positive_int, default=8, metavar="A", help="A: loader pods per source at most (default 8)")
+    part.add_argument(
+        "--pod-cpus", required=True, metavar="QUANTITY", help="CPU cores of one loader pod, e.g. 8 or 7500m; a worker takes one"
+    )
+    part.add_argument(
+        "--max-workers-per-actor",
+        type=_positive_int,
+        metavar="W",
+        help="W: workers per loader pod at most (default: the pod's whole cores)",
+    )
+    part.add_argument(
+        "--max-actors-per-source", type=_positive_int, default=8, metavar="A", help="A: loader pods per source at most (default 8)"
+    )
     part.add_argument("--cost-levels", type=_positive_int, default=4, metavar="G", help="cost clusters of sources at most (default 4)")
-    part.add_argument("--samples-per-s", type=float, metavar="RATE", help="target rate of mixed samples per second: size workers absolutely (default: relative to the cheapest sources)")
-    part.add_argument("--weights", type=pathlib.Path, metavar="FILE", help="mixture weights: a job file (its mixture.weights) or a YAML mapping of source: weight (default: the weights in the profiles)")
-    part.add_argument("--actor-memory", default="256Mi", metavar="QUANTITY", help="memory of a loader process before sources (default 256Mi)")
-    part.add_argument("--buffer-memory", default="512Mi", metavar="QUANTITY", help="a loader's read-ahead buffer, the job's loaders.buffer_bytes (default 512Mi)")
-    part.add_argument("--worker-memory", default="64Mi", metavar="QUANTITY", help="memory of a worker besides file-access state (default 64Mi)")
-    part.add_argument("--memory-headroom", type=float, default=0.1, metavar="FRACTION", help="fraction of pod memory left unplanned for estimate error (default 0.1)")
-    part.add_argument("--state-per", choices=["worker", "actor"], default="worker", help="who holds a copy of the file-access state (default: every worker)")
-    part.add_argument("--one-source-per-group", action="store_true", help="a loader group per source (MegaScale-Data's default) instead of packing similar sources")
-    part.add_argument("--format", choices=["dataplane", "values"], default="dataplane", help="a DataPlane resource (default) or the chart's sourceGroups values")
+    part.add_argument(
+        "--samples-per-s",
+        type=float,
+        metavar="RATE",
+        help="target rate of mixed samples per second: size workers absolutely (default: relative to the cheapest sources)",
+    )
+    part.add_argument(
+        "--weights",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="mixture weights: a job file (its mixture.weights) or a YAML mapping of source: weight (default: the weights in the profiles)",
+    )
+    part.add_argument(
+        "--actor-memory", default="256Mi", metavar="QUANTITY", help="memory of a loader process before sources (default 256Mi)"
+    )
+    part.add_argument(
+        "--buffer-memory",
+        default="512Mi",
+        metavar="QUANTITY",
+        help="a loader's read-ahead buffer, the job's loaders.buffer_bytes (default 512Mi)",
+    )
+    part.add_argument(
+        "--worker-memory", default="64Mi", metavar="QUANTITY", help="memory of a worker besides file-access state (default 64Mi)"
+    )
+    part.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="fraction of pod memory left unplanned for estimate error (default 0.1)",
+    )
+    part.add_argument(
+        "--state-per",
+        choices=["worker", "actor"],
+        default="worker",
+        help="who holds a copy of the file-access state (default: every worker)",
+    )
+    part.add_argument(
+        "--one-source-per-group",
+        action="store_true",
+        help="a loader group per source (MegaScale-Data's default) instead of packing similar sources",
+    )
+    part.add_argument(
+        "--format",
+        choices=["dataplane", "values"],
+        default="dataplane",
+        help="a DataPlane resource (default) or the chart's sourceGroups values",
+    )
     part.add_argument("--name", help="the DataPlane's name (default: the profiled job's)")
-    part.add_argument("--out", type=pathlib.Path, metavar="FILE", help="YAML file to write (default: standard output); a summary goes to standard error")
+    part.add_argument(
+        "--out", type=pathlib.Path, metavar="FILE", help="YAML file to write (default: standard output); a summary goes to standard error"
+    )
     return parser
 
 
@@ -245,7 +312,9 @@ def _start_autoscaler(cluster, args: argparse.Namespace, specs, interval_s: floa
         if changes:
             print(f"batchplane up: t={row.t:.0f}s loader replicas {changes} (weights {row.weights})", flush=True)
 
-    threading.Thread(target=autoscaler.run, args=(stop,), kwargs={"interval_s": interval_s, "on_interval": report}, name="autoscale", daemon=True).start()
+    threading.Thread(
+        target=autoscaler.run, args=(stop,), kwargs={"interval_s": interval_s, "on_interval": report}, name="autoscale", daemon=True
+    ).start()
     print(f"batchplane up: autoscaling loader groups {sorted(specs)} every {interval_s:.0f} s from {args.prometheus}", flush=True)
 
 
@@ -257,10 +326,7 @@ def describe(cluster) -> str:
         extra = ""
         if p.name.startswith("constructor-"):
             extra = f"  ranks {list(job.constructor_ranks(int(p.name.split('-')[1])))}"
-        lines.append(
-            f"  {p.name:<15} {p.address:<22} metrics http://{job.network.host}:{p.metrics_port}/metrics"
-            f"  log {p.log_path}{extra}"
-        )
+        lines.append(f"  {p.name:<15} {p.address:<22} metrics http://{job.network.host}:{p.metrics_port}/metrics  log {p.log_path}{extra}")
     lines.append(f"  clients: export BATCHPLANE_ENDPOINTS={cluster.endpoints_path}")
     lines.append("  Ctrl-C stops every process.")
     return "\n".join(lines)
@@ -369,7 +435,9 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
             return 2
         seen, thinned = lineage.find(reader.records(), source, row)
         result = {"sample": args.sample, "seen": [dataclasses.asdict(s) for s in seen], "thinned_steps": len(thinned)}
-        text = [f"{args.sample}: seen {len(seen)} time(s)"] + [f"  step {s.step} bucket {s.bucket} microbatch {s.microbatch} epoch {s.epoch}" for s in seen]
+        text = [f"{args.sample}: seen {len(seen)} time(s)"] + [
+            f"  step {s.step} bucket {s.bucket} microbatch {s.microbatch} epoch {s.epoch}" for s in seen
+        ]
         if thinned:
             text.append(f"  steps {thinned[0]}..{thinned[-1]} are thinned (ledger.keep_detail_steps): {len(thinned)} steps not searched")
         result["substitutions"] = lineage.substitutions(reader.records(), sources[source], row)
@@ -378,14 +446,21 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
             if e.get("passed_over"):
                 text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); consumed while seeking a substitute")
                 continue
-            by = "no substitute (none left within the search bound)" if e["by"] is None else f"{e['source']}:{e['by'][0]}" + (f"@{e['by'][1]}" if e["by"][1] else "")
+            by = (
+                "no substitute (none left within the search bound)"
+                if e["by"] is None
+                else f"{e['source']}:{e['by'][0]}" + (f"@{e['by'][1]}" if e["by"][1] else "")
+            )
             text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); stood in for by {by}")
     else:
         result = lineage.realized_mixture(reader.records(args.first, args.last), sources)
-        text = [f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"]
+        text = [
+            f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"
+        ]
         text.append(f"  {'source':<16}{'target':>9}{'samples':>9}{'tokens':>9}{'drift':>10}")
         text += [
-            f"  {r['source']:<16}{r['target']:>9.4f}{r['sample_share']:>9.4f}{r['token_share']:>9.4f}{r['drift']:>+10.4f}" for r in result["sources"]
+            f"  {r['source']:<16}{r['target']:>9.4f}{r['sample_share']:>9.4f}{r['token_share']:>9.4f}{r['drift']:>+10.4f}"
+            for r in result["sources"]
         ]
     print(json.dumps(result) if args.json else "\n".join(text))
     return 0
@@ -444,8 +519,10 @@ def _profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, default=str))
         return 0
-    print(f"job {result['job']!r}: {len(result['sources'])} sources profiled on {result['samples']} rows each "
-          f"(state memory by {result['state_method']}); written to {args.out}")
+    print(
+        f"job {result['job']!r}: {len(result['sources'])} sources profiled on {result['samples']} rows each "
+        f"(state memory by {result['state_method']}); written to {args.out}"
+    )
     print(f"  {'source':<20}{'files':>6}{'rows':>10}{'state':>12}{'read/sample':>13}{'transform':>11}{'p95':>11}{'bytes':>10}{'tokens':>8}")
     for s in result["sources"]:
         print(
@@ -462,8 +539,12 @@ def _partition(args: argparse.Namespace) -> int:
     from batchplane.operator import partition as part
 
     flags = {
-        "pod_memory_bytes": "--pod-memory", "pod_cpus": "--pod-cpus", "samples_per_s": "--samples-per-s",
-        "actor_base_bytes": "--actor-memory", "buffer_bytes": "--buffer-memory", "worker_base_bytes": "--worker-memory",
+        "pod_memory_bytes": "--pod-memory",
+        "pod_cpus": "--pod-cpus",
+        "samples_per_s": "--samples-per-s",
+        "actor_base_bytes": "--actor-memory",
+        "buffer_bytes": "--buffer-memory",
+        "worker_base_bytes": "--worker-memory",
         "memory_headroom": "--memory-headroom",
     }
     try:

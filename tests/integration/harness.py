@@ -105,9 +105,7 @@ def to_numpy(batch: dict[str, Any]) -> Batch:
     return {
         "step": batch["step"],
         "global_loss_tokens": batch["global_loss_tokens"],
-        "microbatches": [
-            {k: (v.numpy().copy() if hasattr(v, "numpy") else v) for k, v in mb.items()} for mb in batch["microbatches"]
-        ],
+        "microbatches": [{k: (v.numpy().copy() if hasattr(v, "numpy") else v) for k, v in mb.items()} for mb in batch["microbatches"]],
     }
 
 
@@ -171,9 +169,7 @@ def run_ranks(fn: Callable[[int], None], ranks: Sequence[int]) -> None:
 
 def sample_ids(batches: list[Batch]) -> list[list[list[tuple[int, int]]]]:
     """Per step, per microbatch: (source, row) of each sample."""
-    return [
-        [list(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())) for mb in b["microbatches"]] for b in batches
-    ]
+    return [[list(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())) for mb in b["microbatches"]] for b in batches]
 
 
 def assert_same_batches(got: dict[int, list[Batch]], expected: dict[int, list[Batch]]) -> None:
@@ -232,8 +228,7 @@ def ledger_records(run_dir: pathlib.Path) -> list[dict]:
     """The authoritative record of every step in a run folder's durable ledger, in step order:
     what was planned (without the fields that depend on the run's timing, RUNTIME_FIELDS)."""
     return [
-        {k: v for k, v in record.items() if k not in RUNTIME_FIELDS}
-        for record in LedgerReader(LocalStorage(run_dir / "ledger")).records()
+        {k: v for k, v in record.items() if k not in RUNTIME_FIELDS} for record in LedgerReader(LocalStorage(run_dir / "ledger")).records()
     ]
 
 

@@ -19,7 +19,10 @@ def main(out: str) -> None:
         for batch in client:
             batches.append(
                 {
-                    **{k: batch[k] for k in ("step", "rank", "dp_rank", "cp_rank", "tp_rank", "pp_rank", "loss_weight", "global_loss_tokens")},
+                    **{
+                        k: batch[k]
+                        for k in ("step", "rank", "dp_rank", "cp_rank", "tp_rank", "pp_rank", "loss_weight", "global_loss_tokens")
+                    },
                     "microbatches": [
                         {k: (v.numpy().copy() if hasattr(v, "numpy") else v) for k, v in mb.items()} for mb in batch["microbatches"]
                     ],

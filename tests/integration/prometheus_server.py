@@ -112,7 +112,9 @@ class PrometheusServer:
                 "--log.level=warn",
             ]
             with open(self.log_path, "ab") as log:
-                self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                self.popen = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                )
             give_up = time.monotonic() + timeout_s
             while time.monotonic() < give_up:
                 if self.popen.poll() is not None:
@@ -156,7 +158,9 @@ class PrometheusServer:
                 return
             time.sleep(0.2)
         down = sorted(name for name in self.targets if up.get(name) != 1)
-        raise AssertionError(f"prometheus at {self.url} has not scraped {down} after {timeout_s:g} s; end of {self.log_path}:\n{self.log_tail()}")
+        raise AssertionError(
+            f"prometheus at {self.url} has not scraped {down} after {timeout_s:g} s; end of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:

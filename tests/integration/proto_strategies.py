@@ -80,8 +80,27 @@ HOSTILE_STRINGS = (
 
 #: Dtype names for Array: those that travel, byte-order and alias spellings, ones numpy knows
 #: but the wire does not, and nonsense.
-DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64",
-               "<i8", ">i4", "object", "complex128", "U8", "V16", "datetime64", "int33", "", "int64 ")
+DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "<i8",
+    ">i4",
+    "object",
+    "complex128",
+    "U8",
+    "V16",
+    "datetime64",
+    "int33",
+    "",
+    "int64 ",
+)
 _WIRE_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
 
@@ -135,7 +154,9 @@ def sample_sets(draw: st.DrawFn) -> common_pb2.SampleSet:
     if draw(st.booleans()):
         n = draw(st.integers(0, 16))
         source = np.asarray(draw(st.lists(st.integers(-1, 2), min_size=n, max_size=n)), np.int32)
-        seq = np.asarray(draw(st.lists(st.one_of(st.integers(-1, 400), st.sampled_from([2**31, 2**62, 2**63 - 1])), min_size=n, max_size=n)), np.int64)
+        seq = np.asarray(
+            draw(st.lists(st.one_of(st.integers(-1, 400), st.sampled_from([2**31, 2**62, 2**63 - 1])), min_size=n, max_size=n)), np.int64
+        )
         out = common_pb2.SampleSet(
             source=common_pb2.Array(dtype="int32", shape=[n], data=source.tobytes()),
             seq=common_pb2.Array(dtype="int64", shape=[n], data=seq.tobytes()),

@@ -33,8 +33,11 @@ class S3Server(MotoServer):
         import boto3
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY, region_name=REGION,
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
         )
 
     def upload_folder(self, folder: str | os.PathLike[str], bucket: str, prefix: str) -> list[str]:

@@ -15,7 +15,14 @@ from batchplane.client import Client, InvalidRequestError
 
 pytestmark = pytest.mark.integration
 
-RULE = {"initial": {"a": 1, "b": 1}, "minimum": {"a": 0.2, "b": 0.2}, "max_change": 0.05, "learning_rate": 2.0, "smoothing": 0.5, "delay_steps": 2}
+RULE = {
+    "initial": {"a": 1, "b": 1},
+    "minimum": {"a": 0.2, "b": 0.2},
+    "max_change": 0.05,
+    "learning_rate": 2.0,
+    "smoothing": 0.5,
+    "delay_steps": 2,
+}
 
 
 def _job(root: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
@@ -24,7 +31,13 @@ def _job(root: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
         write_source(root / "data", "b", skewed_lengths(160, seed=4), seed=4),
     ]
     schedule = {"kind": "adaptive", "adaptive": RULE}
-    return write_job(root / "job.yaml", sources, mixture={"schedule": schedule}, batch={"global_batch_size": 8, "microbatches": 1, "token_dtype": "int32"}, run_dir=str(run_dir))
+    return write_job(
+        root / "job.yaml",
+        sources,
+        mixture={"schedule": schedule},
+        batch={"global_batch_size": 8, "microbatches": 1, "token_dtype": "int32"},
+        run_dir=str(run_dir),
+    )
 
 
 def _loss(source: int, row: int, step: int) -> float:

@@ -15,7 +15,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from harness import assert_same_batches, collect, corrupt_row_group, peer_channel, scrape, skewed_lengths, start_cluster, to_numpy, write_job, write_source
+from harness import (
+    assert_same_batches,
+    collect,
+    corrupt_row_group,
+    peer_channel,
+    scrape,
+    skewed_lengths,
+    start_cluster,
+    to_numpy,
+    write_job,
+    write_source,
+)
 
 from batchplane.client import Client, InvalidRequestError, StepUnavailableError
 from batchplane.core.errors import ConfigError
@@ -114,7 +125,10 @@ def test_a_corrupt_row_group_is_skipped_counted_and_logged_and_nothing_else_is_l
     finally:
         cluster.stop()
     seen = collections.Counter(
-        (s, r) for rank in batches.values() for b in rank for mb in b["microbatches"]
+        (s, r)
+        for rank in batches.values()
+        for b in rank
+        for mb in b["microbatches"]
         for s, r in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
     )
     assert max(seen.values()) == 1
@@ -172,9 +186,7 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
                 list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=7, step=0, samples=negative), timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "samples.seq must be >= 0" in info.value.details()
-            huge = common_pb2.SampleSet(
-                source=encode_array(np.zeros(700_000, np.int32)), seq=encode_array(np.zeros(700_000, np.int64))
-            )
+            huge = common_pb2.SampleSet(source=encode_array(np.zeros(700_000, np.int32)), seq=encode_array(np.zeros(700_000, np.int64)))
             with pytest.raises(grpc.RpcError) as info:
                 list(loader.FetchSamples(loader_pb2.FetchSamplesRequest(samples=huge), timeout=10))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

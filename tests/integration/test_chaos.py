@@ -27,7 +27,9 @@ RANKS = (0, 1)
 
 def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False) -> pathlib.Path:
     return write_job(
-        root / f"{run}.yaml", sources, run_dir=str(root / run),
+        root / f"{run}.yaml",
+        sources,
+        run_dir=str(root / run),
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
         loaders={"count": 2, "read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}, "shadow": shadow},
         constructors={"prefetch_steps": 2},
@@ -63,7 +65,9 @@ def test_killing_any_part_at_random_steps_changes_nothing_the_trainers_receive(t
     for killed in got.killed:
         name, log_path = killed.kill.name, killed.process.log_path
         assert killed.at < steps - 1, f"{name} was killed after the last step"
-        recovered = {"planner": r"resuming at step", "constructor": r"starting at step [1-9]", "loader": r"joined mid-job"}[name.split("-")[0]]
+        recovered = {"planner": r"resuming at step", "constructor": r"starting at step [1-9]", "loader": r"joined mid-job"}[
+            name.split("-")[0]
+        ]
         assert re.search(recovered, log_path.read_text()), f"{name} killed at step {killed.at} did not recover mid-job; see {log_path}"
 
     # The same plan sequence, step by step; the same steps everywhere (I2), byte-identical tensors (I4).

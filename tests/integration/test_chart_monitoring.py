@@ -44,7 +44,13 @@ FULLNAME = f"{RELEASE}-batchplane"
 #: Labels a scrape attaches (Kubernetes service discovery, the ServiceMonitor's relabeling).
 TARGET_LABELS = {"namespace", "pod", "instance", "job", "service", "endpoint", "container", "component"}
 #: Samples each metric type exposes, by suffix.
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",), "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("_sum", "_count", "_created"),
+    "info": ("_info",),
+}
 #: Series Prometheus itself makes.
 PROMETHEUS_SERIES = {"up": set()}
 PROMQL_WORDS = {
@@ -119,14 +125,19 @@ def check_exprs(exprs: list[str], where: str) -> set[str]:
 def test_the_expression_check_can_fail() -> None:
     """The check itself: it finds a misspelled metric and a label the metric does not have."""
     assert referenced('sum by (rank) (rate(batchplane_constructor_rank_data_wait_seconds_total{namespace="x"}[5m]))') == (
-        {"batchplane_constructor_rank_data_wait_seconds_total"}, {"rank", "namespace"},
+        {"batchplane_constructor_rank_data_wait_seconds_total"},
+        {"rank", "namespace"},
     )
     with pytest.raises(AssertionError, match="batchplane_planner_mixture_drift"):
         check_exprs(["batchplane_planner_mixture_drift{namespace='x'}"], "probe")
     with pytest.raises(AssertionError, match=r"labels \['source'\]"):
         check_exprs(["sum by (source) (batchplane_planner_step)"], "probe")
-    assert check_exprs(["up == 0", "process_resident_memory_bytes * on (pod, instance) group_left (part) batchplane_build_info"], "probe") == {
-        "up", "process_resident_memory_bytes", "batchplane_build_info",
+    assert check_exprs(
+        ["up == 0", "process_resident_memory_bytes * on (pod, instance) group_left (part) batchplane_build_info"], "probe"
+    ) == {
+        "up",
+        "process_resident_memory_bytes",
+        "batchplane_build_info",
     }
 
 
@@ -151,7 +162,11 @@ PROMETHEUS_RULE_SCHEMA = {
         "metadata": {
             "type": "object",
             "required": ["name", "namespace"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": {"type": "object", "additionalProperties": {"type": "string"}}},
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
         },
         "spec": {
             "type": "object",
@@ -178,8 +193,16 @@ PROMETHEUS_RULE_SCHEMA = {
                                         "alert": {"type": "string", "pattern": "^Batchplane[A-Za-z]+$"},
                                         "expr": {"type": "string"},
                                         "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
-                                        "labels": {"type": "object", "required": ["severity"], "properties": {"severity": {"enum": ["critical", "warning", "info"]}}},
-                                        "annotations": {"type": "object", "required": ["summary", "description"], "additionalProperties": {"type": "string"}},
+                                        "labels": {
+                                            "type": "object",
+                                            "required": ["severity"],
+                                            "properties": {"severity": {"enum": ["critical", "warning", "info"]}},
+                                        },
+                                        "annotations": {
+                                            "type": "object",
+                                            "required": ["summary", "description"],
+                                            "additionalProperties": {"type": "string"},
+                                        },
                                     },
                                 },
                             },
@@ -209,17 +232,32 @@ def test_the_prometheus_rule_renders_when_asked(helm: pathlib.Path) -> None:  # 
     assert {r["alert"] for r in rules} == ALERTS
     check_exprs([r["expr"] for r in rules], "the PrometheusRule")
     exprs = {r["alert"]: r["expr"] for r in rules}
-    assert "rate(batchplane_constructor_rank_data_wait_seconds_total" in exprs["BatchplaneRankDataWait"] and "> 0.1" in exprs["BatchplaneRankDataWait"]
-    assert f'up{{namespace="{NAMESPACE}", pod=~"{FULLNAME}-planner-.*"}} == 0' in exprs["BatchplanePlannerDown"] and "absent(up{" in exprs["BatchplanePlannerDown"]
+    assert (
+        "rate(batchplane_constructor_rank_data_wait_seconds_total" in exprs["BatchplaneRankDataWait"]
+        and "> 0.1" in exprs["BatchplaneRankDataWait"]
+    )
+    assert (
+        f'up{{namespace="{NAMESPACE}", pod=~"{FULLNAME}-planner-.*"}} == 0' in exprs["BatchplanePlannerDown"]
+        and "absent(up{" in exprs["BatchplanePlannerDown"]
+    )
     assert "batchplane_planner_shadow_promotions_total" in exprs["BatchplaneShadowTakeover"]
     # Thresholds and the waiting time come from the values; without the operator, no operator alerts.
-    tuned = render_rule(helm, "--set-json", "prometheusRule.mixtureDrift=0.2", "--set", "prometheusRule.for=30m", "--set", "operator.enabled=false")
+    tuned = render_rule(
+        helm, "--set-json", "prometheusRule.mixtureDrift=0.2", "--set", "prometheusRule.for=30m", "--set", "operator.enabled=false"
+    )
     tuned_rules = {r["alert"]: r for g in tuned["spec"]["groups"] for r in g["rules"]}
     assert set(tuned_rules) == ALERTS - {"BatchplaneOperatorReconcileErrors", "BatchplaneOperatorNoLeader"}
     assert tuned_rules["BatchplaneMixtureDrift"]["expr"].endswith("> 0.2") and tuned_rules["BatchplaneMixtureDrift"]["for"] == "30m"
 
 
-@pytest.mark.parametrize(("value", "field"), [("prometheusRule.dataWaitRatio=0", "dataWaitRatio"), ("prometheusRule.for=soon", "for"), ("prometheusRule.mixtureDrift=2", "mixtureDrift")])
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ("prometheusRule.dataWaitRatio=0", "dataWaitRatio"),
+        ("prometheusRule.for=soon", "for"),
+        ("prometheusRule.mixtureDrift=2", "mixtureDrift"),
+    ],
+)
 def test_the_schema_refuses_bad_rule_values(helm: pathlib.Path, value: str, field: str) -> None:  # noqa: F811 - the fixture
     result = run_helm(helm, "template", RELEASE, CHART, "--namespace", NAMESPACE, "--set", "prometheusRule.enabled=true", "--set", value)
     assert result.returncode != 0 and field in result.stderr, result.stderr
@@ -228,7 +266,9 @@ def test_the_schema_refuses_bad_rule_values(helm: pathlib.Path, value: str, fiel
 def find_promtool() -> str:
     path = shutil.which("promtool") or ("/usr/bin/promtool" if os.access("/usr/bin/promtool", os.X_OK) else None)
     if path is None:
-        pytest.fail("promtool is missing: `sudo apt-get install -y prometheus` (Debian's package ships it; `make test` installs it)", pytrace=False)
+        pytest.fail(
+            "promtool is missing: `sudo apt-get install -y prometheus` (Debian's package ships it; `make test` installs it)", pytrace=False
+        )
     return path
 
 
@@ -292,7 +332,11 @@ def test_each_alert_fires_on_the_series_it_watches(helm: pathlib.Path, tmp_path:
     }
     assert set(expected) == ALERTS
     early = {"BatchplaneLoaderFailover", "BatchplaneShadowTakeover"}  # they fire at once, and not before the failure
-    alert_tests = [{"eval_time": "30m", "alertname": a, "exp_alerts": [{"exp_labels": labels} for labels in exp]} for a, exp in expected.items() if a not in early]
+    alert_tests = [
+        {"eval_time": "30m", "alertname": a, "exp_alerts": [{"exp_labels": labels} for labels in exp]}
+        for a, exp in expected.items()
+        if a not in early
+    ]
     alert_tests += [{"eval_time": "25m", "alertname": a, "exp_alerts": [{"exp_labels": expected[a][0]}]} for a in sorted(early)]
     alert_tests += [{"eval_time": "15m", "alertname": a, "exp_alerts": []} for a in sorted(early)]
     alert_tests += [{"eval_time": "8m", "alertname": "BatchplanePlannerDown", "exp_alerts": []}]  # still scraped
@@ -330,7 +374,9 @@ def test_the_dashboard_reads_only_exported_series(helm: pathlib.Path) -> None:  
     replicas = " ".join(titles["Loader replicas per source group"])
     assert "batchplane_operator_replicas{" in replicas and "batchplane_operator_desired_replicas{" in replicas
     variables = {v["name"]: v.get("query") for v in board["templating"]["list"]}
-    assert 'dataplane="$dataplane"' in replicas and variables["dataplane"] == FULLNAME  # the operator labels its gauges with the DataPlane's name
+    assert (
+        'dataplane="$dataplane"' in replicas and variables["dataplane"] == FULLNAME
+    )  # the operator labels its gauges with the DataPlane's name
     assert variables["namespace"] == NAMESPACE
     wait = " ".join(titles["Data wait per rank"])
     assert "sum by (rank) (rate(batchplane_constructor_rank_data_wait_seconds_total" in wait

@@ -26,7 +26,9 @@ class Unavailable(constructor_pb2_grpc.ConstructorServicer):
     def __init__(self) -> None:
         self.attempts: list[tuple[float, float]] = []  # (wait asked for, time left before the deadline), seconds
 
-    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
+    def GetBatch(
+        self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[constructor_pb2.GetBatchResponse]:
         self.attempts.append((request.wait_ms / 1000, context.time_remaining()))
         context.abort(grpc.StatusCode.UNAVAILABLE, GONE)
         yield from ()
@@ -38,7 +40,9 @@ class Silent(constructor_pb2_grpc.ConstructorServicer):
     def __init__(self) -> None:
         self.release = threading.Event()
 
-    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
+    def GetBatch(
+        self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[constructor_pb2.GetBatchResponse]:
         self.release.wait(60)
         yield from ()
 
@@ -105,7 +109,9 @@ class StoppingOnce(constructor_pb2_grpc.ConstructorServicer):
     def __init__(self) -> None:
         self.attempts = 0
 
-    def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[constructor_pb2.GetBatchResponse]:
+    def GetBatch(
+        self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[constructor_pb2.GetBatchResponse]:
         self.attempts += 1
         if self.attempts == 1:
             context.abort(grpc.StatusCode.CANCELLED, "server shutting down")

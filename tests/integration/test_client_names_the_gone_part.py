@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 def test_the_trainer_is_told_which_part_is_gone(tmp_path: pathlib.Path, part: str) -> None:
     source = write_source(tmp_path / "data", "a", skewed_lengths(400, seed=0), row_group_size=20)
     config = write_job(
-        tmp_path / "job.yaml", [source],
+        tmp_path / "job.yaml",
+        [source],
         mesh={"dp": 1},
         batch={"global_batch_size": 4, "microbatches": 1, "token_dtype": "int32"},
         constructors={"prefetch_steps": 1},

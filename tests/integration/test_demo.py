@@ -15,7 +15,9 @@ pytestmark = pytest.mark.integration
 def test_demo_trains_and_summarizes(tmp_path: pathlib.Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "batchplane.cli", "demo", "--dir", str(tmp_path), "--steps", "12", "--log-every", "5"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout

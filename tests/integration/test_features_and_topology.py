@@ -81,7 +81,9 @@ def test_features_reach_the_cost_function_and_steer_balancing(tmp_path: pathlib.
 def test_one_constructor_serves_several_ranks(tmp_path: pathlib.Path) -> None:
     sources = [write_source(tmp_path / "data", "s", skewed_lengths(150, seed=8), seed=8)]
     config = write_job(
-        tmp_path / "job.yaml", sources, mesh={"dp": 4},
+        tmp_path / "job.yaml",
+        sources,
+        mesh={"dp": 4},
         batch={"global_batch_size": 16, "microbatches": 2, "token_dtype": "int32"},
         constructors={"ranks_per_constructor": 2},
     )
@@ -93,9 +95,7 @@ def test_one_constructor_serves_several_ranks(tmp_path: pathlib.Path) -> None:
         batches, _ = collect(cluster.endpoints_path, range(4))
     finally:
         cluster.stop()
-    seen = collections.Counter(
-        r for rank in batches.values() for b in rank for mb in b["microbatches"] for r in mb["sample_row"].tolist()
-    )
+    seen = collections.Counter(r for rank in batches.values() for b in rank for mb in b["microbatches"] for r in mb["sample_row"].tolist())
     assert set(seen) == set(range(150)) and max(seen.values()) == 1
     assert len({len(rank) for rank in batches.values()}) == 1
 

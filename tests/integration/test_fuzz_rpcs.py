@@ -155,23 +155,85 @@ def _if_wait_ms(request: Message) -> bool:
 RPCS = [
     Rpc("Planner", "RegisterLoader", planner_pb2.RegisterLoaderRequest, False, "planner", ("loader",), "loader", _never),
     Rpc("Planner", "DeregisterLoader", planner_pb2.DeregisterLoaderRequest, False, "planner", ("loader",), "loader", _never),
-    Rpc("Planner", "RegisterConstructor", planner_pb2.RegisterConstructorRequest, False, "planner", ("constructor",), "constructor", _never),
-    Rpc("Planner", "GetJob", planner_pb2.GetJobRequest, False, "planner", ("loader", "constructor", "operator"), None, _if_wait_ms,
-        _wait_ms(negative=True, zero=True), examples=20),
-    Rpc("Planner", "GetPlan", planner_pb2.GetPlanRequest, False, "planner", ("constructor",), "constructor", _always,
-        _wait_ms(negative=True, zero=False), examples=48),
+    Rpc(
+        "Planner", "RegisterConstructor", planner_pb2.RegisterConstructorRequest, False, "planner", ("constructor",), "constructor", _never
+    ),
+    Rpc(
+        "Planner",
+        "GetJob",
+        planner_pb2.GetJobRequest,
+        False,
+        "planner",
+        ("loader", "constructor", "operator"),
+        None,
+        _if_wait_ms,
+        _wait_ms(negative=True, zero=True),
+        examples=20,
+    ),
+    Rpc(
+        "Planner",
+        "GetPlan",
+        planner_pb2.GetPlanRequest,
+        False,
+        "planner",
+        ("constructor",),
+        "constructor",
+        _always,
+        _wait_ms(negative=True, zero=False),
+        examples=48,
+    ),
     Rpc("Planner", "GetStatus", planner_pb2.GetStatusRequest, False, "planner", ("operator",), None, _never, examples=10),
     Rpc("Planner", "Report", common_pb2.ReportRequest, False, "planner", ("constructor",), None, _never),
-    Rpc("Loader", "GetSummary", loader_pb2.GetSummaryRequest, False, "loader", ("planner",), None, _if_wait_ms,
-        _wait_ms(negative=True, zero=True), examples=44),
+    Rpc(
+        "Loader",
+        "GetSummary",
+        loader_pb2.GetSummaryRequest,
+        False,
+        "loader",
+        ("planner",),
+        None,
+        _if_wait_ms,
+        _wait_ms(negative=True, zero=True),
+        examples=44,
+    ),
     Rpc("Loader", "FetchSamples", loader_pb2.FetchSamplesRequest, True, "loader", ("constructor",), "constructor", _always, examples=48),
     Rpc("Constructor", "GetInfo", constructor_pb2.GetInfoRequest, False, "constructor", ("trainer",), None, _never, examples=10),
-    Rpc("Constructor", "GetBatch", constructor_pb2.GetBatchRequest, True, "constructor", ("trainer",), None, _always,
-        _wait_ms(negative=False, zero=False), examples=44),
+    Rpc(
+        "Constructor",
+        "GetBatch",
+        constructor_pb2.GetBatchRequest,
+        True,
+        "constructor",
+        ("trainer",),
+        None,
+        _always,
+        _wait_ms(negative=False, zero=False),
+        examples=44,
+    ),
     Rpc("Constructor", "Report", common_pb2.ReportRequest, False, "constructor", ("trainer",), None, _never),
-    Rpc("Constructor", "GetLength", constructor_pb2.GetLengthRequest, False, "constructor", ("trainer",), None, _if_wait_ms,
-        _wait_ms(negative=True, zero=True), examples=14),
-    Rpc("Constructor", "MarkCheckpoint", constructor_pb2.MarkCheckpointRequest, False, "constructor", ("trainer",), None, _never, examples=14),
+    Rpc(
+        "Constructor",
+        "GetLength",
+        constructor_pb2.GetLengthRequest,
+        False,
+        "constructor",
+        ("trainer",),
+        None,
+        _if_wait_ms,
+        _wait_ms(negative=True, zero=True),
+        examples=14,
+    ),
+    Rpc(
+        "Constructor",
+        "MarkCheckpoint",
+        constructor_pb2.MarkCheckpointRequest,
+        False,
+        "constructor",
+        ("trainer",),
+        None,
+        _never,
+        examples=14,
+    ),
 ]
 BY_NAME = {str(rpc): rpc for rpc in RPCS}
 
@@ -241,7 +303,11 @@ class JobFacts:
         for source in dataset:
             files = sorted(source.path.glob("*.parquet"))
             sizes = [pq.ParquetFile(f).metadata.row_group(g).num_rows for f in files for g in range(pq.ParquetFile(f).num_row_groups)]
-            infos.append(common_pb2.SourceInfo(name=source.name, num_rows=len(source.rows), num_files=len(files), num_row_groups=len(sizes), row_group_sizes=sizes))
+            infos.append(
+                common_pb2.SourceInfo(
+                    name=source.name, num_rows=len(source.rows), num_files=len(files), num_row_groups=len(sizes), row_group_sizes=sizes
+                )
+            )
         return cls(
             sources=tuple(infos),
             loader_sources=tuple(job.loader_sources(i) for i in range(job.loader_count)),
@@ -269,8 +335,11 @@ def _resume(facts: JobFacts) -> st.SearchStrategy[dict[str, str]]:
 def _register_loader(draw: st.DrawFn, facts: JobFacts) -> Message:
     i = draw(st.integers(0, len(facts.loader_addresses) - 1))
     return planner_pb2.RegisterLoaderRequest(
-        loader_index=i, address=facts.loader_addresses[i], sources=[facts.sources[k] for k in facts.loader_sources[i]],
-        replica=draw(st.sampled_from(["", str(i)])), incarnation=draw(st.uuids()).hex,
+        loader_index=i,
+        address=facts.loader_addresses[i],
+        sources=[facts.sources[k] for k in facts.loader_sources[i]],
+        replica=draw(st.sampled_from(["", str(i)])),
+        incarnation=draw(st.uuids()).hex,
     )
 
 
@@ -278,8 +347,12 @@ def _register_loader(draw: st.DrawFn, facts: JobFacts) -> Message:
 def _get_plan(draw: st.DrawFn, facts: JobFacts) -> Message:
     step = draw(_steps(facts))
     return planner_pb2.GetPlanRequest(
-        constructor_index=draw(st.integers(0, len(facts.constructor_ranks) - 1)), step=step, wait_ms=draw(st.integers(1, WAIT_CAP_MS)),
-        resume=draw(_resume(facts)), delivered_below=draw(st.integers(0, step)), rewind=draw(st.booleans()),
+        constructor_index=draw(st.integers(0, len(facts.constructor_ranks) - 1)),
+        step=step,
+        wait_ms=draw(st.integers(1, WAIT_CAP_MS)),
+        resume=draw(_resume(facts)),
+        delivered_below=draw(st.integers(0, step)),
+        rewind=draw(st.booleans()),
     )
 
 
@@ -290,9 +363,15 @@ def _get_summary(draw: st.DrawFn, facts: JobFacts) -> Message:
     from_seq = draw(st.integers(0, facts.sources[source].num_rows + 8))
     planned_steps = draw(_steps(facts))
     return loader_pb2.GetSummaryRequest(
-        source=source, from_seq=from_seq, planned_seq=draw(st.integers(0, from_seq)), max_samples=draw(st.integers(0, 64)),
-        wait_ms=draw(st.integers(0, WAIT_CAP_MS)), routes=[common_pb2.Route(from_window=0, replicas=[str(i)])],
-        planned_steps=planned_steps, delivered_below=draw(st.integers(0, planned_steps)), follow=draw(st.booleans()),
+        source=source,
+        from_seq=from_seq,
+        planned_seq=draw(st.integers(0, from_seq)),
+        max_samples=draw(st.integers(0, 64)),
+        wait_ms=draw(st.integers(0, WAIT_CAP_MS)),
+        routes=[common_pb2.Route(from_window=0, replicas=[str(i)])],
+        planned_steps=planned_steps,
+        delivered_below=draw(st.integers(0, planned_steps)),
+        follow=draw(st.booleans()),
     )
 
 
@@ -302,7 +381,8 @@ def _fetch_samples(draw: st.DrawFn, facts: JobFacts) -> Message:
     seqs = np.asarray(draw(st.lists(st.integers(0, facts.sources[source].num_rows - 1), max_size=12, unique=True)), np.int64)
     step = draw(_steps(facts))
     request = loader_pb2.FetchSamplesRequest(
-        constructor_index=draw(st.integers(0, len(facts.constructor_ranks) - 1)), step=step,
+        constructor_index=draw(st.integers(0, len(facts.constructor_ranks) - 1)),
+        step=step,
         samples=common_pb2.SampleSet(source=encode_array(np.full(len(seqs), source, np.int32)), seq=encode_array(seqs)),
         release_below_step=draw(st.integers(0, step)),
     )
@@ -334,8 +414,12 @@ def typical_requests(rpc: Rpc, facts: JobFacts) -> st.SearchStrategy[Message]:
         ),
         "Planner.RegisterConstructor": lambda: constructor.flatmap(
             lambda c: st.builds(
-                planner_pb2.RegisterConstructorRequest, constructor_index=st.just(c), address=st.just(facts.constructor_addresses[c]),
-                ranks=st.just(list(facts.constructor_ranks[c])), rejoin=st.booleans(), next_step=_steps(facts),
+                planner_pb2.RegisterConstructorRequest,
+                constructor_index=st.just(c),
+                address=st.just(facts.constructor_addresses[c]),
+                ranks=st.just(list(facts.constructor_ranks[c])),
+                rejoin=st.booleans(),
+                next_step=_steps(facts),
             )
         ),
         "Planner.GetJob": lambda: st.builds(planner_pb2.GetJobRequest, wait_ms=st.integers(0, WAIT_CAP_MS)),
@@ -346,14 +430,18 @@ def typical_requests(rpc: Rpc, facts: JobFacts) -> st.SearchStrategy[Message]:
         "Loader.FetchSamples": lambda: _fetch_samples(facts),
         "Constructor.GetInfo": lambda: st.just(constructor_pb2.GetInfoRequest()),
         "Constructor.GetBatch": lambda: st.builds(
-            constructor_pb2.GetBatchRequest, step=_steps(facts), wait_ms=st.integers(1, WAIT_CAP_MS),
+            constructor_pb2.GetBatchRequest,
+            step=_steps(facts),
+            wait_ms=st.integers(1, WAIT_CAP_MS),
             rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
-            resume=_resume(facts), restart=st.booleans(),
+            resume=_resume(facts),
+            restart=st.booleans(),
         ),
         "Constructor.Report": lambda: st.builds(common_pb2.ReportRequest, step=_steps(facts), losses=_losses(facts)),
         "Constructor.GetLength": lambda: st.builds(constructor_pb2.GetLengthRequest, wait_ms=st.integers(0, WAIT_CAP_MS)),
         "Constructor.MarkCheckpoint": lambda: st.builds(
-            constructor_pb2.MarkCheckpointRequest, step=_steps(facts),
+            constructor_pb2.MarkCheckpointRequest,
+            step=_steps(facts),
             rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
         ),
     }[str(rpc)]()
@@ -419,7 +507,9 @@ class Fuzzer:
         #: Strings of the job a request may name: source names, the parts' addresses.
         self.vocabulary = (*[s.name for s in facts.sources], *[p.address for p in cluster.processes])
         self._channels: dict[tuple[str, Identity], grpc.Channel] = {}
-        self.counts: dict[str, dict[str, collections.Counter]] = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+        self.counts: dict[str, dict[str, collections.Counter]] = collections.defaultdict(
+            lambda: collections.defaultdict(collections.Counter)
+        )
         self.deadline_exceeded: collections.Counter = collections.Counter()
         #: (RPC, status code name) -> the details of the first such answer.
         self.first_details: dict[tuple[str, str], str] = {}
@@ -448,7 +538,15 @@ class Fuzzer:
         return Code.OK, ""
 
     def send(
-        self, rpc: Rpc, process: ServiceProcess, identity: Identity, payload: bytes, *, kind: str, allowed: frozenset[grpc.StatusCode], why: str,
+        self,
+        rpc: Rpc,
+        process: ServiceProcess,
+        identity: Identity,
+        payload: bytes,
+        *,
+        kind: str,
+        allowed: frozenset[grpc.StatusCode],
+        why: str,
         request: Message | None,
     ) -> None:
         """Sends one request, counts it, and records a violation where its status is not among
@@ -465,15 +563,26 @@ class Fuzzer:
             self.violations.append(Violation(str(rpc), kind, caller, process.address, shown, code.name, details, f"expected {why}", log))
         dead = [p for p in self.cluster.processes if p.popen.poll() is not None]
         if dead:
-            self.violations.append(Violation(str(rpc), kind, caller, process.address, shown, code.name, details,
-                                             f"{dead[0].name} exited with status {dead[0].popen.poll()}", dead[0].log_tail(40)))
+            self.violations.append(
+                Violation(
+                    str(rpc),
+                    kind,
+                    caller,
+                    process.address,
+                    shown,
+                    code.name,
+                    details,
+                    f"{dead[0].name} exited with status {dead[0].popen.poll()}",
+                    dead[0].log_tail(40),
+                )
+            )
             pytest.fail("\n".join(map(str, self.violations)))
         problem = self.probe(process)
         if problem:
             self.violations.append(Violation(str(rpc), kind, caller, process.address, shown, code.name, details, problem))
 
     def probe(self, process: ServiceProcess) -> str:
-        """"" when `process` answers a cheap request within PROBE_S; what went wrong otherwise."""
+        """ "" when `process` answers a cheap request within PROBE_S; what went wrong otherwise."""
         role = process.module.rsplit(".", 1)[-1]
         try:
             if role == "planner":
@@ -635,8 +744,16 @@ def test_callers_of_other_roles_are_refused(fuzzer: Fuzzer, rpc: Rpc) -> None:
         identity = data.draw(st.sampled_from(callers), label="caller")
         process = data.draw(st.sampled_from(fuzzer.parts(rpc.part)), label="part")
         request = data.draw(requests, label="request")
-        fuzzer.send(rpc, process, identity, request.SerializeToString(), kind="wrong role",
-                    allowed=frozenset({Code.PERMISSION_DENIED}), why="PERMISSION_DENIED (another role's call)", request=request)
+        fuzzer.send(
+            rpc,
+            process,
+            identity,
+            request.SerializeToString(),
+            kind="wrong role",
+            allowed=frozenset({Code.PERMISSION_DENIED}),
+            why="PERMISSION_DENIED (another role's call)",
+            request=request,
+        )
 
     run_fuzz(fuzzer, rpc, "wrong role", body, examples=6)
 
@@ -644,8 +761,16 @@ def test_callers_of_other_roles_are_refused(fuzzer: Fuzzer, rpc: Rpc) -> None:
 @pytest.mark.parametrize("rpc", [rpc for rpc in RPCS if rpc.part == "constructor"], ids=str)
 def test_a_certified_peer_is_not_understood_on_the_trainer_socket(fuzzer: Fuzzer, rpc: Rpc) -> None:
     for process in fuzzer.cluster.constructors:
-        fuzzer.send(rpc, process, Identity("planner"), rpc.request().SerializeToString(), kind="wrong role",
-                    allowed=frozenset({Code.UNAVAILABLE}), why="UNAVAILABLE (TLS on a local-credentials socket)", request=rpc.request())
+        fuzzer.send(
+            rpc,
+            process,
+            Identity("planner"),
+            rpc.request().SerializeToString(),
+            kind="wrong role",
+            allowed=frozenset({Code.UNAVAILABLE}),
+            why="UNAVAILABLE (TLS on a local-credentials socket)",
+            request=rpc.request(),
+        )
     problems = fuzzer.violations_of(rpc, "wrong role")
     assert not problems, "\n".join(map(str, problems))
 
@@ -699,12 +824,22 @@ def test_long_polls_whose_callers_gave_up_do_not_stall_the_part(endless: LocalCl
     wait 30 s for `wait_ms` 0)."""
     planner, constructor = endless.planner.address, endless.constructors[0].address
     cases = [
-        (BY_NAME["Planner.GetPlan"], peer_channel(endless, planner, role="constructor", index=0),
-         planner_pb2.GetPlanRequest(constructor_index=0, step=10**6, wait_ms=0),
-         peer_channel(endless, planner, role="operator"), "GetStatus", planner_pb2.GetStatusRequest()),
-        (BY_NAME["Constructor.GetBatch"], peer_channel(endless, constructor, role="trainer"),
-         constructor_pb2.GetBatchRequest(rank=0, step=10**6, wait_ms=0),
-         peer_channel(endless, constructor, role="trainer"), "GetInfo", constructor_pb2.GetInfoRequest()),
+        (
+            BY_NAME["Planner.GetPlan"],
+            peer_channel(endless, planner, role="constructor", index=0),
+            planner_pb2.GetPlanRequest(constructor_index=0, step=10**6, wait_ms=0),
+            peer_channel(endless, planner, role="operator"),
+            "GetStatus",
+            planner_pb2.GetStatusRequest(),
+        ),
+        (
+            BY_NAME["Constructor.GetBatch"],
+            peer_channel(endless, constructor, role="trainer"),
+            constructor_pb2.GetBatchRequest(rank=0, step=10**6, wait_ms=0),
+            peer_channel(endless, constructor, role="trainer"),
+            "GetInfo",
+            constructor_pb2.GetInfoRequest(),
+        ),
     ]
     stalled = []
     for rpc, channel, request, probe_channel, probe, probe_request in cases:
@@ -722,9 +857,13 @@ def test_long_polls_whose_callers_gave_up_do_not_stall_the_part(endless: LocalCl
         method = f"/batchplane.v1.{rpc.service}/{probe}"
         begin = time.monotonic()
         try:
-            probe_channel.unary_unary(method, request_serializer=None, response_deserializer=None)(probe_request.SerializeToString(), timeout=PROBE_S)
+            probe_channel.unary_unary(method, request_serializer=None, response_deserializer=None)(
+                probe_request.SerializeToString(), timeout=PROBE_S
+            )
         except grpc.RpcError as exc:
-            stalled.append(f"after {GONE_CALLERS} callers of {rpc} gave up, {probe} got no answer for {time.monotonic() - begin:.1f} s: {exc.code().name}")
+            stalled.append(
+                f"after {GONE_CALLERS} callers of {rpc} gave up, {probe} got no answer for {time.monotonic() - begin:.1f} s: {exc.code().name}"
+            )
         channel.close()
         probe_channel.close()
     endless.check_alive()

@@ -103,7 +103,12 @@ TRAINER_KINDS = {
 }
 #: cert-manager's kinds (tls.mode certManager): no schema in kubernetes-validate; see CERT_MANAGER_SCHEMAS.
 CERT_MANAGER_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate")}
-CUSTOM_KINDS = {("batchplane.dev/v1alpha1", "DataPlane"), ("monitoring.coreos.com/v1", "ServiceMonitor"), *TRAINER_KINDS, *CERT_MANAGER_KINDS}
+CUSTOM_KINDS = {
+    ("batchplane.dev/v1alpha1", "DataPlane"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    *TRAINER_KINDS,
+    *CERT_MANAGER_KINDS,
+}
 POD_OWNERS = {"Deployment", "Job", "StatefulSet", "DaemonSet"}
 
 RUN_AS_USER = 10001
@@ -204,7 +209,9 @@ def values_args(case: str) -> list[str]:
 
 def template(helm: pathlib.Path, *args: str | os.PathLike, chart: pathlib.Path = CHART, release: str = RELEASE) -> list[dict]:
     """`helm template` with the CRD; the rendered documents, or a test failure with helm's error."""
-    result = run_helm(helm, "template", release, chart, "--namespace", NAMESPACE, "--include-crds", "--kube-version", RENDER_KUBE_VERSION, *args)
+    result = run_helm(
+        helm, "template", release, chart, "--namespace", NAMESPACE, "--include-crds", "--kube-version", RENDER_KUBE_VERSION, *args
+    )
     assert result.returncode == 0, f"helm template {' '.join(map(str, args))} failed:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -463,7 +470,9 @@ def validate_service_monitor(doc: dict, docs: list[dict]) -> None:
     assert len(services) == 1, f"ServiceMonitor {doc['metadata']['name']} selects {len(services)} Services"
     ports = {p["name"] for p in services[0]["spec"]["ports"]}
     for endpoint in spec["endpoints"]:
-        assert endpoint["port"] in ports, f"ServiceMonitor port {endpoint['port']!r} is not a port of Service {services[0]['metadata']['name']}"
+        assert endpoint["port"] in ports, (
+            f"ServiceMonitor port {endpoint['port']!r} is not a port of Service {services[0]['metadata']['name']}"
+        )
 
 
 POD_TEMPLATE = {"type": "object", "required": ["spec"], "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}}}
@@ -481,6 +490,8 @@ PYTORCHJOB_REPLICA = {
     "required": ["template"],
     "properties": {"replicas": INT32, "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]}, "template": POD_TEMPLATE},
 }
+
+
 #: Outer structures of the example trainers' custom kinds: the fields the chart uses, with the
 #: API's names and required fields; their pod templates are validated by kubernetes-validate.
 def custom_resource(api_version: str, kind: str, spec: dict) -> dict:
@@ -494,71 +505,99 @@ def custom_resource(api_version: str, kind: str, spec: dict) -> dict:
 
 
 TRAINER_SCHEMAS = {
-    "PyTorchJob": custom_resource("kubeflow.org/v1", "PyTorchJob", {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["pytorchReplicaSpecs"],
-        "properties": {
-            "runPolicy": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {"backoffLimit": INT32, "cleanPodPolicy": {"enum": ["All", "Running", "None"]}, "ttlSecondsAfterFinished": INT32},
-            },
-            "pytorchReplicaSpecs": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["Master"],
-                "properties": {"Master": {**PYTORCHJOB_REPLICA, "properties": {**PYTORCHJOB_REPLICA["properties"], "replicas": {"const": 1}}}, "Worker": PYTORCHJOB_REPLICA},
-            },
-        },
-    }),
-    "JobSet": custom_resource("jobset.x-k8s.io/v1alpha2", "JobSet", {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["replicatedJobs"],
-        "properties": {
-            "network": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {"enableDNSHostnames": {"type": "boolean"}, "subdomain": {"type": "string"}, "publishNotReadyAddresses": {"type": "boolean"}},
-            },
-            "failurePolicy": {"type": "object", "additionalProperties": False, "properties": {"maxRestarts": INT32}},
-            "replicatedJobs": {
-                "type": "array",
-                "minItems": 1,
-                "items": {
+    "PyTorchJob": custom_resource(
+        "kubeflow.org/v1",
+        "PyTorchJob",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["pytorchReplicaSpecs"],
+            "properties": {
+                "runPolicy": {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["name", "template"],
                     "properties": {
-                        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-                        "replicas": INT32,
-                        "template": {"type": "object", "additionalProperties": False, "required": ["spec"], "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}}},
+                        "backoffLimit": INT32,
+                        "cleanPodPolicy": {"enum": ["All", "Running", "None"]},
+                        "ttlSecondsAfterFinished": INT32,
+                    },
+                },
+                "pytorchReplicaSpecs": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["Master"],
+                    "properties": {
+                        "Master": {**PYTORCHJOB_REPLICA, "properties": {**PYTORCHJOB_REPLICA["properties"], "replicas": {"const": 1}}},
+                        "Worker": PYTORCHJOB_REPLICA,
                     },
                 },
             },
         },
-    }),
-    "LeaderWorkerSet": custom_resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["leaderWorkerTemplate"],
-        "properties": {
-            "replicas": INT32,
-            "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-            "leaderWorkerTemplate": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["workerTemplate"],
-                "properties": {
-                    "size": {**INT32, "minimum": 1},
-                    "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
-                    "leaderTemplate": POD_TEMPLATE,
-                    "workerTemplate": POD_TEMPLATE,
+    ),
+    "JobSet": custom_resource(
+        "jobset.x-k8s.io/v1alpha2",
+        "JobSet",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["replicatedJobs"],
+            "properties": {
+                "network": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "enableDNSHostnames": {"type": "boolean"},
+                        "subdomain": {"type": "string"},
+                        "publishNotReadyAddresses": {"type": "boolean"},
+                    },
+                },
+                "failurePolicy": {"type": "object", "additionalProperties": False, "properties": {"maxRestarts": INT32}},
+                "replicatedJobs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "template"],
+                        "properties": {
+                            "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                            "replicas": INT32,
+                            "template": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["spec"],
+                                "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}},
+                            },
+                        },
+                    },
                 },
             },
         },
-    }),
+    ),
+    "LeaderWorkerSet": custom_resource(
+        "leaderworkerset.x-k8s.io/v1",
+        "LeaderWorkerSet",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["leaderWorkerTemplate"],
+            "properties": {
+                "replicas": INT32,
+                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                "leaderWorkerTemplate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["workerTemplate"],
+                    "properties": {
+                        "size": {**INT32, "minimum": 1},
+                        "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
+                        "leaderTemplate": POD_TEMPLATE,
+                        "workerTemplate": POD_TEMPLATE,
+                    },
+                },
+            },
+        },
+    ),
 }
 
 
@@ -569,16 +608,32 @@ def validate_trainer_kind(doc: dict, version: str, kv: Any) -> None:
     wrapped = []
     if doc["kind"] == "JobSet":
         for job in doc["spec"]["replicatedJobs"]:
-            wrapped.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{doc['metadata']['name']}-{job['name']}-0"}, "spec": job["template"]["spec"]})
+            wrapped.append(
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{job['name']}-0"},
+                    "spec": job["template"]["spec"],
+                }
+            )
     else:
         for where, tpl in pod_templates(doc):
-            wrapped.append({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{doc['metadata']['name']}-{where.rsplit('.', 2)[-2].lower()}"}, "template": tpl})
+            wrapped.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{where.rsplit('.', 2)[-2].lower()}"},
+                    "template": tpl,
+                }
+            )
     for obj in wrapped:
         try:
             kv.validate(obj, version, strict=True)
         except kv.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
-            raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: a pod template is invalid for Kubernetes {version}: {path}: {exc.message}") from None
+            raise AssertionError(
+                f"{doc['kind']}/{doc['metadata']['name']}: a pod template is invalid for Kubernetes {version}: {path}: {exc.message}"
+            ) from None
 
 
 #: cert-manager's key usages (cert-manager.io/v1 KeyUsage).
@@ -600,43 +655,67 @@ ISSUER_REF = {
 #: kinds (and its CRDs are not available offline), so this structure check, and the chains and
 #: SANs test_cert_manager_resources checks, stand in for the API server's validation.
 CERT_MANAGER_SCHEMAS = {
-    "Issuer": custom_resource("cert-manager.io/v1", "Issuer", {
-        "type": "object",
-        "additionalProperties": False,
-        "minProperties": 1,
-        "maxProperties": 1,  # exactly one issuer type
-        "properties": {
-            "selfSigned": {"type": "object", "additionalProperties": False, "properties": {"crlDistributionPoints": {"type": "array"}}},
-            "ca": {"type": "object", "additionalProperties": False, "required": ["secretName"], "properties": {"secretName": {"type": "string", "minLength": 1}}},
-        },
-    }),
-    "Certificate": custom_resource("cert-manager.io/v1", "Certificate", {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["secretName", "issuerRef"],
-        "properties": {
-            "secretName": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", "maxLength": 253},
-            "secretTemplate": {"type": "object", "additionalProperties": False, "properties": {"labels": LABELS, "annotations": LABELS}},
-            "isCA": {"type": "boolean"},
-            "commonName": {"type": "string", "maxLength": 64},
-            "dnsNames": {"type": "array", "items": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}},
-            "uris": {"type": "array", "items": {"type": "string", "format": "uri"}},
-            "usages": {"type": "array", "items": {"enum": CERT_MANAGER_USAGES}, "uniqueItems": True},
-            "duration": GO_DURATION,
-            "renewBefore": GO_DURATION,
-            "privateKey": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {
-                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
-                    "size": {"type": "integer"},
-                    "encoding": {"enum": ["PKCS1", "PKCS8"]},
-                    "rotationPolicy": {"enum": ["Never", "Always"]},
+    "Issuer": custom_resource(
+        "cert-manager.io/v1",
+        "Issuer",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "maxProperties": 1,  # exactly one issuer type
+            "properties": {
+                "selfSigned": {"type": "object", "additionalProperties": False, "properties": {"crlDistributionPoints": {"type": "array"}}},
+                "ca": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["secretName"],
+                    "properties": {"secretName": {"type": "string", "minLength": 1}},
                 },
             },
-            "issuerRef": ISSUER_REF,
         },
-    }),
+    ),
+    "Certificate": custom_resource(
+        "cert-manager.io/v1",
+        "Certificate",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["secretName", "issuerRef"],
+            "properties": {
+                "secretName": {
+                    "type": "string",
+                    "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                    "maxLength": 253,
+                },
+                "secretTemplate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"labels": LABELS, "annotations": LABELS},
+                },
+                "isCA": {"type": "boolean"},
+                "commonName": {"type": "string", "maxLength": 64},
+                "dnsNames": {
+                    "type": "array",
+                    "items": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"},
+                },
+                "uris": {"type": "array", "items": {"type": "string", "format": "uri"}},
+                "usages": {"type": "array", "items": {"enum": CERT_MANAGER_USAGES}, "uniqueItems": True},
+                "duration": GO_DURATION,
+                "renewBefore": GO_DURATION,
+                "privateKey": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                        "size": {"type": "integer"},
+                        "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                        "rotationPolicy": {"enum": ["Never", "Always"]},
+                    },
+                },
+                "issuerRef": ISSUER_REF,
+            },
+        },
+    ),
 }
 
 
@@ -678,7 +757,9 @@ def validate_document(doc: dict, docs: list[dict], version: str, kv: Any) -> str
         return "k8s " + kv.validate(doc, version, strict=True)
     except kv.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path)
-        raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']} is invalid for Kubernetes {version}: {path}: {exc.message}") from None
+        raise AssertionError(
+            f"{doc['kind']}/{doc['metadata']['name']} is invalid for Kubernetes {version}: {path}: {exc.message}"
+        ) from None
 
 
 # ---- lint, render, validate ---------------------------------------------------------------------
@@ -830,10 +911,20 @@ def test_crd_accepts_an_operator_status_and_refuses_bad_ones(docs: list[dict]) -
     names = [s["name"] for g in dataplane["spec"]["sourceGroups"] for s in g["sources"]]
     dataplane["status"] = {
         "observedGeneration": 3,
-        "groups": [{"name": g["name"], "replicas": g["minReplicas"], "desiredReplicas": g["maxReplicas"]} for g in dataplane["spec"]["sourceGroups"]],
+        "groups": [
+            {"name": g["name"], "replicas": g["minReplicas"], "desiredReplicas": g["maxReplicas"]}
+            for g in dataplane["spec"]["sourceGroups"]
+        ],
         "observedMixture": {name: 1 / len(names) for name in names},
         "conditions": [
-            {"type": "Ready", "status": "True", "lastTransitionTime": "2025-01-01T00:00:00Z", "reason": "LoadersReady", "message": "all loader groups are serving", "observedGeneration": 3}
+            {
+                "type": "Ready",
+                "status": "True",
+                "lastTransitionTime": "2025-01-01T00:00:00Z",
+                "reason": "LoadersReady",
+                "message": "all loader groups are serving",
+                "observedGeneration": 3,
+            }
         ],
     }
     validate_dataplane(dataplane)
@@ -863,7 +954,9 @@ def test_every_container_is_locked_down(docs: list[dict], case: str) -> None:
     example_uid = load_values(case)["example"]["runAsUser"]
     for where, meta, spec in pod_specs(docs):
         pod = spec["securityContext"]
-        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == RUN_AS_USER and pod["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == RUN_AS_USER and pod["seccompProfile"] == {"type": "RuntimeDefault"}, (
+            where
+        )
         assert pod["fsGroup"] == RUN_AS_USER, where  # the group of the mounted Secrets (0440) and of the socket folder
         trainer_pod = meta.get("labels", {}).get("app.kubernetes.io/component") == "trainer"
         for c in containers(spec):
@@ -874,7 +967,9 @@ def test_every_container_is_locked_down(docs: list[dict], case: str) -> None:
             wrong = {k: ctx.get(k) for k, v in (CONTAINER_SECURITY | {"runAsUser": uid}).items() if ctx.get(k) != v}
             assert not wrong, f"{where} container {c['name']}: {wrong}"
             if trainer_pod and c["name"] != "batchplane-constructor":
-                assert uid != RUN_AS_USER and ctx["runAsGroup"] != pod["fsGroup"], f"{where}: the example trainer shares the sidecar's UID or GID"
+                assert uid != RUN_AS_USER and ctx["runAsGroup"] != pod["fsGroup"], (
+                    f"{where}: the example trainer shares the sidecar's UID or GID"
+                )
             seen += 1
             # read-only root: whatever the process writes goes to a mounted emptyDir or volume
             assert any(m["mountPath"] == "/tmp" for m in c.get("volumeMounts", [])), f"{where} {c['name']} has no writable /tmp"
@@ -909,14 +1004,20 @@ def test_job_yaml_loads_with_batchplane_config(docs: list[dict], case: str, tmp_
     planned = [s for g in dataplane["sourceGroups"] for s in g["sources"]]
     for config, source, in_dataplane in zip(job.sources, valued, planned):
         assert (config.token_column, config.transform) == (source.get("tokenColumn", "input_ids"), source.get("transform"))
-        assert (dict(config.transform_args), config.columns) == (source.get("transformArgs", {}), tuple(source["columns"]) if "columns" in source else None)
+        assert (dict(config.transform_args), config.columns) == (
+            source.get("transformArgs", {}),
+            tuple(source["columns"]) if "columns" in source else None,
+        )
         assert config.repeat == source.get("repeat", 1) == in_dataplane.get("repeat", 1)
     # loader group g (the operator's --index g) serves exactly the sources of sourceGroups[g]
     assert [[job.source_names[k] for k in job.loader_sources(g)] for g in range(job.loader_count)] == [
         [s["name"] for s in group["sources"]] for group in dataplane["sourceGroups"]
     ]
     assert dataclasses.asdict(job.mesh) | {"order": None} == {**dataplane["mesh"], "order": None}
-    assert (job.batch.global_batch_size, job.batch.microbatches) == (dataplane["batch"]["globalBatchSize"], dataplane["batch"]["microbatches"])
+    assert (job.batch.global_batch_size, job.batch.microbatches) == (
+        dataplane["batch"]["globalBatchSize"],
+        dataplane["batch"]["microbatches"],
+    )
     assert job.constructors.ranks_per_constructor == values["trainer"]["ranksPerPod"]
     # the ledger lives on the planner's writable state volume
     planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
@@ -935,10 +1036,15 @@ def test_partition_values_carry_repeat_into_job_yaml(helm: pathlib.Path, tmp_pat
     """`batchplane partition --format values` of a profile that upsamples a source (repeat 3),
     installed with the chart: job.yaml's source has repeat 3 (what the planner plans by), the
     DataPlane carries it within its CRD, and a source without it stays at 1."""
-    profiles = partition.profiles_from_mapping({"job": "j", "sources": [
-        {"name": "small", "path": "/data/small", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3, "repeat": 3},
-        {"name": "large", "path": "/data/large", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3},
-    ]})
+    profiles = partition.profiles_from_mapping(
+        {
+            "job": "j",
+            "sources": [
+                {"name": "small", "path": "/data/small", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3, "repeat": 3},
+                {"name": "large", "path": "/data/large", "state_bytes": 1 << 20, "transform_s_per_sample": 1e-3},
+            ],
+        }
+    )
     result = partition.partition(profiles.sources, partition.PartitionSettings(pod_memory_bytes=8 << 30, pod_cpus=4))
     values = partition.to_values(result)
     assert {s["name"]: s.get("repeat") for g in values["sourceGroups"] for s in g["sources"]} == {"small": 3, "large": None}
@@ -968,7 +1074,10 @@ def test_commands_fit_the_services_flags(docs: list[dict], tmp_path: pathlib.Pat
     ports = {p["name"]: p["containerPort"] for p in planner["ports"]}
     assert ports == {"grpc": settings.port, "metrics": settings.metrics_port} and settings.metrics_port == 9100
     service = one(docs, "Service", "-planner")
-    assert {(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {("grpc", 50051, "grpc"), ("metrics", 9100, "metrics")}
+    assert {(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        ("grpc", 50051, "grpc"),
+        ("metrics", 9100, "metrics"),
+    }
     assert matches(service["spec"]["selector"], one(docs, "Deployment", "-planner")["spec"]["template"]["metadata"]["labels"])
     assert one(docs, "Deployment", "-planner")["spec"]["strategy"] == {"type": "Recreate"}
     assert one(docs, "Deployment", "-planner")["spec"]["replicas"] == 1
@@ -1104,7 +1213,9 @@ def test_no_probe_speaks_grpc(docs: list[dict]) -> None:
                 if c["args"][0] in ("planner", "loader", "constructor"):
                     get = c[probe]["httpGet"]
                     port = ports.get(get["port"], get["port"])
-                    assert get["path"] == HEALTH_PATH and port == part_settings(c, c["args"][0]).metrics_port, f"{where} {c['name']} {probe}: {get}"
+                    assert get["path"] == HEALTH_PATH and port == part_settings(c, c["args"][0]).metrics_port, (
+                        f"{where} {c['name']} {probe}: {get}"
+                    )
                     probed.add(c["args"][0])
     assert {"planner", "loader"} <= probed
 
@@ -1127,11 +1238,16 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
         assert not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
     elif mode == "certManager":
         assert secrets == (sorted(tokens) if values["auth"]["tokens"]["enabled"] else [])
-        assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == sorted([f"{fullname}-ca", *(f"{fullname}-{p}-tls" for p in parts)])
+        assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == sorted(
+            [f"{fullname}-ca", *(f"{fullname}-{p}-tls" for p in parts)]
+        )
     elif mode == "existingSecret":
         assert secrets == [] and not all_of(docs, "Certificate")
         planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
-        assert secret_volume(planner, planner["containers"][0], TLS_DIR)[1]["secret"]["secretName"] == values["tls"]["existingSecret"]["planner"]
+        assert (
+            secret_volume(planner, planner["containers"][0], TLS_DIR)[1]["secret"]["secretName"]
+            == values["tls"]["existingSecret"]["planner"]
+        )
         assert one(docs, "DataPlane")["spec"]["loader"]["tls"]["secretName"] == values["tls"]["existingSecret"]["loader"]
         assert one(docs, "DataPlane")["spec"]["loader"]["authTokens"]["secretName"] == values["auth"]["tokens"]["existingSecret"]
     else:
@@ -1195,7 +1311,10 @@ def test_generated_certificates_chain_to_their_ca(helm: pathlib.Path) -> None:
         assert leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
         usage = leaf.extensions.get_extension_for_class(x509.KeyUsage).value
         assert usage.digital_signature and usage.key_encipherment and not usage.key_cert_sign
-        assert set(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+        assert set(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == {
+            ExtendedKeyUsageOID.SERVER_AUTH,
+            ExtendedKeyUsageOID.CLIENT_AUTH,
+        }
         dns, uris = leaf_names(secret["tls.crt"])
         expected = [f"{part}.batchplane"]
         if part == "planner":
@@ -1221,7 +1340,9 @@ def test_generated_secrets_are_kept_when_lookup_finds_them(helm: pathlib.Path, t
     what `lookup` finds to batchplane.tls.generatedSecrets. `helm template` cannot look anything
     up (no cluster; `--dry-run=server` would need an API server), so a probe template hands it
     Secrets as lookup would return them, through .Values.global (which the schema leaves open)."""
-    chart = probe_chart(tmp_path, '{{ include "batchplane.tls.generatedSecrets" (dict "root" . "found" (.Values.global.found | default dict)) }}\n')
+    chart = probe_chart(
+        tmp_path, '{{ include "batchplane.tls.generatedSecrets" (dict "root" . "found" (.Values.global.found | default dict)) }}\n'
+    )
 
     def render(found: dict) -> dict[str, dict]:
         values = tmp_path / "found.yaml"
@@ -1273,7 +1394,9 @@ def test_generated_tokens_are_kept_when_lookup_finds_them(helm: pathlib.Path, tm
     assert len(set(first.values())) == len(TOKEN_ROLES)
     assert render({"data": first}) == first
     partial = render({"data": {k: v for k, v in first.items() if k != "operator"}})
-    assert {k: partial[k] for k in first if k != "operator"} == {k: v for k, v in first.items() if k != "operator"} and partial["operator"] != first["operator"]
+    assert {k: partial[k] for k in first if k != "operator"} == {k: v for k, v in first.items() if k != "operator"} and partial[
+        "operator"
+    ] != first["operator"]
     # and the real template is what hands lookup's result to it
     text = (CHART / "templates" / "auth" / "tokens-secret.yaml").read_text()
     assert 'include "batchplane.auth.tokensData" (dict "root" . "found" (lookup "v1" "Secret" .Release.Namespace $name))' in text
@@ -1369,7 +1492,9 @@ def peer_admits(peer: Mapping[str, Any], policy_namespace: str, other: Endpoint)
             return False
         address = ipaddress.ip_address(other.ip)
         block = peer["ipBlock"]
-        return address in ipaddress.ip_network(block["cidr"]) and not any(address in ipaddress.ip_network(e) for e in block.get("except", []))
+        return address in ipaddress.ip_network(block["cidr"]) and not any(
+            address in ipaddress.ip_network(e) for e in block.get("except", [])
+        )
     if other.ip:
         return False
     if "namespaceSelector" in peer:
@@ -1395,9 +1520,17 @@ def connects(policies: list[dict], src: Endpoint, dst: Endpoint, port: int, prot
     def allowed(pod: Endpoint, other: Endpoint, direction: str) -> bool:
         if pod.ip:  # outside the cluster: no policy of ours applies
             return True
-        applying = [p for p in policies if p["metadata"]["namespace"] == pod.namespace and selects(p["spec"]["podSelector"], pod.labels) and direction in p["spec"]["policyTypes"]]
+        applying = [
+            p
+            for p in policies
+            if p["metadata"]["namespace"] == pod.namespace
+            and selects(p["spec"]["podSelector"], pod.labels)
+            and direction in p["spec"]["policyTypes"]
+        ]
         key = "ingress" if direction == "Ingress" else "egress"
-        return not applying or any(rule_admits(r, direction, p["metadata"]["namespace"], other, port, protocol) for p in applying for r in p["spec"].get(key, []))
+        return not applying or any(
+            rule_admits(r, direction, p["metadata"]["namespace"], other, port, protocol) for p in applying for r in p["spec"].get(key, [])
+        )
 
     return allowed(src, dst, "Egress") and allowed(dst, src, "Ingress")
 
@@ -1425,7 +1558,9 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
     pods = {name.split("/")[1].rsplit("-", 1)[1]: meta["labels"] for name, meta, _ in pod_specs(docs)}
     loader_labels = loader_deployments(docs)[0]["spec"]["template"]["metadata"]["labels"]
 
-    def pod(name: str, labels: Mapping[str, str], namespace: str = NAMESPACE, namespace_labels: Mapping[str, str] | None = None) -> Endpoint:
+    def pod(
+        name: str, labels: Mapping[str, str], namespace: str = NAMESPACE, namespace_labels: Mapping[str, str] | None = None
+    ) -> Endpoint:
         return Endpoint(name, namespace, dict(labels), dict(namespace_labels or {"kubernetes.io/metadata.name": namespace}))
 
     planner, loader = pod("planner", pods["planner"]), pod("loader", loader_labels)
@@ -1435,7 +1570,12 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
     example = pod("example", pods["example"]) if "example" in pods else None
     stranger = pod("stranger", {"app": "something-else"})
     prom_ns = np["prometheus"]["namespaceSelector"].get("matchLabels", {})
-    prometheus = pod("prometheus", np["prometheus"]["podSelector"].get("matchLabels", {}), prom_ns.get("kubernetes.io/metadata.name", "monitoring"), prom_ns)
+    prometheus = pod(
+        "prometheus",
+        np["prometheus"]["podSelector"].get("matchLabels", {}),
+        prom_ns.get("kubernetes.io/metadata.name", "monitoring"),
+        prom_ns,
+    )
     other_monitor = pod("not-prometheus", {"app": "grafana"}, prometheus.namespace, prom_ns)
     dns_ns = np["dns"]["namespaceSelector"].get("matchLabels", {})
     dns = pod("dns", np["dns"]["podSelector"].get("matchLabels", {}), dns_ns.get("kubernetes.io/metadata.name", "kube-system"), dns_ns)
@@ -1479,7 +1619,9 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
         assert connects(policies, example, example, 29500) and connects(policies, example, example, 12345)
         assert connects(policies, example, planner, grpc_planner) and connects(policies, example, loader, grpc_loader)
         assert connects(policies, prometheus, example, values["constructor"]["metricsPort"])
-        assert not connects(policies, stranger, example, values["constructor"]["metricsPort"]) and not connects(policies, stranger, example, 29500)
+        assert not connects(policies, stranger, example, values["constructor"]["metricsPort"]) and not connects(
+            policies, stranger, example, 29500
+        )
         assert not connects(policies, example, stranger, 80) and connects(policies, example, dns, 53, "UDP")
     # every policy is of this release and isolates both ways
     for policy in policies:
@@ -1491,26 +1633,33 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
             assert matches(service["spec"]["selector"], labels)
 
 
-def test_trainer_egress_rules_let_a_user_trainer_reach_its_data(helm: pathlib.Path, tmp_path: pathlib.Path, kubernetes_validate: Any) -> None:
+def test_trainer_egress_rules_let_a_user_trainer_reach_its_data(
+    helm: pathlib.Path, tmp_path: pathlib.Path, kubernetes_validate: Any
+) -> None:
     """A parent chart's own trainer policy with batchplane.trainerEgressRules lets its pods reach
     the planner, the loaders and the DNS, and nothing else."""
     chart = probe_chart(
         tmp_path,
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: my-trainer\n  namespace: {{ .Release.Namespace }}\n"
-        "spec:\n  podSelector:\n    matchLabels:\n      {{- include \"batchplane.trainerSelectorLabels\" . | nindent 6 }}\n"
-        "  policyTypes: [Egress]\n  egress:\n    {{- include \"batchplane.trainerEgressRules\" . | nindent 4 }}\n",
+        'spec:\n  podSelector:\n    matchLabels:\n      {{- include "batchplane.trainerSelectorLabels" . | nindent 6 }}\n'
+        '  policyTypes: [Egress]\n  egress:\n    {{- include "batchplane.trainerEgressRules" . | nindent 4 }}\n',
     )
     docs = template(helm, chart=chart)
     policies = all_of(docs, "NetworkPolicy")
     mine = one(docs, "NetworkPolicy", "my-trainer")
     trainer = Endpoint("t", NAMESPACE, mine["spec"]["podSelector"]["matchLabels"], {"kubernetes.io/metadata.name": NAMESPACE})
-    planner = Endpoint("p", NAMESPACE, one(docs, "Deployment", "-planner")["spec"]["template"]["metadata"]["labels"], trainer.namespace_labels)
+    planner = Endpoint(
+        "p", NAMESPACE, one(docs, "Deployment", "-planner")["spec"]["template"]["metadata"]["labels"], trainer.namespace_labels
+    )
     loader = Endpoint("l", NAMESPACE, loader_deployments(docs)[0]["spec"]["template"]["metadata"]["labels"], trainer.namespace_labels)
     dns = Endpoint("d", "kube-system", {"k8s-app": "kube-dns"}, {"kubernetes.io/metadata.name": "kube-system"})
-    assert connects(policies, trainer, planner, 50051) and connects(policies, trainer, loader, 50052) and connects(policies, trainer, dns, 53, "UDP")
+    assert (
+        connects(policies, trainer, planner, 50051)
+        and connects(policies, trainer, loader, 50052)
+        and connects(policies, trainer, dns, 53, "UDP")
+    )
     assert not connects(policies, trainer, Endpoint("x", ip="203.0.113.9"), 443)
     kubernetes_validate.validate(mine, RENDER_KUBE_VERSION, strict=True)
-
 
 
 # ---- the constructor sidecar --------------------------------------------------------------------
@@ -1554,7 +1703,9 @@ def check_trainer_pod(spec: dict, docs: list[dict], job: JobSettings, *, trainer
         assert sidecar[probe]["httpGet"] == {"path": HEALTH_PATH, "port": settings.metrics_port}, probe
     # its transport security, as the job's network.tls asks
     check_security(sidecar, spec, docs, role="constructor", server=False)
-    assert not [m for m in main["volumeMounts"] if volumes[m["name"]].get("secret")], "the trainer container mounts no Secret of the sidecar"
+    assert not [m for m in main["volumeMounts"] if volumes[m["name"]].get("secret")], (
+        "the trainer container mounts no Secret of the sidecar"
+    )
     (config,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == "/etc/batchplane"]
     assert volumes[config["name"]]["configMap"]["name"] == one(docs, "ConfigMap", "-job")["metadata"]["name"]
     assert job.constructor_count >= 1
@@ -1595,7 +1746,9 @@ def test_parent_chart_includes_the_sidecar(helm: pathlib.Path, tmp_path: pathlib
         + yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
         + "\n"
     )
-    (parent / "values.yaml").write_text("batchplane:\n  mesh: {dp: 4, cp: 1, tp: 2, pp: 1, order: tp-cp-dp-pp}\n  trainer: {ranksPerPod: 4}\n")
+    (parent / "values.yaml").write_text(
+        "batchplane:\n  mesh: {dp: 4, cp: 1, tp: 2, pp: 1, order: tp-cp-dp-pp}\n  trainer: {ranksPerPod: 4}\n"
+    )
     (parent / "templates" / "job.yaml").write_text(
         """\
 {{- $bp := .Subcharts.batchplane }}
@@ -1732,15 +1885,21 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
     assert f"{service}.{NAMESPACE}.svc:50051" in text
     assert 'include "batchplane.constructorSidecar"' in text
     ledger = load_values(case)["planner"]["ledger"]
-    assert ("WARNING: planner.ledger.persistence.enabled is false" in text) == (not ledger["persistence"]["enabled"] and not ledger["location"])
+    assert ("WARNING: planner.ledger.persistence.enabled is false" in text) == (
+        not ledger["persistence"]["enabled"] and not ledger["location"]
+    )
     if load_values(case)["example"]["enabled"]:
-        assert f"Example trainer ({load_values(case)['example']['kind']}, index from {load_values(case)['constructor']['indexFrom']})" in text
+        assert (
+            f"Example trainer ({load_values(case)['example']['kind']}, index from {load_values(case)['constructor']['indexFrom']})" in text
+        )
     # what is on and what is off, loudly where it is off
     values = load_values(case)
     mode = values["tls"]["mode"]
     assert ("WARNING: TLS IS DISABLED" in text) == (mode == "disabled")
     assert ("WARNING: NOT FOR PRODUCTION" in text) == (mode == "generated")
-    assert (f"tls.mode {mode}" in text) and ("nothing stands in its way" in text) == (mode == "disabled" and not values["networkPolicy"]["enabled"])
+    assert (f"tls.mode {mode}" in text) and ("nothing stands in its way" in text) == (
+        mode == "disabled" and not values["networkPolicy"]["enabled"]
+    )
     assert ("WARNING: networkPolicy.enabled is false" in text) == (not values["networkPolicy"]["enabled"])
     if mode == "existingSecret":
         assert all(name in text for name in values["tls"]["existingSecret"].values())
@@ -1769,7 +1928,10 @@ SCHEMA_ERRORS = [
     ({"mixture": {"weights": {"web": -1}}}, "mixture.weights.web"),
     ({"strategy": "plan.txt"}, "strategy"),
     # the pod fields: Kubernetes' own schema (batchplane.operator.kube_types), through values.schema.json
-    ({"loader": {"env": [{"name": "A", "valueFrom": {"secretKeyRf": {"name": "s", "key": "k"}}}]}}, "loader.env.0.valueFrom: Additional property secretKeyRf"),
+    (
+        {"loader": {"env": [{"name": "A", "valueFrom": {"secretKeyRf": {"name": "s", "key": "k"}}}]}},
+        "loader.env.0.valueFrom: Additional property secretKeyRf",
+    ),
     ({"loader": {"tolerations": [{"key": "k", "efect": "NoSchedule"}]}}, "loader.tolerations.0: Additional property efect"),
     ({"loader": {"affinity": {"nodeAfinity": {}}}}, "loader.affinity: Additional property nodeAfinity"),
     ({"loader": {"volumes": [{"name": "d", "emptyDir": {"sizeLimit": True}}]}}, "loader.volumes.0.emptyDir.sizeLimit"),
@@ -1788,7 +1950,10 @@ SCHEMA_ERRORS = [
     ({"networkPolicy": {"objectStore": {"cidrs": ["s3.amazonaws.com"]}}}, "networkPolicy.objectStore.cidrs.0"),
     ({"networkPolicy": {"objectStore": {"ports": [0]}}}, "networkPolicy.objectStore.ports.0"),
     ({"networkPolicy": {"apiServer": {"cidrs": []}}}, "networkPolicy.apiServer.cidrs"),
-    ({"networkPolicy": {"prometheus": {"podSelector": {"matchLabel": {"a": "b"}}}}}, "networkPolicy.prometheus.podSelector: Additional property matchLabel"),
+    (
+        {"networkPolicy": {"prometheus": {"podSelector": {"matchLabel": {"a": "b"}}}}},
+        "networkPolicy.prometheus.podSelector: Additional property matchLabel",
+    ),
     ({"networkPolicy": {"monitoringNamespace": "monitoring"}}, "networkPolicy: Additional property monitoringNamespace"),
     ({"example": {"runAsUser": 0}}, "example.runAsUser"),
 ]
@@ -1797,19 +1962,40 @@ TEMPLATE_ERRORS = [
     ({"sourceGroups": [dict(GROUP, minReplicas=3, maxReplicas=2)]}, "sourceGroups[0].maxReplicas: must be >= minReplicas (3), got 2"),
     ({"sourceGroups": [GROUP, dict(GROUP, name="more")]}, 'sourceGroups[1].sources[0].name: source "web" is listed twice'),
     ({"mixture": {"weights": {"wbe": 1}}}, "mixture.weights.wbe: names no source"),
-    ({"mesh": {"dp": 8}, "batch": {"globalBatchSize": 8, "microbatches": 2}}, "batch.globalBatchSize: must be >= mesh.dp * batch.microbatches = 16"),
+    (
+        {"mesh": {"dp": 8}, "batch": {"globalBatchSize": 8, "microbatches": 2}},
+        "batch.globalBatchSize: must be >= mesh.dp * batch.microbatches = 16",
+    ),
     ({"job": {"settings": {"network": {"host": "127.0.0.1"}}}}, "job.settings.network.host: set by the chart"),
     ({"job": {"settings": {"sources": []}}}, "job.settings.sources: set by the chart"),
     ({"strategy": "mine.py"}, 'strategy: "mine.py" is not a key of strategyFiles'),
     ({"example": {"enabled": True}, "mesh": {"dp": 2}}, "example.enabled: tiny_lm meets its peers on 127.0.0.1"),
-    ({"job": {"settings": {"ledger": {"location": "s3://b/l"}}}}, "job.settings.ledger.location: set by the chart; use planner.ledger.location"),
-    ({"example": {"enabled": True, "kind": "pytorchjob"}, "mesh": {"dp": 2}}, 'constructor.indexFrom: example.kind pytorchjob gives each pod its index through "kubeflow"'),
-    ({"example": {"enabled": True, "kind": "jobset", "jobsetJobs": 3}, "constructor": {"indexFrom": "jobset"}, "mesh": {"dp": 4}}, "example.jobsetJobs: must divide the 4 trainer pods, got 3"),
-    ({"loader": {"volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "dta", "mountPath": "/data"}]}}, 'loader.volumeMounts[0].name: "dta" names no volume of loader.volumes'),
+    (
+        {"job": {"settings": {"ledger": {"location": "s3://b/l"}}}},
+        "job.settings.ledger.location: set by the chart; use planner.ledger.location",
+    ),
+    (
+        {"example": {"enabled": True, "kind": "pytorchjob"}, "mesh": {"dp": 2}},
+        'constructor.indexFrom: example.kind pytorchjob gives each pod its index through "kubeflow"',
+    ),
+    (
+        {"example": {"enabled": True, "kind": "jobset", "jobsetJobs": 3}, "constructor": {"indexFrom": "jobset"}, "mesh": {"dp": 4}},
+        "example.jobsetJobs: must divide the 4 trainer pods, got 3",
+    ),
+    (
+        {"loader": {"volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "dta", "mountPath": "/data"}]}},
+        'loader.volumeMounts[0].name: "dta" names no volume of loader.volumes',
+    ),
     ({"loader": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}, 'loader.env[1].name: "A" is listed twice'),
     ({"job": {"settings": {"network": {"tls": False}}}}, "job.settings.network.tls: set by the chart"),
-    ({"tls": {"mode": "existingSecret", "existingSecret": {"planner": "p", "loader": "l"}}}, "tls.existingSecret.constructor: name the constructor's Secret"),
-    ({"loader": {"volumes": [{"name": "batchplane-tls", "emptyDir": {}}]}}, 'loader.volumes[0].name: "batchplane-tls" is used by batchplane'),
+    (
+        {"tls": {"mode": "existingSecret", "existingSecret": {"planner": "p", "loader": "l"}}},
+        "tls.existingSecret.constructor: name the constructor's Secret",
+    ),
+    (
+        {"loader": {"volumes": [{"name": "batchplane-tls", "emptyDir": {}}]}},
+        'loader.volumes[0].name: "batchplane-tls" is used by batchplane',
+    ),
 ]
 
 
@@ -1848,7 +2034,10 @@ def test_the_environment_batchplane_sets_is_refused(helm: pathlib.Path, tmp_path
 def test_the_volumes_batchplane_uses_are_refused(helm: pathlib.Path, tmp_path: pathlib.Path, name: str) -> None:
     for values, message in (
         ({"volumes": [{"name": name, "emptyDir": {}}]}, f'loader.volumes[0].name: "{name}" is used by batchplane'),
-        ({"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": name, "mountPath": "/d"}]}, f'loader.volumeMounts[0].name: "{name}" is used by batchplane'),
+        (
+            {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": name, "mountPath": "/d"}]},
+            f'loader.volumeMounts[0].name: "{name}" is used by batchplane',
+        ),
     ):
         rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, {"loader": values}))
         assert rendered.returncode != 0 and message in rendered.stderr, rendered.stderr
@@ -1858,7 +2047,9 @@ def test_the_volumes_batchplane_uses_are_refused(helm: pathlib.Path, tmp_path: p
 def test_the_mount_paths_batchplane_uses_are_refused(helm: pathlib.Path, tmp_path: pathlib.Path, path: str) -> None:
     values = {"loader": {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "d", "mountPath": path}]}}
     rendered = run_helm(helm, "template", RELEASE, CHART, "-f", bad_values(tmp_path, values))
-    assert rendered.returncode != 0 and f'loader.volumeMounts[0].mountPath: "{path}" is used by batchplane' in rendered.stderr, rendered.stderr
+    assert rendered.returncode != 0 and f'loader.volumeMounts[0].mountPath: "{path}" is used by batchplane' in rendered.stderr, (
+        rendered.stderr
+    )
     # and the operator refuses the same
     with pytest.raises(podfields.ConfigError, match="is used by batchplane"):
         podfields.parse_pod_options(values["loader"], at="spec.loader")
@@ -1908,7 +2099,9 @@ def test_the_planner_gets_bucket_credentials(helm: pathlib.Path) -> None:
     assert pod["automountServiceAccountToken"] is False  # a ServiceAccount alone mounts no API token
     default = one(template(helm), "Deployment", "-planner")["spec"]["template"]["spec"]
     assert "serviceAccountName" not in default and "envFrom" not in default["containers"][0]
-    opted_in = one(template(helm, "--set", "planner.automountServiceAccountToken=true"), "Deployment", "-planner")["spec"]["template"]["spec"]
+    opted_in = one(template(helm, "--set", "planner.automountServiceAccountToken=true"), "Deployment", "-planner")["spec"]["template"][
+        "spec"
+    ]
     assert opted_in["automountServiceAccountToken"] is True
 
 
@@ -1917,12 +2110,19 @@ def test_the_ledger_is_persistent_by_default_and_in_the_bucket_with_a_location(h
         planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
         folder.mkdir()
-        return next(v for v in planner["volumes"] if v["name"] == "state"), all_of(docs, "PersistentVolumeClaim"), job_from_configmap(docs, folder)
+        return (
+            next(v for v in planner["volumes"] if v["name"] == "state"),
+            all_of(docs, "PersistentVolumeClaim"),
+            job_from_configmap(docs, folder),
+        )
 
     state, claims, job = ledger_of(template(helm))
     (claim,) = claims
     assert state == {"name": "state", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
-    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert (
+        claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    )
     assert job.ledger.location is None  # <run_dir>/ledger, on the claim
     for url in ("s3://training-ledgers/llama/run-7", "gs://ledgers/run", "az://container/ledger"):
         state, claims, job = ledger_of(template(helm, "--set", f"planner.ledger.location={url}"))
@@ -1958,21 +2158,37 @@ def simulated_pods(doc: dict, pods: int) -> list[tuple[dict, dict]]:
     elif doc["kind"] == "PyTorchJob":
         for kind, replica in doc["spec"]["pytorchReplicaSpecs"].items():
             for i in range(replica["replicas"]):
-                labels = {"training.kubeflow.org/replica-type": kind.lower(), "training.kubeflow.org/replica-index": str(i), "training.kubeflow.org/job-name": name}
+                labels = {
+                    "training.kubeflow.org/replica-type": kind.lower(),
+                    "training.kubeflow.org/replica-index": str(i),
+                    "training.kubeflow.org/job-name": name,
+                }
                 out.append(({"name": f"{name}-{kind.lower()}-{i}", "labels": labels, "annotations": {}}, replica["template"]))
     elif doc["kind"] == "JobSet":
         (rjob,) = doc["spec"]["replicatedJobs"]
         for j in range(rjob["replicas"]):
             for c in range(rjob["template"]["spec"]["completions"]):
-                labels = {"jobset.sigs.k8s.io/job-index": str(j), "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"]), "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"]}
-                meta = {"name": f"{name}-{rjob['name']}-{j}-{c}-abcde", "labels": labels, "annotations": {"batch.kubernetes.io/job-completion-index": str(c)}}
+                labels = {
+                    "jobset.sigs.k8s.io/job-index": str(j),
+                    "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"]),
+                    "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
+                }
+                meta = {
+                    "name": f"{name}-{rjob['name']}-{j}-{c}-abcde",
+                    "labels": labels,
+                    "annotations": {"batch.kubernetes.io/job-completion-index": str(c)},
+                }
                 out.append((meta, rjob["template"]["spec"]["template"]))
     elif doc["kind"] == "LeaderWorkerSet":
         size = doc["spec"]["leaderWorkerTemplate"]["size"]
         for g in range(doc["spec"]["replicas"]):
             for w in range(size):
                 labels = {"leaderworkerset.sigs.k8s.io/group-index": str(g), "leaderworkerset.sigs.k8s.io/worker-index": str(w)}
-                meta = {"name": f"{name}-{g}" + (f"-{w}" if w else ""), "labels": labels, "annotations": {"leaderworkerset.sigs.k8s.io/size": str(size)}}
+                meta = {
+                    "name": f"{name}-{g}" + (f"-{w}" if w else ""),
+                    "labels": labels,
+                    "annotations": {"leaderworkerset.sigs.k8s.io/size": str(size)},
+                }
                 out.append((meta, doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]))
     assert len(out) == pods, f"{doc['kind']} makes {len(out)} pods, the job has {pods} constructors"
     return out
@@ -1991,7 +2207,12 @@ def test_each_example_gives_every_pod_its_constructor(helm: pathlib.Path, case: 
     per = job.constructors.ranks_per_constructor
     workloads = [d for d in docs if d["metadata"]["name"].endswith("-example") and d["kind"] != "NetworkPolicy"]
     workload = next(d for d in workloads if d["kind"] != "Service")
-    assert {d["kind"] for d in workloads} == {"torchrun": {"Job", "Service"}, "pytorchjob": {"PyTorchJob"}, "jobset": {"JobSet"}, "leaderworkerset": {"LeaderWorkerSet"}}[kind]
+    assert {d["kind"] for d in workloads} == {
+        "torchrun": {"Job", "Service"},
+        "pytorchjob": {"PyTorchJob"},
+        "jobset": {"JobSet"},
+        "leaderworkerset": {"LeaderWorkerSet"},
+    }[kind]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("torchrun", "sleep"):
@@ -2009,8 +2230,16 @@ def test_each_example_gives_every_pod_its_constructor(helm: pathlib.Path, case: 
         env = downward_env(trainer, meta)
         index_file = tmp_path / f"index-{index}"
         index_file.write_text(f"{index}\n")
-        controller_env = {"MASTER_ADDR": f"{workload['metadata']['name']}-master-0", "MASTER_PORT": "23456", "LWS_LEADER_ADDRESS": f"{workload['metadata']['name']}-0.{workload['metadata']['name']}"}
-        env |= {"BATCHPLANE_CONSTRUCTOR_INDEX_FILE": str(index_file), "TORCHRUN_ARGS": str(tmp_path / "args"), "PATH": f"{bin_dir}:/usr/bin:/bin"} | controller_env
+        controller_env = {
+            "MASTER_ADDR": f"{workload['metadata']['name']}-master-0",
+            "MASTER_PORT": "23456",
+            "LWS_LEADER_ADDRESS": f"{workload['metadata']['name']}-0.{workload['metadata']['name']}",
+        }
+        env |= {
+            "BATCHPLANE_CONSTRUCTOR_INDEX_FILE": str(index_file),
+            "TORCHRUN_ARGS": str(tmp_path / "args"),
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+        } | controller_env
         assert trainer["command"] == ["sh", "-c"]
         run = subprocess.run(["sh", "-c", trainer["args"][0]], env=env, capture_output=True, text=True, timeout=30)
         assert run.returncode == 0, run.stderr
@@ -2046,6 +2275,12 @@ def test_a_sidecar_in_the_wrong_kind_of_pod_says_so(helm: pathlib.Path) -> None:
     Now the constructor stops at once, naming the source and the variable."""
     docs = template(helm, "--set", "example.enabled=true")  # constructor.indexFrom indexed-job
     sidecar = container(one(docs, "Job", "-example")["spec"]["template"]["spec"], "batchplane-constructor")
-    pytorchjob_pod = {"name": "run-worker-0", "labels": {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}, "annotations": {}}
-    with pytest.raises(pod_rank.PodRankError, match=r"--index-from indexed-job: BATCHPLANE_COMPLETION_INDEX: is empty .*only an Indexed Job's pods"):
+    pytorchjob_pod = {
+        "name": "run-worker-0",
+        "labels": {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"},
+        "annotations": {},
+    }
+    with pytest.raises(
+        pod_rank.PodRankError, match=r"--index-from indexed-job: BATCHPLANE_COMPLETION_INDEX: is empty .*only an Indexed Job's pods"
+    ):
         index_args(sidecar["args"][1:], downward_env(sidecar, pytorchjob_pod))

@@ -57,7 +57,9 @@ def write_successor_source(root: pathlib.Path, name: str, rows: int, *, seed: in
     bounds = np.linspace(0, rows, 3).astype(int)
     for f in range(2):
         part = samples[bounds[f] : bounds[f + 1]]
-        table = pa.table({"input_ids": pa.array(part, type=pa.list_(pa.int32())), "doc_id": pa.array(np.arange(bounds[f], bounds[f + 1]), pa.int64())})
+        table = pa.table(
+            {"input_ids": pa.array(part, type=pa.list_(pa.int32())), "doc_id": pa.array(np.arange(bounds[f], bounds[f + 1]), pa.int64())}
+        )
         pq.write_table(table, folder / f"part-{f:05d}.parquet", row_group_size=row_group_size, compression="zstd")
     return SourceData(name, folder, samples)
 
@@ -120,8 +122,14 @@ def successor_fractions(model: torch.nn.Module, *, seed: int = 12345) -> tuple[f
 def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="eager",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        attn_implementation="eager",
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -180,9 +188,14 @@ def test_the_hf_trainer_gradient_is_the_exact_token_mean_over_both_ranks(referen
     for rank in saved:
         for mb in rank["microbatches"]:
             logits = model(
-                input_ids=mb["input_ids"].long(), attention_mask=mb["attention_mask"].long(), position_ids=mb["position_ids"].long(), use_cache=False
+                input_ids=mb["input_ids"].long(),
+                attention_mask=mb["attention_mask"].long(),
+                position_ids=mb["position_ids"].long(),
+                use_cache=False,
             ).logits
-            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].long().flatten(), ignore_index=-100, reduction="sum")
+            total = total + torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), mb["labels"].long().flatten(), ignore_index=-100, reduction="sum"
+            )
     (total / saved[0]["global_loss_tokens"]).backward()
     for name, parameter in model.named_parameters():
         assert torch.equal(saved[0]["gradients"][name], saved[1]["gradients"][name]), name
@@ -233,7 +246,9 @@ def test_a_plain_loop_with_causal_lm_inputs_learns_the_successor_and_raw_labels_
         cluster.stop()
     assert steps == STEPS
     right, wrong = successor_fractions(models["causal_lm_inputs"]), successor_fractions(models["raw labels"])
-    print(f"plain loop, packed ({steps} steps): causal_lm_inputs t+1 {right[0]:.4f} t+2 {right[1]:.4f}; raw labels t+1 {wrong[0]:.4f} t+2 {wrong[1]:.4f}")
+    print(
+        f"plain loop, packed ({steps} steps): causal_lm_inputs t+1 {right[0]:.4f} t+2 {right[1]:.4f}; raw labels t+1 {wrong[0]:.4f} t+2 {wrong[1]:.4f}"
+    )
     assert right[0] > 0.9 and right[1] < 0.05
     assert wrong[1] > 0.9 and wrong[0] < 0.05  # the double shift: the checks above would fail on it
 
@@ -245,7 +260,9 @@ def test_a_killed_trainer_resumes_from_its_hf_checkpoint_on_the_running_data_pla
     cluster = start_cluster(trainer_job(tmp_path, sources, "run"))
     out = tmp_path / "out"
     try:
-        first = start_torchrun(out, cluster.endpoints_path, "--save-steps", str(SAVE_STEPS), "--steps-log", "first", "--stall-after-step", str(STALL_AFTER))
+        first = start_torchrun(
+            out, cluster.endpoints_path, "--save-steps", str(SAVE_STEPS), "--steps-log", "first", "--stall-after-step", str(STALL_AFTER)
+        )
         try:
 
             def stalled() -> bool:

@@ -49,8 +49,15 @@ def open_stream(tmp_path: pathlib.Path):
         order = SampleOrder([rg.num_rows for rg in source.row_groups], seed=1, source_name="a", window_row_groups=1, shuffle=True)
         metrics = LoaderMetrics(CollectorRegistry())
         stream = SourceStream(
-            0, source, order, BoundTransform(token_ids, {"column": "input_ids"}, ("input_ids",)),
-            epochs=None, read_ahead_samples=read_ahead, budget=ByteBudget(budget), metrics=metrics, replica="0",
+            0,
+            source,
+            order,
+            BoundTransform(token_ids, {"column": "input_ids"}, ("input_ids",)),
+            epochs=None,
+            read_ahead_samples=read_ahead,
+            budget=ByteBudget(budget),
+            metrics=metrics,
+            replica="0",
         )
         streams.append(stream)
         return stream, metrics
@@ -115,7 +122,8 @@ def test_with_the_jobs_limits_a_fetch_names_a_constructor_and_at_most_a_step_of_
 
     def fetch(constructor: int, seqs) -> int:
         request = loader_pb2.FetchSamplesRequest(
-            constructor_index=constructor, step=0,
+            constructor_index=constructor,
+            step=0,
             samples=common_pb2.SampleSet(source=encode_array(np.zeros(len(seqs), np.int32)), seq=encode_array(np.asarray(seqs, np.int64))),
         )
         first = next(servicer.FetchSamples(request, None))  # serialized already: the server passes it on
@@ -165,7 +173,9 @@ def job(tmp_path_factory):
         write_source(root / "data", "b", skewed_lengths(80, seed=5), row_group_size=10, seed=5),
     ]
     config = write_job(
-        root / "job.yaml", sources, epochs="infinite",
+        root / "job.yaml",
+        sources,
+        epochs="infinite",
         loaders={"count": 1, "buffer_bytes": BUDGET, "shuffle": {"window_row_groups": 1}},
     )
     cluster = start_cluster(config)
@@ -177,7 +187,9 @@ def job(tmp_path_factory):
 
 def _fetch(stub, *, constructor: int = 0, step: int = 0, sources, seqs, copies=None, release: int = 0):
     request = loader_pb2.FetchSamplesRequest(
-        constructor_index=constructor, step=step, release_below_step=release,
+        constructor_index=constructor,
+        step=step,
+        release_below_step=release,
         samples=common_pb2.SampleSet(source=encode_array(np.asarray(sources, np.int32)), seq=encode_array(np.asarray(seqs, np.int64))),
         copies=encode_array(np.asarray(copies, np.int32)) if copies is not None else None,
     )
@@ -238,7 +250,10 @@ def test_hostile_fetches_and_summaries_are_refused_with_the_right_status(job) ->
             (loader_pb2.GetSummaryRequest(source=0, from_seq=0, planned_seq=10**12), "never passes what it knows"),
             (loader_pb2.GetSummaryRequest(source=0, from_seq=2**63 - 1), "from_seq"),
             (loader_pb2.GetSummaryRequest(source=0, delivered_below=-4), "delivered_below"),
-            (loader_pb2.GetSummaryRequest(source=0, routes=[common_pb2.Route(from_window=3, replicas=["0"])]), "routes must start at window 0"),
+            (
+                loader_pb2.GetSummaryRequest(source=0, routes=[common_pb2.Route(from_window=3, replicas=["0"])]),
+                "routes must start at window 0",
+            ),
             (loader_pb2.GetSummaryRequest(source=0, routes=[common_pb2.Route(from_window=0, replicas=["0", "0"])]), "distinct replicas"),
         ]:
             code, details = _code(lambda: stub.GetSummary(request, timeout=10))
@@ -281,7 +296,10 @@ def test_under_attack_the_job_still_delivers_every_sample_exactly_once(job) -> N
     for rank in batches:
         batches[rank] += more[rank]
     seen = collections.Counter(
-        (s, r, e) for rank in batches.values() for b in rank for mb in b["microbatches"]
+        (s, r, e)
+        for rank in batches.values()
+        for b in rank
+        for mb in b["microbatches"]
         for s, r, e in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())
     )
     assert max(seen.values()) == 1, "a sample arrived twice"
@@ -300,9 +318,17 @@ def _attack_constructor(cluster, address: str) -> None:
             (constructor_pb2.GetBatchRequest(rank=5, step=30), grpc.StatusCode.INVALID_ARGUMENT, "outside the job's mesh of 2 ranks"),
             (constructor_pb2.GetBatchRequest(rank=0, step=-1), grpc.StatusCode.INVALID_ARGUMENT, "step must be"),
             (constructor_pb2.GetBatchRequest(rank=0, step=2**63 - 1), grpc.StatusCode.INVALID_ARGUMENT, "step must be"),
-            (constructor_pb2.GetBatchRequest(rank=0, step=10**15, restart=True, wait_ms=2**31 - 1), grpc.StatusCode.FAILED_PRECONDITION, "ahead of every step"),
+            (
+                constructor_pb2.GetBatchRequest(rank=0, step=10**15, restart=True, wait_ms=2**31 - 1),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ahead of every step",
+            ),
             (constructor_pb2.GetBatchRequest(rank=0, step=10**9), grpc.StatusCode.FAILED_PRECONDITION, "ahead of every step"),
-            (constructor_pb2.GetBatchRequest(rank=0, step=30, resume={str(i): "x" for i in range(1000)}), grpc.StatusCode.INVALID_ARGUMENT, "fingerprints"),
+            (
+                constructor_pb2.GetBatchRequest(rank=0, step=30, resume={str(i): "x" for i in range(1000)}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "fingerprints",
+            ),
         ]:
             with pytest.raises(grpc.RpcError) as info:
                 next(stub.GetBatch(request, timeout=20))
@@ -310,7 +336,11 @@ def _attack_constructor(cluster, address: str) -> None:
         for request, code, names in [
             (common_pb2.ReportRequest(step=3, losses={"a": float("nan")}), grpc.StatusCode.INVALID_ARGUMENT, "finite number >= 0"),
             (common_pb2.ReportRequest(step=3, losses={"a": float("-inf")}), grpc.StatusCode.INVALID_ARGUMENT, "finite number >= 0"),
-            (common_pb2.ReportRequest(step=3, losses={f"k{i}": 1.0 for i in range(20_000)}), grpc.StatusCode.INVALID_ARGUMENT, "names no source"),
+            (
+                common_pb2.ReportRequest(step=3, losses={f"k{i}": 1.0 for i in range(20_000)}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "names no source",
+            ),
             (common_pb2.ReportRequest(step=-1, losses={"a": 1.0}), grpc.StatusCode.INVALID_ARGUMENT, "step must be"),
             (common_pb2.ReportRequest(step=10**9, losses={"a": 1.0}), grpc.StatusCode.FAILED_PRECONDITION, "no rank here has been given"),
         ]:
@@ -324,7 +354,9 @@ def test_old_windows_a_hostile_fetch_asks_for_are_not_kept(job) -> None:
     long ago) is served over budget without the loader's buffer keeping those windows."""
     cluster, endpoints = job
     stable = []
-    wait_until(lambda: stable.append(_buffer(endpoints)) or (len(stable) > 5 and len(set(stable[-5:])) == 1), timeout_s=30, what="an idle loader")
+    wait_until(
+        lambda: stable.append(_buffer(endpoints)) or (len(stable) > 5 and len(set(stable[-5:])) == 1), timeout_s=30, what="an idle loader"
+    )
     before = stable[-1]
     with peer_channel(cluster, endpoints["loaders"]["0"], role="constructor", index=1) as channel:
         stub = loader_pb2_grpc.LoaderStub(channel)

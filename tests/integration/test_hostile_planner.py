@@ -78,7 +78,8 @@ def test_hostile_steps_and_rejoins_skip_end_or_stall_nothing(cluster: LocalClust
         assert not operator.GetStatus(planner_pb2.GetStatusRequest(), timeout=30).finished
         # b: constructor 1 rejoins far ahead: believed only up to what is planned
         planners[1].RegisterConstructor(
-            planner_pb2.RegisterConstructorRequest(constructor_index=1, address="hostile:1", ranks=[1], rejoin=True, next_step=10**9), timeout=30
+            planner_pb2.RegisterConstructorRequest(constructor_index=1, address="hostile:1", ranks=[1], rejoin=True, next_step=10**9),
+            timeout=30,
         )
         # d: a later step for constructor 1 than it asked for: its own next requests are still served
         planners[1].GetPlan(planner_pb2.GetPlanRequest(constructor_index=1, step=6, delivered_below=6, wait_ms=10_000), timeout=30)
@@ -89,7 +90,11 @@ def test_hostile_steps_and_rejoins_skip_end_or_stall_nothing(cluster: LocalClust
     for rank in (0, 1):
         assert [b["step"] for b in batches[rank]] == list(range(STEPS)), f"rank {rank}: every step, none skipped, none after the end"
     rows = collections.Counter(
-        (int(s), int(r)) for rank in (0, 1) for b in batches[rank] for mb in b["microbatches"] for s, r in zip(mb["sample_source"], mb["sample_row"])
+        (int(s), int(r))
+        for rank in (0, 1)
+        for b in batches[rank]
+        for mb in b["microbatches"]
+        for s, r in zip(mb["sample_source"], mb["sample_row"])
     )
     assert sorted(rows) == [(0, r) for r in range(ROWS)] and set(rows.values()) == {1}, "every sample exactly once"
     wait_until(lambda: cluster.status().finished, timeout_s=10, what="the planner to see every rank finished")
@@ -97,7 +102,9 @@ def test_hostile_steps_and_rejoins_skip_end_or_stall_nothing(cluster: LocalClust
     assert status.end_step == STEPS  # (a false delivery claim may have cost a re-plan: running totals restart there)
 
     # after the end, a far request is told so and changes nothing
-    response = planners[0].GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=10**9, delivered_below=10**9, wait_ms=200), timeout=30)
+    response = planners[0].GetPlan(
+        planner_pb2.GetPlanRequest(constructor_index=0, step=10**9, delivered_below=10**9, wait_ms=200), timeout=30
+    )
     assert response.end_of_data
     assert operator.GetStatus(planner_pb2.GetStatusRequest(), timeout=30).end_step == STEPS
     error = _refused(lambda: planners[0].GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=-1), timeout=30))

@@ -213,8 +213,9 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
         yield server
 
 
-def test_journal_delivery_on_s3_survives_a_killed_producer(tmp_path: pathlib.Path, streamed: dict, s3: S3Server,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_journal_delivery_on_s3_survives_a_killed_producer(
+    tmp_path: pathlib.Path, streamed: dict, s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name, value in s3.env().items():  # the service processes inherit it
         monkeypatch.setenv(name, value)
     url = f"s3://{BUCKET}/{tmp_path.name}/journal"

@@ -95,8 +95,12 @@ def test_two_producers_build_alternate_steps_and_one_killed_loses_or_repeats_not
         assert killed == [4]
         wait_until(lambda: len(_committed(cluster.run_dir)) >= STEPS, timeout_s=30, what="the producers to commit every step")
         store = ManifestStore(LocalStorage(cluster.run_dir / "journal"))
-        owners = {entry.step: record.change.producer for v in range(1, store.latest().version + 1)
-                  if hasattr((record := store.read_record(v)).change, "steps") for entry in record.change.steps}
+        owners = {
+            entry.step: record.change.producer
+            for v in range(1, store.latest().version + 1)
+            if hasattr((record := store.read_record(v)).change, "steps")
+            for entry in record.change.steps
+        }
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
     assert owners == {step: f"p{step % 2}" for step in range(STEPS)}, "producer i committed exactly the steps s % 2 == i"

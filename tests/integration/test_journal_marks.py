@@ -56,8 +56,9 @@ K = 5  # the checkpoint resumes at step K
 def test_checkpoint_marks_bound_reclamation_and_a_restore_replays_its_batches(tmp_path: pathlib.Path) -> None:
     source = write_source(tmp_path / "data", "a", skewed_lengths(ROWS, seed=5, long=100), row_group_size=16, seed=5)
     (tmp_path / "job").mkdir()
-    config = write_job(tmp_path / "job" / "job.yaml", [source], mesh=MESH, batch=BATCH,
-                       journal={"policy": "naive", "min_age_s": 120, "prefetch_steps": 1})
+    config = write_job(
+        tmp_path / "job" / "job.yaml", [source], mesh=MESH, batch=BATCH, journal={"policy": "naive", "min_age_s": 120, "prefetch_steps": 1}
+    )
     cluster = start_cluster(config)
     try:
         saved: dict[int, dict] = {}
@@ -132,8 +133,9 @@ def test_the_hf_trainer_marks_each_checkpoint_it_saves_and_its_ranks_exit_cleanl
     batch = {"global_batch_size": 16, "microbatches": 2, "token_dtype": "int32", "delivery": "journal"}
     source = _successor_source(tmp_path / "data", HF_STEPS * batch["global_batch_size"])
     (tmp_path / "job").mkdir()
-    config = write_job(tmp_path / "job" / "job.yaml", [source], mesh=MESH, batch=batch,
-                       journal={"policy": "naive", "min_age_s": 120, "prefetch_steps": 1})
+    config = write_job(
+        tmp_path / "job" / "job.yaml", [source], mesh=MESH, batch=batch, journal={"policy": "naive", "min_age_s": 120, "prefetch_steps": 1}
+    )
     cluster = start_cluster(config)
     out = tmp_path / "out"
     out.mkdir()
@@ -142,8 +144,19 @@ def test_the_hf_trainer_marks_each_checkpoint_it_saves_and_its_ranks_exit_cleanl
         # The Trainer takes its max_steps from the job's length, which journal delivery knows at the end marker.
         wait_until(lambda: read_end(journal) is not None, timeout_s=60, what="the producer to reach the end")
         env = {**os.environ, "BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path), "OMP_NUM_THREADS": "1"}
-        command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(HF_TRAINER), "--out", str(out), "--vocab", str(VOCAB),
-                   "--save-steps", str(HF_SAVE_STEPS)]
+        command = [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(HF_TRAINER),
+            "--out",
+            str(out),
+            "--vocab",
+            str(VOCAB),
+            "--save-steps",
+            str(HF_SAVE_STEPS),
+        ]
         with open(out / "torchrun.log", "wb") as log:
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -56,8 +56,14 @@ def test_a_second_resume_after_a_dp_change_reads_on_from_the_checkpoints_journal
 
     def job(name: str, *, dp: int, journal: dict | None = None) -> pathlib.Path:
         (tmp_path / name).mkdir()
-        return write_job(tmp_path / name / "job.yaml", [source], mesh={"dp": dp, "cp": 1}, batch=BATCH, constructors=PODS,
-                         journal={"policy": "naive", **(journal or {})})
+        return write_job(
+            tmp_path / name / "job.yaml",
+            [source],
+            mesh={"dp": dp, "cp": 1},
+            batch=BATCH,
+            constructors=PODS,
+            journal={"policy": "naive", **(journal or {})},
+        )
 
     # Written at DP 2: the whole job, with a checkpoint after step 5 (the reference bytes too).
     cluster = start_cluster(job("written", dp=2))

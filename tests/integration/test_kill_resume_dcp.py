@@ -44,9 +44,12 @@ def sources(tmp_path_factory):
 
 def job(folder: pathlib.Path, sources, name: str) -> pathlib.Path:
     return write_job(
-        folder / f"{name}.yaml", sources,
+        folder / f"{name}.yaml",
+        sources,
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-        mesh={"dp": 2}, constructors={"prefetch_steps": 2}, run_dir=str(folder / name),
+        mesh={"dp": 2},
+        constructors={"prefetch_steps": 2},
+        run_dir=str(folder / name),
     )
 
 
@@ -57,9 +60,26 @@ def torchrun(endpoints: pathlib.Path, out: pathlib.Path, ckpt: pathlib.Path, fmt
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "torchrun.log", "w") as log:
         return subprocess.Popen(
-            [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(TRAINER),
-             "--out", str(out), "--ckpt", str(ckpt), "--format", fmt, "--every", str(EVERY), *extra],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(TORCHRUN),
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(TRAINER),
+                "--out",
+                str(out),
+                "--ckpt",
+                str(ckpt),
+                "--format",
+                fmt,
+                "--every",
+                str(EVERY),
+                *extra,
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 

@@ -122,12 +122,28 @@ def test_up_refuses_an_autoscale_dataplane_that_does_not_fit_the_job(tmp_path: p
     sources = [write_source(tmp_path / "data", n, [5] * 20) for n in "ab"]
     config = write_job(tmp_path / "job.yaml", sources, loaders={"groups": groups})
     dataplane = tmp_path / "dataplane.yaml"
-    dataplane.write_text(json.dumps({"metadata": {"name": "local"}, "spec": {"sourceGroups": [
-        {"name": "text", "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}], "minReplicas": 1, "maxReplicas": 2},
-    ]}}))
+    dataplane.write_text(
+        json.dumps(
+            {
+                "metadata": {"name": "local"},
+                "spec": {
+                    "sourceGroups": [
+                        {
+                            "name": "text",
+                            "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
+                            "minReplicas": 1,
+                            "maxReplicas": 2,
+                        },
+                    ]
+                },
+            }
+        )
+    )
     out = subprocess.run(
         [sys.executable, "-m", "batchplane.cli", "up", "-c", str(config), "--autoscale", str(dataplane), *extra],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
@@ -141,7 +157,9 @@ def test_up_restarts_a_planner_that_died_and_the_trainers_finish(tmp_path: pathl
     endpoints_path = tmp_path / "run" / "endpoints.json"
     try:
         address = json.loads(endpoints_path.read_text())["planner"]
-        planner = next(p for p in _service_pids(tmp_path / "run") if b"batchplane.planner" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes())
+        planner = next(
+            p for p in _service_pids(tmp_path / "run") if b"batchplane.planner" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
+        )
         first, states = collect(endpoints_path, [0, 1], stop_after=2)
         os.kill(planner, signal.SIGKILL)
         line = ""
@@ -214,13 +232,16 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
     }
     assert all(moved[k] != taken[k] for k in taken), (taken, moved)
     assert after["constructors"] == before["constructors"], "a constructor's socket is the run's: it never moves"
-    assert {k: v for k, v in after["metrics"].items() if k != "constructor-1"} == {k: v for k, v in before["metrics"].items() if k != "constructor-1"}
+    assert {k: v for k, v in after["metrics"].items() if k != "constructor-1"} == {
+        k: v for k, v in before["metrics"].items() if k != "constructor-1"
+    }
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     for name, what in (("planner", "gRPC"), ("loader-0", "gRPC"), ("constructor-1 metrics", "metrics")):
         process = name.removesuffix(" metrics")
-        assert any(
-            w.startswith(f"{process}: its {what} port {taken[name]} ") and f"port {moved[name]} instead" in w for w in warnings
-        ), (name, warnings)
+        assert any(w.startswith(f"{process}: its {what} port {taken[name]} ") and f"port {moved[name]} instead" in w for w in warnings), (
+            name,
+            warnings,
+        )
 
 
 def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(tmp_path: pathlib.Path) -> None:
@@ -258,29 +279,43 @@ def test_an_endpoints_file_of_another_job_or_unreadable_is_ignored(
     cluster.endpoints_path.write_text(content)
     caplog.set_level(logging.INFO, logger="batchplane.launcher.local")
     assert cluster._earlier_ports() == {}
-    assert any(r.levelno == logging.INFO and "not keeping the addresses" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.INFO and "not keeping the addresses" in r.getMessage() and reason in r.getMessage() for r in caplog.records
+    )
 
 
 def test_the_ports_of_an_earlier_run_are_read_by_process_name(tmp_path: pathlib.Path) -> None:
-    config = write_job(tmp_path / "job.yaml", [write_source(tmp_path / "data", "s", [5] * 10)], mesh={"dp": 4}, constructors={"ranks_per_constructor": 2})
+    config = write_job(
+        tmp_path / "job.yaml", [write_source(tmp_path / "data", "s", [5] * 10)], mesh={"dp": 4}, constructors={"ranks_per_constructor": 2}
+    )
     cluster = LocalCluster(config)
     cluster.run_dir.mkdir(parents=True)
-    cluster.endpoints_path.write_text(json.dumps({
-        "job": "test",
-        "planner": "127.0.0.1:5000",
-        "loaders": {"0": "127.0.0.1:5001", "0-1": "127.0.0.1:5002"},
-        "constructors": {"0": "127.0.0.1:5003", "1": "127.0.0.1:5003", "2": "127.0.0.1:5004", "3": "127.0.0.1:5004"},
-        "metrics": {"planner": "http://127.0.0.1:6000/metrics", "constructor-1": "http://127.0.0.1:6004/metrics"},
-    }))
+    cluster.endpoints_path.write_text(
+        json.dumps(
+            {
+                "job": "test",
+                "planner": "127.0.0.1:5000",
+                "loaders": {"0": "127.0.0.1:5001", "0-1": "127.0.0.1:5002"},
+                "constructors": {"0": "127.0.0.1:5003", "1": "127.0.0.1:5003", "2": "127.0.0.1:5004", "3": "127.0.0.1:5004"},
+                "metrics": {"planner": "http://127.0.0.1:6000/metrics", "constructor-1": "http://127.0.0.1:6004/metrics"},
+            }
+        )
+    )
     assert cluster._earlier_ports() == {
-        "planner": Ports(5000, 6000), "loader-0": Ports(5001, 0), "loader-0-1": Ports(5002, 0),
-        "constructor-0": Ports(5003, 0), "constructor-1": Ports(5004, 6004),
+        "planner": Ports(5000, 6000),
+        "loader-0": Ports(5001, 0),
+        "loader-0-1": Ports(5002, 0),
+        "constructor-0": Ports(5003, 0),
+        "constructor-1": Ports(5004, 6004),
     }
 
 
 def _server(port: int = 0) -> tuple[grpc.Server, int]:
     server, bound, _ = create_grpc_server(
-        RpcSettings(security=Security(None), max_message_bytes=1 << 20), host="127.0.0.1", port=port, metrics=ServerMetrics("planner", CollectorRegistry())
+        RpcSettings(security=Security(None), max_message_bytes=1 << 20),
+        host="127.0.0.1",
+        port=port,
+        metrics=ServerMetrics("planner", CollectorRegistry()),
     )
     return server, bound
 

@@ -31,7 +31,18 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # the shared contract
 
 from disturbed import Kill, disturb  # noqa: E402
-from harness import Batch, collect, running_cluster, sample_ids, skewed_lengths, start_cluster, to_numpy, wait_until, write_job, write_source  # noqa: E402
+from harness import (
+    Batch,
+    collect,
+    running_cluster,
+    sample_ids,
+    skewed_lengths,
+    start_cluster,
+    to_numpy,
+    wait_until,
+    write_job,
+    write_source,
+)  # noqa: E402
 from s3_proxy import S3Proxy  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from storage_contract import *  # noqa: E402,F403 - the contract's tests, run here on ObjectStorage over S3
@@ -149,7 +160,10 @@ def _sources(root: pathlib.Path):
 
 def _job(root: pathlib.Path, sources, location: str) -> pathlib.Path:
     return write_job(
-        root / "job.yaml", sources, run_dir=str(root / "run"), ledger={"location": location},
+        root / "job.yaml",
+        sources,
+        run_dir=str(root / "run"),
+        ledger={"location": location},
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
     )
 
@@ -185,7 +199,11 @@ def test_a_planner_killed_mid_run_resumes_from_the_bucket_with_every_row_once(s3
         shutil.rmtree(s.path)  # the rows stay in memory as ground truth; the loaders read the bucket
     location = f"s3://{BUCKET}/killed/ledger"
     config = write_job(
-        tmp_path / "job.yaml", sources, sources=entries, run_dir=str(tmp_path / "run"), ledger={"location": location},
+        tmp_path / "job.yaml",
+        sources,
+        sources=entries,
+        run_dir=str(tmp_path / "run"),
+        ledger={"location": location},
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
     )
     with running_cluster(config) as cluster:
@@ -307,9 +325,21 @@ def test_a_second_planner_on_the_ledger_fences_the_first(s3: S3Server, tmp_path:
         ready = tmp_path / "second.ready"
         with open(tmp_path / "second-planner.log", "wb") as out:
             second = subprocess.Popen(
-                [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "second"),
-                 "--tls-dir", str(cluster.tls_dir / "planner")],
-                stdout=out, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "batchplane.planner",
+                    "-c",
+                    str(config),
+                    "--ready-file",
+                    str(ready),
+                    "--run-dir",
+                    str(tmp_path / "second"),
+                    "--tls-dir",
+                    str(cluster.tls_dir / "planner"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         wait_until(lambda: ready.exists() or second.poll() is not None, timeout_s=60, what="the second planner to serve")
         assert second.poll() is None, (tmp_path / "second-planner.log").read_text()
@@ -333,7 +363,10 @@ def test_a_second_planner_on_the_ledger_fences_the_first(s3: S3Server, tmp_path:
         log,
     ), log[-2000:]
     assert s3.keys(BUCKET, "fenced/ledger/gen-") == records, "the fenced planner wrote to the ledger after the claim"
-    assert [k for k in s3.keys(BUCKET, "fenced/ledger/epochs/")] == ["fenced/ledger/epochs/000000000001", "fenced/ledger/epochs/000000000002"]
+    assert [k for k in s3.keys(BUCKET, "fenced/ledger/epochs/")] == [
+        "fenced/ledger/epochs/000000000001",
+        "fenced/ledger/epochs/000000000002",
+    ]
     # What the trainers got was recorded before the claim.
     reader = LedgerReader(ObjectStorage.from_url(location))
     assert max(b["step"] for t in trainers for b in t.batches) <= reader.last_step()
@@ -357,9 +390,21 @@ def test_a_fenced_planner_is_not_started_again_by_batchplane_up(
         assert up.poll() is None
         ready = tmp_path / "intruder.ready"
         intruder = subprocess.Popen(
-            [sys.executable, "-m", "batchplane.planner", "-c", str(config), "--ready-file", str(ready), "--run-dir", str(tmp_path / "intruder"),
-             "--tls-dir", str(tmp_path / "run" / "tls" / "planner")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "batchplane.planner",
+                "-c",
+                str(config),
+                "--ready-file",
+                str(ready),
+                "--run-dir",
+                str(tmp_path / "intruder"),
+                "--tls-dir",
+                str(tmp_path / "run" / "tls" / "planner"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: ready.exists() or intruder.poll() is not None, timeout_s=60, what="the second planner to serve")
         assert intruder.poll() is None

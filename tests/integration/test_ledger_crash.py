@@ -182,7 +182,10 @@ def test_a_planner_killed_mid_ledger_write_resumes_with_every_sample_once(
     sources = _sources(tmp_path)
     run_dir = tmp_path / "run"
     config = write_job(
-        tmp_path / "job.yaml", sources, mesh={"dp": 2}, run_dir=str(run_dir),
+        tmp_path / "job.yaml",
+        sources,
+        mesh={"dp": 2},
+        run_dir=str(run_dir),
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
     )
     ledger_dir = run_dir / "ledger"
@@ -230,8 +233,15 @@ def test_a_planner_killed_mid_ledger_write_resumes_with_every_sample_once(
     resume_at = min(len(t.batches) for t in trainers)
     checkpoint = {t.rank: t.states[resume_at - 1] for t in trainers}
     assert {s["next_step"] for s in checkpoint.values()} == {resume_at}
-    log.info("seed %d: trainers took %s batches (checkpoint at step %d); killed at stop %d with step records %s on disk, in the making: %s",
-             seed, [len(t.batches) for t in trainers], resume_at, stops, records_at_kill, in_the_making)
+    log.info(
+        "seed %d: trainers took %s batches (checkpoint at step %d); killed at stop %d with step records %s on disk, in the making: %s",
+        seed,
+        [len(t.batches) for t in trainers],
+        resume_at,
+        stops,
+        records_at_kill,
+        in_the_making,
+    )
 
     cluster = start_cluster(config)
     try:

@@ -37,7 +37,10 @@ def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Pa
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, str(TRAINER), "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args],
-            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         code = proc.wait(timeout=100)
@@ -59,9 +62,13 @@ def test_a_fit_resumed_from_a_lightning_checkpoint_receives_exactly_the_steps_af
 
     def job(name: str) -> pathlib.Path:
         return write_job(
-            tmp_path / f"{name}.yaml", sources, epochs=epochs,
+            tmp_path / f"{name}.yaml",
+            sources,
+            epochs=epochs,
             batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-            mesh={"dp": 2}, constructors={"prefetch_steps": 2}, run_dir=str(tmp_path / name),
+            mesh={"dp": 2},
+            constructors={"prefetch_steps": 2},
+            run_dir=str(tmp_path / name),
         )
 
     steps = SAMPLES // 8

@@ -37,8 +37,15 @@ def open_stream(tmp_path: pathlib.Path):
         order = SampleOrder([rg.num_rows for rg in source.row_groups], seed=1, source_name="a", window_row_groups=1, shuffle=True)
         metrics = LoaderMetrics(CollectorRegistry())
         stream = SourceStream(
-            0, source, order, BoundTransform(token_ids, {"column": "input_ids"}, ("input_ids",)),
-            epochs=1, read_ahead_samples=read_ahead, budget=ByteBudget(1 << 30), metrics=metrics, replica=replica,
+            0,
+            source,
+            order,
+            BoundTransform(token_ids, {"column": "input_ids"}, ("input_ids",)),
+            epochs=1,
+            read_ahead_samples=read_ahead,
+            budget=ByteBudget(1 << 30),
+            metrics=metrics,
+            replica=replica,
         )
         streams.append(stream)
         return stream, metrics
@@ -100,9 +107,7 @@ def test_a_restarted_replica_reads_at_once_what_constructors_may_still_fetch(ope
     # Killed; its replacement gets the planner's replay: steps from the one at cursor 20 may
     # still be fetched, the planner asked about positions below 60.
     after, metrics = open_stream()
-    replay = after.restore(
-        from_seq=20, through_seq=60, routes=None, planned_seq=50, planned_steps=5, delivered_below=2
-    )
+    replay = after.restore(from_seq=20, through_seq=60, routes=None, planned_seq=50, planned_steps=5, delivered_below=2)
     assert replay == 40
     assert _fetch(after, list(range(20, 50))) == expected
     wait_until(lambda: metrics.samples_replayed.labels("a")._value.get() == 40, timeout_s=10, what="the replay of windows up to 60")

@@ -25,7 +25,9 @@ def test_a_replica_joins_and_the_original_leaves_mid_epoch_and_nothing_is_lost(t
         write_source(tmp_path / "data", "b", [8] * 160, files=1, row_group_size=20, seed=2),
     ]
     job = write_job(
-        tmp_path / "job.yaml", sources, run_dir=str(tmp_path / "run"),
+        tmp_path / "job.yaml",
+        sources,
+        run_dir=str(tmp_path / "run"),
         batch={"global_batch_size": 8, "microbatches": 1, "token_dtype": "int32"},
         loaders={"read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}},
     )
@@ -62,7 +64,9 @@ def test_a_replica_killed_without_a_shadow_is_adopted_by_its_sibling(tmp_path: p
 
     def job(run: str) -> pathlib.Path:
         return write_job(
-            tmp_path / f"{run}.yaml", sources, run_dir=str(tmp_path / run),
+            tmp_path / f"{run}.yaml",
+            sources,
+            run_dir=str(tmp_path / run),
             batch={"global_batch_size": 8, "microbatches": 1, "token_dtype": "int32"},
             loaders={"read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}, "failover": {"probe_interval_s": 0.1, "failures": 3}},
         )

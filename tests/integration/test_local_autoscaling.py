@@ -43,10 +43,17 @@ BOUND_INTERVALS = 8  # a decision lands within this many intervals of the weight
 
 def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tmp_path: pathlib.Path) -> None:
     find_prometheus()  # fails with how to install it
-    sources = [write_source(tmp_path / "data", n, skewed_lengths(400, seed=i), files=2, row_group_size=20, seed=i) for i, n in enumerate("ab")]
+    sources = [
+        write_source(tmp_path / "data", n, skewed_lengths(400, seed=i), files=2, row_group_size=20, seed=i) for i, n in enumerate("ab")
+    ]
     job = write_job(
-        tmp_path / "job.yaml", sources, job=JOB, epochs="infinite", mixture={"schedule": {"kind": "staged", "stages": STAGES}},
-        loaders={"read_ahead_samples": 120, "shuffle": {"window_row_groups": 2}}, run_dir=str(tmp_path / "run"),
+        tmp_path / "job.yaml",
+        sources,
+        job=JOB,
+        epochs="infinite",
+        mixture={"schedule": {"kind": "staged", "stages": STAGES}},
+        loaders={"read_ahead_samples": 120, "shuffle": {"window_row_groups": 2}},
+        run_dir=str(tmp_path / "run"),
     )
     stop = threading.Event()
     seen: dict[int, list] = {0: [], 1: []}
@@ -57,7 +64,9 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tm
     try:
         cluster = start_cluster(job)
         endpoints = json.loads(cluster.endpoints_path.read_text())
-        prometheus = PrometheusServer(tmp_path / "prometheus", {"planner": endpoints["metrics"]["planner"]}, job=JOB, scrape_interval_s=INTERVAL_S).start()
+        prometheus = PrometheusServer(
+            tmp_path / "prometheus", {"planner": endpoints["metrics"]["planner"]}, job=JOB, scrape_interval_s=INTERVAL_S
+        ).start()
         prometheus.wait_for_scrapes(timeout_s=15)
         reader = PrometheusReader(prometheus.url, timeout_s=5)
 
@@ -65,7 +74,11 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tm
             try:
                 with Client(endpoints["constructors"][str(rank)], rank=rank, timeout_s=60) as client:
                     for batch in client:
-                        ids = [(k, r, e) for mb in batch["microbatches"] for k, r, e in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())]
+                        ids = [
+                            (k, r, e)
+                            for mb in batch["microbatches"]
+                            for k, r, e in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())
+                        ]
                         seen[rank].append((batch["step"], ids))
                         if stop.wait(STEP_PAUSE_S):
                             return
@@ -98,7 +111,11 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tm
         if len(autoscaler.replicas(0)) >= 2:  # the trainers run on until the new replica served some of a
             joined = autoscaler.replicas(0)[-1]
             metrics = f"http://127.0.0.1:{joined.metrics_port}/metrics"
-            wait_until(lambda: scrape(metrics).get('batchplane_loader_samples_sent_total{source="a"}', 0) > 0, timeout_s=30, what="the new replica to serve")
+            wait_until(
+                lambda: scrape(metrics).get('batchplane_loader_samples_sent_total{source="a"}', 0) > 0,
+                timeout_s=30,
+                what="the new replica to serve",
+            )
     finally:
         stop.set()
         for t in threads:

@@ -77,7 +77,11 @@ def sequences(mb: dict) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     (padded), or its cu_seqlens spans (packed)."""
     mask = mb["attention_mask"]
     if "cu_seqlens" not in mb:
-        return [(mb["input_ids"][r][mask[r]], mb["labels"][r][mask[r]], mb["position_ids"][r][mask[r]]) for r in range(len(mask)) if mask[r].any()]
+        return [
+            (mb["input_ids"][r][mask[r]], mb["labels"][r][mask[r]], mb["position_ids"][r][mask[r]])
+            for r in range(len(mask))
+            if mask[r].any()
+        ]
     cu = mb["cu_seqlens"]
     ids, labels, positions, segments = (mb[k][mask] for k in ("input_ids", "labels", "position_ids", "segment_ids"))
     rows = np.nonzero(mask)[0]
@@ -101,7 +105,9 @@ def delivered(batches: dict[int, list[dict]]) -> tuple[dict[tuple[int, int], lis
                 chunks = mb["sample_chunks"].tolist() if "sample_chunks" in mb else [1] * n
                 assert sum(chunks) == len(seqs)
                 at = 0
-                for source, row, length, k in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_length"].tolist(), chunks):
+                for source, row, length, k in zip(
+                    mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_length"].tolist(), chunks
+                ):
                     mine = seqs[at : at + k]
                     at += k
                     for ids, labels, positions in mine:
@@ -129,7 +135,9 @@ def test_long_samples_follow_the_policy_and_every_other_sample_arrives_once(run,
             assert chunks == [row]
         elif policy == "split":
             assert sum(chunks, []) == row  # every token, in order
-            assert [len(c) for c in chunks] == [MAX_LENGTH] * (len(row) // MAX_LENGTH) + ([len(row) % MAX_LENGTH] if len(row) % MAX_LENGTH else [])
+            assert [len(c) for c in chunks] == [MAX_LENGTH] * (len(row) // MAX_LENGTH) + (
+                [len(row) % MAX_LENGTH] if len(row) % MAX_LENGTH else []
+            )
         else:
             assert chunks == [row[:MAX_LENGTH]]  # its first max_length tokens
     for rank_batches in batches.values():

@@ -26,7 +26,9 @@ def _run_clients(endpoints, world: int, out_dir) -> dict[int, list[dict]]:
     procs = {}
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "BATCHPLANE_ENDPOINTS": str(endpoints)}
-        procs[rank] = subprocess.Popen([sys.executable, CLIENT, str(out_dir / f"rank{rank}.pkl")], env=env, stderr=subprocess.PIPE, text=True)
+        procs[rank] = subprocess.Popen(
+            [sys.executable, CLIENT, str(out_dir / f"rank{rank}.pkl")], env=env, stderr=subprocess.PIPE, text=True
+        )
     for rank, proc in procs.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"client of rank {rank} failed:\n{err}"
@@ -34,9 +36,7 @@ def _run_clients(endpoints, world: int, out_dir) -> dict[int, list[dict]]:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
-    )
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a)
 
 
 @pytest.mark.parametrize("slicing", ["zigzag", "contiguous"])

@@ -29,7 +29,9 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     planner = pages["planner"]
     assert planner["batchplane_planner_steps_planned_total"] == steps
     assert planner["batchplane_planner_step"] == steps - 1
-    assert planner['batchplane_planner_mixture_weight_ratio{source="x"}'] + planner['batchplane_planner_mixture_weight_ratio{source="y"}'] == pytest.approx(1)
+    assert planner['batchplane_planner_mixture_weight_ratio{source="x"}'] + planner[
+        'batchplane_planner_mixture_weight_ratio{source="y"}'
+    ] == pytest.approx(1)
     assert planner['batchplane_planner_samples_total{source="x"}'] == 90
     target = planner['batchplane_planner_mixture_target_ratio{source="x"}']
     realized = planner['batchplane_planner_mixture_realized_ratio{source="x"}']

@@ -66,7 +66,9 @@ from batchplane.operator.recorder import EventRecorder
 try:
     import kmock
 except ImportError as exc:  # fail, never skip: the emulator is the only API server these tests have
-    raise ImportError("kmock is a test dependency (pyproject's dev extra): .venv/bin/pip install -c constraints.txt kmock pytest-asyncio") from exc
+    raise ImportError(
+        "kmock is a test dependency (pyproject's dev extra): .venv/bin/pip install -c constraints.txt kmock pytest-asyncio"
+    ) from exc
 
 
 pytestmark = pytest.mark.integration
@@ -95,11 +97,22 @@ def dataplane(name: str, uid: str, groups: list[dict[str, Any]], **scaling: Any)
             "mesh": {"dp": 1, "cp": 1, "tp": 1, "pp": 1},
             "batch": {"globalBatchSize": 8, "microbatches": 1},
             "planner": {"address": f"{name}-planner.{NS}.svc:50051"},
-            "scaling": {"intervalSeconds": INTERVAL_S, "windowIntervals": 1, "consecutiveIntervals": 2, "cooldownSeconds": 0, "headroom": 0, **scaling},
+            "scaling": {
+                "intervalSeconds": INTERVAL_S,
+                "windowIntervals": 1,
+                "consecutiveIntervals": 2,
+                "cooldownSeconds": 0,
+                "headroom": 0,
+                **scaling,
+            },
             "loader": {
                 "image": "registry.example.com/batchplane:0.1.0",
                 "jobConfigMap": f"{name}-job",
-                "podLabels": {"app.kubernetes.io/name": "batchplane", "app.kubernetes.io/component": "loader", "batchplane.dev/dataplane": name},
+                "podLabels": {
+                    "app.kubernetes.io/name": "batchplane",
+                    "app.kubernetes.io/component": "loader",
+                    "batchplane.dev/dataplane": name,
+                },
                 "podAnnotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "9100"},
             },
         },
@@ -125,7 +138,15 @@ FOREIGN = {
     "demo-loader-legacy": {"labels": {"app": "legacy"}},
     "demo-loader-orphan": {
         "labels": {LABEL_MANAGED_BY: MANAGER, "batchplane.dev/dataplane": "demo", "batchplane.dev/group": "orphan"},
-        "ownerReferences": [{"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane", "name": "demo", "uid": "uid-of-a-deleted-demo", "controller": True}],
+        "ownerReferences": [
+            {
+                "apiVersion": "batchplane.dev/v1alpha1",
+                "kind": "DataPlane",
+                "name": "demo",
+                "uid": "uid-of-a-deleted-demo",
+                "controller": True,
+            }
+        ],
     },
     "clash-loader-main": {"labels": {"app": "hand-made"}},
 }
@@ -159,12 +180,17 @@ class ApiServer(kmock.KubernetesEmulator):
             if action == kmock.action.UPDATE:
                 wanted = (data.get("metadata") or {}).get("resourceVersion")
                 stored = next(
-                    (o.raw for (res, ns, name), o in self.objects.items() if (res, ns, name) == (LEASES, request.namespace, request.name) and not o.deleted),
+                    (
+                        o.raw
+                        for (res, ns, name), o in self.objects.items()
+                        if (res, ns, name) == (LEASES, request.namespace, request.name) and not o.deleted
+                    ),
                     None,
                 )
                 if stored is not None and wanted is not None and wanted != stored["metadata"].get("resourceVersion"):
                     raise kmock.KubernetesError(
-                        status=409, reason="Conflict",
+                        status=409,
+                        reason="Conflict",
                         message=f'Operation cannot be fulfilled on leases.coordination.k8s.io "{request.name}": the object has been modified',
                     )
             data.setdefault("metadata", {})["resourceVersion"] = str(next(self.versions))
@@ -190,7 +216,9 @@ class Emulator:
     def requests(self) -> list[dict[str, Any]]:
         """Every request served so far: method, path with query, body."""
         sent = lambda r: getattr(self.handler, "sent", {}).get(r.id, r.data)  # noqa: E731 - what the client sent
-        return self.call(lambda: [{"method": str(r.method.value).upper(), "path": str(r.url.path_qs), "body": sent(r)} for r in self.handler])
+        return self.call(
+            lambda: [{"method": str(r.method.value).upper(), "path": str(r.url.path_qs), "body": sent(r)} for r in self.handler]
+        )
 
     def put(self, resource: Any, name: str, obj: dict[str, Any]) -> None:
         self.call(lambda: self.handler.objects.__setitem__((resource, NS, name), obj))
@@ -304,7 +332,13 @@ def test_the_operator_creates_scales_and_reports_through_the_api(emulator: Emula
     observations = ScriptedObservations()
     client = KubernetesClient(KubeConfig(emulator.url, timeout_s=5))
     clock = {"t": 0.0}
-    operator = Operator(client, observations, OperatorMetrics(registry), namespace=NS, wall_clock=lambda: f"2025-01-01T00:{int(clock['t']) // 60:02d}:{int(clock['t']) % 60:02d}Z")
+    operator = Operator(
+        client,
+        observations,
+        OperatorMetrics(registry),
+        namespace=NS,
+        wall_clock=lambda: f"2025-01-01T00:{int(clock['t']) // 60:02d}:{int(clock['t']) % 60:02d}Z",
+    )
 
     trace, seen, results = [], 0, []
     for i, weights in enumerate(SCRIPT):
@@ -344,15 +378,33 @@ def test_the_operator_creates_scales_and_reports_through_the_api(emulator: Emula
         assert post["body"] == loader_deployment(demo_spec, g, replicas=1)
         meta = post["body"]["metadata"]
         assert meta["ownerReferences"] == [
-            {"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane", "name": "demo", "uid": "uid-demo", "controller": True, "blockOwnerDeletion": True}
+            {
+                "apiVersion": "batchplane.dev/v1alpha1",
+                "kind": "DataPlane",
+                "name": "demo",
+                "uid": "uid-demo",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
         ]
         assert meta["labels"][LABEL_MANAGED_BY] == MANAGER and meta["labels"]["batchplane.dev/group"] == g.name
         args = post["body"]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[:7] == ["loader", "-c", "/etc/batchplane/job.yaml", "--index", str(g.index), "--replica", "$(POD_NAME)"]
-        assert args[7:] == ["--planner", "demo-planner.training.svc:50051", "--port", "50052", "--advertise", "$(POD_IP):50052", "--metrics-port", "9100"]
+        assert args[7:] == [
+            "--planner",
+            "demo-planner.training.svc:50051",
+            "--port",
+            "50052",
+            "--advertise",
+            "$(POD_IP):50052",
+            "--metrics-port",
+            "9100",
+        ]
 
     # Scaling: the replicas the policy decides as code's share rises and falls.
-    scales = [(r["path"].split("?")[0].removeprefix(DEP_PATH + "/"), r["body"]) for r in writes if r["path"].split("?")[0].endswith("/scale")]
+    scales = [
+        (r["path"].split("?")[0].removeprefix(DEP_PATH + "/"), r["body"]) for r in writes if r["path"].split("?")[0].endswith("/scale")
+    ]
     assert scales == [
         ("demo-loader-text/scale", {"spec": {"replicas": 3}}),  # pass 2: text needs 2.7
         ("demo-loader-text/scale", {"spec": {"replicas": 1}}),  # pass 4: code rose to 0.9, text needs 0.3
@@ -361,7 +413,9 @@ def test_the_operator_creates_scales_and_reports_through_the_api(emulator: Emula
         ("demo-loader-code/scale", {"spec": {"replicas": 1}}),
     ]
     for i, (text, code) in enumerate(EXPECTED[:-1]):
-        assert (trace[i]["pass"], emulator_replicas_at(trace, i, "text"), emulator_replicas_at(trace, i, "code")) == (i, text, code), trace[i]
+        assert (trace[i]["pass"], emulator_replicas_at(trace, i, "text"), emulator_replicas_at(trace, i, "code")) == (i, text, code), trace[
+            i
+        ]
 
     # The status: groups, observed mixture and conditions, as the CRD allows.
     status_patches = [r for r in writes if r["path"].split("?")[0] == f"{DP_PATH}/demo/status"]
@@ -377,7 +431,9 @@ def test_the_operator_creates_scales_and_reports_through_the_api(emulator: Emula
     conds = {c["type"]: c for c in status["conditions"]}
     assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("True", "LoadersReady")
     assert (conds["Scaling"]["status"], conds["Degraded"]["status"]) == ("False", "False")
-    scaling = [c["message"] for r in status_patches for c in r["body"]["status"]["conditions"] if c["type"] == "Scaling" and c["status"] == "True"]
+    scaling = [
+        c["message"] for r in status_patches for c in r["body"]["status"]["conditions"] if c["type"] == "Scaling" and c["status"] == "True"
+    ]
     assert "text 1 -> 3 (up 1 -> 3: need 2.70 > 1 x 1.05 for 2 intervals)" in scaling
 
     # A spec change updates the Deployment without its replicas; a removed group is deleted.
@@ -400,15 +456,23 @@ def test_the_operator_creates_scales_and_reports_through_the_api(emulator: Emula
 
     # The bad DataPlane: a condition naming the field, no Deployment.
     broken = emulator.get(DATAPLANES, "broken")["status"]["conditions"]
-    assert {(c["type"], c["status"], c["reason"]) for c in broken} == {("Ready", "False", "InvalidSpec"), ("Degraded", "True", "InvalidSpec")}
+    assert {(c["type"], c["status"], c["reason"]) for c in broken} == {
+        ("Ready", "False", "InvalidSpec"),
+        ("Degraded", "True", "InvalidSpec"),
+    }
     assert all("spec.sourceGroups[0].maxReplicas: must be >= minReplicas (3), got 2" in c["message"] for c in broken)
-    assert not any("broken-loader" in r["path"] or (r["body"] or {}).get("metadata", {}).get("name", "").startswith("broken") for r in writes)
+    assert not any(
+        "broken-loader" in r["path"] or (r["body"] or {}).get("metadata", {}).get("name", "").startswith("broken") for r in writes
+    )
 
     # The name clash: refused by the API, reported, retried until it is resolved.
     clash_conditions = [
         {c["type"]: c for c in r["body"]["status"]["conditions"]} for r in writes if r["path"].split("?")[0] == f"{DP_PATH}/clash/status"
     ]
-    assert clash_conditions[0]["Degraded"]["reason"] == "NameConflict" and "clash-loader-main exists" in clash_conditions[0]["Degraded"]["message"]
+    assert (
+        clash_conditions[0]["Degraded"]["reason"] == "NameConflict"
+        and "clash-loader-main exists" in clash_conditions[0]["Degraded"]["message"]
+    )
     assert emulator.get(DEPLOYMENTS, "clash-loader-main")["metadata"]["labels"][LABEL_MANAGED_BY] == MANAGER
     assert {c["type"]: c["status"] for c in emulator.get(DATAPLANES, "clash")["status"]["conditions"]}["Degraded"] == "False"
 
@@ -454,20 +518,41 @@ def test_once_through_the_images_entrypoint(emulator: Emulator, caplog: pytest.L
     Lease is released. With the Lease held by another operator, --once does nothing."""
     emulator.put(DATAPLANES, "demo", copy.deepcopy(DEMO))
     dead = dead_url()
-    argv = ["operator", "--namespace", NS, "--prometheus", dead, "--metrics-port", "0", "--kube-api", emulator.url, "--identity", "op-once", "--once"]
+    argv = [
+        "operator",
+        "--namespace",
+        NS,
+        "--prometheus",
+        dead,
+        "--metrics-port",
+        "0",
+        "--kube-api",
+        emulator.url,
+        "--identity",
+        "op-once",
+        "--once",
+    ]
     code = entrypoint.main(argv)
     assert code == 1
     posts = [r for r in emulator.requests() if r["method"] == "POST" and r["path"].startswith(DEP_PATH)]
-    assert [(r["body"]["metadata"]["name"], r["body"]["spec"]["replicas"]) for r in posts] == [("demo-loader-text", 1), ("demo-loader-code", 1)]
+    assert [(r["body"]["metadata"]["name"], r["body"]["spec"]["replicas"]) for r in posts] == [
+        ("demo-loader-text", 1),
+        ("demo-loader-code", 1),
+    ]
     conds = {c["type"]: c for c in emulator.get(DATAPLANES, "demo")["status"]["conditions"]}
     assert conds["Degraded"]["reason"] == "MetricsUnavailable" and f"Prometheus at {dead}" in conds["Degraded"]["message"]
     assert not any(r["path"].split("?")[0].endswith("/scale") for r in emulator.requests())
     assert {(e["type"], e["reason"]) for e in stored_events(emulator)} == {
-        ("Normal", "DeploymentCreated"), ("Warning", "MetricsUnavailable"),
+        ("Normal", "DeploymentCreated"),
+        ("Warning", "MetricsUnavailable"),
     }
     lease = emulator.get(LEASES, "batchplane-operator")
     assert lease["spec"]["holderIdentity"] == "" and lease["spec"]["leaseTransitions"] == 0  # released after the pass
-    lease_writes = [(r["method"], r["body"]["spec"]["holderIdentity"]) for r in emulator.requests() if r["path"].startswith(LEASE_PATH) and r["method"] != "GET"]
+    lease_writes = [
+        (r["method"], r["body"]["spec"]["holderIdentity"])
+        for r in emulator.requests()
+        if r["path"].startswith(LEASE_PATH) and r["method"] != "GET"
+    ]
     assert lease_writes[0] == ("POST", "op-once") and lease_writes[-1] == ("PATCH", "")  # created, then released
     assert set(lease_writes[1:-1]) <= {("PATCH", "op-once")}  # renewed while the pass ran
 
@@ -578,7 +663,12 @@ def test_prometheus_observations_read_the_dataplanes_own_pods() -> None:
     spec = parse_dataplane(DEMO)
     observed = PrometheusObservations(reader, rate_window_s=60).observe(spec)
     assert observed == Observed(
-        weights={"web": 0.75, "code": 0.25}, throughput=120.0, step=1200.0, step_rate=2.5, cost_s={"web": 0.002}, mixture={"web": 0.75, "code": 0.25}
+        weights={"web": 0.75, "code": 0.25},
+        throughput=120.0,
+        step=1200.0,
+        step_rate=2.5,
+        cost_s={"web": 0.002},
+        mixture={"web": 0.75, "code": 0.25},
     )
     planner = 'namespace="training",pod=~"demo-planner-.+"'
     assert f"max by (source) (batchplane_planner_mixture_weight_ratio{{{planner}}})" in reader.queries
@@ -595,14 +685,27 @@ def test_events_say_what_the_operator_did_and_what_failed(emulator: Emulator) ->
     problem whose count follows its repeats (written at most every repeat interval)."""
     for obj in (DEMO, BROKEN, CLASH):
         emulator.put(DATAPLANES, obj["metadata"]["name"], copy.deepcopy(obj))
-    emulator.put(DEPLOYMENTS, "clash-loader-main", {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "clash-loader-main", "namespace": NS, **FOREIGN["clash-loader-main"]}, "spec": {"replicas": 7}})
+    emulator.put(
+        DEPLOYMENTS,
+        "clash-loader-main",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "clash-loader-main", "namespace": NS, **FOREIGN["clash-loader-main"]},
+            "spec": {"replicas": 7},
+        },
+    )
     clock = {"t": 0.0}
     stamp = lambda: f"2025-01-01T00:{int(clock['t']) // 60:02d}:{int(clock['t']) % 60:02d}Z"  # noqa: E731
     client = KubernetesClient(KubeConfig(emulator.url, timeout_s=5))
     nanos = itertools.count(1)
     recorder = EventRecorder(
-        client, instance="op-0", settings=EventSettings(repeat_interval_s=2 * INTERVAL_S),
-        clock=lambda: clock["t"], wall_clock=stamp, nanos=lambda: next(nanos),
+        client,
+        instance="op-0",
+        settings=EventSettings(repeat_interval_s=2 * INTERVAL_S),
+        clock=lambda: clock["t"],
+        wall_clock=stamp,
+        nanos=lambda: next(nanos),
     )
     observations = ScriptedObservations()
     operator = Operator(client, observations, OperatorMetrics(CollectorRegistry()), namespace=NS, wall_clock=stamp, events=recorder)
@@ -625,7 +728,11 @@ def test_events_say_what_the_operator_did_and_what_failed(emulator: Emulator) ->
         ref = e["involvedObject"]
         assert (ref["apiVersion"], ref["kind"], ref["namespace"]) == ("batchplane.dev/v1alpha1", "DataPlane", NS)
         assert ref["uid"] == f"uid-{ref['name']}" and e["metadata"]["namespace"] == NS
-        assert (e["source"]["component"], e["reportingComponent"], e["reportingInstance"]) == ("batchplane-operator", "batchplane-operator", "op-0")
+        assert (e["source"]["component"], e["reportingComponent"], e["reportingInstance"]) == (
+            "batchplane-operator",
+            "batchplane-operator",
+            "op-0",
+        )
         by_object.setdefault(ref["name"], []).append((e["type"], e["reason"], e["message"], e["count"]))
     print("\nEvents:", json.dumps(by_object, indent=1))
     assert [(t, r, m.split(":")[0], n) for t, r, m, n in by_object["demo"]] == [
@@ -649,7 +756,9 @@ def test_events_say_what_the_operator_did_and_what_failed(emulator: Emulator) ->
     assert "clash-loader-main exists but was not made by the operator" in by_object["clash"][0][2]
     invalid = next(e for e in stored if e["reason"] == "InvalidSpec")
     assert (invalid["firstTimestamp"], invalid["lastTimestamp"]) == ("2025-01-01T00:00:00Z", "2025-01-01T00:01:20Z")
-    patches = [r for r in emulator.requests() if r["method"] == "PATCH" and r["path"].startswith(f"{EVENT_PATH}/{invalid['metadata']['name']}")]
+    patches = [
+        r for r in emulator.requests() if r["method"] == "PATCH" and r["path"].startswith(f"{EVENT_PATH}/{invalid['metadata']['name']}")
+    ]
     assert [r["body"]["count"] for r in patches] == [3, 5, 7, 9]  # every 2 intervals, never every pass
 
 
@@ -694,7 +803,11 @@ class Pod:
         registry = CollectorRegistry()
         metrics = OperatorMetrics(registry)
         leader = LeaderElection(
-            api, namespace=NS, name="batchplane-operator", identity=identity, settings=TIMING,
+            api,
+            namespace=NS,
+            name="batchplane-operator",
+            identity=identity,
+            settings=TIMING,
             on_change=lambda leading: metrics.leader.set(1 if leading else 0),
         )
         events = EventRecorder(api, instance=identity, settings=EventSettings(repeat_interval_s=0.3))
@@ -740,7 +853,11 @@ def test_two_operators_elect_one_leader_and_the_other_takes_over(emulator: Emula
         wait_for(lambda: emulator.get(DEPLOYMENTS, "demo-loader-code") is not None, "the leader's Deployments")
         time.sleep(0.5)
         lease = emulator.get(LEASES, "batchplane-operator")
-        assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"], lease["spec"]["leaseDurationSeconds"]) == (first.identity, 0, 3)
+        assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"], lease["spec"]["leaseDurationSeconds"]) == (
+            first.identity,
+            0,
+            3,
+        )
         assert second.api.writes == []  # not a Deployment, status, Event or Lease write went through
         assert first.registry.get_sample_value("batchplane_operator_leader") == 1
         assert second.registry.get_sample_value("batchplane_operator_leader") == 0
@@ -754,7 +871,10 @@ def test_two_operators_elect_one_leader_and_the_other_takes_over(emulator: Emula
         lease = emulator.get(LEASES, "batchplane-operator")
         assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"]) == (second.identity, 1)
         wait_for(lambda: first.registry.get_sample_value("batchplane_operator_leader") == 0, "the old leader's gauge")
-        wait_for(lambda: first.registry.get_sample_value("batchplane_operator_desired_replicas", {"dataplane": "demo", "group": "text"}) is None, "the old leader to forget its groups")
+        wait_for(
+            lambda: first.registry.get_sample_value("batchplane_operator_desired_replicas", {"dataplane": "demo", "group": "text"}) is None,
+            "the old leader to forget its groups",
+        )
         emulator.put(DATAPLANES, "late", copy.deepcopy(dataplane("late", "uid-late", [group("main", ["m"], 2, 2)])))
         wait_for(lambda: emulator.get(DEPLOYMENTS, "late-loader-main") is not None, "the new leader to reconcile")
         assert ("POST", "deployments training/late-loader-main") in second.api.writes
@@ -789,7 +909,9 @@ def test_two_operators_elect_one_leader_and_the_other_takes_over(emulator: Emula
     assert max(e["count"] for e in invalid) > 1
     created = [e for e in stored_events(emulator) if e["reason"] == "DeploymentCreated"]
     assert {(e["reportingInstance"], e["message"].split()[1]) for e in created} == {
-        (first.identity, "demo-loader-text"), (first.identity, "demo-loader-code"), (second.identity, "late-loader-main"),
+        (first.identity, "demo-loader-text"),
+        (first.identity, "demo-loader-code"),
+        (second.identity, "late-loader-main"),
     }
 
 
@@ -820,11 +942,36 @@ def test_the_operator_process_serves_metrics_logs_json_and_releases_its_lease(em
     emulator.put(DATAPLANES, "demo", copy.deepcopy(DEMO))
     port = free_port()
     log_path = tmp_path / "operator.log"
-    env = {**os.environ, "BATCHPLANE_LOG_FORMAT": "json", "POD_NAME": "batchplane-operator-7d4b9-x2x5q", "BATCHPLANE_GIT_REVISION": "0123abc"}
+    env = {
+        **os.environ,
+        "BATCHPLANE_LOG_FORMAT": "json",
+        "POD_NAME": "batchplane-operator-7d4b9-x2x5q",
+        "BATCHPLANE_GIT_REVISION": "0123abc",
+    }
     command = [
-        sys.executable, "-m", "batchplane.operator", "--namespace", NS, "--prometheus", dead_url(), "--kube-api", emulator.url,
-        "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--interval-s", "0.3",
-        "--lease-name", "bp-operator", "--lease-duration-s", "3", "--renew-deadline-s", "2", "--retry-period-s", "0.2",
+        sys.executable,
+        "-m",
+        "batchplane.operator",
+        "--namespace",
+        NS,
+        "--prometheus",
+        dead_url(),
+        "--kube-api",
+        emulator.url,
+        "--metrics-port",
+        str(port),
+        "--metrics-host",
+        "127.0.0.1",
+        "--interval-s",
+        "0.3",
+        "--lease-name",
+        "bp-operator",
+        "--lease-duration-s",
+        "3",
+        "--renew-deadline-s",
+        "2",
+        "--retry-period-s",
+        "0.2",
     ]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
@@ -856,7 +1003,8 @@ def test_the_operator_process_serves_metrics_logs_json_and_releases_its_lease(em
     assert lease["spec"]["holderIdentity"] == ""  # released on SIGTERM
     assert [(v["spec"]["holderIdentity"]) for v in lease_history(emulator, "bp-operator")][0] == "batchplane-operator-7d4b9-x2x5q"
     assert {(e["reason"], e["reportingInstance"]) for e in stored_events(emulator)} == {
-        ("DeploymentCreated", "batchplane-operator-7d4b9-x2x5q"), ("MetricsUnavailable", "batchplane-operator-7d4b9-x2x5q"),
+        ("DeploymentCreated", "batchplane-operator-7d4b9-x2x5q"),
+        ("MetricsUnavailable", "batchplane-operator-7d4b9-x2x5q"),
     }
     lines = log_path.read_text().splitlines()
     records = [json.loads(line) for line in lines]  # every line is one JSON object
@@ -910,7 +1058,7 @@ def test_the_operators_deployments_carry_the_loader_pod_fields(emulator: Emulato
             own = ["/etc/batchplane", "/tmp", "/etc/batchplane/tls", "/etc/batchplane/auth-tokens"]
             assert [m["mountPath"] for m in c["volumeMounts"]] == [*own, *[m["mountPath"] for m in values["volumeMounts"]]]
             assert len(pod["volumes"]) == len(own) + len(values["volumes"])
-            assert pod["volumes"][len(own):] == values["volumes"]
+            assert pod["volumes"][len(own) :] == values["volumes"]
             assert all("subPath" not in m for m in c["volumeMounts"][: len(own)])
             for key in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "priorityClassName", "topologySpreadConstraints"):
                 assert pod[key] == values[key], key
@@ -920,7 +1068,9 @@ def test_the_operators_deployments_carry_the_loader_pod_fields(emulator: Emulato
 
     loader = {k: v for k, v in obj["spec"]["loader"].items() if k not in ("tolerations", "serviceAccountName")}
     loader["nodeSelector"] = {"node-pool": "cpu-spot"}
-    emulator.patch(DATAPLANES, name, {"spec": {"loader": {**loader, "tolerations": None, "serviceAccountName": None}}, "metadata": {"generation": 2}})
+    emulator.patch(
+        DATAPLANES, name, {"spec": {"loader": {**loader, "tolerations": None, "serviceAccountName": None}}, "metadata": {"generation": 2}}
+    )
     operator.run_once(30.0)
     updates = [r for r in emulator.requests() if r["method"] == "PATCH" and r["path"].split("?")[0] == f"{DEP_PATH}/{name}-loader-web"]
     assert len(updates) == 1, [r["path"] for r in emulator.requests()]
@@ -943,7 +1093,9 @@ def test_the_charts_operator_elects_a_leader(emulator: Emulator) -> None:
     deployment = one(docs, "Deployment", "-operator")
     assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e and "fieldRef" in e["valueFrom"]}
+    env = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e and "fieldRef" in e["valueFrom"]
+    }
     assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
     pod = {"metadata.name": "demo-batchplane-operator-5f6d7-abcde", "metadata.namespace": NS}
     args = [re.sub(r"\$\((\w+)\)", lambda m: pod[env[m.group(1)]], a) for a in container["args"][1:]]

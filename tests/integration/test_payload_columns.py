@@ -56,7 +56,8 @@ def test_every_kind_of_column_arrives_as_the_parquet_rows_say(tmp_path: pathlib.
     a = write_source(tmp_path / "data", "a", skewed_lengths(90, seed=1, long=300), seed=1)
     b = write_source(tmp_path / "data", "b", skewed_lengths(60, seed=2, long=300), seed=2)
     config = write_job(
-        tmp_path / "job.yaml", [a, b],
+        tmp_path / "job.yaml",
+        [a, b],
         sources=[
             {"name": "a", "path": str(a.path), "transform": "user_code:with_columns", "columns": ["input_ids", "doc_id"]},
             {"name": "b", "path": str(b.path)},

@@ -22,7 +22,15 @@ pytestmark = pytest.mark.integration
 
 SOURCES = (
     DemoSource(name="short", description="", num_rows=300, files=2, rows_per_row_group=50, lengths=(LogNormal(median=24, sigma=0.4),)),
-    DemoSource(name="long", description="", num_rows=120, files=3, rows_per_row_group=40, lengths=(LogNormal(median=400, sigma=0.3),), min_length=64),
+    DemoSource(
+        name="long",
+        description="",
+        num_rows=120,
+        files=3,
+        rows_per_row_group=40,
+        lengths=(LogNormal(median=400, sigma=0.3),),
+        min_length=64,
+    ),
     ImageTextSource(name="images", description="", num_rows=40, files=2, rows_per_row_group=10),
 )
 WEIGHTS = {"short": 0.5, "long": 0.3, "images": 0.2}
@@ -43,7 +51,10 @@ REPEAT = {SOURCES[-1].name: 2}
 def write_job(path: pathlib.Path, paths: dict[str, str]) -> pathlib.Path:
     job = {
         "job": "profiled",
-        "sources": [{"name": name, "path": p, **TRANSFORMS.get(name, {}), **({"repeat": REPEAT[name]} if name in REPEAT else {})} for name, p in paths.items()],
+        "sources": [
+            {"name": name, "path": p, **TRANSFORMS.get(name, {}), **({"repeat": REPEAT[name]} if name in REPEAT else {})}
+            for name, p in paths.items()
+        ],
         "mixture": {"weights": {k: v for k, v in WEIGHTS.items() if k in paths}},
         "batch": {"payload": [dict(c) for c in PAYLOAD]},  # the demo transform ships pixels
     }
@@ -78,7 +89,10 @@ def test_profile_measures_every_source(dataset, profiled) -> None:
         assert s["path"] == f"data/{spec.name}" and s["weight"] == WEIGHTS[spec.name]
         configured = TRANSFORMS.get(spec.name, {})
         assert (s["transform"], s["transform_args"], s["columns"]) == (
-            configured.get("transform"), configured.get("transform_args", {}), configured.get("columns"))
+            configured.get("transform"),
+            configured.get("transform_args", {}),
+            configured.get("columns"),
+        )
         assert s["repeat"] == REPEAT.get(spec.name, 1)
         assert s["samples"] == min(256, spec.num_rows)
         if profile["state_method"] == "mallinfo2":
@@ -103,7 +117,20 @@ def test_profile_takes_fewer_samples_when_asked(dataset) -> None:
 
 
 def test_partition_writes_a_dataplane_and_chart_values(dataset, profiled) -> None:
-    run = cli("partition", "--profiles", "profiles.json", "--pod-memory", "4Gi", "--pod-cpus", "4", "--samples-per-s", "2000", "--out", "dataplane.yaml", cwd=dataset)
+    run = cli(
+        "partition",
+        "--profiles",
+        "profiles.json",
+        "--pod-memory",
+        "4Gi",
+        "--pod-cpus",
+        "4",
+        "--samples-per-s",
+        "2000",
+        "--out",
+        "dataplane.yaml",
+        cwd=dataset,
+    )
     assert run.returncode == 0, run.stderr
     assert "loader groups" in run.stderr  # the summary
     document = yaml.safe_load((dataset / "dataplane.yaml").read_text())
@@ -124,14 +151,28 @@ def test_partition_writes_a_dataplane_and_chart_values(dataset, profiled) -> Non
         assert g["resources"]["limits"] == {"cpu": str(g["workersPerActor"]), "memory": "4Gi"}
         assert g["resources"]["requests"]["cpu"] == str(g["workersPerActor"])
 
-    values = cli("partition", "--profiles", "profiles.json", "--pod-memory", "4Gi", "--pod-cpus", "4", "--samples-per-s", "2000",
-                 "--format", "values", "--weights", "job.yaml", cwd=dataset)
+    values = cli(
+        "partition",
+        "--profiles",
+        "profiles.json",
+        "--pod-memory",
+        "4Gi",
+        "--pod-cpus",
+        "4",
+        "--samples-per-s",
+        "2000",
+        "--format",
+        "values",
+        "--weights",
+        "job.yaml",
+        cwd=dataset,
+    )
     assert values.returncode == 0, values.stderr
     text = values.stdout
     assert text.startswith("# Written by `batchplane partition`")
     # The chart's values: the same groups (the job's weights are the profile's), and the sources
     # as job.yaml needs them.
-    (key, values_groups), = yaml.safe_load(text).items()
+    ((key, values_groups),) = yaml.safe_load(text).items()
     assert key == "sourceGroups" and [v["name"] for v in values_groups] == [g["name"] for g in groups]
     for g, v in zip(groups, values_groups):
         assert [x["name"] for x in v["sources"]] == [x["name"] for x in g["sources"]]
@@ -164,8 +205,22 @@ def test_a_file_that_is_not_parquet_exits_2_naming_the_file(dataset) -> None:
 
 
 def test_partition_exits_2_when_a_source_cannot_fit_a_pod(dataset, profiled) -> None:
-    run = cli("partition", "--profiles", "profiles.json", "--pod-memory", "1Ki", "--pod-cpus", "1",
-              "--actor-memory", "0", "--buffer-memory", "0", "--worker-memory", "0", cwd=dataset)
+    run = cli(
+        "partition",
+        "--profiles",
+        "profiles.json",
+        "--pod-memory",
+        "1Ki",
+        "--pod-cpus",
+        "1",
+        "--actor-memory",
+        "0",
+        "--buffer-memory",
+        "0",
+        "--worker-memory",
+        "0",
+        cwd=dataset,
+    )
     assert run.returncode == 2
     assert "source 'images'" in run.stderr and "1024 bytes" in run.stderr  # the first by name
     bad = cli("partition", "--profiles", "profiles.json", "--pod-memory", "lots", "--pod-cpus", "1", cwd=dataset)

@@ -48,8 +48,7 @@ def schedule(step: float) -> dict[str, float]:
 
 def groups(scaling: ScalingSettings) -> dict[str, GroupSpec]:
     return {
-        name: GroupSpec(name, (name,), {name: COST_S}, capacity=1.0, min_replicas=1, max_replicas=8, scaling=scaling)
-        for name in ("a", "b")
+        name: GroupSpec(name, (name,), {name: COST_S}, capacity=1.0, min_replicas=1, max_replicas=8, scaling=scaling) for name in ("a", "b")
     }
 
 
@@ -67,9 +66,7 @@ def consume(address: str, rank: int, stop: threading.Event, failures: list[BaseE
 def test_the_group_of_a_rising_source_wants_more_loaders(tmp_path: pathlib.Path) -> None:
     find_prometheus()  # fails with how to install it
     sources = [write_source(tmp_path / "data", n, skewed_lengths(60, seed=i), seed=i) for i, n in enumerate(["a", "b"])]
-    job = write_job(
-        tmp_path / "job.yaml", sources, job=JOB, epochs="infinite", mixture={"schedule": {"kind": "staged", "stages": STAGES}}
-    )
+    job = write_job(tmp_path / "job.yaml", sources, job=JOB, epochs="infinite", mixture={"schedule": {"kind": "staged", "stages": STAGES}})
     stop = threading.Event()
     failures: list[BaseException] = []
     threads: list[threading.Thread] = []
@@ -84,7 +81,9 @@ def test_the_group_of_a_rising_source_wants_more_loaders(tmp_path: pathlib.Path)
         reader = PrometheusReader(prometheus.url, timeout_s=5)
         assert reader.mixture_weights(JOB) == pytest.approx({"a": 0.5, "b": 0.5})  # before any step: the stage-0 weights
 
-        threads = [threading.Thread(target=consume, args=(endpoints["constructors"][str(r)], r, stop, failures), daemon=True) for r in (0, 1)]
+        threads = [
+            threading.Thread(target=consume, args=(endpoints["constructors"][str(r)], r, stop, failures), daemon=True) for r in (0, 1)
+        ]
         for t in threads:
             t.start()
         plain = {name: initial_state(spec) for name, spec in groups(SCALING).items()}
@@ -158,7 +157,10 @@ def _print_trace(trace: list[dict]) -> None:
             for label in ("plain", "ahead")
             for g in ("a", "b")
         ]
-        print(f"t={r['t']:5.1f} step={r['step']} w={w.get('a', 0):.2f}/{w.get('b', 0):.2f} T={r['T']} loaders={r['loader_rates']} | " + " | ".join(cells))
+        print(
+            f"t={r['t']:5.1f} step={r['step']} w={w.get('a', 0):.2f}/{w.get('b', 0):.2f} T={r['T']} loaders={r['loader_rates']} | "
+            + " | ".join(cells)
+        )
     for r in trace:
         print(f"t={r['t']:5.1f} plain:a {r['plain:a']['reason']} ; plain:b {r['plain:b']['reason']} ; ahead:a {r['ahead:a']['reason']}")
 
@@ -168,7 +170,9 @@ def test_an_unreachable_server_names_the_url_and_the_query() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     reader = PrometheusReader(f"http://127.0.0.1:{port}", timeout_s=2)
-    with pytest.raises(PrometheusError, match=rf"127\.0\.0\.1:{port}/api/v1/query, query 'batchplane_planner_mixture_weight_ratio.*cannot connect"):
+    with pytest.raises(
+        PrometheusError, match=rf"127\.0\.0\.1:{port}/api/v1/query, query 'batchplane_planner_mixture_weight_ratio.*cannot connect"
+    ):
         reader.mixture_weights("x")
 
 

@@ -29,17 +29,30 @@ def _job(root: pathlib.Path, sources, run: str, *, windows: bool = False) -> pat
     # ledger, usually inside a window (which it plans again from the window's start).
     extra = {"balance": {"method": "token_budget", "max_tokens": 600, "window_steps": 5}} if windows else {}
     return write_job(
-        root / f"{run}.yaml", sources, run_dir=str(root / run), batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-        loaders={"read_ahead_samples": 40 if windows else 20, "shuffle": {"window_row_groups": 1}}, **extra,
+        root / f"{run}.yaml",
+        sources,
+        run_dir=str(root / run),
+        batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+        loaders={"read_ahead_samples": 40 if windows else 20, "shuffle": {"window_row_groups": 1}},
+        **extra,
     )
 
 
 @pytest.mark.parametrize(
     ("part", "seed", "windows"),
-    [("planner", 0, False), ("planner", 1, False), ("constructor", 0, False), ("constructor", 1, False), ("loader", 0, False), ("loader", 1, False),
-     ("planner", 1, True)],
+    [
+        ("planner", 0, False),
+        ("planner", 1, False),
+        ("constructor", 0, False),
+        ("constructor", 1, False),
+        ("loader", 0, False),
+        ("loader", 1, False),
+        ("planner", 1, True),
+    ],
 )
-def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, part: str, seed: int, windows: bool) -> None:
+def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(
+    tmp_path: pathlib.Path, part: str, seed: int, windows: bool
+) -> None:
     sources = [
         write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
         write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
@@ -69,7 +82,9 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
 
     def job(run: str) -> pathlib.Path:
         return write_job(
-            tmp_path / f"{run}.yaml", sources, run_dir=str(tmp_path / run),
+            tmp_path / f"{run}.yaml",
+            sources,
+            run_dir=str(tmp_path / run),
             batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
             constructors={"ranks_per_constructor": 2, "prefetch_steps": 3},
         )
@@ -89,7 +104,9 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
             assert restarted_event.wait(timeout=60)
             # and until rank 0's retries have reached the restarted one first (it builds once asked)
             metrics = f"http://127.0.0.1:{restarted['process'].metrics_port}/metrics"
-            wait_until(lambda: scrape(metrics).get("batchplane_constructor_batches_built_total", 0) > 0, timeout_s=30, what="rank 0 to reach it")
+            wait_until(
+                lambda: scrape(metrics).get("batchplane_constructor_batches_built_total", 0) > 0, timeout_s=30, what="rank 0 to reach it"
+            )
 
     def kill_and_restart() -> None:
         holding.wait(timeout=60)

@@ -30,7 +30,11 @@ def _sources(root: pathlib.Path):
 
 def _job(path: pathlib.Path, sources, *, dp: int, weights: dict, run_dir: pathlib.Path) -> pathlib.Path:
     return write_job(
-        path, sources, mesh={"dp": dp}, mixture={"weights": weights}, run_dir=str(run_dir),
+        path,
+        sources,
+        mesh={"dp": dp},
+        mixture={"weights": weights},
+        run_dir=str(run_dir),
         batch={"global_batch_size": 12, "microbatches": 2, "token_dtype": "int32"},
     )
 
@@ -87,7 +91,9 @@ def test_a_mixture_change_without_the_ledger_is_refused(tmp_path: pathlib.Path) 
     _, states = _first_run(tmp_path, sources, tmp_path / "run")
     cluster = start_cluster(_job(tmp_path / "elsewhere.yaml", sources, dp=2, weights={"a": 3, "b": 1}, run_dir=tmp_path / "new-run"))
     try:
-        with pytest.raises(DataPlaneError, match=r"cannot resume at step 3 across a mixture change: the ledger at .* has no record of step 2"):
+        with pytest.raises(
+            DataPlaneError, match=r"cannot resume at step 3 across a mixture change: the ledger at .* has no record of step 2"
+        ):
             collect(cluster.endpoints_path, [0, 1], states=states)
     finally:
         cluster.stop()

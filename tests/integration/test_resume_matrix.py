@@ -162,22 +162,14 @@ def _resume(
     found = RESUME_LINE.findall(second_log)
     assert len(found) == 1, f"expected one resume line in the second run's planner log, got {found}:\n{second_log[-3000:]}"
     resumed_at, record_of, changed = found[0]
-    return Resume(
-        first_run, second_run, int(resumed_at), int(record_of), tuple(g for g in changed.split(", ") if g)
-    )
+    return Resume(first_run, second_run, int(resumed_at), int(record_of), tuple(g for g in changed.split(", ") if g))
 
 
 def _identities(run: Run) -> list[tuple[int, int]]:
     """(source, row) of every sample a run delivered, once per DP replica: from the ranks at
     cp = tp = pp = 0, which carry whole samples (CP peers get slices of the same samples, TP
     peers copies, later pipeline stages their part)."""
-    return [
-        sample
-        for deliveries in run.deliveries.values()
-        for d in deliveries
-        if (d.cp, d.tp, d.pp) == (0, 0, 0)
-        for sample in d.samples
-    ]
+    return [sample for deliveries in run.deliveries.values() for d in deliveries if (d.cp, d.tp, d.pp) == (0, 0, 0) for sample in d.samples]
 
 
 def _check(resume: Resume, sources: Sequence[SourceData], *, changed: tuple[str, ...]) -> None:

@@ -104,7 +104,7 @@ def test_ranks_rewinding_to_different_steps_at_different_moments_get_an_undistur
         assert again.keys() == {0, 1}
         for rank in (0, 1):
             assert [b["step"] for b in again[rank]] == list(range(checkpoint[rank], steps))
-            assert_same_batches({rank: again[rank]}, {rank: reference[rank][checkpoint[rank]:]})
+            assert_same_batches({rank: again[rank]}, {rank: reference[rank][checkpoint[rank] :]})
         # I1 across the rewind: what each rank trained on before its checkpoint and after it
         # covers every sample of the epoch exactly once.
         seen = collections.Counter()
@@ -143,7 +143,9 @@ def test_a_rewind_before_the_ledgers_horizon_is_refused_naming_the_oldest_step(t
         os.environ["BATCHPLANE_ENDPOINTS"] = str(cluster.endpoints_path)
         with Client(rank=0, timeout_s=30) as late:
             late.load_state_dict(states[5])
-            with pytest.raises(StepUnavailableError, match="cannot rewind to step 5: the oldest step the planner's ledger can re-plan is 12"):
+            with pytest.raises(
+                StepUnavailableError, match="cannot rewind to step 5: the oldest step the planner's ledger can re-plan is 12"
+            ):
                 next(iter(late))
         with Client(rank=0, timeout_s=30) as late:  # the oldest step itself is fine
             late.load_state_dict(states[12])

@@ -75,7 +75,8 @@ def test_a_job_of_s3_folder_glob_and_file_delivers_every_row_once(s3, tmp_path, 
     aws_env(monkeypatch, server)
     names = list(sources)
     config = write_job(
-        tmp_path / "job.yaml", [],
+        tmp_path / "job.yaml",
+        [],
         sources=[{"name": name, "path": sources[name][0]} for name in names],
         mixture={"weights": {"web": 2, "code": 2, "books": 1}},
         loaders={"count": 2, "read_ahead_samples": 32},
@@ -114,7 +115,9 @@ def test_reads_the_store_fails_are_tried_again_and_lose_nothing(s3, tmp_path, mo
     with S3Proxy(server.endpoint) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         config = write_job(
-            tmp_path / "job.yaml", [], sources=[{"name": "code", "path": sources["code"][0]}],
+            tmp_path / "job.yaml",
+            [],
+            sources=[{"name": "code", "path": sources["code"][0]}],
             loaders={"count": 1, "read_ahead_samples": 8},
         )
         cluster = start_cluster(config)
@@ -128,7 +131,10 @@ def test_reads_the_store_fails_are_tried_again_and_lose_nothing(s3, tmp_path, mo
     assert proxy.refused == 12
     expected = rows_of(sources["code"][1])
     seen = collections.Counter(
-        row for rank_batches in batches.values() for batch in rank_batches for mb in batch["microbatches"]
+        row
+        for rank_batches in batches.values()
+        for batch in rank_batches
+        for mb in batch["microbatches"]
         for row in mb["sample_row"].tolist()
     )
     assert seen == collections.Counter(range(len(expected))), "a row was lost or repeated"
@@ -168,15 +174,23 @@ def closed_port() -> int:
     ("url", "problem"),
     [
         ("s3://no-such-bucket/corpus/web/", "no Parquet file found at 's3://no-such-bucket/corpus/web/': no such bucket 'no-such-bucket'"),
-        (f"s3://{BUCKET}/corpus/nothing-here/", f"no Parquet file found at 's3://{BUCKET}/corpus/nothing-here/': no object under that prefix"),
-        (f"s3://{BUCKET}/corpus/web/2024/*.json", f"no Parquet file found at 's3://{BUCKET}/corpus/web/2024/*.json': nothing below 's3://{BUCKET}/corpus/web/2024' matches '*.json'"),
+        (
+            f"s3://{BUCKET}/corpus/nothing-here/",
+            f"no Parquet file found at 's3://{BUCKET}/corpus/nothing-here/': no object under that prefix",
+        ),
+        (
+            f"s3://{BUCKET}/corpus/web/2024/*.json",
+            f"no Parquet file found at 's3://{BUCKET}/corpus/web/2024/*.json': nothing below 's3://{BUCKET}/corpus/web/2024' matches '*.json'",
+        ),
     ],
     ids=["no-bucket", "empty-prefix", "no-match"],
 )
 def test_a_missing_s3_source_stops_the_start_naming_source_and_url(s3, tmp_path, monkeypatch, url, problem) -> None:
     server, sources = s3
     aws_env(monkeypatch, server)
-    config = write_job(tmp_path / "job.yaml", [], sources=[{"name": "web", "path": sources["web"][0]}, {"name": "bad", "path": url}], loaders={"count": 2})
+    config = write_job(
+        tmp_path / "job.yaml", [], sources=[{"name": "web", "path": sources["web"][0]}, {"name": "bad", "path": url}], loaders={"count": 2}
+    )
     with pytest.raises(LaunchError) as info:
         LocalCluster(config).start(timeout_s=30)
     message = str(info.value)
@@ -187,7 +201,9 @@ def test_a_prefix_with_only_other_files_says_so(s3, monkeypatch) -> None:
     server, _ = s3
     aws_env(monkeypatch, server)
     server.client().put_object(Bucket=BUCKET, Key="notes/readme.txt", Body=b"not data")
-    with pytest.raises(SourceError, match=rf"source 'notes': no Parquet file found at 's3://{BUCKET}/notes': 1 file\(s\) below it, none named \*\.parquet"):
+    with pytest.raises(
+        SourceError, match=rf"source 'notes': no Parquet file found at 's3://{BUCKET}/notes': 1 file\(s\) below it, none named \*\.parquet"
+    ):
         ParquetSource("notes", f"s3://{BUCKET}/notes")
 
 
@@ -213,7 +229,9 @@ def test_an_unreachable_endpoint_is_named(monkeypatch) -> None:
     with pytest.raises(SourceError) as info:
         ParquetSource("web", f"s3://{BUCKET}/corpus/")
     message = str(info.value)
-    assert message.startswith(f"source 'web': cannot list 's3://{BUCKET}/corpus/': cannot reach the endpoint (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")
+    assert message.startswith(
+        f"source 'web': cannot list 's3://{BUCKET}/corpus/': cannot reach the endpoint (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL"
+    )
     assert "NETWORK_CONNECTION" in message
 
 
@@ -227,7 +245,11 @@ def test_profile_and_partition_work_on_s3_sources(s3, tmp_path, monkeypatch) -> 
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # the S3-specific variable alone, this time
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
     names = ["web", "books"]
-    job = {"job": "bucketed", "sources": [{"name": n, "path": sources[n][0]} for n in names], "mixture": {"weights": {"web": 0.7, "books": 0.3}}}
+    job = {
+        "job": "bucketed",
+        "sources": [{"name": n, "path": sources[n][0]} for n in names],
+        "mixture": {"weights": {"web": 0.7, "books": 0.3}},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run = cli("profile", "-c", "job.yaml", "--samples", "32", "--json", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
@@ -241,9 +263,15 @@ def test_profile_and_partition_work_on_s3_sources(s3, tmp_path, monkeypatch) -> 
         assert [f["rows"] for f in s["files"]] == [pq.ParquetFile(f).metadata.num_rows for f in files]
         assert s["rows"] == len(rows_of(files)) and s["samples"] == 32
         assert s["transform_s_per_sample"] > 0 and s["read_s_per_sample"] > 0 and s["state_bytes"] > 0
-    part = cli("partition", "--profiles", "profiles.json", "--pod-memory", "4Gi", "--pod-cpus", "4", "--out", "dataplane.yaml", cwd=tmp_path)
+    part = cli(
+        "partition", "--profiles", "profiles.json", "--pod-memory", "4Gi", "--pod-cpus", "4", "--out", "dataplane.yaml", cwd=tmp_path
+    )
     assert part.returncode == 0, part.stderr
-    placed = {x["name"]: x["path"] for g in yaml.safe_load((tmp_path / "dataplane.yaml").read_text())["spec"]["sourceGroups"] for x in g["sources"]}
+    placed = {
+        x["name"]: x["path"]
+        for g in yaml.safe_load((tmp_path / "dataplane.yaml").read_text())["spec"]["sourceGroups"]
+        for x in g["sources"]
+    }
     assert placed == {n: sources[n][0] for n in names}
 
 

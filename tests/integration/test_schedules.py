@@ -25,7 +25,9 @@ def _sources(root: pathlib.Path):
 def test_a_staged_change_takes_effect_at_its_step_on_every_rank(tmp_path: pathlib.Path) -> None:
     sources = _sources(tmp_path)
     stages = [{"start": 0, "weights": {"a": 1, "b": 0}}, {"start": CHANGE, "weights": {"a": 0, "b": 1}}]
-    job = write_job(tmp_path / "job.yaml", sources, mixture={"schedule": {"kind": "staged", "stages": stages}}, run_dir=str(tmp_path / "run"))
+    job = write_job(
+        tmp_path / "job.yaml", sources, mixture={"schedule": {"kind": "staged", "stages": stages}}, run_dir=str(tmp_path / "run")
+    )
     cluster = start_cluster(job)
     try:
         batches, _ = collect(cluster.endpoints_path, [0, 1])

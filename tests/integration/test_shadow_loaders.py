@@ -21,10 +21,17 @@ FIRST_KILL, SECOND_KILL = 8, 50
 
 def _job(root: pathlib.Path, sources, run: str, *, shadow: bool) -> pathlib.Path:
     return write_job(
-        root / f"{run}.yaml", sources, run_dir=str(root / run),
+        root / f"{run}.yaml",
+        sources,
+        run_dir=str(root / run),
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-        loaders={"count": 2, "read_ahead_samples": 20, "shuffle": {"window_row_groups": 1}, "shadow": shadow,
-                 "failover": {"probe_interval_s": 0.1, "failures": 3}},
+        loaders={
+            "count": 2,
+            "read_ahead_samples": 20,
+            "shuffle": {"window_row_groups": 1},
+            "shadow": shadow,
+            "failover": {"probe_interval_s": 0.1, "failures": 3},
+        },
     )
 
 

@@ -48,7 +48,14 @@ def _stop_while_waiting(wait, stop) -> tuple[BaseException | None, float]:
 
 def test_stopping_the_constructor_pipeline_fails_waiting_requests_promptly() -> None:
     # No planner listens at this address: the batch can never be built.
-    pipeline = StepPipeline(JOB, index=0, ranks=(0,), planner="127.0.0.1:9", metrics=ConstructorMetrics(CollectorRegistry()), connect=lambda address, _peer: grpc.insecure_channel(address))
+    pipeline = StepPipeline(
+        JOB,
+        index=0,
+        ranks=(0,),
+        planner="127.0.0.1:9",
+        metrics=ConstructorMetrics(CollectorRegistry()),
+        connect=lambda address, _peer: grpc.insecure_channel(address),
+    )
     error, seconds = _stop_while_waiting(lambda: pipeline.batch(0, 0, timeout_s=60), pipeline.stop)
     assert isinstance(error, Unavailable) and "stopping" in str(error)
     assert seconds < 6

@@ -40,7 +40,9 @@ def test_a_source_with_repeat_2_arrives_exactly_twice_per_epoch(tmp_path: pathli
     for rank_batches in batches.values():
         for batch in rank_batches:
             for mb in batch["microbatches"]:
-                for i, (source, row, epoch) in enumerate(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())):
+                for i, (source, row, epoch) in enumerate(
+                    zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())
+                ):
                     seen[(source, row)] += 1
                     passes[(source, row)].add(epoch)
                     length = int(mb["sample_length"][i])

@@ -70,10 +70,15 @@ def test_a_loader_hook_that_changes_lengths_stops_the_job_naming_the_hook(tmp_pa
     config = write_job(tmp_path / "job.yaml", sources, strategy=str(strategy))
     cluster = start_cluster(config)
     try:
-        with pytest.raises(DataPlaneError, match=r"loader_do_plan 'truncate' \(step 0\) changed the length of sample seq \d+ of source 'a' from 5 to 2 tokens"):
+        with pytest.raises(
+            DataPlaneError,
+            match=r"loader_do_plan 'truncate' \(step 0\) changed the length of sample seq \d+ of source 'a' from 5 to 2 tokens",
+        ):
             collect(cluster.endpoints_path, [0, 1])
         host = cluster.job.network.host
-        failures = [scrape(f"http://{host}:{p.metrics_port}/metrics") for p in cluster.processes if p.name.startswith(("loader", "constructor"))]
+        failures = [
+            scrape(f"http://{host}:{p.metrics_port}/metrics") for p in cluster.processes if p.name.startswith(("loader", "constructor"))
+        ]
     finally:
         cluster.stop()
     assert sum(m.get("batchplane_loader_hook_failures_total", 0) for m in failures) >= 1

@@ -78,16 +78,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         bad_b[r] = "rejected"
     sources = [
         {"name": "a", "path": str(a.path)},
-        {"name": "b", "path": str(b.path), "transform": "user_code:picky", "transform_args": {"fail_doc": 65, "reject_docs": [3, 141]},
-         "columns": ["input_ids", "doc_id"]},
+        {
+            "name": "b",
+            "path": str(b.path),
+            "transform": "user_code:picky",
+            "transform_args": {"fail_doc": 65, "reject_docs": [3, 141]},
+            "columns": ["input_ids", "doc_id"],
+        },
     ]
     out = []
     for attempt in ("first", "second"):
         folder = root / attempt
         folder.mkdir()
         config = write_job(
-            folder / "job.yaml", [a, b], sources=sources, loaders={"count": 1},
-            batch={"global_batch_size": GLOBAL, "microbatches": 2, "token_dtype": "int32", "max_length": MAX_LENGTH, "length_policy": "reject"},
+            folder / "job.yaml",
+            [a, b],
+            sources=sources,
+            loaders={"count": 1},
+            batch={
+                "global_batch_size": GLOBAL,
+                "microbatches": 2,
+                "token_dtype": "int32",
+                "max_length": MAX_LENGTH,
+                "length_policy": "reject",
+            },
         )
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PYTHONPATH", str(root))  # the loader imports the transform
@@ -97,7 +111,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
             planner = scrape(json.loads(cluster.endpoints_path.read_text())["metrics"]["planner"])
         finally:
             cluster.stop()
-        out.append({"batches": batches, "records": ledger_records(cluster.run_dir), "metrics": planner, "config": config, "run_dir": cluster.run_dir})
+        out.append(
+            {
+                "batches": batches,
+                "records": ledger_records(cluster.run_dir),
+                "metrics": planner,
+                "config": config,
+                "run_dir": cluster.run_dir,
+            }
+        )
     return {"a": a, "b": b, "bad": {0: bad_a, 1: bad_b}, "runs": out}
 
 
@@ -135,7 +157,9 @@ def test_the_ledger_names_each_substitution_with_its_reason(runs) -> None:
             named[(k, bad_row)] = entry["reason"]
             assert runs["bad"][k][bad_row] == entry["reason"], entry
             if entry["by"] is not None:
-                assert (k, entry["by"][0]) in steps[record["step"]], f"the substitute trains in the step of the bad row it replaces: {entry}"
+                assert (k, entry["by"][0]) in steps[record["step"]], (
+                    f"the substitute trains in the step of the bad row it replaces: {entry}"
+                )
     allocated_bad = {(k, r) for k in (0, 1) for r in runs["bad"][k]}
     assert set(named) == allocated_bad, "every injected bad row is named once, with its reason (met while seeking substitutes too)"
     assert len(named) == sum(len(r.get("substituted", [])) for r in first["records"])
@@ -150,7 +174,9 @@ def test_ledger_find_shows_the_bad_row_and_its_substitute(runs) -> None:
     for row in (entry["bad"][0], entry["by"][0]):
         out = subprocess.run(
             [sys.executable, "-m", "batchplane.cli", "ledger", "find", f"b:{row}", "-c", str(first["config"])],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stderr
         assert f"b:{entry['bad'][0]}" in out.stdout and f"b:{entry['by'][0]}" in out.stdout, out.stdout

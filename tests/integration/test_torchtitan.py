@@ -59,9 +59,12 @@ def sources(tmp_path):
 
 def job(tmp_path: pathlib.Path, sources, name: str) -> pathlib.Path:
     return write_job(
-        tmp_path / f"{name}.yaml", sources,
+        tmp_path / f"{name}.yaml",
+        sources,
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
-        mesh={"dp": 2}, constructors={"prefetch_steps": 2}, run_dir=str(tmp_path / name),
+        mesh={"dp": 2},
+        constructors={"prefetch_steps": 2},
+        run_dir=str(tmp_path / name),
     )
 
 
@@ -73,7 +76,10 @@ def run_torchtitan(endpoints: pathlib.Path, dump: pathlib.Path, out: pathlib.Pat
     with open(out / "torchrun.log", "w") as log:
         proc = subprocess.Popen(
             [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(TRAINER), "--dump", str(dump), "--out", str(out), *args],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         code = proc.wait(timeout=100)
@@ -97,7 +103,9 @@ def test_torchtitan_resumed_from_its_checkpoint_trains_on_the_uninterrupted_runs
     for rank in (0, 1):
         # torchtitan step k trains batchplane step k - 1, two microbatches each (gradient
         # accumulation 2); the end of data ends training before step 13 without cutting one.
-        assert [(b["step"], b["next_step"], b["microbatch"], len(b["pairs"])) for b in reference[rank]] == [(k, k, 0, 2) for k in range(1, STEPS + 1)]
+        assert [(b["step"], b["next_step"], b["microbatch"], len(b["pairs"])) for b in reference[rank]] == [
+            (k, k, 0, 2) for k in range(1, STEPS + 1)
+        ]
         assert done[rank]["exhausted_at"] == STEPS + 1
 
     cluster = start_cluster(job(tmp_path, sources, "run"))
@@ -141,7 +149,9 @@ def test_a_checkpoint_between_microbatches_resumes_at_the_next_one_on_every_rank
     os.environ["BATCHPLANE_ENDPOINTS"] = str(cluster.endpoints_path)
     config = BatchplaneDataLoader.Config(microbatches_per_step=2, timeout_s=60)
     try:
-        loaders = [BatchplaneDataLoader(config, dp_world_size=2, dp_rank=r, client=Client(rank=r, device=None, timeout_s=60)) for r in (0, 1)]
+        loaders = [
+            BatchplaneDataLoader(config, dp_world_size=2, dp_rank=r, client=Client(rank=r, device=None, timeout_s=60)) for r in (0, 1)
+        ]
         iterators = [iter(loader) for loader in loaders]
         head = _pairs(loaders, iterators, 3)  # step 0, and the first microbatch of step 1
         states = [loader.state_dict() for loader in loaders]
@@ -174,10 +184,12 @@ def test_a_checkpoint_between_microbatches_resumes_at_the_next_one_on_every_rank
 
 def test_a_token_budget_job_is_refused_at_its_first_step_with_more_microbatches(tmp_path, sources) -> None:
     config = write_job(
-        tmp_path / "budget.yaml", sources,
+        tmp_path / "budget.yaml",
+        sources,
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
         balance={"method": "token_budget", "max_tokens": 48, "window_steps": 1},  # one step at a time: counts vary per step
-        mesh={"dp": 2}, run_dir=str(tmp_path / "budget"),
+        mesh={"dp": 2},
+        run_dir=str(tmp_path / "budget"),
     )
     cluster = start_cluster(config)
     try:
@@ -188,8 +200,12 @@ def test_a_token_budget_job_is_refused_at_its_first_step_with_more_microbatches(
                 counts.append(len(batch["microbatches"]))
         first_other = next(step for step, n in enumerate(counts) if n != 2)
         loaders = [
-            BatchplaneDataLoader(BatchplaneDataLoader.Config(microbatches_per_step=2, timeout_s=60), dp_world_size=2, dp_rank=r,
-                                 client=Client(rank=r, device=None, timeout_s=60))
+            BatchplaneDataLoader(
+                BatchplaneDataLoader.Config(microbatches_per_step=2, timeout_s=60),
+                dp_world_size=2,
+                dp_rank=r,
+                client=Client(rank=r, device=None, timeout_s=60),
+            )
             for r in (0, 1)
         ]
         iterators = [iter(loader) for loader in loaders]

@@ -127,7 +127,9 @@ def test_each_role_may_make_only_its_own_calls_for_its_own_index(cluster) -> Non
             _planner(channel).GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0, wait_ms=10), timeout=5)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.RpcError) as info:  # registering another replica's id
-            _planner(channel).RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, replica="rogue", address="127.0.0.1:9"), timeout=5)
+            _planner(channel).RegisterLoader(
+                planner_pb2.RegisterLoaderRequest(loader_index=0, replica="rogue", address="127.0.0.1:9"), timeout=5
+            )
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.RpcError) as info:  # another group's
             _planner(channel).DeregisterLoader(planner_pb2.DeregisterLoaderRequest(loader_index=1, replica="1"), timeout=5)
@@ -187,12 +189,16 @@ def test_a_certificate_rotated_mid_job_is_picked_up_without_a_restart_or_a_lost_
         assert reloads(p) >= 1, p.name
     wait_until(
         lambda: _served_serial(cluster.planner.address, cluster.tls_dir / "launcher") == _serial_in(cluster.tls_dir / "planner"),
-        timeout_s=10, what="the planner to present its new certificate",
+        timeout_s=10,
+        what="the planner to present its new certificate",
     )
     assert _serial_in(cluster.tls_dir / "planner") != before
     assert {p.name: p.pid for p in cluster.processes} == pids, "a process was restarted"
     seen = collections.Counter(
-        (s, r) for rank in batches.values() for b in rank for mb in b["microbatches"]
+        (s, r)
+        for rank in batches.values()
+        for b in rank
+        for mb in b["microbatches"]
         for s, r in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
     )
     assert max(seen.values()) == 1, "a sample arrived twice"
@@ -208,6 +214,7 @@ def test_the_trainer_socket_admits_only_the_pods_group_whatever_its_user_id(clus
     assert stat.S_IMODE(folder.stat().st_mode) == 0o2770
     assert stat.S_IMODE(path.stat().st_mode) & 0o007 == 0
     group = folder.stat().st_gid
+
     # The trainer container's user: another uid, in the pod's group (fsGroup) or not. A forked
     # child takes it (no interpreter needed that the other user may not be allowed to run).
     def connect(groups: list[int]) -> str:
@@ -249,7 +256,10 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
     tokens = {"operator": "t-operator", "loader": "t-loader"}
     security = Security(CertificateFolder(server_folder), role_tokens=tokens)
     server, port, health = create_grpc_server(
-        RpcSettings(security=security, max_message_bytes=4 << 20), host="127.0.0.1", port=0, metrics=ServerMetrics("planner", CollectorRegistry())
+        RpcSettings(security=security, max_message_bytes=4 << 20),
+        host="127.0.0.1",
+        port=0,
+        metrics=ServerMetrics("planner", CollectorRegistry()),
     )
 
     class Status(planner_pb2_grpc.PlannerServicer):
@@ -259,6 +269,7 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
     planner_pb2_grpc.add_PlannerServicer_to_server(Status(), server)
     server.start()
     try:
+
         def status(folder: str, token: str | None) -> grpc.StatusCode:
             channel = Security(CertificateFolder(tmp_path / folder), token=token).channel(f"127.0.0.1:{port}", peer="planner")
             with channel:
@@ -282,13 +293,18 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
 def test_a_process_given_an_unreadable_token_or_no_certificates_does_not_start(cluster, tmp_path) -> None:
     config = str(cluster.config_path)
     for extra, message in (
-        (["--tls-dir", str(cluster.tls_dir / "planner"), "--token-file", str(tmp_path / "missing")], "--token-file: cannot read token file"),
+        (
+            ["--tls-dir", str(cluster.tls_dir / "planner"), "--token-file", str(tmp_path / "missing")],
+            "--token-file: cannot read token file",
+        ),
         ([], "network.tls: is on, so every part needs --tls-dir"),
         (["--tls-dir", str(tmp_path)], "--tls-dir: cannot read"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "batchplane.planner", "--config", config, "--run-dir", str(tmp_path / "run"), *extra],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 2, out.stderr
         assert message in out.stderr

@@ -66,11 +66,15 @@ def test_each_image_reaches_the_rank_that_encodes_it_byte_identical(tmp_path: pa
     images = write_image_text_source(tmp_path / "images", rows=80, seed=5, files=2, row_group_rows=20)
     text = write_source(tmp_path, "text", list(np.random.default_rng(1).integers(8, 120, 80)), seed=2)
     image_source = {
-        "name": "images", "path": str(images), "transform": "batchplane.demo.images:image_text", "columns": ["caption", "images"],
+        "name": "images",
+        "path": str(images),
+        "transform": "batchplane.demo.images:image_text",
+        "columns": ["caption", "images"],
         "transform_args": {"patch": PATCH, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID, "pixels": True},
     }
     config = write_job(
-        tmp_path / "job.yaml", [text],
+        tmp_path / "job.yaml",
+        [text],
         sources=[image_source, {"name": "text", "path": str(text.path)}],
         strategy=str(REPO / "examples" / "strategies" / "vlm.py"),
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32", "payload": [dict(c) for c in PAYLOAD]},

@@ -64,7 +64,9 @@ class Plane:
             window = window_steps(job, strategy, adaptive=load_schedule(job, strategy).adaptive is not None)
             lookahead = max(16, summary_lookahead(job, window=window))
         self.store = SummaryStore(len(job.sources), lookahead=lookahead)
-        metrics = PlannerMetrics(CollectorRegistry(), source_names=job.source_names, target_weights=[1.0 / len(job.sources)] * len(job.sources))
+        metrics = PlannerMetrics(
+            CollectorRegistry(), source_names=job.source_names, target_weights=[1.0 / len(job.sources)] * len(job.sources)
+        )
         self.book = PlanBook(job, membership=self.membership, store=self.store, metrics=metrics, ledger=self.ledger)
         self.service = PlannerServicer(job, self.membership, self.book, self.store, metrics)
         self._stop = threading.Event()
@@ -79,7 +81,9 @@ class Plane:
         """Registers the loader of every source and every constructor."""
         self.service.RegisterLoader(
             planner_pb2.RegisterLoaderRequest(
-                loader_index=0, address="loader:0", incarnation="i0",
+                loader_index=0,
+                address="loader:0",
+                incarnation="i0",
                 sources=[
                     common_pb2.SourceInfo(name=name, num_rows=rows, row_group_sizes=groups)
                     for name, rows, groups in zip(self.job.source_names, self.rows, self.row_groups)
@@ -89,7 +93,9 @@ class Plane:
         )
         for c in self.constructors:
             ranks = self.job.constructor_ranks(c)
-            self.service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=c, address=f"c:{c}", ranks=ranks), None)
+            self.service.RegisterConstructor(
+                planner_pb2.RegisterConstructorRequest(constructor_index=c, address=f"c:{c}", ranks=ranks), None
+            )
 
     def _feed(self) -> None:
         """The loaders: rows of seqs in order (seq modulo the rows), 16 at a time."""
@@ -108,12 +114,16 @@ class Plane:
                 seq = np.arange(start, stop, dtype=np.int64)
                 self.store.add(k, start, seq % self.rows[k], self.lengths(k, seq), end is not None and stop == end)
 
-    def plan(self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 30_000, **fields) -> planner_pb2.GetPlanResponse:
+    def plan(
+        self, constructor: int, step: int, *, delivered_below: int | None = None, wait_ms: int = 30_000, **fields
+    ) -> planner_pb2.GetPlanResponse:
         below = step if delivered_below is None else delivered_below
         request = planner_pb2.GetPlanRequest(constructor_index=constructor, step=step, delivered_below=below, wait_ms=wait_ms, **fields)
         return self.service.GetPlan(request, None)
 
-    def run(self, first: int = 0, *, resume: Mapping[str, str] | None = None, until: int | None = None) -> dict[int, list[planner_pb2.GetPlanResponse]]:
+    def run(
+        self, first: int = 0, *, resume: Mapping[str, str] | None = None, until: int | None = None
+    ) -> dict[int, list[planner_pb2.GetPlanResponse]]:
         """Every constructor takes every step from `first` to the end (or to `until`, excluded),
         in lockstep, as trainers do; returns per step each constructor's answer."""
         steps: dict[int, list[planner_pb2.GetPlanResponse]] = {}

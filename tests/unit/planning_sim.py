@@ -123,6 +123,5 @@ def delivered(plans: list[StepPlan]) -> list[tuple[int, int, int]]:
 def fingerprint(plan: StepPlan) -> tuple:
     """Everything a trainer observes of a plan: per rank, per microbatch, the samples."""
     return tuple(
-        tuple(tuple(zip(plan.samples.source[mb].tolist(), plan.samples.row[mb].tolist())) for mb in rank)
-        for rank in plan.microbatches
+        tuple(tuple(zip(plan.samples.source[mb].tolist(), plan.samples.row[mb].tolist())) for mb in rank) for rank in plan.microbatches
     )

@@ -93,9 +93,14 @@ def rules(draw: st.DrawFn) -> AdaptiveRule:
     minimum = [s * draw(st.floats(0, 0.999)) for s in shares]
     maximum = [s + (1 - s) * draw(st.floats(0.001, 1)) for s in shares]
     return AdaptiveRule(
-        names, tuple(initial), tuple(minimum), tuple(maximum),
-        max_change=draw(st.floats(0.001, 1)), learning_rate=draw(st.floats(0.01, 100)),
-        smoothing=draw(st.floats(0, 0.99)), delay_steps=draw(st.integers(1, 20)),
+        names,
+        tuple(initial),
+        tuple(minimum),
+        tuple(maximum),
+        max_change=draw(st.floats(0.001, 1)),
+        learning_rate=draw(st.floats(0.01, 100)),
+        smoothing=draw(st.floats(0, 0.99)),
+        delay_steps=draw(st.integers(1, 20)),
     )
 
 
@@ -179,8 +184,14 @@ def test_a_source_missing_from_a_report_keeps_its_average_and_progress() -> None
 
 @pytest.mark.parametrize(
     ("report", "name"),
-    [({"webb": 1.0}, "webb"), ({"web": -0.1}, "web"), ({"code": NAN}, "code"), ({"math": INF}, "math"),
-     ({"web": "1"}, "web"), ({"code": True}, "code")],
+    [
+        ({"webb": 1.0}, "webb"),
+        ({"web": -0.1}, "web"),
+        ({"code": NAN}, "code"),
+        ({"math": INF}, "math"),
+        ({"web": "1"}, "web"),
+        ({"code": True}, "code"),
+    ],
 )
 def test_a_bad_report_is_refused_naming_the_source(report: dict[str, object], name: str) -> None:
     rule = AdaptiveRule(NAMES, (1, 1, 1))
@@ -194,15 +205,29 @@ def test_a_bad_report_is_refused_naming_the_source(report: dict[str, object], na
 
 @pytest.mark.parametrize(
     ("changes", "field"),
-    [({"max_change": 0}, "max_change"), ({"max_change": 1.5}, "max_change"), ({"max_change": NAN}, "max_change"),
-     ({"max_change": "x"}, "max_change"), ({"learning_rate": 0}, "learning_rate"), ({"learning_rate": INF}, "learning_rate"),
-     ({"smoothing": 1.0}, "smoothing"), ({"smoothing": -0.1}, "smoothing"), ({"delay_steps": 0}, "delay_steps"),
-     ({"delay_steps": 1.5}, "delay_steps"), ({"delay_steps": True}, "delay_steps"),
-     ({"initial": (1, -1, 1)}, "initial.code"), ({"initial": (0, 0, 0)}, "initial"), ({"initial": (1, 1)}, "initial"),
-     ({"minimum": (-0.1, 0, 0)}, "minimum.web"), ({"minimum": (0, 0, 1.5)}, "minimum.math"),
-     ({"minimum": (0.5, 0, 0), "maximum": (0.4, 1, 1)}, "maximum.web"),
-     ({"minimum": (0.3, 0.3, 0.5)}, "minimum"), ({"maximum": (0.3, 0.3, 0.3)}, "maximum"),
-     ({"minimum": (0.4, 0, 0)}, "initial.web"), ({"maximum": (1, 0.2, 1)}, "initial.code")],
+    [
+        ({"max_change": 0}, "max_change"),
+        ({"max_change": 1.5}, "max_change"),
+        ({"max_change": NAN}, "max_change"),
+        ({"max_change": "x"}, "max_change"),
+        ({"learning_rate": 0}, "learning_rate"),
+        ({"learning_rate": INF}, "learning_rate"),
+        ({"smoothing": 1.0}, "smoothing"),
+        ({"smoothing": -0.1}, "smoothing"),
+        ({"delay_steps": 0}, "delay_steps"),
+        ({"delay_steps": 1.5}, "delay_steps"),
+        ({"delay_steps": True}, "delay_steps"),
+        ({"initial": (1, -1, 1)}, "initial.code"),
+        ({"initial": (0, 0, 0)}, "initial"),
+        ({"initial": (1, 1)}, "initial"),
+        ({"minimum": (-0.1, 0, 0)}, "minimum.web"),
+        ({"minimum": (0, 0, 1.5)}, "minimum.math"),
+        ({"minimum": (0.5, 0, 0), "maximum": (0.4, 1, 1)}, "maximum.web"),
+        ({"minimum": (0.3, 0.3, 0.5)}, "minimum"),
+        ({"maximum": (0.3, 0.3, 0.3)}, "maximum"),
+        ({"minimum": (0.4, 0, 0)}, "initial.web"),
+        ({"maximum": (1, 0.2, 1)}, "initial.code"),
+    ],
 )
 def test_a_bad_rule_names_its_field(changes: dict[str, object], field: str) -> None:
     kwargs: dict[str, object] = {"source_names": NAMES, "initial": (1, 1, 1), **changes}
@@ -222,20 +247,34 @@ def test_a_rule_normalizes_initial_and_fills_default_bounds() -> None:
 def test_rule_from_mapping_reads_the_keys_and_defaults_the_rest() -> None:
     assert rule_from_mapping(None, NAMES) == rule_from_mapping({}, NAMES) == AdaptiveRule(NAMES, (1, 1, 1))
     rule = rule_from_mapping(
-        {"initial": {"web": 2}, "minimum": {"code": 0.1}, "maximum": {"web": 0.6}, "max_change": 0.05,
-         "learning_rate": 2, "smoothing": 0.5, "delay_steps": 3},
+        {
+            "initial": {"web": 2},
+            "minimum": {"code": 0.1},
+            "maximum": {"web": 0.6},
+            "max_change": 0.05,
+            "learning_rate": 2,
+            "smoothing": 0.5,
+            "delay_steps": 3,
+        },
         NAMES,
     )
-    assert rule == AdaptiveRule(NAMES, (2, 1, 1), (0, 0.1, 0), (0.6, 1, 1), max_change=0.05, learning_rate=2.0,
-                                smoothing=0.5, delay_steps=3)
+    assert rule == AdaptiveRule(
+        NAMES, (2, 1, 1), (0, 0.1, 0), (0.6, 1, 1), max_change=0.05, learning_rate=2.0, smoothing=0.5, delay_steps=3
+    )
     assert rule.initial == (0.5, 0.25, 0.25)
 
 
 @pytest.mark.parametrize(
     ("data", "field"),
-    [({"rate": 1}, "rate"), ({"minimum": {"webb": 0.1}}, "minimum.webb"), ({"initial": [1, 1, 1]}, "initial"),
-     ({"maximum": {"code": "1"}}, "maximum.code"), ({"max_change": "big"}, "max_change"),
-     ({"delay_steps": "8"}, "delay_steps"), ({"initial": {"math": -1}}, "initial.math")],
+    [
+        ({"rate": 1}, "rate"),
+        ({"minimum": {"webb": 0.1}}, "minimum.webb"),
+        ({"initial": [1, 1, 1]}, "initial"),
+        ({"maximum": {"code": "1"}}, "maximum.code"),
+        ({"max_change": "big"}, "max_change"),
+        ({"delay_steps": "8"}, "delay_steps"),
+        ({"initial": {"math": -1}}, "initial.math"),
+    ],
 )
 def test_rule_from_mapping_names_the_bad_field(data: dict[str, object], field: str) -> None:
     with pytest.raises(ScheduleError) as caught:
@@ -281,7 +320,7 @@ def test_a_mixture_follows_the_adapted_weights_with_the_delay() -> None:
     state, mix, counts = AdaptiveState.initial(rule), MixtureState.initial(2), []
     for step in range(8):
         if step >= rule.delay_steps:  # the report of step - D is in before step is planned
-            state = update(rule, state, {"a": 1.0, "b": 0.5**(step - rule.delay_steps)})
+            state = update(rule, state, {"a": 1.0, "b": 0.5 ** (step - rule.delay_steps)})
         schedule.set(step, state.weights)
         allocation, mix = mixture.allocate(mix)
         counts.append(allocation.counts)

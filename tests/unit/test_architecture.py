@@ -54,7 +54,15 @@ def violations(module_names: list[str], forbidden: tuple[str, ...]) -> list[str]
 
 
 SERVICES = ("batchplane.planner", "batchplane.loader", "batchplane.constructor")
-SERVICE_SIDE = (*SERVICES, "batchplane.operator", "batchplane.core", "batchplane.launcher", "batchplane.demo", "batchplane.cli", "batchplane.journal")
+SERVICE_SIDE = (
+    *SERVICES,
+    "batchplane.operator",
+    "batchplane.core",
+    "batchplane.launcher",
+    "batchplane.demo",
+    "batchplane.cli",
+    "batchplane.journal",
+)
 PURE = (
     "batchplane.planner.mixture",
     "batchplane.planner.plan",
@@ -174,7 +182,10 @@ def test_core_imports_no_service() -> None:
 
 def test_the_journal_is_a_library_below_the_services() -> None:
     """The planner, producers and consumers use the journal; it uses only core."""
-    assert violations(owned_by("batchplane.journal"), (*SERVICES, "batchplane.operator", "batchplane.launcher", "batchplane.demo", "grpc")) == []
+    assert (
+        violations(owned_by("batchplane.journal"), (*SERVICES, "batchplane.operator", "batchplane.launcher", "batchplane.demo", "grpc"))
+        == []
+    )
 
 
 def test_the_operator_drives_services_only_through_their_metrics_and_the_kubernetes_api() -> None:
@@ -199,7 +210,14 @@ CLIENT_FRAMEWORKS = {
 
 def test_client_imports_only_torch_grpc_protobuf_numpy_and_the_contract() -> None:
     allowed_prefixes = (
-        "torch", "grpc", "google.protobuf", "numpy", "batchplane.v1", "batchplane.wire", "batchplane.local_transport", "batchplane.client",
+        "torch",
+        "grpc",
+        "google.protobuf",
+        "numpy",
+        "batchplane.v1",
+        "batchplane.wire",
+        "batchplane.local_transport",
+        "batchplane.client",
     )
     bad = []
     for name in owned_by("batchplane.client") + owned_by("batchplane.examples"):
@@ -245,7 +263,8 @@ def test_the_threaded_pure_modules_table_is_exact(module: str) -> None:
 
 def test_wire_needs_only_numpy_and_protobuf() -> None:
     bad = [
-        i for i in imports_of(ALL["batchplane.wire"])
+        i
+        for i in imports_of(ALL["batchplane.wire"])
         if i.split(".")[0] not in STDLIB | {"__future__", "numpy"} and not i.startswith(("batchplane.v1", "google.protobuf"))
     ]
     assert bad == []

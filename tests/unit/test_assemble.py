@@ -225,7 +225,9 @@ def test_payload_views_are_writable_and_not_shared_with_the_inputs() -> None:
 def long_samples(draw):
     sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
     n = sum(sizes)
-    tokens = [np.array(t, np.int64) for t in draw(st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30), min_size=n, max_size=n))]
+    tokens = [
+        np.array(t, np.int64) for t in draw(st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30), min_size=n, max_size=n))
+    ]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     samples = RankSamples(
         tokens=tokens,
@@ -243,8 +245,15 @@ def test_split_samples_become_chunk_rows_with_one_identity_entry_per_sample(samp
     ignore_id = -100
     limit = {"max_length": max_length, "length_policy": policy}
     batch = assemble(
-        samples, step=1, rank=0, pad_id=0, ignore_id=ignore_id, token_dtype="int64", global_loss_tokens=10**6,
-        pack_length=16 if packed else None, **limit,
+        samples,
+        step=1,
+        rank=0,
+        pad_id=0,
+        ignore_id=ignore_id,
+        token_dtype="int64",
+        global_loss_tokens=10**6,
+        pack_length=16 if packed else None,
+        **limit,
     )
     _check_layout_of_split(batch, split=policy == "split")
     lengths = np.array([len(t) for t in samples.tokens], np.int32)

@@ -21,9 +21,9 @@ _cost_value = st.one_of(
     st.floats(min_value=0.0, max_value=1e9, allow_nan=False, allow_infinity=False),
 )
 costs_st = st.lists(_cost_value, max_size=90).map(lambda xs: np.array(xs, dtype=np.float64))
-positive_costs_st = st.lists(
-    st.one_of(st.sampled_from([1.0, 2.0, 5.0]), st.floats(min_value=1e-6, max_value=1e9)), max_size=90
-).map(lambda xs: np.array(xs, dtype=np.float64))
+positive_costs_st = st.lists(st.one_of(st.sampled_from([1.0, 2.0, 5.0]), st.floats(min_value=1e-6, max_value=1e9)), max_size=90).map(
+    lambda xs: np.array(xs, dtype=np.float64)
+)
 parts_st = st.integers(min_value=1, max_value=40)
 method_st = st.sampled_from(METHODS)
 

@@ -15,8 +15,16 @@ from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.models import LLAMA_12B, VIT_2B
 
 FIELDS = {
-    "dp", "context", "method", "max_over_mean", "max_over_min", "encoder_max_over_mean",
-    "sim_iteration_s", "speedup_vs_vanilla", "speedup_vs_round_robin", "speedup_vs_independent",
+    "dp",
+    "context",
+    "method",
+    "max_over_mean",
+    "max_over_min",
+    "encoder_max_over_mean",
+    "sim_iteration_s",
+    "speedup_vs_vanilla",
+    "speedup_vs_round_robin",
+    "speedup_vs_independent",
 }
 TINY = ["--tp", "2", "--samples-per-rank", "16", "--steps", "3"]
 
@@ -150,9 +158,7 @@ def test_lengths_file_with_images_keeps_only_samples_that_fit(tmp_path, form) ->
         bench.run(_args([*TINY, "--dp", "2", "--context", "16", "--lengths", str(path)]), lambda m: None)
 
 
-@pytest.mark.parametrize(
-    "array", [np.array([3, 0, 5]), np.array([1.5, 2.0]), np.array([[1, 2], [3, -1]]), np.zeros((3, 2), np.int64)]
-)
+@pytest.mark.parametrize("array", [np.array([3, 0, 5]), np.array([1.5, 2.0]), np.array([[1, 2], [3, -1]]), np.zeros((3, 2), np.int64)])
 def test_bad_lengths_file(tmp_path, array) -> None:
     path = tmp_path / "bad.npy"
     np.save(path, array)
@@ -202,11 +208,17 @@ def test_independent_draws_vary_per_step_and_converge_to_the_mixture() -> None:
     # A two-part mixture from a file: 3 short samples to 1 long one (share 0.25).
     workload = bench.Workload(np.array([10, 10, 10, 1000], np.int64), np.zeros(4, np.int64))
     dp, per_rank, steps = 4, 20, 400
-    shares = np.array([
-        [np.mean(bench.rank_draw(seed=0, dp=dp, context=4096, step=s, rank=d, samples_per_rank=per_rank, workload=workload)[0] == 1000)
-         for d in range(dp)]
-        for s in range(steps)
-    ])  # [step, rank]
+    shares = np.array(
+        [
+            [
+                np.mean(
+                    bench.rank_draw(seed=0, dp=dp, context=4096, step=s, rank=d, samples_per_rank=per_rank, workload=workload)[0] == 1000
+                )
+                for d in range(dp)
+            ]
+            for s in range(steps)
+        ]
+    )  # [step, rank]
     assert len(np.unique(shares)) > 5 and shares.std() > 0.05  # per step a rank's share varies ...
     assert np.any(shares[:, 0] != shares[:, 1])  # ... and differs between ranks of one step
     np.testing.assert_allclose(shares.mean(axis=0), 0.25, atol=0.03)  # ... and converges per rank

@@ -22,7 +22,16 @@ from batchplane.constructor.assemble import tensors_of
 from batchplane.demo.dataset import write_demo_dataset
 
 TINY = delivery.PayloadSettings(seed=3, microbatches=2, rows=3, seq=64, images=4, distinct=2)
-TRANSPORT_FIELDS = {"payload", "transport", "gb_per_s", "cpu_s_per_gb", "sender_cpu_s_per_gb", "receiver_cpu_s_per_gb", "bytes_per_batch", "batches"}
+TRANSPORT_FIELDS = {
+    "payload",
+    "transport",
+    "gb_per_s",
+    "cpu_s_per_gb",
+    "sender_cpu_s_per_gb",
+    "receiver_cpu_s_per_gb",
+    "bytes_per_batch",
+    "batches",
+}
 SAMPLE_FIELDS = {"system", "ranks", "samples_per_s", "cpu_s_per_1k_samples"}
 
 

@@ -15,10 +15,30 @@ from batchplane.bench import ledger as bench
 from batchplane.planner import journal
 
 FIELDS = {
-    "dp", "batch", "sources", "microbatches", "keep_detail_steps", "steps_written", "extrapolated", "records",
-    "segments", "step_json_bytes_per_step", "bytes_after_compaction", "disk_bytes_after_compaction",
-    "bytes_per_10k_steps", "segment_bytes_per_step", "compaction_ratio", "record_ms_mean", "write_ms_mean",
-    "write_ms_p99", "compaction_s", "compaction_ms_per_segment", "open_reader_ms", "read_record_ms", "read_ok", "seconds",
+    "dp",
+    "batch",
+    "sources",
+    "microbatches",
+    "keep_detail_steps",
+    "steps_written",
+    "extrapolated",
+    "records",
+    "segments",
+    "step_json_bytes_per_step",
+    "bytes_after_compaction",
+    "disk_bytes_after_compaction",
+    "bytes_per_10k_steps",
+    "segment_bytes_per_step",
+    "compaction_ratio",
+    "record_ms_mean",
+    "write_ms_mean",
+    "write_ms_p99",
+    "compaction_s",
+    "compaction_ms_per_segment",
+    "open_reader_ms",
+    "read_record_ms",
+    "read_ok",
+    "seconds",
 }
 
 
@@ -37,8 +57,7 @@ def _run(tmp_path, argv: list[str], messages: list[str] | None = None) -> dict:
 def test_the_ledger_grows_with_the_steps_and_compaction_shrinks_it(tmp_path) -> None:
     messages: list[str] = []
     short, long = (
-        _run(tmp_path, ["--config", "2:8:2", "--config", "4:32:3", "--steps", str(steps)], messages)["records"]
-        for steps in (20, 40)
+        _run(tmp_path, ["--config", "2:8:2", "--config", "4:32:3", "--steps", str(steps)], messages)["records"] for steps in (20, 40)
     )
     assert len(messages) == (2 + 1) * 2 + (4 + 1) * 2  # one a segment, one a configuration
     assert list(tmp_path.iterdir()) == []  # the temporary ledgers are gone
@@ -77,8 +96,7 @@ def test_the_budget_stops_at_a_whole_segment(tmp_path) -> None:
 
 def test_thinning_keeps_a_fraction_and_reads_back(tmp_path) -> None:
     full, thin = (
-        _run(tmp_path, ["--config", "4:32:2", "--steps", "30", *extra])["records"][0]
-        for extra in ([], ["--keep-detail-steps", "0"])
+        _run(tmp_path, ["--config", "4:32:2", "--steps", "30", *extra])["records"][0] for extra in ([], ["--keep-detail-steps", "0"])
     )
     assert thin["keep_detail_steps"] == 0 and thin["read_ok"] is True and thin["segments"] == 3
     assert thin["bytes_after_compaction"] < full["bytes_after_compaction"] / 2
@@ -94,7 +112,9 @@ def test_the_cli_prints_one_json_object(tmp_path, capsys) -> None:
     assert "[ledger] ledger: dp 2, batch 8, 2 sources done: 10 steps" in captured.err
 
 
-@pytest.mark.parametrize("argv", [["--config", "2:8"], ["--config", "2:0:1"], ["--config", "a:b:c"], ["--steps", "0"], ["--method", "token_budget"]])
+@pytest.mark.parametrize(
+    "argv", [["--config", "2:8"], ["--config", "2:0:1"], ["--config", "a:b:c"], ["--steps", "0"], ["--method", "token_budget"]]
+)
 def test_bad_flags_are_rejected(argv) -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -102,7 +122,9 @@ def test_bad_flags_are_rejected(argv) -> None:
         parser.parse_args(argv)
 
 
-@pytest.mark.parametrize("argv, match", [(["--budget-s", "0"], "--budget-s"), (["--lag", "-1"], "--lag"), (["--keep-detail-steps", "-2"], "--keep-detail-steps")])
+@pytest.mark.parametrize(
+    "argv, match", [(["--budget-s", "0"], "--budget-s"), (["--lag", "-1"], "--lag"), (["--keep-detail-steps", "-2"], "--keep-detail-steps")]
+)
 def test_bad_values_are_refused(tmp_path, argv, match) -> None:
     with pytest.raises(ValueError, match=match):
         _run(tmp_path, ["--steps", "5", *argv])

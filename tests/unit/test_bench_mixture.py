@@ -16,9 +16,20 @@ from batchplane.bench import mixture as bench
 from batchplane.planner.mixture import drift_bound
 
 FIELDS = {
-    "kind", "granularity", "steps", "batch", "sources", "max_drift_samples", "max_drift_over_batch",
-    "max_window_share_error", "final_share_error", "realized_shares", "target_shares", "share_changes",
-    "changes_exact", "seconds",
+    "kind",
+    "granularity",
+    "steps",
+    "batch",
+    "sources",
+    "max_drift_samples",
+    "max_drift_over_batch",
+    "max_window_share_error",
+    "final_share_error",
+    "realized_shares",
+    "target_shares",
+    "share_changes",
+    "changes_exact",
+    "seconds",
 }
 
 

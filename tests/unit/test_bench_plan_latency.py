@@ -12,7 +12,17 @@ import pytest
 from batchplane.bench import plan_latency as bench
 
 FIELDS = {
-    "ranks", "tp", "pp", "dp", "cp", "samples_per_step", "context", "group_size", "cost_s", "balance_s", "total_s",
+    "ranks",
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "samples_per_step",
+    "context",
+    "group_size",
+    "cost_s",
+    "balance_s",
+    "total_s",
 }
 
 
@@ -32,7 +42,12 @@ def test_sweep_records_every_configuration_with_cost_plus_balance_equal_to_total
     records = out["records"]
     # dp 3 is prime: no group size; dp 4 groups by 2.
     assert [(r["dp"], r["samples_per_step"], r["group_size"]) for r in records] == [
-        (3, 216, None), (3, 2160, None), (4, 288, None), (4, 288, 2), (4, 2880, None), (4, 2880, 2),
+        (3, 216, None),
+        (3, 2160, None),
+        (4, 288, None),
+        (4, 288, 2),
+        (4, 2880, None),
+        (4, 2880, 2),
     ]
     for r in records:
         assert set(r) == FIELDS

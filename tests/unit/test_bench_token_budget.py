@@ -15,8 +15,17 @@ from batchplane.core.config import LoaderSettings
 from batchplane.planner.window import default_window_steps
 
 FIELDS = {
-    "distribution", "lmax", "world", "batching", "window_steps", "steps_per_rank", "aligned",
-    "padding_rate", "samples_per_step", "coverage_ok", "max_padded_tokens",
+    "distribution",
+    "lmax",
+    "world",
+    "batching",
+    "window_steps",
+    "steps_per_rank",
+    "aligned",
+    "padding_rate",
+    "samples_per_step",
+    "coverage_ok",
+    "max_padded_tokens",
 }
 
 
@@ -40,7 +49,10 @@ def test_run_on_a_lengths_file(tmp_path) -> None:
     assert len(messages) == 1
     records = out["records"]
     assert [(r["batching"], r["window_steps"]) for r in records] == [
-        ("planner", 1), ("planner", 4), ("offline_greedy", None), ("fixed_batch", None),
+        ("planner", 1),
+        ("planner", 4),
+        ("offline_greedy", None),
+        ("fixed_batch", None),
     ]
     for r in records:
         assert set(r) == FIELDS
@@ -132,8 +144,15 @@ def test_generated_lengths_follow_their_recipes() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--global-batch", "0"], ["--window-steps", "0"], ["--lmax", "-1"], ["--world", "0"],
-     ["--samples", "0"], ["--distribution", "nope"], ["--window", "4"]],
+    [
+        ["--global-batch", "0"],
+        ["--window-steps", "0"],
+        ["--lmax", "-1"],
+        ["--world", "0"],
+        ["--samples", "0"],
+        ["--distribution", "nope"],
+        ["--window", "4"],
+    ],
 )
 def test_bad_flags_are_rejected(argv) -> None:
     with pytest.raises(SystemExit):

@@ -22,8 +22,21 @@ from batchplane.demo.images import image_text
 from batchplane.examples import dataloader_rank, vlm_rank
 
 RECORD_FIELDS = {
-    "system", "workers", "ranks", "samples", "steps", "images", "seconds", "samples_per_s", "data_wait_s_per_step_mean",
-    "data_wait_s_per_step_p95", "cpu_s_per_1k_samples", "rss_mb_per_rank", "pss_mb_per_rank", "processes", "transport",
+    "system",
+    "workers",
+    "ranks",
+    "samples",
+    "steps",
+    "images",
+    "seconds",
+    "samples_per_s",
+    "data_wait_s_per_step_mean",
+    "data_wait_s_per_step_p95",
+    "cpu_s_per_1k_samples",
+    "rss_mb_per_rank",
+    "pss_mb_per_rank",
+    "processes",
+    "transport",
 }
 
 
@@ -67,8 +80,12 @@ def test_dataloader_microbatches_carry_the_transforms_pixels(data: dict[str, pat
     microbatch, seen = 4, 0
     for rank in (0, 1):
         loader = vlm_rank.make_loader(
-            dataloader_rank.parquet_files([data["images"]]), dataloader_rank.parquet_files([data["chat"]]),
-            rank=rank, world=2, microbatch=microbatch, workers=1,
+            dataloader_rank.parquet_files([data["images"]]),
+            dataloader_rank.parquet_files([data["chat"]]),
+            rank=rank,
+            world=2,
+            microbatch=microbatch,
+            workers=1,
         )
         order = list(DistributedSampler(range(len(want_ids)), num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True))
         for m, batch in enumerate(loader):
@@ -95,13 +112,23 @@ def test_records_of_both_systems(data: dict[str, pathlib.Path], tmp_path: pathli
     assert [(r["system"], r["workers"]) for r in records] == [("dataloader", 1), ("batchplane", None)]
     for r in records:
         assert RECORD_FIELDS <= r.keys() and r["ranks"] == 2
-        for key in ("samples", "images", "samples_per_s", "cpu_s_per_1k_samples", "rss_mb_per_rank", "pss_mb_per_rank", "data_wait_s_per_step_mean"):
+        for key in (
+            "samples",
+            "images",
+            "samples_per_s",
+            "cpu_s_per_1k_samples",
+            "rss_mb_per_rank",
+            "pss_mb_per_rank",
+            "data_wait_s_per_step_mean",
+        ):
             assert r[key] > 0, (r["system"], key)
         assert r["data_wait_s_per_step_p95"] >= 0 and 0 < r["samples"] <= 64
     dataloader, batchplane = records
     assert dataloader["processes"] == 4 and dataloader["transport"] is None  # two ranks and their workers
     assert batchplane["transport"] == "shm", "with TLS on the constructor serves its pod's ranks through shared memory"
-    assert batchplane["rss_mb_per_rank"] == pytest.approx(batchplane["trainer_rss_mb_per_rank"] + batchplane["services_rss_mb_per_rank"], abs=0.2)
+    assert batchplane["rss_mb_per_rank"] == pytest.approx(
+        batchplane["trainer_rss_mb_per_rank"] + batchplane["services_rss_mb_per_rank"], abs=0.2
+    )
     summary = vlm.summarize(records)
     assert set(summary) == {"dataloader_w1", "batchplane"}
     assert summary["batchplane"]["samples_per_s"] == batchplane["samples_per_s"] and summary["batchplane"]["runs"] == 1

@@ -153,7 +153,9 @@ def test_finished_once_every_pulling_rank_asked_for_the_end_and_again_after_a_re
     ranks=st.integers(1, 3),
     prefetch=st.integers(1, 3),
     end=st.integers(1, 12),
-    actions=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["next", "restart", "build", "slow", "finish"]), st.integers(0, 12)), max_size=80),
+    actions=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(["next", "restart", "build", "slow", "finish"]), st.integers(0, 12)), max_size=80
+    ),
     stride=st.sampled_from([1, 1, 2, 3]),
     offset_seed=st.integers(0, 2),
 )
@@ -381,7 +383,9 @@ def test_ranks_rewinding_to_different_steps_at_different_moments_get_every_step_
     prefetch=st.integers(0, 3),
     actions=st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 10)), max_size=60),
 )
-def test_a_step_planned_before_is_asked_again_only_as_a_rewind_and_releases_never_pass_a_rank(ranks: int, prefetch: int, actions: list) -> None:
+def test_a_step_planned_before_is_asked_again_only_as_a_rewind_and_releases_never_pass_a_rank(
+    ranks: int, prefetch: int, actions: list
+) -> None:
     """Ranks moving on or restarting anywhere they reached: the planner, which drops a
     constructor's plans once it moved past them, is asked for a step again only with `rewind`;
     `delivered_below` is never past a rank's step (loaders would free its samples); the

@@ -36,11 +36,15 @@ def steps(draw):
     sizes = {axis: draw(st.integers(1, most)) for axis, most in (("pp", 3), ("dp", 3), ("cp", 3), ("tp", 2))}
     order = draw(st.sampled_from(ORDERS))
     middle = draw(st.sampled_from(((), ("attention_mask",))))
-    job = job_from_mapping({
-        "job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {**sizes, "order": order},
-        "batch": {"global_batch_size": sizes["dp"], "microbatches": 1, "pad_id": PAD, "ignore_id": IGNORE, "token_dtype": "int64"},
-        "constructors": {"cp_slicing": draw(modes), "pp_middle_tensors": list(middle)},
-    })
+    job = job_from_mapping(
+        {
+            "job": "j",
+            "sources": [{"name": "a", "path": "unused"}],
+            "mesh": {**sizes, "order": order},
+            "batch": {"global_batch_size": sizes["dp"], "microbatches": 1, "pad_id": PAD, "ignore_id": IGNORE, "token_dtype": "int64"},
+            "constructors": {"cp_slicing": draw(modes), "pp_middle_tensors": list(middle)},
+        }
+    )
     columns = draw(payload_columns())
     job = dataclasses.replace(job, batch=dataclasses.replace(job.batch, payload=tuple(columns)))
     mesh = ClientPlaceTree(**sizes, order=order)
@@ -52,15 +56,31 @@ def steps(draw):
         n = len(tokens)
         seq = np.arange(start, start + n, dtype=np.int64)  # the table's seq: each sample's index in it
         start += n
-        ids = dict(source=np.zeros(n, np.int32), seq=seq, row=seq * 10, epoch=np.full(n, b, np.int32), length=np.array([len(t) for t in tokens], np.int32))
+        ids = dict(
+            source=np.zeros(n, np.int32),
+            seq=seq,
+            row=seq * 10,
+            epoch=np.full(n, b, np.int32),
+            length=np.array([len(t) for t in tokens], np.int32),
+        )
         buckets[b] = Bucket(**ids, offsets=offsets, fetchers=1, loaders=np.zeros(n, np.int32), copies=np.ones(n, np.int32))
         if deliver is not None:
-            parts.append(SubPart(
-                name="images", axis=axis, metadata="image_tokens", bucket=b, **ids, values=seq + 1000, columns=(deliver,),
-                loaders=np.zeros(n, np.int32), copies=np.ones(n, np.int32),
-            ))
+            parts.append(
+                SubPart(
+                    name="images",
+                    axis=axis,
+                    metadata="image_tokens",
+                    bucket=b,
+                    **ids,
+                    values=seq + 1000,
+                    columns=(deliver,),
+                    loaders=np.zeros(n, np.int32),
+                    copies=np.ones(n, np.int32),
+                )
+            )
     table = _table(
-        [t for tokens, _, _ in drawn for t in tokens], columns,
+        [t for tokens, _, _ in drawn for t in tokens],
+        columns,
         {c.name: [v for _, values, _ in drawn for v in values[c.name]] for c in columns},
     )
     broadcast = draw(st.sampled_from((frozenset(), frozenset({"TP"}))))
@@ -111,7 +131,10 @@ def test_the_ranks_deliveries_put_back_together_are_every_samples_columns(case, 
                 assert d.subbatches == ()
                 continue
             sub = _subbatch(d)
-            assert sub["sample_row"].tolist() == plan.buckets[b].row.tolist() and sub["image_tokens"].tolist() == (plan.buckets[b].seq + 1000).tolist()
+            assert (
+                sub["sample_row"].tolist() == plan.buckets[b].row.tolist()
+                and sub["image_tokens"].tolist() == (plan.buckets[b].seq + 1000).tolist()
+            )
             (c,) = [c for c in job.batch.payload if c.name in delivered]
             _check_column(sub[c.name], values[c.name], c.kind, sub.get(c.offsets_name))
         for d in mine:
@@ -164,7 +187,9 @@ def test_the_ranks_deliveries_put_back_together_are_every_samples_columns(case, 
 
 
 def test_a_plan_lacking_a_bucket_a_served_rank_consumes_is_refused_before_any_fetch() -> None:
-    job = job_from_mapping({"job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {"dp": 2}, "batch": {"global_batch_size": 2, "microbatches": 1}})
+    job = job_from_mapping(
+        {"job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {"dp": 2}, "batch": {"global_batch_size": 2, "microbatches": 1}}
+    )
     mesh = ClientPlaceTree(dp=2)
     empty = Bucket(*(np.zeros(0, np.int64),) * 5, np.array([0, 0], np.int64), 1, np.zeros(0, np.int32), np.zeros(0, np.int32))
     plan = StepPlan(step=7, axis="DP", global_loss_tokens=0, buckets={0: empty})
@@ -176,7 +201,17 @@ def test_a_plan_lacking_a_bucket_a_served_rank_consumes_is_refused_before_any_fe
 def test_a_sample_the_plan_builds_from_that_was_not_fetched_is_an_error_not_a_guess() -> None:
     job = job_from_mapping({"job": "j", "sources": [{"name": "a", "path": "unused"}], "batch": {"global_batch_size": 1, "microbatches": 1}})
     one = np.ones(1, np.int32)
-    bucket = Bucket(np.zeros(1, np.int32), np.array([5], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int32), one * 3, np.array([0, 1], np.int64), 1, one * 0, one)
+    bucket = Bucket(
+        np.zeros(1, np.int32),
+        np.array([5], np.int64),
+        np.zeros(1, np.int64),
+        np.zeros(1, np.int32),
+        one * 3,
+        np.array([0, 1], np.int64),
+        1,
+        one * 0,
+        one,
+    )
     plan = StepPlan(step=0, axis="DP", global_loss_tokens=2, buckets={0: bucket})
     with pytest.raises(KeyError):
         build_step(plan, Fetched({(0, 4): np.arange(3)}, {}), Served(job, ClientPlaceTree(), (0,)))

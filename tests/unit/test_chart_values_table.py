@@ -15,8 +15,7 @@ _spec.loader.exec_module(values_table)
 def test_the_readme_values_table_is_generated_from_values_yaml() -> None:
     readme = values_table.README.read_text()
     assert values_table.updated_readme(readme, values_table.VALUES.read_text()) == readme, (
-        "deploy/helm/README.md's values table differs from values.yaml's `# --` comments; "
-        "run .venv/bin/python deploy/helm/values_table.py"
+        "deploy/helm/README.md's values table differs from values.yaml's `# --` comments; run .venv/bin/python deploy/helm/values_table.py"
     )
 
 
@@ -31,4 +30,4 @@ def test_every_comment_documents_a_key() -> None:
 def test_a_changed_comment_shows_in_the_table() -> None:
     text = "image:\n  # -- The image.\n  # Second line.\n  repository: x\nlist:\n  # -- Item name.\n  - name: a\n"
     assert values_table.documented_keys(text) == [("image.repository", "The image. Second line."), ("list[].name", "Item name.")]
-    assert "| `image.repository` | `\"x\"` | The image. Second line. |" in values_table.table(text)
+    assert '| `image.repository` | `"x"` | The image. Second line. |' in values_table.table(text)

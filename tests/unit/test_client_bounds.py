@@ -16,8 +16,16 @@ def header(payload_bytes: int, *tensors: tuple[str, str, list[int], int], sub: t
     return constructor_pb2.BatchHeader(
         step=1,
         payload_bytes=payload_bytes,
-        microbatches=[constructor_pb2.MicrobatchSpec(tensors=[constructor_pb2.TensorSpec(name=n, dtype=d, shape=s, offset=o) for n, d, s, o in tensors])],
-        subbatches=[constructor_pb2.SubBatchSpec(name="images", tensors=[constructor_pb2.TensorSpec(name=n, dtype=d, shape=s, offset=o) for n, d, s, o in sub])],
+        microbatches=[
+            constructor_pb2.MicrobatchSpec(
+                tensors=[constructor_pb2.TensorSpec(name=n, dtype=d, shape=s, offset=o) for n, d, s, o in tensors]
+            )
+        ],
+        subbatches=[
+            constructor_pb2.SubBatchSpec(
+                name="images", tensors=[constructor_pb2.TensorSpec(name=n, dtype=d, shape=s, offset=o) for n, d, s, o in sub]
+            )
+        ],
     )
 
 
@@ -57,7 +65,9 @@ class _Stub:
         self.first = first
 
     def GetBatch(self, request, timeout):  # noqa: N802 - the stub's method name
-        return iter([constructor_pb2.GetBatchResponse(header=self.first), constructor_pb2.GetBatchResponse(chunk=common_pb2.Chunk(data=b"x"))])
+        return iter(
+            [constructor_pb2.GetBatchResponse(header=self.first), constructor_pb2.GetBatchResponse(chunk=common_pb2.Chunk(data=b"x"))]
+        )
 
 
 def test_the_client_refuses_a_2_to_the_40_byte_header_before_allocating() -> None:

@@ -130,7 +130,12 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("epochs-forever", _with(epochs="forever"), "epochs", "forever"),
     ("epochs-bool", _with(epochs=True), "epochs", True),
     # batch and mesh
-    ("gbs-below-dp-times-microbatches", _with(**{"mesh.dp": 4, "batch.microbatches": 2, "batch.global_batch_size": 7}), "batch.global_batch_size", 7),
+    (
+        "gbs-below-dp-times-microbatches",
+        _with(**{"mesh.dp": 4, "batch.microbatches": 2, "batch.global_batch_size": 7}),
+        "batch.global_batch_size",
+        7,
+    ),
     ("gbs-zero", _with(**{"batch.global_batch_size": 0}), "batch.global_batch_size", 0),
     ("microbatches-zero", _with(**{"batch.microbatches": 0}), "batch.microbatches", 0),
     ("dp-zero", _with(**{"mesh.dp": 0}), "mesh.dp", 0),
@@ -142,7 +147,12 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("negative-linear", _with(**{"balance.cost.linear": -0.5}), "balance.cost.linear", -0.5),
     ("negative-quadratic", _with(**{"balance.cost.quadratic": -1}), "balance.cost.quadratic", -1.0),
     ("nan-quadratic", _with(**{"balance.cost.quadratic": NAN}), "balance.cost.quadratic", NAN),
-    ("both-coefficients-zero", _with(**{"balance.cost.linear": 0, "balance.cost.quadratic": 0}), "balance.cost", {"kind": "quadratic", "linear": 0.0, "quadratic": 0.0}),
+    (
+        "both-coefficients-zero",
+        _with(**{"balance.cost.linear": 0, "balance.cost.quadratic": 0}),
+        "balance.cost",
+        {"kind": "quadratic", "linear": 0.0, "quadratic": 0.0},
+    ),
     # loaders and constructors
     ("loaders-count-zero", _with(**{"loaders.count": 0}), "loaders.count", 0),
     ("loaders-count-above-sources", _with(**{"loaders.count": 3}), "loaders.count", 3),
@@ -169,9 +179,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize(("mutate", "field", "value"), [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
-def test_bad_configuration_names_field_and_value(
-    mutate: Callable[[dict[str, Any]], None], field: str, value: Any
-) -> None:
+def test_bad_configuration_names_field_and_value(mutate: Callable[[dict[str, Any]], None], field: str, value: Any) -> None:
     data = _base()
     mutate(data)
     with pytest.raises(ConfigError) as info:
@@ -266,7 +274,12 @@ def test_defaults_of_a_minimal_config() -> None:
     job = job_from_mapping({"job": "j", "sources": [{"name": "a", "path": "p"}]})
     (src,) = job.sources
     assert (src.name, src.path, src.token_column, src.transform, dict(src.transform_args), src.columns) == (
-        "a", "p", "input_ids", None, {}, None,
+        "a",
+        "p",
+        "input_ids",
+        None,
+        {},
+        None,
     )
     assert job.seed == 0
     assert job.epochs == 1
@@ -329,9 +342,7 @@ def _write(path: pathlib.Path, data: Any) -> pathlib.Path:
     return path
 
 
-def test_relative_paths_resolve_against_the_config_folder(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_relative_paths_resolve_against_the_config_folder(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     conf = tmp_path / "conf"
     data = _base()
     data["sources"][0]["path"] = "data/web.parquet"
@@ -569,9 +580,7 @@ def test_a_missing_weight_is_the_same_as_weight_one() -> None:
     ],
     ids=["weight", "cost-linear", "rpc-timeout"],
 )
-def test_an_integer_too_large_for_a_float_field_is_a_config_error(
-    mutate: Callable[[dict[str, Any]], None], field: str
-) -> None:
+def test_an_integer_too_large_for_a_float_field_is_a_config_error(mutate: Callable[[dict[str, Any]], None], field: str) -> None:
     # YAML reads a long run of digits as an int; it must fail as a ConfigError naming the field,
     # not as an OverflowError from float().
     data = _base()
@@ -584,9 +593,7 @@ def test_an_integer_too_large_for_a_float_field_is_a_config_error(
 
 def test_an_integer_too_large_for_a_float_field_in_a_file(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "job.yaml"
-    path.write_text(
-        "job: j\nsources:\n  - {name: web, path: data}\nmixture:\n  weights:\n    web: 1" + "0" * 400 + "\n"
-    )
+    path.write_text("job: j\nsources:\n  - {name: web, path: data}\nmixture:\n  weights:\n    web: 1" + "0" * 400 + "\n")
     with pytest.raises(ConfigError) as info:
         load_job(path)
     assert info.value.field == "mixture.weights.web"

@@ -77,8 +77,11 @@ def test_a_report_outside_the_job_is_invalid(request_, names) -> None:
 
 def payload(sources, seqs, lengths) -> bytes:
     batch = pa.record_batch(
-        [pa.array(np.asarray(sources, np.int32)), pa.array(np.asarray(seqs, np.int64)),
-         pa.array([list(range(n)) for n in lengths], pa.list_(pa.int32()))],
+        [
+            pa.array(np.asarray(sources, np.int32)),
+            pa.array(np.asarray(seqs, np.int64)),
+            pa.array([list(range(n)) for n in lengths], pa.list_(pa.int32())),
+        ],
         schema=FETCH_SCHEMA,
     )
     sink = pa.BufferOutputStream()
@@ -130,7 +133,19 @@ def test_a_huge_header_is_refused_before_anything_is_allocated() -> None:
         (lambda good: stream(payload([0, 0], [5, 9], [3, 40]), num_samples=3), "2 samples for 3"),
         (lambda good: iter([*stream(good), loader_pb2.FetchSamplesResponse(header=loader_pb2.FetchHeader())]), "other than a chunk"),
     ],
-    ids=["empty", "no-header", "negative", "count", "overflow", "short", "garbage", "other-samples", "other-lengths", "fewer", "second-header"],
+    ids=[
+        "empty",
+        "no-header",
+        "negative",
+        "count",
+        "overflow",
+        "short",
+        "garbage",
+        "other-samples",
+        "other-lengths",
+        "fewer",
+        "second-header",
+    ],
 )
 def test_a_malformed_fetch_stream_is_an_error_of_the_call(messages, names) -> None:
     good = payload([0, 0, 1], [5, 9, 5], [3, 40, 7])
@@ -145,8 +160,10 @@ def rank_plan(n: int = 3, *, bucket: int = 0, offsets=None, fetchers: int = 1, l
     return planner_pb2.RankPlan(
         dp_rank=bucket,
         samples=common_pb2.SampleSet(
-            source=encode_array(np.zeros(n, np.int32)), seq=encode_array(np.arange(n, dtype=np.int64)),
-            row=encode_array(np.arange(n, dtype=np.int64)), epoch=encode_array(np.zeros(n, np.int32)),
+            source=encode_array(np.zeros(n, np.int32)),
+            seq=encode_array(np.arange(n, dtype=np.int64)),
+            row=encode_array(np.arange(n, dtype=np.int64)),
+            epoch=encode_array(np.zeros(n, np.int32)),
             length=encode_array(np.asarray(lengths if lengths is not None else [4] * n, np.int32)),
         ),
         microbatch_offsets=encode_array(np.asarray(offsets if offsets is not None else [0, n], np.int64)),
@@ -160,7 +177,11 @@ def buckets(plan: planner_pb2.GetPlanResponse, asked: int = 5):
 
 
 def test_a_well_formed_plan_gives_each_buckets_arrays() -> None:
-    got = buckets(planner_pb2.GetPlanResponse(step=5, oldest_step=2, ranks=[rank_plan(3, offsets=[0, 1, 3]), rank_plan(0, bucket=1, offsets=[0, 0, 0])]))
+    got = buckets(
+        planner_pb2.GetPlanResponse(
+            step=5, oldest_step=2, ranks=[rank_plan(3, offsets=[0, 1, 3]), rank_plan(0, bucket=1, offsets=[0, 0, 0])]
+        )
+    )
     assert sorted(got) == [0, 1] and got[0][1].tolist() == [0, 1, 2] and got[0][6] == 1
 
 
@@ -191,14 +212,26 @@ def test_per_sample_arrays_must_agree() -> None:
     plan.loaders.CopyFrom(encode_array(np.zeros(2, np.int32)))
     with pytest.raises(MalformedResponse, match="different lengths"):
         buckets(planner_pb2.GetPlanResponse(step=5, ranks=[plan]))
-    check_bucket(bucket=0, sizes={}, offsets=np.array([0, 0]), lengths=np.zeros(0, np.int32), fetchers=1, constructors=1,
-                 max_samples=4, microbatches=1, peer="planner", address="p")  # a filler bucket: no samples
+    check_bucket(
+        bucket=0,
+        sizes={},
+        offsets=np.array([0, 0]),
+        lengths=np.zeros(0, np.int32),
+        fetchers=1,
+        constructors=1,
+        max_samples=4,
+        microbatches=1,
+        peer="planner",
+        address="p",
+    )  # a filler bucket: no samples
     check_plan_step(asked=3, step=3, oldest_step=3, peer="planner", address="p")
 
 
 # ---- a constructor whose loader sends a 2^40-byte header keeps building -------------------------
 
-JOB = job_from_mapping({"job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {"dp": 1}, "batch": {"global_batch_size": 3, "microbatches": 1}})
+JOB = job_from_mapping(
+    {"job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {"dp": 1}, "batch": {"global_batch_size": 3, "microbatches": 1}}
+)
 
 
 class _Channel:
@@ -216,7 +249,11 @@ class _Channel:
 class _Planner:
     def GetPlan(self, request, timeout):  # noqa: N802 - the stub's method name
         return planner_pb2.GetPlanResponse(
-            step=request.step, ranks=[rank_plan(3, lengths=LENGTHS_PLANNED)], loader_addresses=["loader-0:1"], global_loss_tokens=9, axis="DP"
+            step=request.step,
+            ranks=[rank_plan(3, lengths=LENGTHS_PLANNED)],
+            loader_addresses=["loader-0:1"],
+            global_loss_tokens=9,
+            axis="DP",
         )
 
 
@@ -239,7 +276,9 @@ class _Loader:
 
 def test_a_constructor_whose_loader_sends_a_huge_header_retries_and_builds_once_it_answers_well() -> None:
     registry = CollectorRegistry()
-    pipeline = StepPipeline(JOB, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel())
+    pipeline = StepPipeline(
+        JOB, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel()
+    )
     loader = _Loader()
     pipeline._planner = _Planner()
     pipeline._fetcher._loader = lambda address: loader

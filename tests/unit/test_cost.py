@@ -18,7 +18,7 @@ from batchplane.planner.cost import make_cost_fn
 USER_MODULE = "bp_test_user_costs"
 BROKEN_MODULE = "bp_test_broken_costs"
 
-_USER_SOURCE = '''
+_USER_SOURCE = """
 import numpy as np
 
 NOT_CALLABLE = 42
@@ -72,7 +72,7 @@ class Model:
 
 def with_images(lengths, features):
     return lengths.astype(np.float64) + 1000.0 * features.get("num_images", 0.0)
-'''
+"""
 
 
 @pytest.fixture

@@ -139,10 +139,7 @@ def test_default_length_distributions() -> None:
     n = 100_000
     # The text sources; the image-text source's lengths are tested in test_demo_images.py.
     by_name = {source.name: source for source in DEMO_SOURCES if isinstance(source, DemoSource)}
-    lengths = {
-        name: sample_lengths(source, n, np.random.default_rng(7))
-        for name, source in by_name.items()
-    }
+    lengths = {name: sample_lengths(source, n, np.random.default_rng(7)) for name, source in by_name.items()}
     for name, sample in lengths.items():
         assert sample.dtype == np.int64
         assert sample.shape == (n,)
@@ -184,9 +181,7 @@ def test_sample_lengths_is_reproducible() -> None:
 
 
 def test_deterministic_bytes(tmp_path: pathlib.Path) -> None:
-    sources = tuple(
-        dataclasses.replace(s, num_rows=120, rows_per_row_group=25) for s in SMALL_SOURCES
-    )
+    sources = tuple(dataclasses.replace(s, num_rows=120, rows_per_row_group=25) for s in SMALL_SOURCES)
     first = write_demo_dataset(tmp_path / "a", sources=sources, vocab_size=VOCAB, seed=5)
     again = write_demo_dataset(tmp_path / "b", sources=sources, vocab_size=VOCAB, seed=5)
     other = write_demo_dataset(tmp_path / "c", sources=sources, vocab_size=VOCAB, seed=6)
@@ -203,13 +198,9 @@ def test_deterministic_bytes(tmp_path: pathlib.Path) -> None:
 
 
 def test_progress_reports_rows(tmp_path: pathlib.Path) -> None:
-    sources = tuple(
-        dataclasses.replace(s, num_rows=100, rows_per_row_group=20) for s in SMALL_SOURCES
-    )
+    sources = tuple(dataclasses.replace(s, num_rows=100, rows_per_row_group=20) for s in SMALL_SOURCES)
     calls: list[tuple[str, int, int]] = []
-    write_demo_dataset(
-        tmp_path, sources=sources, vocab_size=VOCAB, progress=lambda *call: calls.append(call)
-    )
+    write_demo_dataset(tmp_path, sources=sources, vocab_size=VOCAB, progress=lambda *call: calls.append(call))
     for source in sources:
         mine = [(written, total) for name, written, total in calls if name == source.name]
         assert len(mine) >= source.files

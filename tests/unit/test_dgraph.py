@@ -45,7 +45,9 @@ def _table(lengths, *, sources=None, image_tokens=None, seed: int = 0) -> Sample
     source = np.asarray(sources if sources is not None else rng.integers(0, 3, n), dtype=np.int32)
     seq = np.arange(n, dtype=np.int64) + 1000
     features = {} if image_tokens is None else {"image_tokens": np.asarray(image_tokens, dtype=np.float64)}
-    table = SampleTable(source=source, seq=seq, row=rng.permutation(n).astype(np.int64), length=lengths, epoch=np.zeros(n, np.int32), features=features)
+    table = SampleTable(
+        source=source, seq=seq, row=rng.permutation(n).astype(np.int64), length=lengths, epoch=np.zeros(n, np.int32), features=features
+    )
     return table.take(rng.permutation(n))
 
 
@@ -206,8 +208,15 @@ def _meshes_of_world(world: int) -> list[ClientPlaceTree]:
 def test_token_budget_keeps_i1_and_i2_at_every_world_size(world, allocated, data) -> None:
     mesh = data.draw(st.sampled_from(_meshes_of_world(world)), label="mesh")
     axis = data.draw(st.sampled_from(["DP", "CP"]), label="axis")
-    budget = data.draw(st.one_of(st.fixed_dictionaries({"max_tokens": st.integers(1, 20000)}), st.fixed_dictionaries({"max_cost": st.floats(1e6, 1e16)})), label="budget")
-    plan = _graph("token_budget", axis=axis, microbatches=data.draw(st.integers(1, 3)), **budget).plan().run(1, allocated, mesh, default_cost=QUADRATIC)
+    budget = data.draw(
+        st.one_of(st.fixed_dictionaries({"max_tokens": st.integers(1, 20000)}), st.fixed_dictionaries({"max_cost": st.floats(1e6, 1e16)})),
+        label="budget",
+    )
+    plan = (
+        _graph("token_budget", axis=axis, microbatches=data.draw(st.integers(1, 3)), **budget)
+        .plan()
+        .run(1, allocated, mesh, default_cost=QUADRATIC)
+    )
     assert mesh.world == world
     check_i1_i2(plan, allocated, mesh.buckets(axis))
     empty = sum(len(mb) == 0 for bucket in plan.microbatches for mb in bucket)
@@ -433,7 +442,10 @@ def _run_error(build) -> None:
         (lambda: DGraph("text").distribute(axis="WORLD").plan(), r"text\.distribute: the primary graph"),
         (lambda: DGraph("text").plan(DGraph("images").mix()), r"images\.mix: only the primary graph"),
         (lambda: DGraph("text").plan(DGraph("text")), "DGraph names must differ"),
-        (lambda: DGraph("text").distribute(group_size=3).plan().check(ClientPlaceTree(dp=4)), r"text\.distribute: group_size 3 must divide"),
+        (
+            lambda: DGraph("text").distribute(group_size=3).plan().check(ClientPlaceTree(dp=4)),
+            r"text\.distribute: group_size 3 must divide",
+        ),
         (
             lambda: DGraph("text").plan(DGraph("images").distribute("WORLD", group_size=3)).check(ClientPlaceTree(dp=2, tp=2)),
             r"images\.distribute: group_size 3 must divide the 4 WORLD buckets",
@@ -443,8 +455,14 @@ def _run_error(build) -> None:
             r"text\.distribute: group_size does not apply",
         ),
         (lambda: _run_error(lambda: DGraph("text").cost(lambda lengths, features=None: -lengths).plan()), r"graph 'text': its cost model"),
-        (lambda: _run_error(lambda: DGraph("text").cost(lambda lengths, features=None: lengths[:1]).plan()), r"graph 'text': its cost model"),
-        (lambda: _run_error(lambda: DGraph("text", metadata="image_tokens").plan()), r"graph 'text': metadata 'image_tokens' is not a feature"),
+        (
+            lambda: _run_error(lambda: DGraph("text").cost(lambda lengths, features=None: lengths[:1]).plan()),
+            r"graph 'text': its cost model",
+        ),
+        (
+            lambda: _run_error(lambda: DGraph("text", metadata="image_tokens").plan()),
+            r"graph 'text': metadata 'image_tokens' is not a feature",
+        ),
     ],
 )
 def test_errors_name_the_graph_and_the_primitive(call, message: str) -> None:
@@ -556,7 +574,10 @@ _HEADER = "from batchplane.planner import DGraph, models\n"
         (_HEADER + "def strategy(mesh):\n    raise RuntimeError('boom')\n", "failed: RuntimeError: boom"),
         (_HEADER + "def strategy(mesh):\n    return DGraph().distribute(axis='TP').plan()\n", r"failed: StrategyError: text\.distribute"),
         (_HEADER + "def strategy(mesh):\n    return DGraph().mix({'nope': 1}).plan()\n", r"text\.mix: \['nope'\] name no source"),
-        (_HEADER + "def strategy(mesh):\n    return DGraph().distribute(group_size=3).plan()\n", r"text\.distribute: group_size 3 must divide the 4 DP buckets"),
+        (
+            _HEADER + "def strategy(mesh):\n    return DGraph().distribute(group_size=3).plan()\n",
+            r"text\.distribute: group_size 3 must divide the 4 DP buckets",
+        ),
     ],
 )
 def test_bad_strategy_files_are_config_errors_of_field_strategy(tmp_path: pathlib.Path, body: str, message: str) -> None:
@@ -568,7 +589,10 @@ def test_bad_strategy_files_are_config_errors_of_field_strategy(tmp_path: pathli
 
 
 def test_a_strategy_receives_the_job_mesh(tmp_path: pathlib.Path) -> None:
-    body = _HEADER + "SEEN = []\ndef strategy(mesh):\n    SEEN.append(mesh)\n    return DGraph().distribute(group_size=mesh.buckets('DP') // 2).plan()\n"
+    body = (
+        _HEADER
+        + "SEEN = []\ndef strategy(mesh):\n    SEEN.append(mesh)\n    return DGraph().distribute(group_size=mesh.buckets('DP') // 2).plan()\n"
+    )
     strategy = load_strategy(_job(_write(tmp_path, body), base_dir=tmp_path))
     assert strategy.primary.group_size == 2
 

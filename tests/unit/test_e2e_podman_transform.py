@@ -46,17 +46,32 @@ def _sidecar() -> dict:
         "name": "batchplane-constructor",
         "image": "localhost/batchplane:dev",
         "restartPolicy": "Always",
-        "args": ["constructor", "-c", "/etc/batchplane/job.yaml", "--index-from", "indexed-job",
-                 "--planner", "e2e-batchplane-planner.e2e.svc:50051", "--metrics-port", "9101"],
-        "env": [{"name": "BATCHPLANE_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}],
+        "args": [
+            "constructor",
+            "-c",
+            "/etc/batchplane/job.yaml",
+            "--index-from",
+            "indexed-job",
+            "--planner",
+            "e2e-batchplane-planner.e2e.svc:50051",
+            "--metrics-port",
+            "9101",
+        ],
+        "env": [
+            {
+                "name": "BATCHPLANE_COMPLETION_INDEX",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}},
+            }
+        ],
         "ports": [{"name": "bp-ctor-metrics", "containerPort": 9101, "protocol": "TCP"}],
         "startupProbe": probe,
         "readinessProbe": {"httpGet": {"path": "/metrics", "port": 9101}},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": 9101}},
         "securityContext": SECURITY,
-        "volumeMounts": [{"name": "batchplane-socket", "mountPath": "/run/batchplane"},
-                         {"name": "batchplane-job", "mountPath": "/etc/batchplane", "readOnly": True}],
+        "volumeMounts": [
+            {"name": "batchplane-socket", "mountPath": "/run/batchplane"},
+            {"name": "batchplane-job", "mountPath": "/etc/batchplane", "readOnly": True},
+        ],
     }
 
 
@@ -70,60 +85,125 @@ def manifests() -> list[dict]:
         "--master-port=29500 --no-python sh -c 'exec python -m x --ranks \"$RANK\"'\n"
     )
     return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-batchplane-job", "namespace": NS},
-         "data": {"job.yaml": "job: e2e\n"}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "e2e-batchplane-example", "namespace": NS},
-         "spec": {"clusterIP": "None", "selector": _labels("trainer"), "ports": [{"port": 29500}]}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "e2e-batchplane-planner", "namespace": NS},
-         "spec": {"selector": planner_labels, "ports": [{"port": 50051}]}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "e2e-batchplane-job", "namespace": NS},
+            "data": {"job.yaml": "job: e2e\n"},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "e2e-batchplane-example", "namespace": NS},
+            "spec": {"clusterIP": "None", "selector": _labels("trainer"), "ports": [{"port": 29500}]},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "e2e-batchplane-planner", "namespace": NS},
+            "spec": {"selector": planner_labels, "ports": [{"port": 50051}]},
+        },
         None,  # an empty document, as helm leaves between templates that render nothing
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": {"name": "e2e-batchplane-planner", "namespace": NS, "labels": planner_labels},
-         "spec": {"replicas": 1, "selector": {"matchLabels": planner_labels}, "template": {
-             "metadata": {"labels": planner_labels, "annotations": {"checksum/job-config": "c" * 64}},
-             "spec": {"containers": [{
-                 "name": "planner", "image": "localhost/batchplane:dev",
-                 "args": ["planner", "-c", "/etc/batchplane/job.yaml", "--port", "50051", "--metrics-port", "9100"],
-                 "env": [{"name": "AWS_ENDPOINT_URL", "value": "http://10.89.0.1:9000"}],
-                 "ports": [{"name": "grpc", "containerPort": 50051}, {"name": "metrics", "containerPort": 9100}],
-                 "startupProbe": {"grpc": {"port": 50051}},
-                 "volumeMounts": [{"name": "batchplane-job", "mountPath": "/etc/batchplane"},
-                                  {"name": "state", "mountPath": "/var/lib/batchplane"}, {"name": "tmp", "mountPath": "/tmp"}],
-             }], "volumes": [{"name": "batchplane-job", "configMap": {"name": "e2e-batchplane-job"}},
-                             {"name": "state", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]}}}},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": {"name": "e2e-batchplane-operator", "namespace": NS, "labels": _labels("operator")},
-         "spec": {"template": {"metadata": {}, "spec": {"containers": [{"name": "operator", "image": "x"}]}}}},
-        {"apiVersion": "batch/v1", "kind": "Job",
-         "metadata": {"name": "e2e-batchplane-example", "namespace": NS, "labels": _labels("trainer")},
-         "spec": {"completionMode": "Indexed", "completions": 2, "parallelism": 2, "template": {
-             "metadata": {"labels": trainer_labels, "annotations": {"prometheus.io/port": "9101"}},
-             "spec": {
-                 "restartPolicy": "Never",
-                 "subdomain": "e2e-batchplane-example",
-                 "initContainers": [_sidecar()],
-                 "containers": [{
-                     "name": "trainer", "image": "localhost/batchplane-trainer:e2e",
-                     "command": ["sh", "-c"], "args": [script],
-                     "env": [{"name": "BATCHPLANE_CONSTRUCTOR_INDEX_FILE", "value": "/run/batchplane/constructor-index"}],
-                     "ports": [{"name": "rendezvous", "containerPort": 29500}],
-                     "volumeMounts": [{"name": "batchplane-socket", "mountPath": "/run/batchplane"},
-                                      {"name": "trainer-tmp", "mountPath": "/tmp"}],
-                 }],
-                 "volumes": [{"name": "batchplane-socket", "emptyDir": {}},
-                             {"name": "batchplane-job", "configMap": {"name": "e2e-batchplane-job"}},
-                             {"name": "trainer-tmp", "emptyDir": {}}],
-             }}}},
-        {"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane",
-         "metadata": {"name": "e2e-batchplane", "namespace": NS},
-         "spec": {
-             "sourceGroups": [{"name": "text", "sources": [{"name": "docs", "path": "s3://b/data/docs/"}],
-                               "minReplicas": 1, "maxReplicas": 2, "workersPerActor": 1}],
-             "planner": {"address": "e2e-batchplane-planner.e2e.svc:50051"},
-             "loader": {"image": "localhost/batchplane:dev", "jobConfigMap": "e2e-batchplane-job",
-                        "podAnnotations": {"checksum/job-config": "c" * 64},
-                        "env": [{"name": "AWS_ENDPOINT_URL", "value": "http://10.89.0.1:9000"}]},
-         }},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "e2e-batchplane-planner", "namespace": NS, "labels": planner_labels},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": planner_labels},
+                "template": {
+                    "metadata": {"labels": planner_labels, "annotations": {"checksum/job-config": "c" * 64}},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "planner",
+                                "image": "localhost/batchplane:dev",
+                                "args": ["planner", "-c", "/etc/batchplane/job.yaml", "--port", "50051", "--metrics-port", "9100"],
+                                "env": [{"name": "AWS_ENDPOINT_URL", "value": "http://10.89.0.1:9000"}],
+                                "ports": [{"name": "grpc", "containerPort": 50051}, {"name": "metrics", "containerPort": 9100}],
+                                "startupProbe": {"grpc": {"port": 50051}},
+                                "volumeMounts": [
+                                    {"name": "batchplane-job", "mountPath": "/etc/batchplane"},
+                                    {"name": "state", "mountPath": "/var/lib/batchplane"},
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                ],
+                            }
+                        ],
+                        "volumes": [
+                            {"name": "batchplane-job", "configMap": {"name": "e2e-batchplane-job"}},
+                            {"name": "state", "emptyDir": {}},
+                            {"name": "tmp", "emptyDir": {}},
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "e2e-batchplane-operator", "namespace": NS, "labels": _labels("operator")},
+            "spec": {"template": {"metadata": {}, "spec": {"containers": [{"name": "operator", "image": "x"}]}}},
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "e2e-batchplane-example", "namespace": NS, "labels": _labels("trainer")},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": 2,
+                "parallelism": 2,
+                "template": {
+                    "metadata": {"labels": trainer_labels, "annotations": {"prometheus.io/port": "9101"}},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "subdomain": "e2e-batchplane-example",
+                        "initContainers": [_sidecar()],
+                        "containers": [
+                            {
+                                "name": "trainer",
+                                "image": "localhost/batchplane-trainer:e2e",
+                                "command": ["sh", "-c"],
+                                "args": [script],
+                                "env": [{"name": "BATCHPLANE_CONSTRUCTOR_INDEX_FILE", "value": "/run/batchplane/constructor-index"}],
+                                "ports": [{"name": "rendezvous", "containerPort": 29500}],
+                                "volumeMounts": [
+                                    {"name": "batchplane-socket", "mountPath": "/run/batchplane"},
+                                    {"name": "trainer-tmp", "mountPath": "/tmp"},
+                                ],
+                            }
+                        ],
+                        "volumes": [
+                            {"name": "batchplane-socket", "emptyDir": {}},
+                            {"name": "batchplane-job", "configMap": {"name": "e2e-batchplane-job"}},
+                            {"name": "trainer-tmp", "emptyDir": {}},
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "batchplane.dev/v1alpha1",
+            "kind": "DataPlane",
+            "metadata": {"name": "e2e-batchplane", "namespace": NS},
+            "spec": {
+                "sourceGroups": [
+                    {
+                        "name": "text",
+                        "sources": [{"name": "docs", "path": "s3://b/data/docs/"}],
+                        "minReplicas": 1,
+                        "maxReplicas": 2,
+                        "workersPerActor": 1,
+                    }
+                ],
+                "planner": {"address": "e2e-batchplane-planner.e2e.svc:50051"},
+                "loader": {
+                    "image": "localhost/batchplane:dev",
+                    "jobConfigMap": "e2e-batchplane-job",
+                    "podAnnotations": {"checksum/job-config": "c" * 64},
+                    "env": [{"name": "AWS_ENDPOINT_URL", "value": "http://10.89.0.1:9000"}],
+                },
+            },
+        },
     ]
 
 
@@ -216,7 +296,7 @@ def test_trainer_pods_carry_their_index_and_run_the_sidecar_as_a_container(plan)
         assert trainer["command"] == ["sh", "-c"] and len(trainer["args"]) == 1
         script = trainer["args"][0]
         gate, _, rest = script.partition("set -eu\n")
-        assert "urllib.request.urlopen(\"http://127.0.0.1:9101/metrics\"" in gate
+        assert 'urllib.request.urlopen("http://127.0.0.1:9101/metrics"' in gate
         assert "time.monotonic() + 300" in gate  # periodSeconds 2 x failureThreshold 150
         assert '--master-addr="e2e-batchplane-example-0"' in rest
         assert 'index=$(cat "$BATCHPLANE_CONSTRUCTOR_INDEX_FILE")' in rest  # shell, not $(VAR)
@@ -226,7 +306,9 @@ def test_trainer_pods_carry_their_index_and_run_the_sidecar_as_a_container(plan)
         mounts = {m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
         assert mounts <= set(volumes)
     assert set(plan.volume_names()) == {
-        "e2e-batchplane-job", "e2e-batchplane-planner-0-state", "e2e-batchplane-planner-0-tmp",
+        "e2e-batchplane-job",
+        "e2e-batchplane-planner-0-state",
+        "e2e-batchplane-planner-0-tmp",
         "e2e-batchplane-loader-text-0-tmp",
         *(f"e2e-batchplane-example-{i}-{v}" for i in range(2) for v in ("batchplane-socket", "trainer-tmp")),
     }
@@ -283,7 +365,10 @@ def test_the_rendered_chart_transforms_cleanly(kind: str, tmp_path: pathlib.Path
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     rendered = subprocess.run(
         [helm, "template", e2e.RELEASE, str(e2e.CHART), "-n", e2e.NAMESPACE, "-f", str(tmp_path / "values.yaml")],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout
     plan = e2e.transform(list(yaml.safe_load_all(rendered)))
     pods = {phase: names(pods) for phase, pods in plan.phases}

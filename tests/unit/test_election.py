@@ -54,7 +54,9 @@ def test_a_valid_lease_of_another_is_waited_for_then_taken_over_after_its_durati
     # Expiry counts from when this candidate saw the record change, not from renewTime (which
     # another pod's clock wrote): 15 s after first seeing version 41.
     state, step = election.attempt(state, held, now=115.0, wall=wall(115))
-    assert step == Update(LeaseRecord("op-b", 15, acquire_time="t=115", renew_time="t=115", transitions=4, resource_version="41"), "acquire")
+    assert step == Update(
+        LeaseRecord("op-b", 15, acquire_time="t=115", renew_time="t=115", transitions=4, resource_version="41"), "acquire"
+    )
 
 
 def test_a_renewal_by_the_holder_restarts_the_wait() -> None:
@@ -155,7 +157,9 @@ def try_once(store: Store, state: election.ElectionState, now: float, *, reachab
 
 ACTIONS = st.lists(
     st.one_of(
-        st.tuples(st.just("advance"), st.one_of(st.floats(min_value=0.01, max_value=9.0), st.sampled_from([0.5, 1.0, 2.0, 5.0, 10.0, 15.0]))),
+        st.tuples(
+            st.just("advance"), st.one_of(st.floats(min_value=0.01, max_value=9.0), st.sampled_from([0.5, 1.0, 2.0, 5.0, 10.0, 15.0]))
+        ),
         st.tuples(st.just("try"), st.sampled_from("ab"), st.booleans()),  # candidate, API reachable
         st.tuples(st.just("release"), st.sampled_from("ab"), st.booleans()),
     ),

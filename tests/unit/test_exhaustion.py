@@ -65,7 +65,9 @@ def test_a_small_source_runs_out_at_the_step_its_passes_end(repeat: int) -> None
 )
 def test_every_source_is_named_exhausted_exactly_once_at_its_last_sample(weights, rows, batch, microbatches) -> None:
     ends = rows[: len(weights)]
-    mixture = Mixture(Static(weights), global_batch_size=max(batch, microbatches), stream_ends=ends, granularity="microbatch", microbatches=microbatches)
+    mixture = Mixture(
+        Static(weights), global_batch_size=max(batch, microbatches), stream_ends=ends, granularity="microbatch", microbatches=microbatches
+    )
     steps = _run(mixture)
     named = [k for a, _ in steps for k in a.exhausted]
     assert sorted(named) == list(range(len(weights)))

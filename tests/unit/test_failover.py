@@ -126,7 +126,9 @@ def _watch(m: Membership):
     from batchplane.planner.watch import ReplicaWatch
 
     metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
-    return ReplicaWatch(m, FailoverSettings(probe_interval_s=3600, failures=3), metrics, connect=grpc.insecure_channel), metrics  # no probe runs
+    return ReplicaWatch(
+        m, FailoverSettings(probe_interval_s=3600, failures=3), metrics, connect=grpc.insecure_channel
+    ), metrics  # no probe runs
 
 
 def test_late_failures_of_a_replaced_process_do_not_fail_its_successor() -> None:

@@ -158,7 +158,9 @@ def test_changing_a_setting_changes_exactly_its_groups_fingerprint(field: str, t
     after = job_from_mapping(_changed(BASE, field, CHANGES[field]), base_dir=tmp_path).fingerprints
     changed = {group for group in before if before[group] != after[group]}
     expected = set() if GROUP_OF[field] == "none" else {GROUP_OF[field]}
-    assert changed == expected, f"changing {field} changed fingerprint groups {sorted(changed)}; FINGERPRINT_GROUPS puts it in {GROUP_OF[field]!r}"
+    assert changed == expected, (
+        f"changing {field} changed fingerprint groups {sorted(changed)}; FINGERPRINT_GROUPS puts it in {GROUP_OF[field]!r}"
+    )
 
 
 def test_validation_has_one_check_per_section() -> None:

@@ -53,8 +53,14 @@ def _microbatches(
         offsets=np.array(offsets, np.int64),
     )
     built = assemble(
-        samples, step=0, rank=0, pad_id=PAD, ignore_id=ignore_id, token_dtype=token_dtype,
-        global_loss_tokens=max(sum(len(t) - 1 for t in tokens), 1), pack_length=pack_length,
+        samples,
+        step=0,
+        rank=0,
+        pad_id=PAD,
+        ignore_id=ignore_id,
+        token_dtype=token_dtype,
+        global_loss_tokens=max(sum(len(t) - 1 for t in tokens), 1),
+        pack_length=pack_length,
     )
     storage = torch.frombuffer(built.payload, dtype=torch.uint8)
     out = []
@@ -76,8 +82,14 @@ def model(request):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=request.param,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=request.param,
     )
     model = transformers.LlamaForCausalLM(config).to(DTYPE).eval()
     model.tolerance = TOLERANCE[request.param]
@@ -245,7 +257,16 @@ def test_varlen_by_hand() -> None:
         "attention_mask": torch.tensor([[True, True, True, False], [True] * 4]),
     }
     inputs = causal_lm_inputs(mb, packed_attention="varlen")
-    assert set(inputs) == {"input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
+    assert set(inputs) == {
+        "input_ids",
+        "position_ids",
+        "labels",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "use_cache",
+    }
     assert inputs["input_ids"].tolist() == [[a, b, c, d, e, f, g]]
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
     assert inputs["labels"].tolist() == [[-100, b, c, -100, e, -100, g]]

@@ -37,7 +37,9 @@ PAD = 0
 # ---- a client stand-in ---------------------------------------------------------------------
 
 
-def build_microbatches(tokens: list[np.ndarray], offsets: list[int], *, global_loss_tokens: int, pack_length: int | None = None) -> list[dict]:
+def build_microbatches(
+    tokens: list[np.ndarray], offsets: list[int], *, global_loss_tokens: int, pack_length: int | None = None
+) -> list[dict]:
     """One rank's microbatches of a step as the client yields them (see Client._fetch)."""
     n = len(tokens)
     samples = RankSamples(
@@ -48,14 +50,26 @@ def build_microbatches(tokens: list[np.ndarray], offsets: list[int], *, global_l
         offsets=np.array(offsets, np.int64),
     )
     built = assemble(
-        samples, step=0, rank=0, pad_id=PAD, ignore_id=-100, token_dtype="int32",
-        global_loss_tokens=global_loss_tokens, pack_length=pack_length,
+        samples,
+        step=0,
+        rank=0,
+        pad_id=PAD,
+        ignore_id=-100,
+        token_dtype="int32",
+        global_loss_tokens=global_loss_tokens,
+        pack_length=pack_length,
     )
     storage = torch.frombuffer(bytearray(built.payload), dtype=torch.uint8)
     out = []
     for layout in built.microbatches:
         mb = unpack(storage, layout.tensors)
-        mb.update(num_tokens=layout.num_tokens, loss_tokens=layout.loss_tokens, filler=layout.filler, loss_weight=layout.loss_weight, ignore_id=-100)
+        mb.update(
+            num_tokens=layout.num_tokens,
+            loss_tokens=layout.loss_tokens,
+            filler=layout.filler,
+            loss_weight=layout.loss_weight,
+            ignore_id=-100,
+        )
         out.append(mb)
     return out
 
@@ -121,8 +135,14 @@ class FakeClient:
 def tiny_llama(attn: str = "eager") -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attn_implementation=attn,
     )
     return transformers.LlamaForCausalLM(config).double()
 
@@ -161,7 +181,9 @@ def hand_gradient(model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor
             mask = packed_mask_4d(mb["segment_ids"], dtype=torch.float64)
         else:
             mask = mb["attention_mask"].long()
-        logits = model(input_ids=mb["input_ids"].long(), attention_mask=mask, position_ids=mb["position_ids"].long(), use_cache=False).logits
+        logits = model(
+            input_ids=mb["input_ids"].long(), attention_mask=mask, position_ids=mb["position_ids"].long(), use_cache=False
+        ).logits
         total = total + F.cross_entropy(logits.flatten(0, 1), mb["labels"].long().flatten(), ignore_index=-100, reduction="sum")
     (total / batch["global_loss_tokens"]).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -243,7 +265,9 @@ def test_a_filler_only_step_trains_nothing_and_stays_finite(tmp_path) -> None:
 
 
 def test_gradient_accumulation_is_refused_naming_the_microbatches(tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps must be 1, got 2: each step's microbatches are its gradient accumulation"):
+    with pytest.raises(
+        ValueError, match=r"gradient_accumulation_steps must be 1, got 2: each step's microbatches are its gradient accumulation"
+    ):
         make_trainer(tmp_path, tiny_llama(), FakeClient(), gradient_accumulation_steps=2)
 
 

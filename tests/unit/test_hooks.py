@@ -34,7 +34,11 @@ def _fetched(lengths=(3, 0, 5, 2), seed: int = 0) -> pa.RecordBatch:
     rng = np.random.default_rng(seed)
     rows = [rng.integers(0, 50_000, n).astype(np.int32) for n in lengths]
     return pa.RecordBatch.from_arrays(
-        [pa.array(np.arange(len(rows)) % 2, pa.int32()), pa.array(np.arange(len(rows)) + 100, pa.int64()), pa.array(rows, PAYLOAD_SCHEMA.field("input_ids").type)],
+        [
+            pa.array(np.arange(len(rows)) % 2, pa.int32()),
+            pa.array(np.arange(len(rows)) + 100, pa.int64()),
+            pa.array(rows, PAYLOAD_SCHEMA.field("input_ids").type),
+        ],
         schema=PAYLOAD_SCHEMA,
     )
 
@@ -82,7 +86,10 @@ def _set_ids(samples, rows):
         (lambda s, p: s.slice(1), "returned 3 rows for 4 fetched"),
         (lambda s, p: s.take([1, 0, 2, 3]), "changed the 'source' column"),
         (lambda s, p: s.append_column("x", pa.array([1, 2, 3, 4])), r"must return the columns \['source', 'seq', 'input_ids'\]"),
-        (lambda s, p: _set_ids(s, [[1, 2, 3], [], [1, 2, 3, 4], [1, 2]]), "changed the length of sample seq 102 of source 'web' from 5 to 4 tokens"),
+        (
+            lambda s, p: _set_ids(s, [[1, 2, 3], [], [1, 2, 3, 4], [1, 2]]),
+            "changed the length of sample seq 102 of source 'web' from 5 to 4 tokens",
+        ),
         (lambda s, p: s.set_column(2, "input_ids", pa.array([["a"]] * 4)), "input_ids must be lists of integers"),
         (lambda s, p: _set_ids(s, [[1, 2, 2**40], [], [1] * 5, [1, 2]]), "do not fit the token type"),
     ],
@@ -107,7 +114,13 @@ def test_a_loader_hook_may_return_a_record_batch_and_wider_token_types() -> None
 def _built(lengths=(5, 3, 7, 1, 4), offsets=(0, 2, 5)):
     rng = np.random.default_rng(1)
     tokens = [rng.integers(0, 1000, n).astype(np.int32) for n in lengths]
-    samples = RankSamples(tokens=tokens, source=np.zeros(len(tokens), np.int32), row=np.arange(len(tokens)), epoch=np.zeros(len(tokens), np.int32), offsets=np.asarray(offsets))
+    samples = RankSamples(
+        tokens=tokens,
+        source=np.zeros(len(tokens), np.int32),
+        row=np.arange(len(tokens)),
+        epoch=np.zeros(len(tokens), np.int32),
+        offsets=np.asarray(offsets),
+    )
     return assemble(samples, step=3, rank=1, pad_id=0, ignore_id=-100, token_dtype="int32", global_loss_tokens=15)
 
 
@@ -134,7 +147,10 @@ def test_the_constructor_hook_sees_each_microbatch_with_its_context() -> None:
 
     batch = _built()
     out = apply_constructor_hook(hook, batch, sources=("web", "code"))
-    assert [(c.step, c.bucket, c.microbatch, c.microbatches, c.sources) for _, c in seen] == [(3, 1, 0, 2, ("web", "code")), (3, 1, 1, 2, ("web", "code"))]
+    assert [(c.step, c.bucket, c.microbatch, c.microbatches, c.sources) for _, c in seen] == [
+        (3, 1, 0, 2, ("web", "code")),
+        (3, 1, 1, 2, ("web", "code")),
+    ]
     assert [c.loss_weight for _, c in seen] == [mb.loss_weight for mb in batch.microbatches]
     assert all(np.all(t["input_ids"] == 7) for t in tensors_of(out))
     assert not all(np.all(t["input_ids"] == 7) for t in tensors_of(batch))  # the built batch is untouched
@@ -169,7 +185,9 @@ def test_a_constructor_hook_that_breaks_delivery_is_refused_by_name(hook, messag
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_hook_tensors_are_cp_sliced_per_token_and_reach_every_pipeline_stage(cp: int, mode: str) -> None:
     def hook(tensors, context):
-        tensors["token_index"] = np.broadcast_to(np.arange(tensors["input_ids"].shape[1], dtype=np.int32), tensors["input_ids"].shape).copy()
+        tensors["token_index"] = np.broadcast_to(
+            np.arange(tensors["input_ids"].shape[1], dtype=np.int32), tensors["input_ids"].shape
+        ).copy()
         tensors["per_sample"] = tensors["sample_length"].astype(np.float32) * 2
         return tensors
 
@@ -177,7 +195,9 @@ def test_hook_tensors_are_cp_sliced_per_token_and_reach_every_pipeline_stage(cp:
     whole = tensors_of(hooked)
     for cp_rank in range(cp):
         for stage, stages in ((0, 1), (0, 3), (1, 3), (2, 3)):
-            part = derive(hooked, cp=cp, cp_rank=cp_rank if cp > 1 else None, cp_mode=mode, stage=stage, stages=stages, pad_id=0, ignore_id=-100)
+            part = derive(
+                hooked, cp=cp, cp_rank=cp_rank if cp > 1 else None, cp_mode=mode, stage=stage, stages=stages, pad_id=0, ignore_id=-100
+            )
             for full, got in zip(whole, tensors_of(part)):
                 width = full["input_ids"].shape[1]
                 columns = cp_columns(width, cp=cp, rank=cp_rank, mode=mode) if cp > 1 else np.arange(width)
@@ -199,7 +219,12 @@ def test_the_stage_filter_keeps_unknown_tensors_on_every_stage() -> None:
 
 
 def _job(tmp_path: pathlib.Path, body: str | None):
-    data = {"job": "hooks", "sources": [{"name": "web", "path": "data/web"}], "mesh": {"dp": 2}, "batch": {"global_batch_size": 8, "microbatches": 2}}
+    data = {
+        "job": "hooks",
+        "sources": [{"name": "web", "path": "data/web"}],
+        "mesh": {"dp": 2},
+        "batch": {"global_batch_size": 8, "microbatches": 2},
+    }
     if body is not None:
         (tmp_path / "s.py").write_text(textwrap.dedent(body))
         data["strategy"] = "s.py"
@@ -207,7 +232,15 @@ def _job(tmp_path: pathlib.Path, body: str | None):
 
 
 def test_the_example_registers_both_hooks_by_name_and_parts_find_them() -> None:
-    job = job_from_mapping({"job": "x", "sources": [{"name": "web", "path": "d"}], "mesh": {"dp": 2}, "batch": {"global_batch_size": 8}, "strategy": str(EXAMPLE)})
+    job = job_from_mapping(
+        {
+            "job": "x",
+            "sources": [{"name": "web", "path": "d"}],
+            "mesh": {"dp": 2},
+            "batch": {"global_batch_size": 8},
+            "strategy": str(EXAMPLE),
+        }
+    )
     strategy = load_strategy(job)
     assert strategy.hook_names() == {"loader_do_plan": "clip_vocabulary", "constructor_do_plan": "sample_loss_weights"}
     for kind, name in strategy.hook_names().items():

@@ -201,7 +201,10 @@ def test_f_a_malformed_summary_is_an_error_for_that_call_never_a_dead_thread() -
     channel = _Channel([_response(start=5), _response(lengths=[1] * 3), _response(n=0, end=True)])
     observed = []
     puller = SummaryPuller(
-        store, num_sources=1, target=lambda k, seq: _target(), connect=lambda address: channel,
+        store,
+        num_sources=1,
+        target=lambda k, seq: _target(),
+        connect=lambda address: channel,
         observe=lambda owner, address, ok, **kw: observed.append((ok, kw.get("malformed", False))),
     )
     try:
@@ -254,12 +257,32 @@ def test_check_summary_takes_what_was_asked() -> None:
     check_summary(rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None)
     check_summary(rows[:0], np.zeros(0, np.int32), {}, start_seq=8, end_of_stream=True, from_seq=8, max_samples=4, num_rows=4, stream_end=8)
     check_summary(
-        rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None,
+        rows,
+        np.zeros(4, np.int32),
+        {},
+        start_seq=0,
+        end_of_stream=False,
+        from_seq=0,
+        max_samples=4,
+        num_rows=4,
+        stream_end=None,
         reasons=np.ones(4, np.uint8),
     )
-    for reasons, problem in ((np.ones(3, np.uint8), "3 bad reasons for 4 rows"), (np.ones(4, np.int32), "dtype int32"), (np.ones((4, 1), np.uint8), r"shape \(4, 1\)")):
+    for reasons, problem in (
+        (np.ones(3, np.uint8), "3 bad reasons for 4 rows"),
+        (np.ones(4, np.int32), "dtype int32"),
+        (np.ones((4, 1), np.uint8), r"shape \(4, 1\)"),
+    ):
         with pytest.raises(MalformedSummary, match=problem):
             check_summary(
-                rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None,
+                rows,
+                np.zeros(4, np.int32),
+                {},
+                start_seq=0,
+                end_of_stream=False,
+                from_seq=0,
+                max_samples=4,
+                num_rows=4,
+                stream_end=None,
                 reasons=reasons,
             )

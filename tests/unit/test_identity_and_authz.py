@@ -36,8 +36,18 @@ def test_an_identity_survives_its_uri(identity: Identity) -> None:
 
 @pytest.mark.parametrize(
     "uri",
-    ["batchplane://", "batchplane://root", "batchplane://planner/1", "batchplane://constructor/-1", "batchplane://constructor/x",
-     "batchplane://loader/1/a/b", "batchplane://constructor/1/a", "https://planner", "batchplane://loader//x", "batchplane://trainer/1"],
+    [
+        "batchplane://",
+        "batchplane://root",
+        "batchplane://planner/1",
+        "batchplane://constructor/-1",
+        "batchplane://constructor/x",
+        "batchplane://loader/1/a/b",
+        "batchplane://constructor/1/a",
+        "https://planner",
+        "batchplane://loader//x",
+        "batchplane://trainer/1",
+    ],
 )
 def test_a_malformed_identity_is_refused(uri: str) -> None:
     with pytest.raises(InvalidArgument):
@@ -115,11 +125,20 @@ def test_an_unknown_method_is_refused_whoever_asks() -> None:
 
 def test_a_refusal_names_the_caller_not_the_part_it_acted_for() -> None:
     with pytest.raises(PermissionDenied) as info:
-        authorize(Identity("loader", 1, "secret-replica-7"), "/batchplane.v1.Planner/DeregisterLoader", _request("/batchplane.v1.Planner/DeregisterLoader", 1, "victim-3"))
+        authorize(
+            Identity("loader", 1, "secret-replica-7"),
+            "/batchplane.v1.Planner/DeregisterLoader",
+            _request("/batchplane.v1.Planner/DeregisterLoader", 1, "victim-3"),
+        )
     assert "victim-3" not in str(info.value)
 
 
 def test_servers_are_checked_by_a_name_per_role() -> None:
-    assert [server_name(r) for r in CERTIFIED_ROLES] == ["planner.batchplane", "loader.batchplane", "constructor.batchplane", "operator.batchplane"]
+    assert [server_name(r) for r in CERTIFIED_ROLES] == [
+        "planner.batchplane",
+        "loader.batchplane",
+        "constructor.batchplane",
+        "operator.batchplane",
+    ]
     with pytest.raises(InvalidArgument):
         server_name("trainer")

@@ -58,7 +58,15 @@ def test_the_build_context_holds_only_what_the_image_builds_from() -> None:
     rules = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     assert rules[0] == "*"
     # deploy/wheels: extra wheels (a local CPU build of torch) for the e2e target only.
-    assert {r[1:].rstrip("/") for r in rules if r.startswith("!")} == {"pyproject.toml", "constraints.txt", "README.md", "proto", "services", "client", "deploy/wheels"}
+    assert {r[1:].rstrip("/") for r in rules if r.startswith("!")} == {
+        "pyproject.toml",
+        "constraints.txt",
+        "README.md",
+        "proto",
+        "services",
+        "client",
+        "deploy/wheels",
+    }
     copied = {p for i in _stages()[0] if i[0] == "COPY" for p in i[1].split()[:-1]}
     assert copied <= {"constraints.txt", "pyproject.toml", "README.md", "proto", "services", "client"}
 

@@ -34,27 +34,50 @@ def test_without_a_schedule_the_weights_are_static() -> None:
 
 
 def test_a_staged_schedule_from_yaml_changes_at_its_stage_starts() -> None:
-    loaded = _load(_job({"schedule": {"kind": "staged", "granularity": "microbatch", "stages": [
-        {"start": 0, "weights": {"a": 1, "b": 0}}, {"start": 5, "weights": {"a": 1, "b": 3}},
-    ]}}))
+    loaded = _load(
+        _job(
+            {
+                "schedule": {
+                    "kind": "staged",
+                    "granularity": "microbatch",
+                    "stages": [
+                        {"start": 0, "weights": {"a": 1, "b": 0}},
+                        {"start": 5, "weights": {"a": 1, "b": 3}},
+                    ],
+                }
+            }
+        )
+    )
     assert isinstance(loaded.schedule, Staged) and loaded.granularity == "microbatch"
     assert loaded.schedule.weights_at(4.99) == (1.0, 0.0) and loaded.schedule.weights_at(5.0) == (1.0, 3.0)
     assert loaded.initial_shares == (1.0, 0.0)
 
 
 def test_a_curriculum_interpolates_between_anchors() -> None:
-    loaded = _load(_job({"schedule": {"kind": "curriculum", "anchors": [
-        {"step": 0, "weights": {"a": 1, "b": 0}}, {"step": 10, "weights": {"a": 0, "b": 1}},
-    ]}}))
+    loaded = _load(
+        _job(
+            {
+                "schedule": {
+                    "kind": "curriculum",
+                    "anchors": [
+                        {"step": 0, "weights": {"a": 1, "b": 0}},
+                        {"step": 10, "weights": {"a": 0, "b": 1}},
+                    ],
+                }
+            }
+        )
+    )
     assert isinstance(loaded.schedule, Curriculum)
     assert loaded.schedule.weights_at(5) == pytest.approx((0.5, 0.5))
 
 
 def test_a_callable_is_imported_by_path(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "my_mixing.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_mixing.py").write_text(
+        textwrap.dedent("""
         def weights(t):
             return {"a": 1.0, "b": 1.0 + t}
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     loaded = _load(_job({"schedule": {"kind": "callable", "callable": "my_mixing:weights"}}))
     assert isinstance(loaded.schedule, FromCallable)
@@ -65,20 +88,42 @@ def test_a_callable_is_imported_by_path(tmp_path: pathlib.Path, monkeypatch: pyt
     ("mixture", "field", "problem"),
     [
         ({"schedule": {"kind": "stepped"}}, "mixture.schedule.kind", "must be one of"),
-        ({"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {}}, {"start": 0, "weights": {}}]}},
-         "mixture.schedule.stages[1].start", "increasing"),
-        ({"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {"c": 1}}]}},
-         "mixture.schedule.stages[0].weights.c", "names no source"),
-        ({"schedule": {"kind": "curriculum", "anchors": [{"step": 0, "weights": {"a": -1}}]}},
-         "mixture.schedule.anchors[0].weights.a", ">= 0"),
+        (
+            {"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {}}, {"start": 0, "weights": {}}]}},
+            "mixture.schedule.stages[1].start",
+            "increasing",
+        ),
+        (
+            {"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {"c": 1}}]}},
+            "mixture.schedule.stages[0].weights.c",
+            "names no source",
+        ),
+        (
+            {"schedule": {"kind": "curriculum", "anchors": [{"step": 0, "weights": {"a": -1}}]}},
+            "mixture.schedule.anchors[0].weights.a",
+            ">= 0",
+        ),
         ({"schedule": {"kind": "static", "granularity": "token"}}, "mixture.schedule.granularity", "must be one of"),
         ({"schedule": {"kind": "callable", "callable": "no_such_module_here:f"}}, "mixture.schedule.callable", "no_such_module_here"),
         ({"schedule": {"kind": "callable", "callable": "math:pi"}}, "mixture.schedule.callable", "not callable"),
         ({"schedule": {"kind": "callable", "callable": "math:sqrt"}}, "mixture.schedule", "math:sqrt"),
-        ({"weights": {"a": 2}, "schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {}}]}},
-         "mixture.weights", "cannot be combined"),
+        (
+            {"weights": {"a": 2}, "schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {}}]}},
+            "mixture.weights",
+            "cannot be combined",
+        ),
     ],
-    ids=["kind", "stage-order", "stage-source", "anchor-weight", "granularity", "module", "not-callable", "bad-result", "weights-and-stages"],
+    ids=[
+        "kind",
+        "stage-order",
+        "stage-source",
+        "anchor-weight",
+        "granularity",
+        "module",
+        "not-callable",
+        "bad-result",
+        "weights-and-stages",
+    ],
 )
 def test_a_bad_schedule_is_a_config_error_naming_the_field(mixture: dict, field: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -88,14 +133,16 @@ def test_a_bad_schedule_is_a_config_error_naming_the_field(mixture: dict, field:
 
 
 def test_a_strategy_mix_cannot_be_combined_with_a_changing_schedule(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "mixing.py").write_text(textwrap.dedent("""
+    (tmp_path / "mixing.py").write_text(
+        textwrap.dedent("""
         from batchplane.planner import DGraph
         def strategy(mesh):
             g = DGraph("text")
             g.mix({"a": 2, "b": 1})
             g.distribute(axis="DP")
             return g.plan()
-    """))
+    """)
+    )
     staged = {"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {}}, {"start": 4, "weights": {"a": 0}}]}}
     job = job_from_mapping(
         {"job": "t", "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}], "strategy": "mixing.py", "mixture": staged},

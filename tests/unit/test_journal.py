@@ -117,7 +117,9 @@ def test_lineage_show_find_and_stats() -> None:
 
 def test_thinning_drops_only_the_per_rank_detail_of_old_segments_and_bounds_the_size() -> None:
     storage = MemoryStorage()
-    writer = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=SEGMENT_STEPS + SEGMENT_STEPS // 2)
+    writer = LedgerWriter(
+        LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=SEGMENT_STEPS + SEGMENT_STEPS // 2
+    )
     for step in range(3 * SEGMENT_STEPS + 10):
         writer.append(_record(step))
         writer.compact(step - 4)  # the slowest rank is 4 steps behind the planner

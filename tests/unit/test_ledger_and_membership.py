@@ -62,7 +62,9 @@ EXPECTED_SPREAD = {
 }
 
 
-def _plan(step: int, table: SampleTable, *, dp: int = 2, microbatches: int = 1, method: str = "karmarkar_karp", cost_fn=QUADRATIC) -> StepPlan:
+def _plan(
+    step: int, table: SampleTable, *, dp: int = 2, microbatches: int = 1, method: str = "karmarkar_karp", cost_fn=QUADRATIC
+) -> StepPlan:
     return build_step_plan(step, table, dp=dp, microbatches=microbatches, method=method, cost_fn=cost_fn)
 
 
@@ -267,10 +269,14 @@ def test_reregistration_replaces_the_address_and_rejects_a_changed_row_count() -
 def test_replicas_joining_and_leaving_reroute_only_windows_nobody_was_asked_about() -> None:
     """Source a: 40 rows in 8 row groups of 5, shuffle off, windows of 4 row groups: windows of
     20 positions. Every window asked about keeps its owner whatever joins or leaves."""
-    job = job_from_mapping({
-        "job": "t", "epochs": "infinite", "sources": [{"name": "a", "path": "a"}],
-        "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
-    })
+    job = job_from_mapping(
+        {
+            "job": "t",
+            "epochs": "infinite",
+            "sources": [{"name": "a", "path": "a"}],
+            "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
+        }
+    )
     m = Membership(job)
     m.register_loader(0, "host:r1", [_facts("a", 40, groups=8)], replica="r1")
     asked = {}
@@ -300,10 +306,14 @@ def test_a_replica_leaving_waits_only_for_windows_it_was_asked_about() -> None:
     still say every window is its own), leaves: it drains through its own last window, not
     through the frontier, or it would wait for window 3 forever (seen in
     test_loader_replicas under load)."""
-    job = job_from_mapping({
-        "job": "t", "epochs": "infinite", "sources": [{"name": "a", "path": "a"}],
-        "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
-    })
+    job = job_from_mapping(
+        {
+            "job": "t",
+            "epochs": "infinite",
+            "sources": [{"name": "a", "path": "a"}],
+            "loaders": {"shuffle": {"enabled": False, "window_row_groups": 4}},
+        }
+    )
     m = Membership(job)
     m.register_loader(0, "host:r1", [_facts("a", 40, groups=8)], replica="r1")
     assert [m.summary_target(0, seq)[0] for seq in (0, 20, 40)] == ["host:r1"] * 3
@@ -313,9 +323,7 @@ def test_a_replica_leaving_waits_only_for_windows_it_was_asked_about() -> None:
 
 
 @hypothesis.given(
-    routes=st.lists(
-        st.tuples(st.integers(1, 30), st.sets(st.sampled_from("abcd"), min_size=1)), min_size=0, max_size=5
-    ),
+    routes=st.lists(st.tuples(st.integers(1, 30), st.sets(st.sampled_from("abcd"), min_size=1)), min_size=0, max_size=5),
     first=st.sets(st.sampled_from("abcd"), min_size=1),
     replica=st.sampled_from("abcd"),
     before=st.integers(0, 200),

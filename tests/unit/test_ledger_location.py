@@ -51,8 +51,18 @@ def test_a_location_that_is_not_a_string_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "location",
-    ["s3://bucket/prefix", "s3://bucket", "S3://Bucket/a/b/", "s3a://bucket/x", "gs://bucket/ledger", "az://container/ledger",
-     "abfss://container@account.dfs.core.windows.net/ledger", "file:///data/ledger", "ledger-here", "/abs/ledger"],
+    [
+        "s3://bucket/prefix",
+        "s3://bucket",
+        "S3://Bucket/a/b/",
+        "s3a://bucket/x",
+        "gs://bucket/ledger",
+        "az://container/ledger",
+        "abfss://container@account.dfs.core.windows.net/ledger",
+        "file:///data/ledger",
+        "ledger-here",
+        "/abs/ledger",
+    ],
 )
 def test_good_locations_are_kept_as_written(location: str) -> None:
     assert _job({"location": location}).ledger.location == location

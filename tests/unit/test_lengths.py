@@ -69,7 +69,9 @@ def test_chunks_of_delivered_lengths_cover_each_sample_within_the_limit(raw, max
         else:
             assert mine == [n]
     # One loss token fewer per chunk: L - ceil(L / max_length) for a split sample, L - 1 else.
-    assert loss_tokens(delivered, max_length=max_length, policy=policy) == sum(max(n - c, 0) for n, c in zip(delivered.tolist(), counts.tolist()))
+    assert loss_tokens(delivered, max_length=max_length, policy=policy) == sum(
+        max(n - c, 0) for n, c in zip(delivered.tolist(), counts.tolist())
+    )
 
 
 @FAST
@@ -97,7 +99,9 @@ def test_by_hand() -> None:
     assert limited(np.array([10, 3]), max_length=4, policy="reject").tolist() == [0, 3]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"max_length": 0, "policy": "split"}, "max_length"), ({"max_length": 4, "policy": "cut"}, "length policy")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"max_length": 0, "policy": "split"}, "max_length"), ({"max_length": 4, "policy": "cut"}, "length policy")]
+)
 def test_bad_limits(kwargs: dict, match: str) -> None:
     for fn in (chunks, chunk_counts, limited):
         with pytest.raises(ValueError, match=match):
@@ -164,8 +168,11 @@ def test_a_split_sample_costs_the_sum_of_its_chunks() -> None:
 def _table(length: np.ndarray) -> SampleTable:
     n = len(length)
     return SampleTable(
-        source=np.zeros(n, np.int32), seq=np.arange(n, dtype=np.int64), row=np.arange(n, dtype=np.int64) * 3,
-        length=length.astype(np.int32), epoch=np.zeros(n, np.int32),
+        source=np.zeros(n, np.int32),
+        seq=np.arange(n, dtype=np.int64),
+        row=np.arange(n, dtype=np.int64) * 3,
+        length=length.astype(np.int32),
+        epoch=np.zeros(n, np.int32),
     )
 
 
@@ -179,13 +186,17 @@ def _table(length: np.ndarray) -> SampleTable:
     dp=st.integers(1, 3),
     microbatches=st.integers(1, 3),
 )
-def test_loss_tokens_agree_between_plan_and_microbatches_and_weights_sum_to_one(raw, max_length, policy, method, packed, dp, microbatches) -> None:
+def test_loss_tokens_agree_between_plan_and_microbatches_and_weights_sum_to_one(
+    raw, max_length, policy, method, packed, dp, microbatches
+) -> None:
     """The lengths as a loader delivers them, planned, then built by every bucket: each
     microbatch's loss tokens are its labels, the metadata-only build agrees, the plan's
     loss tokens are their sum, and the loss weights sum to 1 over the step's buckets."""
     delivered = limited(raw, max_length=max_length, policy=policy)
     limit = {"max_length": max_length, "length_policy": policy}
-    strategy = default_strategy(method=method, microbatches=microbatches, cost_fn=QUADRATIC, max_tokens=64 if method == "token_budget" else None, padded=not packed)
+    strategy = default_strategy(
+        method=method, microbatches=microbatches, cost_fn=QUADRATIC, max_tokens=64 if method == "token_budget" else None, padded=not packed
+    )
     plan = strategy.run(0, _table(delivered), ClientPlaceTree(dp=dp), default_cost=QUADRATIC, **limit)
     assert plan.loss_tokens == loss_tokens(plan.samples.length, max_length=max_length, policy=policy)
     rng = np.random.default_rng(0)
@@ -193,11 +204,22 @@ def test_loss_tokens_agree_between_plan_and_microbatches_and_weights_sum_to_one(
     for bucket in range(plan.dp):
         table, offsets = plan.rank_samples(bucket)
         samples = RankSamples(
-            tokens=[rng.integers(0, 1000, n) for n in table.length.tolist()], source=table.source, row=table.row, epoch=table.epoch, offsets=offsets
+            tokens=[rng.integers(0, 1000, n) for n in table.length.tolist()],
+            source=table.source,
+            row=table.row,
+            epoch=table.epoch,
+            offsets=offsets,
         )
         built = assemble(
-            samples, step=0, rank=bucket, pad_id=0, ignore_id=-100, token_dtype="int32", global_loss_tokens=plan.loss_tokens,
-            pack_length=32 if packed else None, **limit,
+            samples,
+            step=0,
+            rank=bucket,
+            pad_id=0,
+            ignore_id=-100,
+            token_dtype="int32",
+            global_loss_tokens=plan.loss_tokens,
+            pack_length=32 if packed else None,
+            **limit,
         )
         meta = metadata_only(step=0, rank=bucket, lengths=table.length, offsets=offsets, global_loss_tokens=plan.loss_tokens, **limit)
         for mb, other, tensors in zip(built.microbatches, meta.microbatches, tensors_of(built)):
@@ -216,11 +238,23 @@ def test_loss_tokens_agree_between_plan_and_microbatches_and_weights_sum_to_one(
 def test_cp_slices_of_split_samples_share_out_the_loss_tokens(packed: bool) -> None:
     lengths = np.array([23, 5, 17])
     samples = RankSamples(
-        tokens=[np.arange(1, n + 1) for n in lengths], source=np.zeros(3, np.int32), row=np.arange(3), epoch=np.zeros(3, np.int32), offsets=np.array([0, 2, 3])
+        tokens=[np.arange(1, n + 1) for n in lengths],
+        source=np.zeros(3, np.int32),
+        row=np.arange(3),
+        epoch=np.zeros(3, np.int32),
+        offsets=np.array([0, 2, 3]),
     )
     total = loss_tokens(lengths, max_length=8)
     built = assemble(
-        samples, step=0, rank=0, pad_id=0, ignore_id=-100, token_dtype="int64", global_loss_tokens=total, pack_length=16 if packed else None, max_length=8
+        samples,
+        step=0,
+        rank=0,
+        pad_id=0,
+        ignore_id=-100,
+        token_dtype="int64",
+        global_loss_tokens=total,
+        pack_length=16 if packed else None,
+        max_length=8,
     )
     weights = 0.0
     for cp_rank in range(2):

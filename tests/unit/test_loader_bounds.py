@@ -30,8 +30,14 @@ LIMITS = FetchLimits(constructors=2, max_samples=12)
 
 def fetch(**changes):
     request = {
-        "constructor": 1, "step": 3, "release_below_step": 2, "sources": np.array([0, 0, 1], np.int32),
-        "seqs": np.array([4, 5, 4], np.int64), "copies": None, "served": {0, 1}, "limits": LIMITS,
+        "constructor": 1,
+        "step": 3,
+        "release_below_step": 2,
+        "sources": np.array([0, 0, 1], np.int32),
+        "seqs": np.array([4, 5, 4], np.int64),
+        "copies": None,
+        "served": {0, 1},
+        "limits": LIMITS,
     }
     request.update(changes)
     check_fetch(**request)

@@ -61,7 +61,11 @@ def test_a_loader_at_which_releases_keep_failing_is_given_up_and_a_success_reset
 
 
 @settings(max_examples=150, deadline=None)
-@given(events=st.lists(st.tuples(st.sets(st.sampled_from("abcd"), max_size=3), st.sampled_from("abcd"), st.integers(0, 8), st.booleans()), max_size=40))
+@given(
+    events=st.lists(
+        st.tuples(st.sets(st.sampled_from("abcd"), max_size=3), st.sampled_from("abcd"), st.integers(0, 8), st.booleans()), max_size=40
+    )
+)
 def test_a_loader_is_let_go_only_once_told_past_its_last_step_or_given_up(events) -> None:
     """Steps fetched in order from random loaders, with release answers in between: a loader
     is held exactly while no release past its last fetched step succeeded and fewer than

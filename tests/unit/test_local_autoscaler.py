@@ -80,7 +80,9 @@ def specs(scaling: ScalingSettings = SCALING) -> dict[int, GroupSpec]:
     }
 
 
-def run(script: list[dict[str, float] | None], *, scaling: ScalingSettings = SCALING, cluster: Cluster | None = None) -> tuple[list[Interval | None], Cluster]:
+def run(
+    script: list[dict[str, float] | None], *, scaling: ScalingSettings = SCALING, cluster: Cluster | None = None
+) -> tuple[list[Interval | None], Cluster]:
     """One step per simulated second (t = 1, 2, ...) over `script`; the rows and the cluster."""
     cluster = cluster or Cluster("loader-0", "loader-1")
     autoscaler = LocalAutoscaler(cluster, Prometheus(script), specs(scaling), job="job", rate_window_s=3.0)  # type: ignore[arg-type]

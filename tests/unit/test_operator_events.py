@@ -64,7 +64,13 @@ def test_the_core_v1_event() -> None:
     k = EventKey(DEMO, events.NORMAL, "Scaled", "group text: up 1 -> 3" + "x" * 2000)
     body = events.event_body(k, name=events.event_name(DEMO, 0x1234ABC), time="2025-01-01T00:00:00Z", instance="op-0")
     assert body["metadata"] == {"name": "demo.1234abc", "namespace": "training"}
-    assert body["involvedObject"] == {"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane", "namespace": "training", "name": "demo", "uid": "uid-demo"}
+    assert body["involvedObject"] == {
+        "apiVersion": "batchplane.dev/v1alpha1",
+        "kind": "DataPlane",
+        "namespace": "training",
+        "name": "demo",
+        "uid": "uid-demo",
+    }
     assert (body["type"], body["reason"], body["count"], body["reportingInstance"]) == ("Normal", "Scaled", 1, "op-0")
     assert body["firstTimestamp"] == body["lastTimestamp"] == "2025-01-01T00:00:00Z"
     assert len(body["message"]) == events.MAX_MESSAGE and body["message"].startswith("group text: up 1 -> 3")

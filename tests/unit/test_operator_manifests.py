@@ -19,7 +19,15 @@ import pytest
 
 from batchplane.core.process import parse_process_args
 from batchplane.operator.dataplane import SpecError, declared_schedule, parse_dataplane
-from batchplane.operator.manifests import ANNOTATION_SPEC_HASH, LABEL_DATAPLANE, LABEL_GROUP, LABEL_MANAGED_BY, MANAGER, loader_deployment, spec_hash
+from batchplane.operator.manifests import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_DATAPLANE,
+    LABEL_GROUP,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    loader_deployment,
+    spec_hash,
+)
 from batchplane.operator.policy import ScalingSettings
 
 TLS_SECRET = "text-and-code-loader-tls"
@@ -35,7 +43,12 @@ POD_LABELS = {
     "batchplane.dev/dataplane": "text-and-code",
     "batchplane.dev/scrape": "text-and-code",
 }
-POD_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": "9100", "prometheus.io/path": "/metrics", "checksum/job-config": "5ea0a5ef"}
+POD_ANNOTATIONS = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": "9100",
+    "prometheus.io/path": "/metrics",
+    "checksum/job-config": "5ea0a5ef",
+}
 
 #: The DataPlane the chart renders for ci/two-groups-values.yaml, as the API server returns it.
 DATAPLANE: dict[str, Any] = {
@@ -174,7 +187,12 @@ def test_the_charts_dataplane_is_read_as_written() -> None:
         "text-and-code-planner.training.svc:50051",
         "text-and-code-job",
     )
-    assert (loader.grpc_port, loader.metrics_port, loader.image_pull_policy, loader.image_pull_secrets) == (50052, 9100, "Always", ("registry-credentials",))
+    assert (loader.grpc_port, loader.metrics_port, loader.image_pull_policy, loader.image_pull_secrets) == (
+        50052,
+        9100,
+        "Always",
+        ("registry-credentials",),
+    )
 
 
 def test_a_minimal_dataplane_gets_the_charts_defaults() -> None:
@@ -223,7 +241,10 @@ def test_threshold_sets_both_directions_unless_one_is_given() -> None:
         ({"spec.scaling.windowIntervals": 0}, "spec.scaling.windowIntervals"),
         ({"spec.scaling.downThreshold": 1.5}, "spec.scaling.downThreshold"),
         ({"spec.scaling.intervalSeconds": 0}, "spec.scaling.intervalSeconds"),
-        ({"spec.mixture.schedule.stages": [{"start": 5, "weights": {}}, {"start": 5, "weights": {}}]}, "spec.mixture.schedule.stages[1].start"),
+        (
+            {"spec.mixture.schedule.stages": [{"start": 5, "weights": {}}, {"start": 5, "weights": {}}]},
+            "spec.mixture.schedule.stages[1].start",
+        ),
         ({"metadata.uid": _DELETE}, "metadata.uid"),
         ({"metadata.name": "x" * 64}, "metadata.name"),
     ],
@@ -239,7 +260,12 @@ def test_the_declared_schedule_reads_as_the_planner_reads_it() -> None:
     staged = declared_schedule(stages, ["a", "b"])
     assert staged(0) == {"a": 1, "b": 3} and staged(99.5) == {"a": 1, "b": 3}
     assert staged(100) == {"a": 4, "b": 1.0}  # a source a stage leaves out weighs 1
-    anchors = {"schedule": {"kind": "curriculum", "anchors": [{"step": 10, "weights": {"a": 0, "b": 2}}, {"step": 20, "weights": {"a": 2, "b": 0}}]}}
+    anchors = {
+        "schedule": {
+            "kind": "curriculum",
+            "anchors": [{"step": 10, "weights": {"a": 0, "b": 2}}, {"step": 20, "weights": {"a": 2, "b": 0}}],
+        }
+    }
     curriculum = declared_schedule(anchors, ["a", "b"])
     assert curriculum(0) == {"a": 0, "b": 2} and curriculum(15) == {"a": 1, "b": 1} and curriculum(30) == {"a": 2, "b": 0}
     for mixture in ({}, {"weights": {"a": 2}}, {"schedule": {"kind": "static"}}, {"schedule": {"kind": "callable", "callable": "m:f"}}):
@@ -256,9 +282,21 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
     group = spec.groups[index]
     d = loader_deployment(spec, group, replicas=3)
     meta, dspec = d["metadata"], d["spec"]
-    assert (d["apiVersion"], d["kind"], meta["name"], meta["namespace"]) == ("apps/v1", "Deployment", f"text-and-code-loader-{group.name}", NAMESPACE)
+    assert (d["apiVersion"], d["kind"], meta["name"], meta["namespace"]) == (
+        "apps/v1",
+        "Deployment",
+        f"text-and-code-loader-{group.name}",
+        NAMESPACE,
+    )
     assert meta["ownerReferences"] == [
-        {"apiVersion": "batchplane.dev/v1alpha1", "kind": "DataPlane", "name": "text-and-code", "uid": UID, "controller": True, "blockOwnerDeletion": True}
+        {
+            "apiVersion": "batchplane.dev/v1alpha1",
+            "kind": "DataPlane",
+            "name": "text-and-code",
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
     ]
     assert meta["labels"] == {**POD_LABELS, LABEL_GROUP: group.name, LABEL_MANAGED_BY: MANAGER}
     assert meta["annotations"] == {ANNOTATION_SPEC_HASH: spec_hash(d)}
@@ -269,7 +307,13 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
     assert all(template["metadata"]["labels"][k] == v for k, v in dspec["selector"]["matchLabels"].items())
     pod = template["spec"]
     assert pod["automountServiceAccountToken"] is False and pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
-    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     (c,) = pod["containers"]
     assert "command" not in c and c["image"] == "registry.example.com/ml/batchplane:0.1.0-rc1" and c["imagePullPolicy"] == "Always"
     assert c["args"] == [
@@ -289,13 +333,19 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
     assert (settings.index, settings.replica, settings.planner, settings.port, settings.advertise, settings.metrics_port) == (
         index, "loader-abc", "text-and-code-planner.training.svc:50051", 50052, "10.0.0.7:50052", 9100
     )  # fmt: skip
-    assert c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"] and "SIGUSR1" in c["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert (
+        c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"]
+        and "SIGUSR1" in c["lifecycle"]["preStop"]["exec"]["command"][2]
+    )
     assert pod["terminationGracePeriodSeconds"] > 300, "longer than a leaving loader's drain"
     assert settings.config == pathlib.Path("/etc/batchplane/job.yaml") and settings.listen is None
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50052, "metrics": 9100}
     assert POD_ANNOTATIONS["prometheus.io/port"] == str(settings.metrics_port)
     # kubelet's gRPC probe speaks plaintext: /healthz on the metrics port answers for grpc.health.v1
-    assert all(c[probe]["httpGet"] == {"path": "/healthz", "port": settings.metrics_port} for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert all(
+        c[probe]["httpGet"] == {"path": "/healthz", "port": settings.metrics_port}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+    )
     assert (settings.tls_dir, settings.auth_tokens, settings.token_file) == (
         pathlib.Path("/etc/batchplane/tls"), pathlib.Path("/etc/batchplane/auth-tokens"), pathlib.Path("/etc/batchplane/auth-tokens/loader")
     )  # fmt: skip
@@ -364,7 +414,9 @@ POD_FIELDS: dict[str, Any] = {
     "affinity": {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eu-west-1a"]}]}]
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eu-west-1a"]}]}
+                ]
             }
         }
     },
@@ -426,15 +478,35 @@ def test_a_deployment_with_every_pod_field_validates_strictly(kube_version: str,
     ("overrides", "field", "words"),
     [
         ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "spec.loader.volumes[0].name", "is used by batchplane"),
-        ({"volumes": [{"name": "batchplane-job", "emptyDir": {}}], "volumeMounts": []}, "spec.loader.volumes[0].name", "is used by batchplane"),
-        ({"volumeMounts": [{"name": "batchplane-job", "mountPath": "/config"}]}, "spec.loader.volumeMounts[0].name", "is used by batchplane"),
-        ({"volumeMounts": [{"name": "data", "mountPath": "/etc/batchplane"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
+        (
+            {"volumes": [{"name": "batchplane-job", "emptyDir": {}}], "volumeMounts": []},
+            "spec.loader.volumes[0].name",
+            "is used by batchplane",
+        ),
+        (
+            {"volumeMounts": [{"name": "batchplane-job", "mountPath": "/config"}]},
+            "spec.loader.volumeMounts[0].name",
+            "is used by batchplane",
+        ),
+        (
+            {"volumeMounts": [{"name": "data", "mountPath": "/etc/batchplane"}]},
+            "spec.loader.volumeMounts[0].mountPath",
+            "is used by batchplane",
+        ),
         ({"volumeMounts": [{"name": "cache", "mountPath": "/tmp"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
         ({"env": [{"name": "POD_NAME", "value": "x"}]}, "spec.loader.env[0].name", "is set by batchplane"),
-        ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"nam": "s"}}}]}, "spec.loader.env[0].valueFrom.secretKeyRef.nam", "unknown field"),
+        (
+            {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"nam": "s"}}}]},
+            "spec.loader.env[0].valueFrom.secretKeyRef.nam",
+            "unknown field",
+        ),
         ({"tolerations": [{"key": "k", "efect": "NoSchedule"}]}, "spec.loader.tolerations[0].efect", "unknown field"),
         ({"affinity": {"nodeAfinity": {}}}, "spec.loader.affinity.nodeAfinity", "unknown field"),
-        ({"topologySpreadConstraints": [{"maxSkew": "1", "topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"}]}, "spec.loader.topologySpreadConstraints[0].maxSkew", "must be an integer"),
+        (
+            {"topologySpreadConstraints": [{"maxSkew": "1", "topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"}]},
+            "spec.loader.topologySpreadConstraints[0].maxSkew",
+            "must be an integer",
+        ),
         ({"serviceAccountName": "Not A Name"}, "spec.loader.serviceAccountName", "DNS subdomain"),
         ({"nodeSelector": ["pool"]}, "spec.loader.nodeSelector", "must be a mapping"),
     ],

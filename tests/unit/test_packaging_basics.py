@@ -65,7 +65,13 @@ def test_every_library_the_services_import_is_a_declared_dependency() -> None:
     missing = set()
     for path in (root / "services" / "batchplane").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
                 if top in sys.stdlib_module_names or top in ("batchplane", "__future__"):

@@ -36,8 +36,11 @@ def skewed_lengths(n: int, *, seed: int, long_share: float = 0.1, short: int = 4
 def _table(lengths: np.ndarray) -> SampleTable:
     n = len(lengths)
     return SampleTable(
-        source=np.zeros(n, np.int32), seq=np.arange(n, dtype=np.int64), row=np.arange(n, dtype=np.int64),
-        length=np.asarray(lengths, np.int32), epoch=np.zeros(n, np.int32),
+        source=np.zeros(n, np.int32),
+        seq=np.arange(n, dtype=np.int64),
+        row=np.arange(n, dtype=np.int64),
+        length=np.asarray(lengths, np.int32),
+        epoch=np.zeros(n, np.int32),
     )
 
 
@@ -119,7 +122,9 @@ def test_grouping_is_a_partition_into_length_ranges(lengths: list[int], parts: i
 # ---- the plan ------------------------------------------------------------------------------
 
 
-def _spreads(lengths_of, *, steps: int, method: str = "karmarkar_karp", dp: int = 8, batch: int = 256, microbatches: int = 4, packed: bool = False):
+def _spreads(
+    lengths_of, *, steps: int, method: str = "karmarkar_karp", dp: int = 8, batch: int = 256, microbatches: int = 4, packed: bool = False
+):
     """Per step: max/mean of the padded cost per rank, and the lower bound no plan can beat
     (max(1, the costliest sample alone / the mean rank))."""
     spreads, bounds = [], []
@@ -162,7 +167,11 @@ def test_padded_cost_is_balanced_on_skewed_lengths() -> None:
 
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(
-    st.integers(0, 10**6), st.integers(0, 200), st.integers(1, 6), st.integers(1, 5), st.sampled_from(["karmarkar_karp", "greedy"]),
+    st.integers(0, 10**6),
+    st.integers(0, 200),
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.sampled_from(["karmarkar_karp", "greedy"]),
 )
 def test_padded_plans_keep_identity_alignment_and_determinism(seed: int, n: int, dp: int, microbatches: int, method: str) -> None:
     lengths = skewed_lengths(n, seed=seed, long_share=0.2, long=4000)
@@ -177,16 +186,17 @@ def test_padded_plans_keep_identity_alignment_and_determinism(seed: int, n: int,
             assert np.array_equal(mb, np.sort(mb))
     again = build_step_plan(0, _table(lengths), dp=dp, microbatches=microbatches, method=method, cost_fn=QUADRATIC)
     assert [[mb.tolist() for mb in r] for r in plan.microbatches] == [[mb.tolist() for mb in r] for r in again.microbatches]  # I4
-    np.testing.assert_allclose(
-        plan.built_rank_costs(), [sum(padded_cost(lengths, mb) for mb in rank) for rank in plan.microbatches]
-    )
+    np.testing.assert_allclose(plan.built_rank_costs(), [sum(padded_cost(lengths, mb) for mb in rank) for rank in plan.microbatches])
 
 
-@pytest.mark.parametrize("balancing", [
-    Balancing(method="round_robin", microbatches=4),
-    Balancing(method="token_budget", microbatches=1, max_tokens=4096),
-    Balancing(method="karmarkar_karp", microbatches=4, intra=False),
-])
+@pytest.mark.parametrize(
+    "balancing",
+    [
+        Balancing(method="round_robin", microbatches=4),
+        Balancing(method="token_budget", microbatches=1, max_tokens=4096),
+        Balancing(method="karmarkar_karp", microbatches=4, intra=False),
+    ],
+)
 def test_round_robin_token_budget_and_ordered_microbatches_are_unchanged(balancing: Balancing) -> None:
     lengths = lognormal_lengths(256, seed=3)
     costs = QUADRATIC(lengths)

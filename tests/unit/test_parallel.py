@@ -336,7 +336,15 @@ def test_pack_refuses_empty_or_non_1d_samples() -> None:
 def test_pack_split_chunks_are_sequences_of_their_own(raw, max_length: int, max_sample_length: int, policy: str, dtype: str) -> None:
     ignore_id = -100
     samples = [np.array(s, np.int64) for s in raw]
-    out = pack(samples, max_length=max_length, pad_id=0, ignore_id=ignore_id, dtype=dtype, max_sample_length=max_sample_length, length_policy=policy)
+    out = pack(
+        samples,
+        max_length=max_length,
+        pad_id=0,
+        ignore_id=ignore_id,
+        dtype=dtype,
+        max_sample_length=max_sample_length,
+        length_policy=policy,
+    )
     if not samples:
         assert out["sample_chunks"].tolist() == [] and out["cu_seqlens"].tolist() == [0]
         return
@@ -366,7 +374,7 @@ def test_pack_split_chunks_are_sequences_of_their_own(raw, max_length: int, max_
     first_chunk = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(int)
     assert out["sample_rows"].tolist() == row_of_token[cu[first_chunk]].tolist()
     rows = mask.sum(axis=1)
-    assert all(n <= max_length or len(set(seg[r, : n].tolist())) == 1 for r, n in enumerate(rows))  # over max_length only alone
+    assert all(n <= max_length or len(set(seg[r, :n].tolist())) == 1 for r, n in enumerate(rows))  # over max_length only alone
 
 
 def test_pack_split_by_hand() -> None:
@@ -403,7 +411,13 @@ def test_pack_bad_length_limit(kwargs: dict, match: str) -> None:
 def test_sample_chunks_passes_cp_slicing_and_every_pipeline_stage() -> None:
     out = pack([np.arange(1, 8)], max_length=4, pad_id=0, ignore_id=-100, dtype="int64", max_sample_length=4)
     out.pop("sample_rows")
-    sliced = cp_slice(out, cp=2, rank=1, mode="zigzag", pad_values={"input_ids": 0, "labels": -100, "attention_mask": False, "position_ids": 0, "segment_ids": 0})
+    sliced = cp_slice(
+        out,
+        cp=2,
+        rank=1,
+        mode="zigzag",
+        pad_values={"input_ids": 0, "labels": -100, "attention_mask": False, "position_ids": 0, "segment_ids": 0},
+    )
     assert sliced["sample_chunks"] is out["sample_chunks"] and sliced["cu_seqlens"] is out["cu_seqlens"]
     for stage in range(3):
         assert "sample_chunks" in stage_filter(sliced, stage=stage, stages=3, ignore_id=-100)

@@ -420,8 +420,16 @@ def test_profiles_from_a_profile_document() -> None:
         "batch": {"global_batch_size": 64, "microbatches": 2},
         "sources": [
             {
-                "name": "a", "path": "data/a", "state_bytes": 10, "transform_s_per_sample": 0.002, "read_s_per_sample": 0.001,
-                "weight": 2, "token_column": "ids", "transform": "m:f", "transform_args": {"k": 1}, "columns": ["x"],
+                "name": "a",
+                "path": "data/a",
+                "state_bytes": 10,
+                "transform_s_per_sample": 0.002,
+                "read_s_per_sample": 0.001,
+                "weight": 2,
+                "token_column": "ids",
+                "transform": "m:f",
+                "transform_args": {"k": 1},
+                "columns": ["x"],
                 "repeat": 3,
             },
             {"name": "b", "state_bytes": 0, "transform_s_per_sample": 0},
@@ -456,7 +464,15 @@ def test_profiles_from_a_profile_document() -> None:
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": "x"}]}, "sources[0].repeat"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": True}]}, "sources[0].repeat"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": 1.5}]}, "sources[0].repeat"),
-        ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}, {"name": "b", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": -2}]}, "sources[1].repeat"),
+        (
+            {
+                "sources": [
+                    {"name": "a", "state_bytes": 1, "transform_s_per_sample": 0},
+                    {"name": "b", "state_bytes": 1, "transform_s_per_sample": 0, "repeat": -2},
+                ]
+            },
+            "sources[1].repeat",
+        ),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}], "mesh": {"dp": 0}}, "mesh"),
         ({"sources": [{"name": "a", "state_bytes": 1, "transform_s_per_sample": 0}], "batch": {"microbatches": 1}}, "batch"),
     ],
@@ -493,7 +509,11 @@ def test_dataplane_and_values_documents() -> None:
         "spec": {"sourceGroups": [{**group, "sources": [a, b]}], "mixture": {"weights": {"a": 2.0, "b": 2.0}}},
     }
     profiles = ProfileSet(
-        "j", (), {"weights": {}, "schedule": {"kind": "static"}}, {"dp": 2, "cp": 1, "tp": 1, "pp": 1}, {"global_batch_size": 8, "microbatches": 2}
+        "j",
+        (),
+        {"weights": {}, "schedule": {"kind": "static"}},
+        {"dp": 2, "cp": 1, "tp": 1, "pp": 1},
+        {"global_batch_size": 8, "microbatches": 2},
     )
     spec = to_dataplane(result, name="j", profiles=profiles)["spec"]
     assert spec["mixture"] == {"weights": {"a": 2.0, "b": 2.0}, "schedule": {"kind": "static"}}
@@ -506,7 +526,16 @@ def test_dataplane_and_values_documents() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("32Gi", 32 * GiB), ("512Mi", 512 * MiB), ("1G", 10**9), ("1.5Gi", 3 * GiB // 2), ("1e3", 1000), (1000, 1000), ("100k", 100_000), (" 2Ki ", 2048)],
+    [
+        ("32Gi", 32 * GiB),
+        ("512Mi", 512 * MiB),
+        ("1G", 10**9),
+        ("1.5Gi", 3 * GiB // 2),
+        ("1e3", 1000),
+        (1000, 1000),
+        ("100k", 100_000),
+        (" 2Ki ", 2048),
+    ],
 )
 def test_parse_memory(text, expected) -> None:
     assert parse_memory(text) == expected

@@ -45,7 +45,9 @@ def _values(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.
 def _arrow_column(column: PayloadColumn, per_sample: list[np.ndarray]) -> pa.Array:
     """The normalized Arrow column of the samples' values (what the loader sends)."""
     flat = np.concatenate([v.reshape(-1) for v in per_sample]) if per_sample else np.zeros(0, column.dtype)
-    flat = pa.array(flat.astype(column.dtype), type=arrow_type(column).value_type if column.kind != SAMPLE or column.shape else arrow_type(column))
+    flat = pa.array(
+        flat.astype(column.dtype), type=arrow_type(column).value_type if column.kind != SAMPLE or column.shape else arrow_type(column)
+    )
     if column.kind == SAMPLE:
         return flat if not column.shape else pa.FixedSizeListArray.from_arrays(flat, column.inner)
     offsets = np.zeros(len(per_sample) + 1, np.int32)
@@ -73,7 +75,9 @@ def payload_columns(draw) -> list[PayloadColumn]:
     for i in range(count):
         kind = draw(st.sampled_from((TOKEN, SAMPLE, BLOB)))
         shape = draw(st.sampled_from(((), (1,), (2,), (3,))))
-        out.append(PayloadColumn(f"c{i}", kind, draw(st.sampled_from(DTYPES)), shape, float(draw(st.integers(0, 1)) if kind == TOKEN else 0) * 7))
+        out.append(
+            PayloadColumn(f"c{i}", kind, draw(st.sampled_from(DTYPES)), shape, float(draw(st.integers(0, 1)) if kind == TOKEN else 0) * 7)
+        )
     return out
 
 
@@ -105,7 +109,11 @@ def _rank_samples(tokens, columns, values, offsets) -> RankSamples:
     table = _table(tokens, columns, values)
     n = len(tokens)
     return RankSamples(
-        tokens=tokens, source=np.zeros(n, np.int32), row=np.arange(n, dtype=np.int64), epoch=np.zeros(n, np.int32), offsets=offsets,
+        tokens=tokens,
+        source=np.zeros(n, np.int32),
+        row=np.arange(n, dtype=np.int64),
+        epoch=np.zeros(n, np.int32),
+        offsets=offsets,
         columns=sample_columns(table, columns),
     )
 
@@ -135,16 +143,28 @@ def _unslice(parts: list[np.ndarray], *, width: int, cp: int, mode: str) -> np.n
 def test_what_the_ranks_receive_restores_every_samples_columns(drawn, packed, pack_length, max_length, cp, mode, stages) -> None:
     columns, tokens, values, offsets = drawn
     built = assemble(
-        _rank_samples(tokens, columns, values, offsets), step=1, rank=0, pad_id=PAD, ignore_id=IGNORE, token_dtype="int64",
-        global_loss_tokens=100, pack_length=pack_length if packed else None, max_length=max_length, length_policy="split", payload=columns,
+        _rank_samples(tokens, columns, values, offsets),
+        step=1,
+        rank=0,
+        pad_id=PAD,
+        ignore_id=IGNORE,
+        token_dtype="int64",
+        global_loss_tokens=100,
+        pack_length=pack_length if packed else None,
+        max_length=max_length,
+        length_policy="split",
+        payload=columns,
     )
     whole = tensors_of(built)
     # every (cp rank, stage) of the mesh; TP peers of one (cp rank, stage) get the same bytes
     variants = {
         (r, s): derive(built, cp=cp, cp_rank=r if cp > 1 else None, cp_mode=mode, stage=s, stages=stages, pad_id=PAD, ignore_id=IGNORE)
-        for r in range(cp) for s in range(stages)
+        for r in range(cp)
+        for s in range(stages)
     }
-    peer = derive(built, cp=cp, cp_rank=cp - 1 if cp > 1 else None, cp_mode=mode, stage=stages - 1, stages=stages, pad_id=PAD, ignore_id=IGNORE)
+    peer = derive(
+        built, cp=cp, cp_rank=cp - 1 if cp > 1 else None, cp_mode=mode, stage=stages - 1, stages=stages, pad_id=PAD, ignore_id=IGNORE
+    )
     assert bytes(peer.payload) == bytes(variants[(cp - 1, stages - 1)].payload)
     parts = {key: tensors_of(v) for key, v in variants.items()}
     for m in range(len(offsets) - 1):
@@ -195,8 +215,15 @@ def test_a_filler_microbatch_gets_empty_and_fill_tensors_of_the_declared_shapes(
     ]
     for pack_length in (None, 8):
         built = assemble(
-            _rank_samples([], columns, {c.name: [] for c in columns}, np.array([0, 0])), step=0, rank=0, pad_id=PAD, ignore_id=IGNORE,
-            token_dtype="int32", global_loss_tokens=0, pack_length=pack_length, payload=columns,
+            _rank_samples([], columns, {c.name: [] for c in columns}, np.array([0, 0])),
+            step=0,
+            rank=0,
+            pad_id=PAD,
+            ignore_id=IGNORE,
+            token_dtype="int32",
+            global_loss_tokens=0,
+            pack_length=pack_length,
+            payload=columns,
         )
         (mb,) = tensors_of(built)
         assert built.microbatches[0].filler
@@ -212,8 +239,16 @@ def test_a_sample_column_shaped_like_input_ids_is_not_cp_sliced() -> None:
     columns = [PayloadColumn("grid", SAMPLE, "int64", (3,)), PayloadColumn("weight", TOKEN, "float32", (), fill=0.5)]
     tokens = [np.array([1, 2, 3], np.int32), np.array([4, 5, 6], np.int32)]
     values = {"grid": [np.array([1, 2, 3]), np.array([4, 5, 6])], "weight": [np.ones(3, np.float32), np.full(3, 2, np.float32)]}
-    built = assemble(_rank_samples(tokens, columns, values, np.array([0, 2])), step=0, rank=0, pad_id=PAD, ignore_id=IGNORE,
-                     token_dtype="int32", global_loss_tokens=4, payload=columns)
+    built = assemble(
+        _rank_samples(tokens, columns, values, np.array([0, 2])),
+        step=0,
+        rank=0,
+        pad_id=PAD,
+        ignore_id=IGNORE,
+        token_dtype="int32",
+        global_loss_tokens=4,
+        payload=columns,
+    )
     assert tensors_of(built)[0]["grid"].shape == tensors_of(built)[0]["input_ids"].shape == (2, 3)
     for rank in range(2):
         (part,) = tensors_of(derive(built, cp=2, cp_rank=rank, cp_mode="contiguous", pad_id=PAD, ignore_id=IGNORE))
@@ -247,8 +282,20 @@ def test_a_hook_sees_the_declared_columns_and_its_2d_tensors_are_sliced_beside_t
         tensors["doc"] = np.ones_like(tensors["input_ids"])
         return tensors
 
-    built = apply_constructor_hook(hook, assemble(_rank_samples(tokens, columns, values, np.array([0, 1])), step=0, rank=0, pad_id=PAD,
-                                                  ignore_id=IGNORE, token_dtype="int32", global_loss_tokens=3, payload=columns), sources=("a",))
+    built = apply_constructor_hook(
+        hook,
+        assemble(
+            _rank_samples(tokens, columns, values, np.array([0, 1])),
+            step=0,
+            rank=0,
+            pad_id=PAD,
+            ignore_id=IGNORE,
+            token_dtype="int32",
+            global_loss_tokens=3,
+            payload=columns,
+        ),
+        sources=("a",),
+    )
     assert seen["pixels"] == (2, 4) and seen["pixels_offsets"] == (2,) and seen["tag"] == (1, 4)
     (part,) = tensors_of(derive(built, cp=2, cp_rank=1, cp_mode="zigzag", pad_id=PAD, ignore_id=IGNORE))
     assert part["tag"].tolist() == [[6, 7]] and part["doc"].tolist() == [[1, 1]] and part["pixels"].shape == (2, 4)
@@ -256,7 +303,11 @@ def test_a_hook_sees_the_declared_columns_and_its_2d_tensors_are_sliced_beside_t
 
 # ---- a loader's payload with bad columns ----------------------------------------------------
 
-COLUMNS = [PayloadColumn("weight", TOKEN, "float32", (2,)), PayloadColumn("grid", SAMPLE, "int64", (3,)), PayloadColumn("pixels", BLOB, "uint8", (4,))]
+COLUMNS = [
+    PayloadColumn("weight", TOKEN, "float32", (2,)),
+    PayloadColumn("grid", SAMPLE, "int64", (3,)),
+    PayloadColumn("pixels", BLOB, "uint8", (4,)),
+]
 LENGTHS = np.array([3, 2], np.int32)
 ADDRESS = "10.0.0.7:5000"
 
@@ -289,8 +340,14 @@ def _stream(data: bytes):
 
 
 def _receive(arrays: dict[str, pa.Array]):
-    return receive_samples(_stream(_ipc(arrays)), address=ADDRESS, sources=np.zeros(2, np.int32), seqs=np.arange(2, dtype=np.int64),
-                           lengths=LENGTHS, columns=COLUMNS)
+    return receive_samples(
+        _stream(_ipc(arrays)),
+        address=ADDRESS,
+        sources=np.zeros(2, np.int32),
+        seqs=np.arange(2, dtype=np.int64),
+        lengths=LENGTHS,
+        columns=COLUMNS,
+    )
 
 
 def test_a_well_formed_payload_with_declared_columns_is_received_as_views() -> None:
@@ -326,19 +383,29 @@ def test_a_payload_too_big_for_its_declared_columns_is_refused_before_allocation
     messages = iter([loader_pb2.FetchSamplesResponse(header=loader_pb2.FetchHeader(num_samples=2, payload_bytes=2**40))])
     token_only = [COLUMNS[0], COLUMNS[1]]
     with pytest.raises(MalformedResponse, match=r"payload_bytes 1099511627776 outside .*'weight'"):
-        receive_samples(messages, address=ADDRESS, sources=np.zeros(2, np.int32), seqs=np.arange(2, dtype=np.int64), lengths=LENGTHS, columns=token_only)
+        receive_samples(
+            messages, address=ADDRESS, sources=np.zeros(2, np.int32), seqs=np.arange(2, dtype=np.int64), lengths=LENGTHS, columns=token_only
+        )
 
 
 # ---- a StepPipeline fetching and building a declared payload ---------------------------------
 
-JOB = job_from_mapping({
-    "job": "j", "sources": [{"name": "a", "path": "unused"}], "mesh": {"dp": 1, "cp": 2},
-    "batch": {"global_batch_size": 2, "microbatches": 1, "payload": [
-        {"name": "weight", "kind": "token", "dtype": "float32", "shape": [2]},
-        {"name": "grid", "kind": "sample", "dtype": "int64", "shape": [3]},
-        {"name": "pixels", "kind": "blob", "dtype": "uint8", "shape": [4]},
-    ]},
-})
+JOB = job_from_mapping(
+    {
+        "job": "j",
+        "sources": [{"name": "a", "path": "unused"}],
+        "mesh": {"dp": 1, "cp": 2},
+        "batch": {
+            "global_batch_size": 2,
+            "microbatches": 1,
+            "payload": [
+                {"name": "weight", "kind": "token", "dtype": "float32", "shape": [2]},
+                {"name": "grid", "kind": "sample", "dtype": "int64", "shape": [3]},
+                {"name": "pixels", "kind": "blob", "dtype": "uint8", "shape": [4]},
+            ],
+        },
+    }
+)
 
 
 class _Channel:
@@ -356,14 +423,19 @@ class _Planner:
         rank_plan = planner_pb2.RankPlan(
             dp_rank=0,
             samples=common_pb2.SampleSet(
-                source=encode_array(np.zeros(2, np.int32)), seq=encode_array(np.arange(2, dtype=np.int64)),
-                row=encode_array(np.arange(2, dtype=np.int64)), epoch=encode_array(np.zeros(2, np.int32)), length=encode_array(LENGTHS),
+                source=encode_array(np.zeros(2, np.int32)),
+                seq=encode_array(np.arange(2, dtype=np.int64)),
+                row=encode_array(np.arange(2, dtype=np.int64)),
+                epoch=encode_array(np.zeros(2, np.int32)),
+                length=encode_array(LENGTHS),
             ),
             microbatch_offsets=encode_array(np.array([0, 2], np.int64)),
             fetchers=1,
             loaders=encode_array(np.zeros(2, np.int32)),
         )
-        return planner_pb2.GetPlanResponse(step=request.step, ranks=[rank_plan], loader_addresses=["loader-0:1"], global_loss_tokens=3, axis="DP")
+        return planner_pb2.GetPlanResponse(
+            step=request.step, ranks=[rank_plan], loader_addresses=["loader-0:1"], global_loss_tokens=3, axis="DP"
+        )
 
 
 class _Loader:
@@ -381,7 +453,9 @@ class _Loader:
 
 def test_a_pipeline_builds_the_declared_columns_it_fetched_for_each_cp_rank() -> None:
     registry = CollectorRegistry()
-    pipeline = StepPipeline(JOB, index=0, ranks=(0, 1), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel())
+    pipeline = StepPipeline(
+        JOB, index=0, ranks=(0, 1), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel()
+    )
     loader = _Loader()
     pipeline._planner = _Planner()
     pipeline._fetcher._loader = lambda address: loader

@@ -106,15 +106,24 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return folder
 
 
-def _open(folder: pathlib.Path, *, window_row_groups: int, shuffle: bool, seed: int = 1, max_length: int | None = None, policy: str = "split") -> SourceStream:
+def _open(
+    folder: pathlib.Path, *, window_row_groups: int, shuffle: bool, seed: int = 1, max_length: int | None = None, policy: str = "split"
+) -> SourceStream:
     source = ParquetSource("a", folder, required_columns=("input_ids", "doc"), token_column="input_ids")
     order = SampleOrder([GROUP] * GROUPS, seed=seed, source_name="a", window_row_groups=window_row_groups, shuffle=shuffle)
     transform = BoundTransform(
         _transform, {"fail_doc": FAIL_DOC}, ("input_ids", "doc"), max_length=max_length, length_policy=policy, payload=PAYLOAD
     )
     return SourceStream(
-        0, source, order, transform, epochs=1, read_ahead_samples=ROWS, budget=ByteBudget(1 << 30),
-        metrics=LoaderMetrics(CollectorRegistry()), replica="0",
+        0,
+        source,
+        order,
+        transform,
+        epochs=1,
+        read_ahead_samples=ROWS,
+        budget=ByteBudget(1 << 30),
+        metrics=LoaderMetrics(CollectorRegistry()),
+        replica="0",
     )
 
 
@@ -198,12 +207,23 @@ def test_per_sample_takes_dicts_of_columns_or_ids() -> None:
 def test_max_length_applies_to_the_declared_columns(policy: str) -> None:
     ids = pa.array([[1, 2, 3, 4, 5], [6, 7], None], pa.list_(pa.int32()))
     out = check_transform(
-        pa.table({"input_ids": ids, "mask": pa.array([[1, 2, 3, 4, 5], [6, 7], None]), "pix": pa.array([[1, 2, 3, 4], [5, 6], None]), "num": [1, 2, 3]}),
-        3, payload=(MASK, PIX, NUM),
+        pa.table(
+            {
+                "input_ids": ids,
+                "mask": pa.array([[1, 2, 3, 4, 5], [6, 7], None]),
+                "pix": pa.array([[1, 2, 3, 4], [5, 6], None]),
+                "num": [1, 2, 3],
+            }
+        ),
+        3,
+        payload=(MASK, PIX, NUM),
     )
     limited, over = limit_lengths(out.ids, max_length=3, policy=policy)
     lengths = pc.fill_null(pc.list_value_length(limited), 0).to_numpy()
-    got = {k: v.to_pylist() for k, v in limit_columns(out.columns, (MASK, PIX, NUM), over=over, lengths=lengths, max_length=3, policy=policy).items()}
+    got = {
+        k: v.to_pylist()
+        for k, v in limit_columns(out.columns, (MASK, PIX, NUM), over=over, lengths=lengths, max_length=3, policy=policy).items()
+    }
     if policy == "truncate":
         assert got == {"mask": [[1, 2, 3], [6, 7], []], "pix": [[1, 2, 3, 4], [5, 6], []], "num": [1, 2, -1]}
     elif policy == "reject":
@@ -286,7 +306,7 @@ def test_a_contiguous_fetch_is_a_slice_of_the_window(data: pathlib.Path) -> None
     stream = _open(data, window_row_groups=GROUPS, shuffle=True)
     try:
         _, lengths, _ = _summary(stream)
-        start = next(s for s in range(ROWS) if lengths[s:s + 4].all())
+        start = next(s for s in range(ROWS) if lengths[s : s + 4].all())
         batch = FetchBook({0: stream}).fetch(constructor=0, step=0, sources=np.zeros(4, np.int32), seqs=np.arange(start, start + 4))
         window = _first_window(stream)
         assert batch.column("input_ids").values.buffers()[1].address == window.ids.values.buffers()[1].address
@@ -301,10 +321,14 @@ def test_the_payload_bytes_count_the_declared_columns(data: pathlib.Path) -> Non
         rows, lengths, _ = _summary(stream)
         seqs = np.flatnonzero(lengths > 0)[:10]
         tokens = int(lengths[seqs].sum())
-        columns = tokens * 1 + 4 * len(seqs) + 8 * len(seqs) + 3 * 4 * len(seqs) + sum(len(_pix(int(r))) + 4 for r in rows[seqs]) + 4 * len(seqs)
+        columns = (
+            tokens * 1 + 4 * len(seqs) + 8 * len(seqs) + 3 * 4 * len(seqs) + sum(len(_pix(int(r))) + 4 for r in rows[seqs]) + 4 * len(seqs)
+        )
         exact = 4 * tokens + 16 * len(seqs) + columns
         sources = np.zeros(len(seqs), np.int32)
-        assert FetchBook({0: stream}, max_payload_bytes=exact).fetch(constructor=0, step=0, sources=sources, seqs=seqs).num_rows == len(seqs)
+        assert FetchBook({0: stream}, max_payload_bytes=exact).fetch(constructor=0, step=0, sources=sources, seqs=seqs).num_rows == len(
+            seqs
+        )
         with pytest.raises(ResourceExhausted):
             FetchBook({0: stream}, max_payload_bytes=exact - 1).fetch(constructor=0, step=1, sources=sources, seqs=seqs)
         window = _first_window(stream)

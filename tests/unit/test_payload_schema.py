@@ -78,7 +78,7 @@ def test_values_of_a_slice_keeps_its_offset() -> None:
     assert offsets is None and values.tolist() == [4, 5, 6, 7, 8, 9]
     pix = normalize(PIX, pa.array([[1, 2], [3, 4, 5, 6], []]), np.ones(3))
     values, offsets = values_of(PIX, pix.slice(1, 2))
-    assert values[offsets[0]:offsets[-1]].tolist() == [3, 4, 5, 6] and np.diff(offsets).tolist() == [4, 0]
+    assert values[offsets[0] : offsets[-1]].tolist() == [3, 4, 5, 6] and np.diff(offsets).tolist() == [4, 0]
 
 
 # ---- loader.rows -----------------------------------------------------------------------------
@@ -106,7 +106,12 @@ ARRAYS = {
 
 
 @settings(max_examples=60, deadline=None)
-@given(kind=st.sampled_from(sorted(ARRAYS)), sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 2**31), sliced=st.booleans())
+@given(
+    kind=st.sampled_from(sorted(ARRAYS)),
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    seed=st.integers(0, 2**31),
+    sliced=st.booleans(),
+)
 def test_gather_equals_a_take_of_the_concatenation(kind: str, sizes: list[int], seed: int, sliced: bool) -> None:
     rng = np.random.default_rng(seed)
     arrays = [ARRAYS[kind](rng, n + 2) for n in sizes]

@@ -103,7 +103,9 @@ class Planner:
             (restarted) planner, and the step each needs next.
     """
 
-    def __init__(self, constructors: int, *, ledger: Ledger, end: int, lead: int = 4, window: int = 1, rejoined: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, constructors: int, *, ledger: Ledger, end: int, lead: int = 4, window: int = 1, rejoined: dict[int, int] | None = None
+    ) -> None:
         self.planning = Planning(PlanProgress(range(constructors), lead=lead))
         self.constructors = constructors
         self.ledger = ledger
@@ -337,7 +339,9 @@ def disturb(plane: Plane, events: list, *, restore_point: bool = False) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(events=EVENTS, ranks=st.sampled_from([1, 2]), window=st.sampled_from([1, 3]), first=st.sampled_from([0, 6]))
-def test_killing_any_part_and_rewinding_at_random_changes_nothing_the_trainers_receive(events: list, ranks: int, window: int, first: int) -> None:
+def test_killing_any_part_and_rewinding_at_random_changes_nothing_the_trainers_receive(
+    events: list, ranks: int, window: int, first: int
+) -> None:
     """test_chaos (a seeded killer SIGKILLs the planner and constructors at random steps),
     test_restarts (a planner, a constructor killed mid-job: the restarted planner resumes from
     its ledger's floor and the rejoined constructors' positions; the restarted constructor's
@@ -519,7 +523,9 @@ def test_a_window_planned_across_a_rewind_is_not_kept() -> None:
     plane.rewind(0, 5)
     assert planning.ask(0, step - 5, delivered_below=step - 5, rewind=True) == Replan(step - 5)
     planning.take_resume()
-    kept = planning.planned(in_flight.epoch, [Plan(s) for s in range(in_flight.state.step, in_flight.state.step + 3)], before=before(0), end=before(3))
+    kept = planning.planned(
+        in_flight.epoch, [Plan(s) for s in range(in_flight.state.step, in_flight.state.step + 3)], before=before(0), end=before(3)
+    )
     assert not kept and planning.plans == {} and planning.next_action() == Rewind(step - 5)
     plane.finish()
     assert plane.rewound_to == {0: [step - 5]}

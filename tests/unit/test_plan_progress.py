@@ -188,7 +188,6 @@ def test_a_restarted_constructor_may_ask_again_from_what_its_ranks_were_handed()
     assert isinstance(p.ask(1, 5, delivered_below=5), Serve)
 
 
-
 def test_a_rewind_through_a_restarted_constructor_lowers_what_it_handed() -> None:
     """A trainer restarts from an older checkpoint through a constructor that restarted too
     (a whole pod): its first request is a rewind the planner has no earlier request to compare
@@ -205,11 +204,10 @@ def test_a_rewind_through_a_restarted_constructor_lowers_what_it_handed() -> Non
     assert list(p.forget_consumed()) == list(range(6))
     assert isinstance(p.ask(0, 7, delivered_below=7), Serve), "served from the kept plan, not re-planned"
 
+
 @settings(max_examples=200, deadline=None)
 @given(
-    events=st.lists(
-        st.tuples(st.sampled_from(["ask", "rewind", "plan", "heartbeat"]), st.integers(0, 2), st.integers(0, 30)), max_size=60
-    )
+    events=st.lists(st.tuples(st.sampled_from(["ask", "rewind", "plan", "heartbeat"]), st.integers(0, 2), st.integers(0, 30)), max_size=60)
 )
 def test_every_served_step_is_kept_or_still_to_be_planned(events: list) -> None:
     """Whatever constructors ask, a step the rules serve is kept or ahead of the planning cursor

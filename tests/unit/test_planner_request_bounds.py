@@ -108,7 +108,9 @@ def test_b_a_rejoin_far_ahead_drops_no_kept_plan(plane: Plane) -> None:
         planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1], rejoin=True, next_step=10**9), None
     )
     assert not plane.book.finished
-    restarted = plane.service.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1]), None)
+    restarted = plane.service.RegisterConstructor(
+        planner_pb2.RegisterConstructorRequest(constructor_index=1, address="c:1", ranks=[1]), None
+    )
     assert restarted.resume_step <= plane.book.steps_planned, "a restarted constructor builds again from a planned step, not from 1e9"
     got |= plane.run(first=3)
     _assert_exactly_once(got)
@@ -199,7 +201,10 @@ def test_e_a_false_registration_after_a_restart_does_not_lock_the_real_loader_ou
     restarted = Plane(_job(), ledger=ledger)
     try:
         false = planner_pb2.RegisterLoaderRequest(
-            loader_index=0, address="evil:1", incarnation="x", sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS + 1, row_group_sizes=(13, 12, 12, 12))]
+            loader_index=0,
+            address="evil:1",
+            incarnation="x",
+            sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS + 1, row_group_sizes=(13, 12, 12, 12))],
         )
         restarted.service.RegisterLoader(false, None)  # wins the race
         restarted.join()  # the real loader, heartbeating: taken
@@ -239,7 +244,10 @@ def test_every_other_field_is_bounded(plane: Plane) -> None:
     with pytest.raises(InvalidArgument, match="negative size"):
         service.RegisterLoader(
             planner_pb2.RegisterLoaderRequest(
-                loader_index=0, address="x:1", replica="r2", sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS, row_group_sizes=(60, -12))]
+                loader_index=0,
+                address="x:1",
+                replica="r2",
+                sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS, row_group_sizes=(60, -12))],
             ),
             None,
         )

@@ -95,16 +95,29 @@ ALL_FIELDS = {
     "volumes": [
         {"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
         {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}},
-        {"name": "creds", "projected": {"sources": [{"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token", "expirationSeconds": 3600}}]}},
+        {
+            "name": "creds",
+            "projected": {
+                "sources": [{"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token", "expirationSeconds": 3600}}]
+            },
+        },
     ],
     "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}, {"name": "cache", "mountPath": "/tmp/cache"}],
     "serviceAccountName": "reader",
     "automountServiceAccountToken": True,
     "nodeSelector": {"node-pool": "cpu"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "data", "effect": "NoSchedule", "tolerationSeconds": 30}],
-    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+            }
+        }
+    },
     "priorityClassName": "high",
-    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {"matchLabels": {"a": "b"}}}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {"matchLabels": {"a": "b"}}}
+    ],
 }
 
 
@@ -123,20 +136,36 @@ def test_every_field_is_read() -> None:
 
 BAD = [
     # (field changes, the path named, a piece of the message)
-    ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"nmae": "s", "key": "k"}}}]}, "spec.loader.env[0].valueFrom.secretKeyRef.nmae", "unknown field (known: key, name, optional)"),
+    (
+        {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"nmae": "s", "key": "k"}}}]},
+        "spec.loader.env[0].valueFrom.secretKeyRef.nmae",
+        "unknown field (known: key, name, optional)",
+    ),
     ({"env": [{"name": "A", "value": 3}]}, "spec.loader.env[0].value", "must be a string"),
     ({"env": [{"value": "x"}]}, "spec.loader.env[0].name", "is required"),
     ({"env": {"name": "A"}}, "spec.loader.env", "must be a list of EnvVar"),
     ({"envFrom": [{"secretReff": {"name": "s"}}]}, "spec.loader.envFrom[0].secretReff", "unknown field"),
-    ({"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "c", "readonly": True}}]}, "spec.loader.volumes[0].persistentVolumeClaim.readonly", "unknown field"),
-    ({"volumes": [{"name": "d", "emptyDir": {"sizeLimit": ["1Gi"]}}]}, "spec.loader.volumes[0].emptyDir.sizeLimit", "must be a string or a number"),
+    (
+        {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "c", "readonly": True}}]},
+        "spec.loader.volumes[0].persistentVolumeClaim.readonly",
+        "unknown field",
+    ),
+    (
+        {"volumes": [{"name": "d", "emptyDir": {"sizeLimit": ["1Gi"]}}]},
+        "spec.loader.volumes[0].emptyDir.sizeLimit",
+        "must be a string or a number",
+    ),
     ({"volumes": [{"name": "d"}]}, "spec.loader.volumes[0]", "exactly one volume source"),
     ({"volumes": [{"name": "d", "emptyDir": {}, "secret": {"secretName": "s"}}]}, "spec.loader.volumes[0]", "exactly one volume source"),
     ({"tolerations": [{"key": "k", "effect": "NoSchedule", "seconds": 3}]}, "spec.loader.tolerations[0].seconds", "unknown field"),
     ({"tolerations": [{"key": "k", "tolerationSeconds": "30"}]}, "spec.loader.tolerations[0].tolerationSeconds", "must be an integer"),
     ({"affinity": {"nodeAffinity": {"required": {}}}}, "spec.loader.affinity.nodeAffinity.required", "unknown field"),
     ({"affinity": ["zone-a"]}, "spec.loader.affinity", "must be a mapping"),
-    ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}, "spec.loader.topologySpreadConstraints[0].whenUnsatisfiable", "is required"),
+    (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]},
+        "spec.loader.topologySpreadConstraints[0].whenUnsatisfiable",
+        "is required",
+    ),
     ({"nodeSelector": {"pool": 1}}, "spec.loader.nodeSelector.pool", "label value"),
     ({"serviceAccountName": "Reader_1"}, "spec.loader.serviceAccountName", "DNS subdomain"),
     ({"priorityClassName": 5}, "spec.loader.priorityClassName", "must be a string"),
@@ -166,7 +195,9 @@ def test_the_validator_agrees_with_kubernetes_validate(version: str, kubernetes_
     kubernetes_validate.validate(pod(ALL_FIELDS), version, strict=True)
     for raw, _, words in BAD:
         if "unknown field" in words or words.startswith("must be a") and "volume source" not in words:
-            fields = {**ALL_FIELDS, **raw} if "volumeMounts" not in raw and "volumes" not in raw else {**ALL_FIELDS, **raw, "volumeMounts": []}
+            fields = (
+                {**ALL_FIELDS, **raw} if "volumeMounts" not in raw and "volumes" not in raw else {**ALL_FIELDS, **raw, "volumeMounts": []}
+            )
             with pytest.raises(kubernetes_validate.ValidationError):
                 kubernetes_validate.validate(pod(fields), version, strict=True)
 
@@ -178,13 +209,41 @@ CLASHES = [
     ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "spec.loader.volumes[0].name", "is used by batchplane"),
     ({"volumes": [{"name": "batchplane-job", "configMap": {"name": "mine"}}]}, "spec.loader.volumes[0].name", "is used by batchplane"),
     ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}, "spec.loader.volumes[1].name", "is listed twice"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "tmp", "mountPath": "/scratch"}]}, "spec.loader.volumeMounts[0].name", "is used by batchplane"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "b", "mountPath": "/b"}]}, "spec.loader.volumeMounts[0].name", "names no volume of spec.loader.volumes"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/etc/batchplane"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/etc/batchplane/extra/"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "//tmp/"}]}, "spec.loader.volumeMounts[0].mountPath", "is used by batchplane"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}]}, "spec.loader.volumeMounts[1].mountPath", "is mounted twice"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "data"}]}, "spec.loader.volumeMounts[0].mountPath", "absolute path"),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "tmp", "mountPath": "/scratch"}]},
+        "spec.loader.volumeMounts[0].name",
+        "is used by batchplane",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "b", "mountPath": "/b"}]},
+        "spec.loader.volumeMounts[0].name",
+        "names no volume of spec.loader.volumes",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/etc/batchplane"}]},
+        "spec.loader.volumeMounts[0].mountPath",
+        "is used by batchplane",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/etc/batchplane/extra/"}]},
+        "spec.loader.volumeMounts[0].mountPath",
+        "is used by batchplane",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "//tmp/"}]},
+        "spec.loader.volumeMounts[0].mountPath",
+        "is used by batchplane",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}]},
+        "spec.loader.volumeMounts[1].mountPath",
+        "is mounted twice",
+    ),
+    (
+        {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "data"}]},
+        "spec.loader.volumeMounts[0].mountPath",
+        "absolute path",
+    ),
 ]
 
 

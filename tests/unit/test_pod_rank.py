@@ -27,12 +27,48 @@ CASES = [
     ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "worker", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "0"}, 1),
     ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "Worker", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "6"}, 7),
     # 8 trainer pods in 2 Jobs of 4: job 1, completion 2 -> 6
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "1", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "2", "BATCHPLANE_TRAINER_PODS": "8"}, 6),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "0", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "3", "BATCHPLANE_TRAINER_PODS": "8"}, 3),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "1",
+            "BATCHPLANE_JOBSET_REPLICAS": "2",
+            "BATCHPLANE_COMPLETION_INDEX": "2",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        6,
+    ),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "0",
+            "BATCHPLANE_JOBSET_REPLICAS": "2",
+            "BATCHPLANE_COMPLETION_INDEX": "3",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        3,
+    ),
     # one pod per Job: Jobs need not be Indexed, the completion index is 0
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "5", "BATCHPLANE_JOBSET_REPLICAS": "8", "BATCHPLANE_COMPLETION_INDEX": "", "BATCHPLANE_TRAINER_PODS": "8"}, 5),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "5",
+            "BATCHPLANE_JOBSET_REPLICAS": "8",
+            "BATCHPLANE_COMPLETION_INDEX": "",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        5,
+    ),
     # one Job of every pod (also a Kubeflow TrainJob's node Job)
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "0", "BATCHPLANE_JOBSET_REPLICAS": "1", "BATCHPLANE_COMPLETION_INDEX": "5", "BATCHPLANE_TRAINER_PODS": "8"}, 5),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "0",
+            "BATCHPLANE_JOBSET_REPLICAS": "1",
+            "BATCHPLANE_COMPLETION_INDEX": "5",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        5,
+    ),
     ("leaderworkerset", {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "0", "BATCHPLANE_LWS_SIZE": "4"}, 0),
     ("leaderworkerset", {"BATCHPLANE_LWS_GROUP_INDEX": "2", "BATCHPLANE_LWS_WORKER_INDEX": "3", "BATCHPLANE_LWS_SIZE": "4"}, 11),
 ]
@@ -52,14 +88,23 @@ def test_the_indices_of_a_whole_job_are_its_constructors_each_once() -> None:
     [0, pods): the constructors of the job, each exactly once."""
     pods = 8
     jobset = [
-        {"BATCHPLANE_JOBSET_JOB_INDEX": str(j), "BATCHPLANE_JOBSET_REPLICAS": "4", "BATCHPLANE_COMPLETION_INDEX": str(c), "BATCHPLANE_TRAINER_PODS": str(pods)}
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": str(j),
+            "BATCHPLANE_JOBSET_REPLICAS": "4",
+            "BATCHPLANE_COMPLETION_INDEX": str(c),
+            "BATCHPLANE_TRAINER_PODS": str(pods),
+        }
         for j in range(4)
         for c in range(2)
     ]
     kubeflow = [{"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "master", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "0"}] + [
         {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "worker", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": str(i)} for i in range(pods - 1)
     ]
-    lws = [{"BATCHPLANE_LWS_GROUP_INDEX": str(g), "BATCHPLANE_LWS_WORKER_INDEX": str(w), "BATCHPLANE_LWS_SIZE": "2"} for g in range(4) for w in range(2)]
+    lws = [
+        {"BATCHPLANE_LWS_GROUP_INDEX": str(g), "BATCHPLANE_LWS_WORKER_INDEX": str(w), "BATCHPLANE_LWS_SIZE": "2"}
+        for g in range(4)
+        for w in range(2)
+    ]
     ordinal = [{"BATCHPLANE_POD_NAME": f"train-{i}"} for i in range(pods)]
     for source, environs in (("jobset", jobset), ("kubeflow", kubeflow), ("leaderworkerset", lws), ("pod-ordinal", ordinal)):
         assert sorted(resolve_index(source, e) for e in environs) == list(range(pods)), source
@@ -74,19 +119,94 @@ MISSING = [
     ("env:NODE_RANK", {"NODE_RANK": "one"}, "NODE_RANK", "must be an integer"),
     ("pod-ordinal", {"BATCHPLANE_POD_NAME": "trainer-abcde"}, "BATCHPLANE_POD_NAME", "must end in -N"),
     ("pod-ordinal", {}, "BATCHPLANE_POD_NAME", "is not set"),
-    ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": ""}, "BATCHPLANE_KUBEFLOW_REPLICA_TYPE", "training.kubeflow.org/replica-type"),
+    (
+        "kubeflow",
+        {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": ""},
+        "BATCHPLANE_KUBEFLOW_REPLICA_TYPE",
+        "training.kubeflow.org/replica-type",
+    ),
     ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "worker"}, "BATCHPLANE_KUBEFLOW_REPLICA_INDEX", "is not set"),
-    ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "ps", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "0"}, "BATCHPLANE_KUBEFLOW_REPLICA_TYPE", "must be master or worker"),
-    ("kubeflow", {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "master", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "1"}, "BATCHPLANE_KUBEFLOW_REPLICA_INDEX", "must be 0 for the Master"),
-    ("jobset", {"BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "0", "BATCHPLANE_TRAINER_PODS": "4"}, "BATCHPLANE_JOBSET_JOB_INDEX", "jobset.sigs.k8s.io/job-index"),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "0", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "0"}, "BATCHPLANE_TRAINER_PODS", "trainer pod count"),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "0", "BATCHPLANE_JOBSET_REPLICAS": "3", "BATCHPLANE_COMPLETION_INDEX": "0", "BATCHPLANE_TRAINER_PODS": "4"}, "BATCHPLANE_JOBSET_REPLICAS", "must divide the 4 trainer pods"),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "1", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_TRAINER_PODS": "8"}, "BATCHPLANE_COMPLETION_INDEX", "is not set"),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "1", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "4", "BATCHPLANE_TRAINER_PODS": "8"}, "BATCHPLANE_COMPLETION_INDEX", "must be < 4"),
-    ("jobset", {"BATCHPLANE_JOBSET_JOB_INDEX": "2", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "0", "BATCHPLANE_TRAINER_PODS": "8"}, "BATCHPLANE_JOBSET_JOB_INDEX", "must be < 2"),
-    ("leaderworkerset", {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "1"}, "BATCHPLANE_LWS_SIZE", "leaderworkerset.sigs.k8s.io/size"),
-    ("leaderworkerset", {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "4", "BATCHPLANE_LWS_SIZE": "4"}, "BATCHPLANE_LWS_WORKER_INDEX", "must be < the group size 4"),
-    ("leaderworkerset", {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "0", "BATCHPLANE_LWS_SIZE": "0"}, "BATCHPLANE_LWS_SIZE", "must be an integer >= 1"),
+    (
+        "kubeflow",
+        {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "ps", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "0"},
+        "BATCHPLANE_KUBEFLOW_REPLICA_TYPE",
+        "must be master or worker",
+    ),
+    (
+        "kubeflow",
+        {"BATCHPLANE_KUBEFLOW_REPLICA_TYPE": "master", "BATCHPLANE_KUBEFLOW_REPLICA_INDEX": "1"},
+        "BATCHPLANE_KUBEFLOW_REPLICA_INDEX",
+        "must be 0 for the Master",
+    ),
+    (
+        "jobset",
+        {"BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "0", "BATCHPLANE_TRAINER_PODS": "4"},
+        "BATCHPLANE_JOBSET_JOB_INDEX",
+        "jobset.sigs.k8s.io/job-index",
+    ),
+    (
+        "jobset",
+        {"BATCHPLANE_JOBSET_JOB_INDEX": "0", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_COMPLETION_INDEX": "0"},
+        "BATCHPLANE_TRAINER_PODS",
+        "trainer pod count",
+    ),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "0",
+            "BATCHPLANE_JOBSET_REPLICAS": "3",
+            "BATCHPLANE_COMPLETION_INDEX": "0",
+            "BATCHPLANE_TRAINER_PODS": "4",
+        },
+        "BATCHPLANE_JOBSET_REPLICAS",
+        "must divide the 4 trainer pods",
+    ),
+    (
+        "jobset",
+        {"BATCHPLANE_JOBSET_JOB_INDEX": "1", "BATCHPLANE_JOBSET_REPLICAS": "2", "BATCHPLANE_TRAINER_PODS": "8"},
+        "BATCHPLANE_COMPLETION_INDEX",
+        "is not set",
+    ),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "1",
+            "BATCHPLANE_JOBSET_REPLICAS": "2",
+            "BATCHPLANE_COMPLETION_INDEX": "4",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        "BATCHPLANE_COMPLETION_INDEX",
+        "must be < 4",
+    ),
+    (
+        "jobset",
+        {
+            "BATCHPLANE_JOBSET_JOB_INDEX": "2",
+            "BATCHPLANE_JOBSET_REPLICAS": "2",
+            "BATCHPLANE_COMPLETION_INDEX": "0",
+            "BATCHPLANE_TRAINER_PODS": "8",
+        },
+        "BATCHPLANE_JOBSET_JOB_INDEX",
+        "must be < 2",
+    ),
+    (
+        "leaderworkerset",
+        {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "1"},
+        "BATCHPLANE_LWS_SIZE",
+        "leaderworkerset.sigs.k8s.io/size",
+    ),
+    (
+        "leaderworkerset",
+        {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "4", "BATCHPLANE_LWS_SIZE": "4"},
+        "BATCHPLANE_LWS_WORKER_INDEX",
+        "must be < the group size 4",
+    ),
+    (
+        "leaderworkerset",
+        {"BATCHPLANE_LWS_GROUP_INDEX": "0", "BATCHPLANE_LWS_WORKER_INDEX": "0", "BATCHPLANE_LWS_SIZE": "0"},
+        "BATCHPLANE_LWS_SIZE",
+        "must be an integer >= 1",
+    ),
 ]
 
 
@@ -132,7 +252,12 @@ def test_index_from_becomes_the_index_the_services_parser_reads(tmp_path: pathli
 
 @pytest.mark.parametrize(
     "extra",
-    [["--index-from", "indexed-job", "--index", "1"], ["--index-from", "indexed-job", "--index=1"], ["--publish-index", "/tmp/x"], ["--index-from", "nope"]],
+    [
+        ["--index-from", "indexed-job", "--index", "1"],
+        ["--index-from", "indexed-job", "--index=1"],
+        ["--publish-index", "/tmp/x"],
+        ["--index-from", "nope"],
+    ],
 )
 def test_conflicting_or_bad_flags_are_usage_errors(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
@@ -141,7 +266,9 @@ def test_conflicting_or_bad_flags_are_usage_errors(extra: list[str], capsys: pyt
     assert "error:" in capsys.readouterr().err
 
 
-def test_the_constructor_exits_with_bad_input_naming_the_variable(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_constructor_exits_with_bad_input_naming_the_variable(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pod outside a JobSet whose sidecar says --index-from jobset: exit status 2 and a line
     naming the source and the variable, not a crash loop on `--index ''`; nothing published."""
     for name in pod_rank.FIELD_PATHS:

@@ -14,7 +14,12 @@ def test_a_loader_in_a_cluster_advertises_its_pod_address() -> None:
         "loader", ["-c", "job.yaml", "--index", "3", "--planner", "planner:50051", "--port", "50052", "--advertise", "10.1.2.3:50052"]
     )
     assert settings == ProcessSettings(
-        config=pathlib.Path("job.yaml"), index=3, planner="planner:50051", port=50052, advertise="10.1.2.3:50052", log_level=settings.log_level
+        config=pathlib.Path("job.yaml"),
+        index=3,
+        planner="planner:50051",
+        port=50052,
+        advertise="10.1.2.3:50052",
+        log_level=settings.log_level,
     )
 
 

@@ -36,7 +36,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def parser_commands() -> dict[str, set[str]]:
-    """"up", "ledger show", ... -> every option string of the command, -h/--help left out."""
+    """ "up", "ledger show", ... -> every option string of the command, -h/--help left out."""
     out = {}
 
     def walk(prefix: str, parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ def documented(part: str) -> dict[str, set[str]]:
         m = re.fullmatch(r"(.+?)(?:\{([a-z_,]+)\})?", entry)
         name, labels = m.group(1), set(filter(None, (m.group(2) or "").split(",")))
         choice = re.search(r"\{([^}]*)\}", name)
-        for n in [name[: choice.start()] + x + name[choice.end():] for x in choice.group(1).split(",")] if choice else [name]:
+        for n in [name[: choice.start()] + x + name[choice.end() :] for x in choice.group(1).split(",")] if choice else [name]:
             out[f"batchplane_{part}_{n}"] = labels
     return out
 

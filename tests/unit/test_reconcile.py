@@ -167,11 +167,17 @@ def test_the_status_reports_groups_mixture_and_conditions() -> None:
 
 
 def test_conditions_keep_their_transition_time_while_unchanged() -> None:
-    first = conditions([Condition("Ready", False, "LoadersNotReady", "x"), Condition("Degraded", False, "AsExpected", "ok")], None, now=T0, generation=1)
-    later = conditions([Condition("Ready", True, "LoadersReady", "y"), Condition("Degraded", False, "AsExpected", "ok")], first, now=T1, generation=2)
+    first = conditions(
+        [Condition("Ready", False, "LoadersNotReady", "x"), Condition("Degraded", False, "AsExpected", "ok")], None, now=T0, generation=1
+    )
+    later = conditions(
+        [Condition("Ready", True, "LoadersReady", "y"), Condition("Degraded", False, "AsExpected", "ok")], first, now=T1, generation=2
+    )
     times = {c["type"]: c["lastTransitionTime"] for c in later}
     assert times == {"Ready": T1, "Degraded": T0}
-    kept = conditions([Condition("Ready", False, "InvalidSpec", "bad")], later + [{"type": "Scaling", "status": "False"}], now=T1, generation=3)
+    kept = conditions(
+        [Condition("Ready", False, "InvalidSpec", "bad")], later + [{"type": "Scaling", "status": "False"}], now=T1, generation=3
+    )
     assert [c["type"] for c in kept] == ["Ready", "Degraded", "Scaling"]  # types not recomputed stay as they were
 
 
@@ -189,7 +195,13 @@ def test_ready_and_scaling_conditions() -> None:
 def test_an_unchanged_status_is_not_written_and_gone_sources_are_removed() -> None:
     conds = conditions([ready_condition([GroupStatus("text", 1, 1)])], None, now=T0, generation=1)
     old = status(generation=1, groups=[GroupStatus("text", 1, 1)], mixture={"a": 0.5, "b": 0.5}, conditions=conds, previous=None)
-    again = status(generation=1, groups=[GroupStatus("text", 1, 1)], mixture={"a": 0.5, "b": 0.5}, conditions=conditions([ready_condition([GroupStatus("text", 1, 1)])], conds, now=T1, generation=1), previous=old)
+    again = status(
+        generation=1,
+        groups=[GroupStatus("text", 1, 1)],
+        mixture={"a": 0.5, "b": 0.5},
+        conditions=conditions([ready_condition([GroupStatus("text", 1, 1)])], conds, now=T1, generation=1),
+        previous=old,
+    )
     assert status_patch(old, again) is None
     new = status(generation=1, groups=[GroupStatus("text", 1, 1)], mixture={"a": 1.0}, conditions=conds, previous=old)
     assert status_patch(old, new)["status"]["observedMixture"] == {"a": 1.0, "b": None}

@@ -33,8 +33,7 @@ EXCEPTIONS = {
         "the services, and core.rpc.create_channel(peer='constructor')"
     ),
     "services/batchplane/bench/delivery.py": (
-        "the grpc_stream transport is the bare-gRPC baseline (no interceptor, no security) that the "
-        "factory's server is measured against"
+        "the grpc_stream transport is the bare-gRPC baseline (no interceptor, no security) that the factory's server is measured against"
     ),
 }
 #: Calls that open a server or channel outside the factories.
@@ -56,7 +55,12 @@ def _openers_in(tree: ast.AST) -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in grpc_aliases and func.attr in GRPC_OPENERS:
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in grpc_aliases
+            and func.attr in GRPC_OPENERS
+        ):
             found.append(f"line {node.lineno}: grpc.{func.attr}")
         elif isinstance(func, ast.Name) and func.id in imported:
             found.append(f"line {node.lineno}: grpc.{imported[func.id]}")

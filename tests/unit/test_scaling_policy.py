@@ -180,7 +180,9 @@ def noisy(level: float, amplitude: float, n: int, seed: int) -> list[Interval]:
     start=st.integers(1, 10),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_noise_around_a_boundary_changes_replicas_at_most_once(boundary: int, offset: float, amplitude: float, start: int, seed: int) -> None:
+def test_noise_around_a_boundary_changes_replicas_at_most_once(
+    boundary: int, offset: float, amplitude: float, start: int, seed: int
+) -> None:
     # need = w * T * c * 1.2 / 1 with T = 100 (1 ± amplitude): level w puts need at boundary * (1 + offset)
     scaling = ScalingSettings(window_intervals=2, consecutive_intervals=2, up_threshold=0.05, down_threshold=0.15, cooldown_s=0)
     spec = spec_of(scaling, cost_s=0.1, max_replicas=10)

@@ -48,8 +48,17 @@ STAGED = Staged(((0, (1, 0)), (100, (1, 3)), (250, (0, 1))))
 
 @pytest.mark.parametrize(
     ("t", "weights"),
-    [(-1.0, (1, 0)), (0.0, (1, 0)), (99.0, (1, 0)), (99.999, (1, 0)), (100.0, (1, 3)), (100.25, (1, 3)),
-     (249.75, (1, 3)), (250.0, (0, 1)), (1e12, (0, 1))],
+    [
+        (-1.0, (1, 0)),
+        (0.0, (1, 0)),
+        (99.0, (1, 0)),
+        (99.999, (1, 0)),
+        (100.0, (1, 3)),
+        (100.25, (1, 3)),
+        (249.75, (1, 3)),
+        (250.0, (0, 1)),
+        (1e12, (0, 1)),
+    ],
 )
 def test_staged_weights_switch_exactly_at_each_start(t: float, weights: tuple[float, ...]) -> None:
     assert STAGED.weights_at(t) == weights
@@ -64,8 +73,17 @@ CURRICULUM = Curriculum(((10, (1, 0)), (20, (0, 2)), (40, (4, 2))))
 
 @pytest.mark.parametrize(
     ("t", "weights"),
-    [(0.0, (1, 0)), (10.0, (1, 0)), (12.5, (0.75, 0.5)), (15.0, (0.5, 1)), (20.0, (0, 2)), (30.0, (2, 2)),
-     (39.5, (3.9, 2)), (40.0, (4, 2)), (1e9, (4, 2))],
+    [
+        (0.0, (1, 0)),
+        (10.0, (1, 0)),
+        (12.5, (0.75, 0.5)),
+        (15.0, (0.5, 1)),
+        (20.0, (0, 2)),
+        (30.0, (2, 2)),
+        (39.5, (3.9, 2)),
+        (40.0, (4, 2)),
+        (1e9, (4, 2)),
+    ],
 )
 def test_curriculum_is_linear_between_anchors_and_constant_outside(t: float, weights: tuple[float, ...]) -> None:
     assert CURRICULUM.weights_at(t) == pytest.approx(weights)
@@ -153,12 +171,18 @@ def test_a_callable_that_raises_or_is_bad_at_step_0_fails_when_built() -> None:
         (lambda: Staged(((0, (1,)), (9, (2,)), (4, (1,)))), "mixture.schedule.stages[2].start: must be > 9 and increasing, got 4"),
         (lambda: Staged(((0, (1,)), (1.5, (1,)))), "mixture.schedule.stages[1].start: must be an integer, got 1.5"),
         (lambda: Staged(((0, (1,)), (3,))), "mixture.schedule.stages[1]: must be a (start, weights) pair, got (3,)"),
-        (lambda: Staged(((0, (1, 1)), (10, (1,)))),
-         "mixture.schedule.stages[1].weights: must have 2 weights like mixture.schedule.stages[0], got (1,)"),
-        (lambda: Staged(((0, (1, 0)), (10, (0, 0)))),
-         "mixture.schedule.stages[1].weights: must give at least one source a weight > 0, got (0, 0)"),
-        (lambda: Staged(((0, (1, 1)), (10, (0, -2))), source_names=("web", "code")),
-         "mixture.schedule.stages[1].weights.code: must be a finite number >= 0, got -2"),
+        (
+            lambda: Staged(((0, (1, 1)), (10, (1,)))),
+            "mixture.schedule.stages[1].weights: must have 2 weights like mixture.schedule.stages[0], got (1,)",
+        ),
+        (
+            lambda: Staged(((0, (1, 0)), (10, (0, 0)))),
+            "mixture.schedule.stages[1].weights: must give at least one source a weight > 0, got (0, 0)",
+        ),
+        (
+            lambda: Staged(((0, (1, 1)), (10, (0, -2))), source_names=("web", "code")),
+            "mixture.schedule.stages[1].weights.code: must be a finite number >= 0, got -2",
+        ),
         (lambda: Curriculum(()), "mixture.schedule.anchors: must have at least one (step, weights) pair, got ()"),
         (lambda: Curriculum(((-1, (1,)),)), "mixture.schedule.anchors[0].step: must be >= 0, got -1"),
         (lambda: Curriculum(((0, (1,)), (10, (1,)), (10, (2,)))), "mixture.schedule.anchors[2].step: must be > 10 and increasing, got 10"),
@@ -195,7 +219,9 @@ def test_weights_without_a_schedule_are_static_and_unnamed_sources_weigh_1() -> 
 def test_every_kind_from_the_configuration() -> None:
     static = {"weights": {"web": 3}, "schedule": {"kind": "static", "granularity": "microbatch"}}
     assert schedule_from_mapping(static, NAMES) == (Static((3.0, 1.0, 1.0), source_names=NAMES), "microbatch")
-    staged = {"schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {"web": 1, "code": 0}}, {"start": 1000, "weights": {"math": 4}}]}}
+    staged = {
+        "schedule": {"kind": "staged", "stages": [{"start": 0, "weights": {"web": 1, "code": 0}}, {"start": 1000, "weights": {"math": 4}}]}
+    }
     schedule, granularity = schedule_from_mapping(staged, NAMES)
     assert schedule == Staged(((0, (1.0, 0.0, 1.0)), (1000, (1.0, 1.0, 4.0))), source_names=NAMES)
     assert granularity == "step"
@@ -249,7 +275,10 @@ GOOD = {"start": 0, "weights": {}}
         ({"schedule": {"kind": "static", "stages": [GOOD]}}, "mixture.schedule.stages: is not used by kind 'static'"),
         ({"schedule": {"kind": "staged", "stages": [GOOD], "anchors": []}}, "mixture.schedule.anchors: is not used by kind 'staged'"),
         ({"weights": {"web": 1}, **_staged(GOOD)}, "mixture.weights: cannot be combined with a staged schedule"),
-        ({"schedule": {"kind": "staged", "stages": GOOD}}, "mixture.schedule.stages: must be a non-empty list of {start, weights} mappings"),
+        (
+            {"schedule": {"kind": "staged", "stages": GOOD}},
+            "mixture.schedule.stages: must be a non-empty list of {start, weights} mappings",
+        ),
         (_staged(), "mixture.schedule.stages: must be a non-empty list"),
         (_staged(5), "mixture.schedule.stages[0]: must be a mapping, got 5"),
         (_staged({"weights": {}}), "mixture.schedule.stages[0].start: is required"),
@@ -257,11 +286,18 @@ GOOD = {"start": 0, "weights": {}}
         (_staged({"start": "0", "weights": {}}), "mixture.schedule.stages[0].start: must be an integer, got '0'"),
         (_staged(GOOD, {"start": 0, "weights": {}}), "mixture.schedule.stages[1].start: must be > 0 and increasing, got 0"),
         (_staged(GOOD, {"start": 10, "weights": "web"}), "mixture.schedule.stages[1].weights: must be a mapping of source name to weight"),
-        (_anchors({"step": 0, "weights": {}}, {"step": 5, "weights": {}}, {"step": 9, "weights": {"webb": 1}}),
-         "mixture.schedule.anchors[2].weights.webb: names no source"),
-        (_anchors({"step": 0, "weights": {"web": 0, "code": 0, "math": 0}}),
-         "mixture.schedule.anchors[0].weights: must give at least one source a weight > 0"),
-        (_anchors({"step": 3, "weights": {}}, {"step": 2, "weights": {}}), "mixture.schedule.anchors[1].step: must be > 3 and increasing, got 2"),
+        (
+            _anchors({"step": 0, "weights": {}}, {"step": 5, "weights": {}}, {"step": 9, "weights": {"webb": 1}}),
+            "mixture.schedule.anchors[2].weights.webb: names no source",
+        ),
+        (
+            _anchors({"step": 0, "weights": {"web": 0, "code": 0, "math": 0}}),
+            "mixture.schedule.anchors[0].weights: must give at least one source a weight > 0",
+        ),
+        (
+            _anchors({"step": 3, "weights": {}}, {"step": 2, "weights": {}}),
+            "mixture.schedule.anchors[1].step: must be > 3 and increasing, got 2",
+        ),
         (_callable("recipes.ramp"), "mixture.schedule.callable: must be an import path 'module:function', got 'recipes.ramp'"),
         (_callable(7), "mixture.schedule.callable: must be an import path 'module:function', got 7"),
         (_callable("nowhere:ramp"), "mixture.schedule.callable: cannot be imported: no module named 'nowhere', got 'nowhere:ramp'"),
@@ -359,7 +395,9 @@ class _ReferenceMixture:
         n = int(min(self.global_batch_size, sum(remaining[k] for k in active)))
         taken = self._apportion(state, active, n, remaining)
         counts = tuple(taken[k] - state.phase_counts[k] for k in range(len(self.weights)))
-        after = MixtureState(state.step + 1, tuple(c + m for c, m in zip(state.cursors, counts)), active, state.phase_total + n, tuple(taken))
+        after = MixtureState(
+            state.step + 1, tuple(c + m for c, m in zip(state.cursors, counts)), active, state.phase_total + n, tuple(taken)
+        )
         return Allocation(state.step, state.cursors, counts), after
 
     def _apportion(self, state, active, n, remaining):
@@ -394,7 +432,9 @@ class _ReferenceMixture:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.integers(1, 6).flatmap(lambda k: st.tuples(weight_vectors(k, zeros=True), st.lists(st.none() | st.integers(0, 600), min_size=k, max_size=k))),
+    st.integers(1, 6).flatmap(
+        lambda k: st.tuples(weight_vectors(k, zeros=True), st.lists(st.none() | st.integers(0, 600), min_size=k, max_size=k))
+    ),
     st.integers(1, 96),
 )
 def test_a_static_schedule_allocates_exactly_as_the_allocator_before_schedules(weights_and_ends, batch) -> None:
@@ -416,7 +456,10 @@ def test_a_stage_change_takes_effect_at_its_exact_step() -> None:
     for granularity in ("step", "microbatch"):
         mixture = Mixture(
             Staged(((0, (1, 0, 1)), (100, (1, 1, 0)))),
-            global_batch_size=10, stream_ends=[None] * 3, granularity=granularity, microbatches=4,
+            global_batch_size=10,
+            stream_ends=[None] * 3,
+            granularity=granularity,
+            microbatches=4,
         )
         run = _run(mixture, 200)
         assert all(a.counts[1] == 0 and a.counts[2] > 0 for a, _ in run[:100])
@@ -443,8 +486,12 @@ def test_when_the_lower_bounds_ask_too_much_the_source_furthest_ahead_gives_back
     # targets 0.81 and 0.79, but the step has one: source 1, the further ahead, gives it back.
     shares = (0.45, 0.45, 0.1)
     state = MixtureState(
-        step=7, cursors=(0, 0, 0), phase=(0, 1, 2), phase_counts=(0, 0, 0),
-        phase_shares=shares, phase_offsets=(0.36, 0.34, -0.7),
+        step=7,
+        cursors=(0, 0, 0),
+        phase=(0, 1, 2),
+        phase_counts=(0, 0, 0),
+        phase_shares=shares,
+        phase_offsets=(0.36, 0.34, -0.7),
     )
     mixture = Mixture(Static(shares), global_batch_size=1, stream_ends=[None] * 3)
     allocation, after = mixture.allocate(state)
@@ -458,8 +505,11 @@ def test_microbatch_granularity_reads_the_schedule_at_each_sub_step() -> None:
         return [float(m == round((t % 1) * 4)) for m in range(4)]
 
     mixture = Mixture(
-        FromCallable(one_hot, "test:one_hot", list("abcd")), global_batch_size=10, stream_ends=[None] * 4,
-        granularity="microbatch", microbatches=4,
+        FromCallable(one_hot, "test:one_hot", list("abcd")),
+        global_batch_size=10,
+        stream_ends=[None] * 4,
+        granularity="microbatch",
+        microbatches=4,
     )
     for allocation, _ in _run(mixture, 3):
         assert allocation.counts == (3, 3, 2, 2)
@@ -546,10 +596,13 @@ def test_i4_allocation_is_deterministic_and_a_resume_from_any_state_continues_id
     fields = json.loads(json.dumps(dataclasses.asdict(saved)))
     restored = MixtureState(**{name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()})
     again = Mixture(
-        mixture.schedule, global_batch_size=mixture.global_batch_size, stream_ends=mixture.stream_ends,
-        granularity=mixture.granularity, microbatches=mixture.microbatches,
+        mixture.schedule,
+        global_batch_size=mixture.global_batch_size,
+        stream_ends=mixture.stream_ends,
+        granularity=mixture.granularity,
+        microbatches=mixture.microbatches,
     )
-    assert _run(again, 150 - (s + 1), restored) == run[s + 1:]
+    assert _run(again, 150 - (s + 1), restored) == run[s + 1 :]
 
 
 @SETTINGS
@@ -565,7 +618,9 @@ def test_each_source_is_consumed_contiguously_and_never_past_its_end(mixture: Mi
         assert all(end is None or c <= end for c, end in zip(cursors, mixture.stream_ends))
         assert 0 < allocation.total <= mixture.global_batch_size
         assert sum(allocation.shares) == pytest.approx(1.0)
-        assert all(share == 0 for share, end, c in zip(allocation.shares, mixture.stream_ends, allocation.starts) if end is not None and c >= end)
+        assert all(
+            share == 0 for share, end, c in zip(allocation.shares, mixture.stream_ends, allocation.starts) if end is not None and c >= end
+        )
 
 
 def test_the_data_ends_when_the_schedule_weighs_only_sources_that_ran_out() -> None:
@@ -594,7 +649,10 @@ def test_a_mixture_refuses_bad_arguments(kwargs, message: str) -> None:
 
 def test_a_mixture_describes_its_schedule_and_granularity() -> None:
     mixture = Mixture(
-        Static((1, 3), source_names=("web", "code")), global_batch_size=8, stream_ends=[None, None],
-        granularity="microbatch", microbatches=4,
+        Static((1, 3), source_names=("web", "code")),
+        global_batch_size=8,
+        stream_ends=[None, None],
+        granularity="microbatch",
+        microbatches=4,
     )
     assert mixture.describe() == "static web=1 code=3; read per microbatch (4 a step)"

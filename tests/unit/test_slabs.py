@@ -140,7 +140,10 @@ def test_chunks_serialized_once_are_the_bytes_protobuf_writes() -> None:
     for field, cls in ((2, constructor_pb2.GetBatchResponse),):
         expected = [cls(chunk=common_pb2.Chunk(data=payload[i : i + MiB])).SerializeToString() for i in range(0, len(payload), MiB)]
         assert list(chunk_messages(memoryview(payload), field=field)) == expected
-    assert [constructor_pb2.GetBatchResponse.FromString(m).chunk.data for m in chunk_messages(b"abc", field=2, chunk_bytes=2)] == [b"ab", b"c"]
+    assert [constructor_pb2.GetBatchResponse.FromString(m).chunk.data for m in chunk_messages(b"abc", field=2, chunk_bytes=2)] == [
+        b"ab",
+        b"c",
+    ]
 
 
 CHILD = textwrap.dedent(
@@ -162,9 +165,7 @@ def test_an_fd_passed_to_another_process_gives_byte_identical_views() -> None:
     with tempfile.TemporaryDirectory() as folder:
         pool = SlabPool(8 * MiB)
         server = SlabServer(pathlib.Path(folder) / "c.sock.slabs", pool, max_sessions=2).start()
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(server.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(server.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             session = pool.session(child.stdout.readline().strip())
             assert session is not None

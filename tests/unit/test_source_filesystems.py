@@ -66,9 +66,17 @@ def write_parquet(where, rows: range, *, filesystem: pafs.FileSystem | None = No
 @pytest.mark.parametrize(
     ("location", "scheme"),
     [
-        ("s3://bucket/key", "s3"), ("S3://bucket/key", "s3"), ("gs://b/k", "gs"), ("hdfs://nn:8020/x", "hdfs"),
-        ("abfs://c@acct.dfs.core.windows.net/x", "abfs"), ("file:///data/x", "file"), ("memory://x", "memory"),
-        ("/data/x", None), ("data/x", None), ("C:/data", None), ("s3:/bucket", None),
+        ("s3://bucket/key", "s3"),
+        ("S3://bucket/key", "s3"),
+        ("gs://b/k", "gs"),
+        ("hdfs://nn:8020/x", "hdfs"),
+        ("abfs://c@acct.dfs.core.windows.net/x", "abfs"),
+        ("file:///data/x", "file"),
+        ("memory://x", "memory"),
+        ("/data/x", None),
+        ("data/x", None),
+        ("C:/data", None),
+        ("s3:/bucket", None),
     ],
 )
 def test_scheme_of(location, scheme) -> None:
@@ -156,7 +164,12 @@ def test_path_order_puts_a_folder_before_names_that_extend_it() -> None:
     assert sorted_paths(["a/b-c", "a/b/c", "a/b.parquet", "a/b/c"]) == ["a/b/c", "a/b-c", "a/b.parquet"]
 
 
-paths = st.lists(st.lists(st.text(alphabet="ab-._/0", min_size=1, max_size=3).filter(lambda s: "/" not in s and s not in (".", "..")), min_size=1, max_size=4).map("/".join), max_size=12)
+paths = st.lists(
+    st.lists(
+        st.text(alphabet="ab-._/0", min_size=1, max_size=3).filter(lambda s: "/" not in s and s not in (".", "..")), min_size=1, max_size=4
+    ).map("/".join),
+    max_size=12,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -209,15 +222,42 @@ def test_a_bad_endpoint_variable_is_named(value) -> None:
 # Texts pyarrow 26 gave against a real S3 endpoint (moto's server) and an endpoint answering
 # each S3 error code (see the report of issue 14).
 MEASURED = [
-    ("When listing objects under key 'x/' in bucket 'nobucket': AWS Error NO_SUCH_BUCKET during ListObjectsV2 operation: The specified bucket does not exist (Request ID: 1)", Problem.NO_SUCH_BUCKET),
-    ("When getting information for key 'x' in bucket 'data': AWS Error ACCESS_DENIED during HeadObject operation: No response body.", Problem.ACCESS_DENIED),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: The AWS Access Key Id you provided does not exist in our records. (Request ID: 1)", Problem.ACCESS_DENIED),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error SIGNATURE_DOES_NOT_MATCH during ListObjectsV2 operation: The request signature we calculated does not match (Request ID: 1)", Problem.ACCESS_DENIED),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error UNKNOWN (HTTP status 400) during ListObjectsV2 operation: Unable to parse ExceptionName: ExpiredToken Message: The provided token has expired. (Request ID: 1)", Problem.ACCESS_DENIED),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error UNKNOWN (HTTP status 301) during ListObjectsV2 operation: Unable to parse ExceptionName: PermanentRedirect Message: The bucket you are attempting to access must be addressed using the specified endpoint.", Problem.WRONG_REGION),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error NETWORK_CONNECTION during ListObjectsV2 operation: curlCode: 7, Could not connect to server; Details: Failed to connect to 127.0.0.1:1 after 0 ms: Could not connect to server", Problem.UNREACHABLE),
-    ("When resolving region for bucket 'b': AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 6, Could not resolve hostname; Details: Could not resolve host: s3.us-east-1.amazonaws.com", Problem.UNREACHABLE),
-    ("When listing objects under key 'x/' in bucket 'data': AWS Error SLOW_DOWN during ListObjectsV2 operation: Please reduce your request rate. (Request ID: 1)", Problem.THROTTLED),
+    (
+        "When listing objects under key 'x/' in bucket 'nobucket': AWS Error NO_SUCH_BUCKET during ListObjectsV2 operation: The specified bucket does not exist (Request ID: 1)",
+        Problem.NO_SUCH_BUCKET,
+    ),
+    (
+        "When getting information for key 'x' in bucket 'data': AWS Error ACCESS_DENIED during HeadObject operation: No response body.",
+        Problem.ACCESS_DENIED,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: The AWS Access Key Id you provided does not exist in our records. (Request ID: 1)",
+        Problem.ACCESS_DENIED,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error SIGNATURE_DOES_NOT_MATCH during ListObjectsV2 operation: The request signature we calculated does not match (Request ID: 1)",
+        Problem.ACCESS_DENIED,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error UNKNOWN (HTTP status 400) during ListObjectsV2 operation: Unable to parse ExceptionName: ExpiredToken Message: The provided token has expired. (Request ID: 1)",
+        Problem.ACCESS_DENIED,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error UNKNOWN (HTTP status 301) during ListObjectsV2 operation: Unable to parse ExceptionName: PermanentRedirect Message: The bucket you are attempting to access must be addressed using the specified endpoint.",
+        Problem.WRONG_REGION,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error NETWORK_CONNECTION during ListObjectsV2 operation: curlCode: 7, Could not connect to server; Details: Failed to connect to 127.0.0.1:1 after 0 ms: Could not connect to server",
+        Problem.UNREACHABLE,
+    ),
+    (
+        "When resolving region for bucket 'b': AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 6, Could not resolve hostname; Details: Could not resolve host: s3.us-east-1.amazonaws.com",
+        Problem.UNREACHABLE,
+    ),
+    (
+        "When listing objects under key 'x/' in bucket 'data': AWS Error SLOW_DOWN during ListObjectsV2 operation: Please reduce your request rate. (Request ID: 1)",
+        Problem.THROTTLED,
+    ),
     ("[Errno 2] Path does not exist 'data/x/a.parquet'. Detail: [errno 2] No such file or directory", Problem.NOT_FOUND),
     ("Unable to load libjvm", Problem.OTHER),
 ]
@@ -228,7 +268,15 @@ def test_classify_measured_error_texts(text, problem) -> None:
     assert classify_error(text) is problem
 
 
-@pytest.mark.parametrize(("code", "problem"), [(errno.EACCES, Problem.ACCESS_DENIED), (errno.EPERM, Problem.ACCESS_DENIED), (errno.ENOENT, Problem.NOT_FOUND), (errno.EIO, Problem.OTHER)])
+@pytest.mark.parametrize(
+    ("code", "problem"),
+    [
+        (errno.EACCES, Problem.ACCESS_DENIED),
+        (errno.EPERM, Problem.ACCESS_DENIED),
+        (errno.ENOENT, Problem.NOT_FOUND),
+        (errno.EIO, Problem.OTHER),
+    ],
+)
 def test_classify_local_errors_by_errno(code, problem) -> None:
     assert classify_error(os.strerror(code), errno=code) is problem
 
@@ -258,14 +306,49 @@ def make_tree(root: pathlib.Path, files: list[str]) -> None:
 
 
 TREE = [
-    "a/b/c.parquet", "a/b-c.parquet", "a/b.parquet", "a/.hidden.parquet", "a/.dot/x.parquet", "a/notes.txt",
-    "a/part-1.parquet", "a/part-10.parquet", "a/B.PARQUET", "top.parquet", "z/y/x/deep.parquet", "z/_SUCCESS",
+    "a/b/c.parquet",
+    "a/b-c.parquet",
+    "a/b.parquet",
+    "a/.hidden.parquet",
+    "a/.dot/x.parquet",
+    "a/notes.txt",
+    "a/part-1.parquet",
+    "a/part-10.parquet",
+    "a/B.PARQUET",
+    "top.parquet",
+    "z/y/x/deep.parquet",
+    "z/_SUCCESS",
 ]
 LOCATIONS = [
-    "", "a", "a/b", "top.parquet", "a/b/c.parquet", "missing", "missing/*.parquet", "*.parquet", "*", "**", "**/*.parquet",
-    "a/*.parquet", "a/**/*.parquet", "a/part-?.parquet", "a/part-[0-9]*.parquet", "a/.*", "a/*/", "**/x.parquet",
-    "z/**", "a/b*", "*/b/*.parquet", "a//*.parquet", "./a/*.parquet", "a/./b", "top.parquet/**", "*/b/c.parquet/**",
-    "a/*/c.parquet/**", "top.parquet/*", "*/notes.txt",
+    "",
+    "a",
+    "a/b",
+    "top.parquet",
+    "a/b/c.parquet",
+    "missing",
+    "missing/*.parquet",
+    "*.parquet",
+    "*",
+    "**",
+    "**/*.parquet",
+    "a/*.parquet",
+    "a/**/*.parquet",
+    "a/part-?.parquet",
+    "a/part-[0-9]*.parquet",
+    "a/.*",
+    "a/*/",
+    "**/x.parquet",
+    "z/**",
+    "a/b*",
+    "*/b/*.parquet",
+    "a//*.parquet",
+    "./a/*.parquet",
+    "a/./b",
+    "top.parquet/**",
+    "*/b/c.parquet/**",
+    "a/*/c.parquet/**",
+    "top.parquet/*",
+    "*/notes.txt",
 ]
 
 
@@ -284,7 +367,11 @@ def test_links_are_followed_as_before(tmp_path) -> None:
     (tmp_path / "src" / "c.parquet").symlink_to(tmp_path / "real" / "sub" / "a.parquet")
     (tmp_path / "src" / "dangling.parquet").symlink_to(tmp_path / "nowhere")
     folder = str(tmp_path / "src")
-    assert _listed(folder) == [str(p) for p in old_expand_path(pathlib.Path(folder))] == [f"{folder}/{n}" for n in ("b.parquet", "c.parquet", "d/e.parquet")]
+    assert (
+        _listed(folder)
+        == [str(p) for p in old_expand_path(pathlib.Path(folder))]
+        == [f"{folder}/{n}" for n in ("b.parquet", "c.parquet", "d/e.parquet")]
+    )
     (tmp_path / "src" / "d" / "loop").unlink()  # glob (and pyarrow) would walk a loop until the OS stops it
     for pattern in ("**/*.parquet", "*/*/*.parquet", "*.parquet"):
         location = f"{folder}/{pattern}"
@@ -309,11 +396,16 @@ def _listed(location: str) -> list[str]:
 
 
 tree_names = st.lists(
-    st.lists(st.sampled_from(["a", "b", ".h", "x.parquet", "y.parquet", ".z.parquet", "n.txt", "b-c"]), min_size=1, max_size=4).map("/".join),
-    min_size=1, max_size=10,
+    st.lists(st.sampled_from(["a", "b", ".h", "x.parquet", "y.parquet", ".z.parquet", "n.txt", "b-c"]), min_size=1, max_size=4).map(
+        "/".join
+    ),
+    min_size=1,
+    max_size=10,
 )
 patterns = st.lists(
-    st.sampled_from(["*", "**", "?", "a", "b", ".h", "x.parquet", "*.parquet", "[xy].parquet", "?.parquet", ".*", "b*", "*c", ""]), min_size=1, max_size=4,
+    st.sampled_from(["*", "**", "?", "a", "b", ".h", "x.parquet", "*.parquet", "[xy].parquet", "?.parquet", ".*", "b*", "*c", ""]),
+    min_size=1,
+    max_size=4,
 ).map("/".join)
 
 
@@ -425,7 +517,8 @@ def test_an_fsspec_scheme_whose_package_is_missing_names_the_package(monkeypatch
     import fsspec  # noqa: F401 - loads fsspec.registry, the module (the package's `registry` is a mapping)
 
     monkeypatch.setitem(
-        sys.modules["fsspec.registry"].known_implementations, "needspkg",
+        sys.modules["fsspec.registry"].known_implementations,
+        "needspkg",
         {"class": "batchplane_no_such_package.FileSystem", "err": "Install batchplane-no-such-package to access needspkg"},
     )
     with pytest.raises(SourceError, match=r"source 'web': cannot open 'needspkg://b/x': .*Install batchplane-no-such-package"):
@@ -434,7 +527,12 @@ def test_an_fsspec_scheme_whose_package_is_missing_names_the_package(monkeypatch
 
 @pytest.mark.parametrize(
     ("location", "problem"),
-    [("s3://", "the URL names no bucket"), ("gs:///", "the URL names no bucket"), ("gs:///x", "Missing bucket name"), ("s3://*/x.parquet", "a glob in the bucket")],
+    [
+        ("s3://", "the URL names no bucket"),
+        ("gs:///", "the URL names no bucket"),
+        ("gs:///x", "Missing bucket name"),
+        ("s3://*/x.parquet", "a glob in the bucket"),
+    ],
 )
 def test_a_url_without_a_bucket_is_refused(location, problem) -> None:
     with pytest.raises(SourceError, match=f"source 'web': cannot open '{glob.escape(location)}'.*{problem}".replace("[*]", r"\*")):
@@ -442,7 +540,9 @@ def test_a_url_without_a_bucket_is_refused(location, problem) -> None:
 
 
 def test_an_s3_endpoint_from_the_environment_is_used_as_is() -> None:
-    place = open_location("s3://bucket/corpus/", source="web", environ={"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_ENDPOINT_URL": "https://other"})
+    place = open_location(
+        "s3://bucket/corpus/", source="web", environ={"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_ENDPOINT_URL": "https://other"}
+    )
     assert isinstance(place.filesystem, pafs.S3FileSystem) and place.path == "bucket/corpus"
     options = place.filesystem.__reduce__()[1][0]
     assert (options["endpoint_override"], options["scheme"]) == ("127.0.0.1:9", "http")
@@ -457,10 +557,16 @@ def test_a_bad_endpoint_variable_fails_the_source() -> None:
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
-        (OSError(MEASURED[0][0]), "cannot list 's3://nobucket/x/': no such bucket (check its name, and AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL when it is not on AWS) (When listing"),
+        (
+            OSError(MEASURED[0][0]),
+            "cannot list 's3://nobucket/x/': no such bucket (check its name, and AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL when it is not on AWS) (When listing",
+        ),
         (OSError(MEASURED[2][0]), "cannot list 's3://nobucket/x/': access denied or no credentials: pyarrow's S3 client signs"),
         (OSError(MEASURED[6][0]), "cannot list 's3://nobucket/x/': cannot reach the endpoint (AWS_ENDPOINT_URL_S3"),
-        (pa.ArrowInvalid("Parquet magic bytes not found in footer.\nsecond line"), "cannot list 's3://nobucket/x/': Parquet magic bytes not found in footer."),
+        (
+            pa.ArrowInvalid("Parquet magic bytes not found in footer.\nsecond line"),
+            "cannot list 's3://nobucket/x/': Parquet magic bytes not found in footer.",
+        ),
     ],
 )
 def test_a_file_system_error_becomes_a_source_error(exc, expected) -> None:

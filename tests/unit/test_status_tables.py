@@ -62,7 +62,13 @@ class _FakeRpcError(grpc.RpcError):
 
 @pytest.mark.parametrize(
     "error",
-    [errors.InvalidArgument("x"), errors.NotFound("x"), errors.FailedPrecondition("x"), errors.ResourceExhausted("x"), errors.Unavailable("x")],
+    [
+        errors.InvalidArgument("x"),
+        errors.NotFound("x"),
+        errors.FailedPrecondition("x"),
+        errors.ResourceExhausted("x"),
+        errors.Unavailable("x"),
+    ],
 )
 def test_a_peers_error_is_reraised_as_the_same_domain_error(error: Exception) -> None:
     again = reraise(_FakeRpcError(status_of(error)), "peer")

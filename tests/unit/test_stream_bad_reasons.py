@@ -89,7 +89,15 @@ def open_stream(tmp_path: pathlib.Path):
         transform = BoundTransform(_fail_on_doc, {"doc": FAIL_DOC}, ("input_ids", "doc_id"), max_length=MAX_LENGTH, length_policy=policy)
         metrics = LoaderMetrics(CollectorRegistry())
         stream = SourceStream(
-            0, source, order, transform, epochs=1, read_ahead_samples=0, budget=ByteBudget(1 << 30), metrics=metrics, replica="0",
+            0,
+            source,
+            order,
+            transform,
+            epochs=1,
+            read_ahead_samples=0,
+            budget=ByteBudget(1 << 30),
+            metrics=metrics,
+            replica="0",
         )
         streams.append(stream)
         return stream, metrics

@@ -31,8 +31,11 @@ RANKS = (0,)  # this constructor serves rank 0
 def _samples(seqs, *, source=0):
     seqs = np.asarray(seqs, np.int64)
     return common_pb2.SampleSet(
-        source=encode_array(np.full(len(seqs), source, np.int32)), seq=encode_array(seqs), row=encode_array(seqs * 10),
-        epoch=encode_array(np.zeros(len(seqs), np.int32)), length=encode_array((seqs % 5 + 2).astype(np.int32)),
+        source=encode_array(np.full(len(seqs), source, np.int32)),
+        seq=encode_array(seqs),
+        row=encode_array(seqs * 10),
+        epoch=encode_array(np.zeros(len(seqs), np.int32)),
+        length=encode_array((seqs % 5 + 2).astype(np.int32)),
     )
 
 
@@ -41,25 +44,42 @@ def _plan(*, part_seqs=(7, 3, 12), copies=None, part_copies=None, loaders=None, 
     (7 and 12 are trained by bucket 1, on another constructor)."""
     n = len(part_seqs)
     rank = planner_pb2.RankPlan(
-        dp_rank=0, samples=_samples([1, 3, 5]), microbatch_offsets=encode_array(np.array([0, 1, 3], np.int64)), fetchers=1,
+        dp_rank=0,
+        samples=_samples([1, 3, 5]),
+        microbatch_offsets=encode_array(np.array([0, 1, 3], np.int64)),
+        fetchers=1,
         loaders=encode_array(np.array([0, 0, 1], np.int32)),
         copies=encode_array(np.asarray(copies if copies is not None else [1, 1, 1], np.int32)),
     )
     part = planner_pb2.SubPlanPart(
-        name="images", axis="WORLD", metadata="image_tokens", bucket=0, samples=_samples(part_seqs),
-        values=encode_array(np.arange(n, dtype=np.int64) + 100), columns=list(columns),
+        name="images",
+        axis="WORLD",
+        metadata="image_tokens",
+        bucket=0,
+        samples=_samples(part_seqs),
+        values=encode_array(np.arange(n, dtype=np.int64) + 100),
+        columns=list(columns),
         loaders=encode_array(np.asarray(loaders if loaders is not None else [1, 0, 1][:n], np.int32)),
         copies=encode_array(np.asarray(part_copies if part_copies is not None else [2, 1, 2][:n], np.int32)),
     )
     return planner_pb2.GetPlanResponse(
-        step=4, ranks=[rank], subplans=parts if parts is not None else [part], loader_addresses=["l0:1", "l1:1"], global_loss_tokens=10, axis="DP",
+        step=4,
+        ranks=[rank],
+        subplans=parts if parts is not None else [part],
+        loader_addresses=["l0:1", "l1:1"],
+        global_loss_tokens=10,
+        axis="DP",
     )
 
 
 def _parse(plan):
     buckets = plan_buckets(plan, asked=4, address="planner:1", constructors=2, max_samples=8, microbatches=2)
     parts = plan_subplans(
-        plan, address="planner:1", constructors=2, max_samples=8, payload=PAYLOAD,
+        plan,
+        address="planner:1",
+        constructors=2,
+        max_samples=8,
+        payload=PAYLOAD,
         consumes=lambda axis, b: any(MESH.bucket_of(r, axis) == b for r in RANKS),
     )
     return buckets, parts
@@ -107,7 +127,16 @@ def test_each_delivered_column_lies_in_the_subbatch_in_part_order_and_not_in_the
     (sub,), extra = lay_out_subbatches(parts, fetched, PAYLOAD, step=4, rank=0, base=128)
     assert sub.name == "images" and sub.metadata == "image_tokens"
     names = [t.name for t in sub.tensors]
-    assert names == ["sample_source", "sample_row", "sample_epoch", "image_tokens", "pixel_values", "pixel_values_offsets", "image_grid_thw", "image_grid_thw_offsets"]
+    assert names == [
+        "sample_source",
+        "sample_row",
+        "sample_epoch",
+        "image_tokens",
+        "pixel_values",
+        "pixel_values_offsets",
+        "image_grid_thw",
+        "image_grid_thw_offsets",
+    ]
     payload = bytearray(128) + extra
     t = {s.name: np.frombuffer(payload, s.dtype, int(np.prod(s.shape)), s.offset).reshape(s.shape) for s in sub.tensors}
     assert t["sample_row"].tolist() == [70, 30, 120] and t["image_tokens"].tolist() == [100, 101, 102]
@@ -123,7 +152,11 @@ def test_each_delivered_column_lies_in_the_subbatch_in_part_order_and_not_in_the
     b = buckets[0]
     keys = [(0, int(s)) for s in b.seq]
     samples = RankSamples(
-        tokens=[np.arange(int(n), dtype=np.int32) for n in b.length], source=b.source, row=b.row, epoch=b.epoch, offsets=b.offsets,
+        tokens=[np.arange(int(n), dtype=np.int32) for n in b.length],
+        source=b.source,
+        row=b.row,
+        epoch=b.epoch,
+        offsets=b.offsets,
         columns={c.name: [fetched[c.name][k] for k in keys] for c in primary},
     )
     built = assemble(samples, step=4, rank=0, pad_id=0, ignore_id=-100, token_dtype="int32", global_loss_tokens=10, payload=primary)
@@ -141,9 +174,15 @@ def test_a_part_without_columns_lays_out_identities_only_and_fetches_nothing() -
 
 def _part(**fields):
     base = {
-        "name": "images", "axis": "WORLD", "metadata": "image_tokens", "bucket": 0, "samples": _samples([7, 3]),
-        "values": encode_array(np.array([1, 2], np.int64)), "columns": ["pixel_values"],
-        "loaders": encode_array(np.array([0, 1], np.int32)), "copies": encode_array(np.array([1, 2], np.int32)),
+        "name": "images",
+        "axis": "WORLD",
+        "metadata": "image_tokens",
+        "bucket": 0,
+        "samples": _samples([7, 3]),
+        "values": encode_array(np.array([1, 2], np.int64)),
+        "columns": ["pixel_values"],
+        "loaders": encode_array(np.array([0, 1], np.int32)),
+        "copies": encode_array(np.array([1, 2], np.int32)),
     }
     base.update(fields)
     return planner_pb2.SubPlanPart(**{k: v for k, v in base.items() if v is not None})
@@ -169,8 +208,17 @@ def _part(**fields):
         ([_part(values=encode_array(np.array([1], np.int64)))], "different lengths"),
         ([_part(metadata="pixel_values_offsets")], "metadata name 'pixel_values_offsets' is another tensor's"),
         ([_part(metadata="sample_row")], "is another tensor's"),
-        ([_part(samples=_samples(np.arange(9)), values=encode_array(np.arange(9, dtype=np.int64)),
-                loaders=encode_array(np.zeros(9, np.int32)), copies=encode_array(np.ones(9, np.int32)))], "more than one step's 8"),
+        (
+            [
+                _part(
+                    samples=_samples(np.arange(9)),
+                    values=encode_array(np.arange(9, dtype=np.int64)),
+                    loaders=encode_array(np.zeros(9, np.int32)),
+                    copies=encode_array(np.ones(9, np.int32)),
+                )
+            ],
+            "more than one step's 8",
+        ),
         ([_part(copies=common_pb2.Array(dtype="int32", shape=[2], data=b"\x00"))], "copies"),
     ],
 )

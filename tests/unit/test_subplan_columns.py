@@ -44,8 +44,11 @@ def test_deliver_is_recorded_in_every_step_plan() -> None:
     n = 40
     rng = np.random.default_rng(0)
     table = SampleTable(
-        source=np.zeros(n, np.int32), seq=np.arange(n, dtype=np.int64), row=np.arange(n, dtype=np.int64),
-        length=rng.integers(1, 200, n).astype(np.int32), epoch=np.zeros(n, np.int32),
+        source=np.zeros(n, np.int32),
+        seq=np.arange(n, dtype=np.int64),
+        row=np.arange(n, dtype=np.int64),
+        length=rng.integers(1, 200, n).astype(np.int32),
+        epoch=np.zeros(n, np.int32),
         features={"image_tokens": np.where(rng.random(n) < 0.5, rng.integers(1, 300, n), 0).astype(np.float64)},
     )
     plan = _vlm().run(0, table, mesh, default_cost=make_cost_fn("quadratic"))
@@ -80,13 +83,15 @@ def test_the_primary_graph_delivers_nothing_itself() -> None:
 
 
 def test_a_strategy_file_delivering_an_undeclared_column_fails_at_start_naming_the_field(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "s.py").write_text(textwrap.dedent("""
+    (tmp_path / "s.py").write_text(
+        textwrap.dedent("""
         from batchplane.planner import DGraph
         def strategy(mesh):
             text = DGraph("text").mix()
             images = DGraph("images", metadata="image_tokens").distribute(axis="WORLD").deliver("pixels")
             return text.plan(images)
-    """))
+    """)
+    )
     job = job_from_mapping(
         {"job": "j", "sources": [{"name": "a", "path": "a"}], "strategy": "s.py", "batch": {"payload": PAYLOAD}}, base_dir=tmp_path
     )

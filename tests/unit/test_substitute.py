@@ -67,14 +67,16 @@ ROWS = 96
 
 
 def _job(policy: str = "substitute", **extra):
-    return job_from_mapping({
-        "job": "substitution",
-        "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
-        "mixture": {"weights": {"a": 3, "b": 1}},
-        "mesh": {"dp": 2},
-        "batch": {"global_batch_size": 8, "microbatches": 2, "bad_samples": {"policy": policy, **extra}},
-        "loaders": {"count": 1},
-    })
+    return job_from_mapping(
+        {
+            "job": "substitution",
+            "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
+            "mixture": {"weights": {"a": 3, "b": 1}},
+            "mesh": {"dp": 2},
+            "batch": {"global_batch_size": 8, "microbatches": 2, "bad_samples": {"policy": policy, **extra}},
+            "loaders": {"count": 1},
+        }
+    )
 
 
 def _lengths(source: int, seq: np.ndarray) -> np.ndarray:
@@ -118,7 +120,9 @@ def test_the_book_substitutes_so_every_step_keeps_its_size_and_the_ledger_names_
         if e["by"] is not None:
             assert (k, e["by"][0]) in steps[step], "the substitute trains in the bad sample's step"
     again, records_again = _run(_job())
-    assert again == steps and [r.get("substituted") for r in records_again] == [r.get("substituted") for r in records], "the same substitutions"
+    assert again == steps and [r.get("substituted") for r in records_again] == [r.get("substituted") for r in records], (
+        "the same substitutions"
+    )
 
 
 def test_policy_skip_trains_steps_short_of_their_bad_samples() -> None:
@@ -146,7 +150,9 @@ def test_substitute_fetches_after_the_window_and_a_replan_finds_the_same_in_its_
 
     def rows(k: int, lo: int, hi: int) -> SampleTable:
         seq = np.arange(lo, hi, dtype=np.int64)
-        return SampleTable(source=np.full(len(seq), k, np.int32), seq=seq, row=seq, length=_lengths(k, seq), epoch=np.zeros(len(seq), np.int32))
+        return SampleTable(
+            source=np.full(len(seq), k, np.int32), seq=seq, row=seq, length=_lengths(k, seq), epoch=np.zeros(len(seq), np.int32)
+        )
 
     last = Allocation(1, (6, 2), (6, 2))
     before = MixtureState(step=0, cursors=(0, 0), phase_counts=(0, 0))
@@ -163,9 +169,11 @@ def test_substitute_fetches_after_the_window_and_a_replan_finds_the_same_in_its_
     assert asked[0][:2] == (0, 12) and all(a[0] in (0, 1) for a in asked)
     assert done.window.end.cursors == (14, 5)  # a: bad seqs 3 and 10 take 12 and 13; b: bad 3 takes 4
     assert done.matches[0].pairs == ((3, 12, 0), (10, 13, 1)) and done.matches[1].pairs == ((3, 4, 1),)
-    assert len(done.table) == len(table) + 3 and done.home[len(table):].tolist() == [0, 1, 1]
+    assert len(done.table) == len(table) + 3 and done.home[len(table) :].tolist() == [0, 1, 1]
     # Planned again (a resume): the recorded window holds the substitutes; nothing is fetched.
-    again = substitute(done.window, last, done.table, home_of(done, len(table)), stream_ends=[None, 10], fetch=lambda *a: pytest.fail("fetched"))
+    again = substitute(
+        done.window, last, done.table, home_of(done, len(table)), stream_ends=[None, 10], fetch=lambda *a: pytest.fail("fetched")
+    )
     assert {k: m.pairs for k, m in again.matches.items()} == {k: m.pairs for k, m in done.matches.items()}
     assert np.array_equal(again.home, done.home) and again.window.end == done.window.end
     assert substitute(window, last, table, home, stream_ends=[None, 10], fetch=lambda *a: None) is None, "interrupted"

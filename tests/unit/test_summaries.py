@@ -348,7 +348,14 @@ def test_features_stay_aligned_with_rows_through_adds_and_advances() -> None:
     store.start((0,))
     store.add(0, 0, np.arange(4, dtype=np.int64), np.ones(4, np.int32), False, {"images": np.array([1.0, 2, 3, 4])})
     # An overlapping report: known positions keep their values; a new feature is 0 before it.
-    store.add(0, 2, np.arange(2, 6, dtype=np.int64), np.ones(4, np.int32), False, {"images": np.array([9.0, 9, 5, 6]), "crops": np.array([0.0, 0, 7, 8])})
+    store.add(
+        0,
+        2,
+        np.arange(2, 6, dtype=np.int64),
+        np.ones(4, np.int32),
+        False,
+        {"images": np.array([9.0, 9, 5, 6]), "crops": np.array([0.0, 0, 7, 8])},
+    )
     _, _, features = store.get(0, 0, 6)
     assert features["images"].tolist() == [1, 2, 3, 4, 5, 6]
     assert features["crops"].tolist() == [0, 0, 0, 0, 7, 8]

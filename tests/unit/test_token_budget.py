@@ -134,7 +134,9 @@ def test_split_samples_count_as_their_chunk_rows_under_a_padded_budget(lengths, 
     rows counting each split sample's ceil(l / max_length) chunks; other policies (whose
     samples the loader already limited) and samples within the limit plan as without one."""
     costs = lengths.astype(np.float64) ** 2
-    plan = token_budget(lengths, costs, ranks=ranks, max_tokens=budget, min_microbatches=min_mb, max_length=max_length, length_policy=policy)
+    plan = token_budget(
+        lengths, costs, ranks=ranks, max_tokens=budget, min_microbatches=min_mb, max_length=max_length, length_policy=policy
+    )
     flat = np.concatenate([b for rank in plan for b in rank])
     assert np.array_equal(np.sort(flat), np.arange(len(lengths)))  # I1
     assert len({len(rank) for rank in plan}) == 1  # I2
@@ -177,9 +179,7 @@ def test_microbatch_count_is_the_fewest_the_padded_grouping_allows(lengths, rank
 
 
 @_settings
-@given(
-    tokens=st.lists(st.lists(st.one_of(st.integers(0, 10), st.integers(0, 10**9)), max_size=12), min_size=1, max_size=8)
-)
+@given(tokens=st.lists(st.lists(st.one_of(st.integers(0, 10), st.integers(0, 10**9)), max_size=12), min_size=1, max_size=8))
 def test_loss_weights_are_exact_ratios_summing_to_one(tokens) -> None:
     weights = loss_weights(tokens)
     assert [len(w) for w in weights] == [len(t) for t in tokens]
@@ -288,9 +288,7 @@ def test_invalid_arguments(lengths, costs, kwargs, match) -> None:
         token_budget(np.array(lengths), np.array(costs), **kwargs)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [dict(ranks=1.5, max_tokens=4), dict(ranks=True, max_tokens=4), dict(ranks=1, max_tokens=4.0)]
-)
+@pytest.mark.parametrize("kwargs", [dict(ranks=1.5, max_tokens=4), dict(ranks=True, max_tokens=4), dict(ranks=1, max_tokens=4.0)])
 def test_non_integer_counts(kwargs) -> None:
     with pytest.raises(TypeError):
         token_budget(np.array([1, 2]), np.ones(2), **kwargs)

@@ -28,7 +28,9 @@ def microbatch(step: int, index: int, *, ignore_id: int = -100) -> dict:
 class FakeClient:
     """What the loader uses of `Client`: yields step s and then says next_step = s + 1."""
 
-    def __init__(self, counts: list[int], *, dp: int = 2, cp: int = 1, microbatches: int = 2, ignore_id: int = -100, dp_rank: int = 0) -> None:
+    def __init__(
+        self, counts: list[int], *, dp: int = 2, cp: int = 1, microbatches: int = 2, ignore_id: int = -100, dp_rank: int = 0
+    ) -> None:
         self.job = SimpleNamespace(mesh=SimpleNamespace(dp=dp, cp=cp, tp=1, pp=1), microbatches=microbatches)
         self.format = {"labels": "next_token", "ignore_id": ignore_id}
         self.steps = [[microbatch(s, i, ignore_id=ignore_id) for i in range(n)] for s, n in enumerate(counts)]

@@ -131,8 +131,16 @@ def test_per_sample_on_an_empty_batch() -> None:
         (pa.table({"input_ids": _ids([[1], [2]])}), 3, r"one row per input row: got 2 for 3"),
         (pa.table({"input_ids": _ids([[1], [2]])}), 1, r"one row per input row: got 2 for 1"),
         (pa.table({"tokens": _ids([[1]]), "text": ["a"]}), 1, r"no 'input_ids' column \(columns: tokens, text\)"),
-        (pa.table({"input_ids": pa.array([["a"]], pa.list_(pa.string()))}), 1, r"'input_ids' must be lists of integers, got list<item: string>"),
-        (pa.table({"input_ids": pa.array([[1.5]], pa.list_(pa.float64()))}), 1, r"'input_ids' must be lists of integers, got list<item: double>"),
+        (
+            pa.table({"input_ids": pa.array([["a"]], pa.list_(pa.string()))}),
+            1,
+            r"'input_ids' must be lists of integers, got list<item: string>",
+        ),
+        (
+            pa.table({"input_ids": pa.array([[1.5]], pa.list_(pa.float64()))}),
+            1,
+            r"'input_ids' must be lists of integers, got list<item: double>",
+        ),
         (pa.table({"input_ids": pa.array([1, 2], pa.int64())}), 2, r"'input_ids' must be lists of integers, got int64"),
         (pa.table({"input_ids": pa.array(["1"])}), 1, r"'input_ids' must be lists of integers, got string"),
     ],

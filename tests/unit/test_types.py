@@ -31,6 +31,9 @@ def test_mypy_finds_no_error() -> None:
     # No cache: writing one costs more than it saves in a single cold run.
     out = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", os.devnull, "--no-error-summary", *checked_files()],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, f"mypy found:\n{out.stdout}{out.stderr}"

@@ -28,7 +28,14 @@ from batchplane.planner.plan import SampleTable
 from batchplane.core.schedule import Static
 from batchplane.planner.token_budget import loss_weights, token_budget, token_budget_steps
 from batchplane.planner.window import (
-    Window, allocate, default_window_steps, home_steps, resume_inside, runs, taken, window_steps,
+    Window,
+    allocate,
+    default_window_steps,
+    home_steps,
+    resume_inside,
+    runs,
+    taken,
+    window_steps,
 )
 
 import planner_plane
@@ -47,7 +54,9 @@ QUADRATIC = make_cost_fn("quadratic")
 )
 def test_windows_cover_align_and_fit_the_budget(lengths, ranks, steps, max_tokens, minimum, padded) -> None:
     lens = np.array(lengths, np.int64)
-    out = token_budget_steps(lens, lens.astype(float) ** 2, ranks=ranks, steps=steps, max_tokens=max_tokens, padded=padded, min_microbatches=minimum)
+    out = token_budget_steps(
+        lens, lens.astype(float) ** 2, ranks=ranks, steps=steps, max_tokens=max_tokens, padded=padded, min_microbatches=minimum
+    )
     assert len(out) == steps and all(len(step) == ranks for step in out)
     seen = [int(i) for step in out for rank in step for mb in rank for i in mb]
     assert sorted(seen) == list(range(len(lens))), "every sample in exactly one microbatch of one step"
@@ -143,9 +152,15 @@ def _table(window: Window, lengths) -> SampleTable:
     parts = []
     for k, (lo, count) in enumerate(window.ranges):
         seq = np.arange(lo, lo + count, dtype=np.int64)
-        parts.append(SampleTable(
-            source=np.full(count, k, np.int32), seq=seq, row=seq, length=lengths[k][seq].astype(np.int32), epoch=np.zeros(count, np.int32),
-        ))
+        parts.append(
+            SampleTable(
+                source=np.full(count, k, np.int32),
+                seq=seq,
+                row=seq,
+                length=lengths[k][seq].astype(np.int32),
+                epoch=np.zeros(count, np.int32),
+            )
+        )
     return SampleTable.concat(parts)
 
 
@@ -176,14 +191,16 @@ def test_runs_are_the_intervals_of_a_set_of_seqs() -> None:
 
 def _job(**batching):
     balance = {"method": "token_budget", "max_tokens": 600, "window_steps": 4, **batching}
-    return job_from_mapping({
-        "job": "windows",
-        "sources": [{"name": "short", "path": "short"}, {"name": "long", "path": "long"}],
-        "mesh": {"dp": 2},
-        "batch": {"global_batch_size": 8, "microbatches": 1},
-        "balance": balance,
-        "loaders": {"count": 1},  # the plane's one loader serves both
-    })
+    return job_from_mapping(
+        {
+            "job": "windows",
+            "sources": [{"name": "short", "path": "short"}, {"name": "long", "path": "long"}],
+            "mesh": {"dp": 2},
+            "batch": {"global_batch_size": 8, "microbatches": 1},
+            "balance": balance,
+            "loaders": {"count": 1},  # the plane's one loader serves both
+        }
+    )
 
 
 def _lengths(source: int, seq: np.ndarray) -> np.ndarray:
@@ -309,7 +326,9 @@ def test_window_settings() -> None:
     assert default_window_steps(256, read_ahead_samples=1024) == 4
     assert default_window_steps(8192, read_ahead_samples=4096) == 1
     job = _job(window_steps=None)
-    assert window_steps(job, default_strategy(method="token_budget", microbatches=1, cost_fn=QUADRATIC, max_tokens=600), adaptive=False) == 32
+    assert (
+        window_steps(job, default_strategy(method="token_budget", microbatches=1, cost_fn=QUADRATIC, max_tokens=600), adaptive=False) == 32
+    )
     assert window_steps(job, default_strategy(method="token_budget", microbatches=1, cost_fn=QUADRATIC, max_tokens=600), adaptive=True) == 1
     kk = default_strategy(method="karmarkar_karp", microbatches=1, cost_fn=QUADRATIC)
     assert window_steps(job, kk, adaptive=False) == 1

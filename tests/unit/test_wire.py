@@ -108,7 +108,17 @@ def test_encode_rejects_dtypes_that_cannot_travel(array: np.ndarray) -> None:
         (common_pb2.Array(dtype="float32", shape=[], data=b""), {}, r"shape \(\) needs 4 bytes, got 0"),
         (common_pb2.Array(dtype="int8", shape=[-1, -2], data=b"\0\0"), {}, r"negative extent in shape \(-1, -2\)"),
     ],
-    ids=["unknown-dtype", "empty-dtype", "wrong-dtype", "wrong-ndim", "scalar-for-vector", "short", "long", "scalar-empty", "negative-extent"],
+    ids=[
+        "unknown-dtype",
+        "empty-dtype",
+        "wrong-dtype",
+        "wrong-ndim",
+        "scalar-for-vector",
+        "short",
+        "long",
+        "scalar-empty",
+        "negative-extent",
+    ],
 )
 def test_decode_errors_name_the_field(message: common_pb2.Array, kwargs: dict, problem: str) -> None:
     with pytest.raises(WireFormatError, match=rf"^samples\.seq: {problem}") as info:

@@ -67,7 +67,12 @@ def check_placement(placement: Any, *, slab_bytes: int, payload_bytes: int, wher
         ProtocolError: a length other than the payload's, an offset that is negative or not a
             multiple of 64, or bytes past the slab's end.
     """
-    if placement.length != payload_bytes or placement.offset < 0 or placement.offset % ALIGNMENT or placement.offset + placement.length > slab_bytes:
+    if (
+        placement.length != payload_bytes
+        or placement.offset < 0
+        or placement.offset % ALIGNMENT
+        or placement.offset + placement.length > slab_bytes
+    ):
         raise ProtocolError(
             f"slab socket {where}: payload of {payload_bytes} bytes placed at [{placement.offset}, "
             f"{placement.offset + placement.length}) of slab {placement.slab} of {slab_bytes} bytes"

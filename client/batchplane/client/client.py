@@ -122,9 +122,7 @@ class Client:
         if not 0 <= self.rank < size:
             raise InvalidRequestError(f"rank {self.rank} is outside the job's mesh of {size} ranks ({shape})")
         if self.rank not in info.ranks:
-            raise InvalidRequestError(
-                f"the constructor at {self.address} serves ranks {list(info.ranks)}, not rank {self.rank}"
-            )
+            raise InvalidRequestError(f"the constructor at {self.address} serves ranks {list(info.ranks)}, not rank {self.rank}")
         world = os.environ.get("WORLD_SIZE")
         if rank is None and world is not None and world.isdigit() and int(world) != size:
             raise InvalidRequestError(f"WORLD_SIZE={world} but the job's mesh has {size} ranks ({shape})")
@@ -251,20 +249,24 @@ class Client:
             for spec, tensors in zip(header.microbatches, groups)
         ]
         subbatches = {sub.name: tensors for sub, tensors in zip(header.subbatches, groups[len(header.microbatches) :])}
-        return {
-            "step": header.step,
-            "rank": header.rank,
-            "dp_rank": header.dp_rank,
-            "cp_rank": header.cp_rank,
-            "tp_rank": header.tp_rank,
-            "pp_rank": header.pp_rank,
-            "microbatches": microbatches,
-            "loss_weight": sum(spec.loss_weight for spec in header.microbatches),
-            "subbatches": subbatches,
-            "global_loss_tokens": header.global_loss_tokens,
-            "sources": self.sources,
-            "format": self.format,
-        }, copied, header.journal_cursor if header.HasField("journal_cursor") else None
+        return (
+            {
+                "step": header.step,
+                "rank": header.rank,
+                "dp_rank": header.dp_rank,
+                "cp_rank": header.cp_rank,
+                "tp_rank": header.tp_rank,
+                "pp_rank": header.pp_rank,
+                "microbatches": microbatches,
+                "loss_weight": sum(spec.loss_weight for spec in header.microbatches),
+                "subbatches": subbatches,
+                "global_loss_tokens": header.global_loss_tokens,
+                "sources": self.sources,
+                "format": self.format,
+            },
+            copied,
+            header.journal_cursor if header.HasField("journal_cursor") else None,
+        )
 
     def _note_transport(self, transport: str) -> None:
         self._transport = transport
@@ -360,8 +362,13 @@ class Client:
             raise InvalidRequestError(f"state_dict next_step must be an integer >= 0, got {step!r}")
         cursors = _journal_cursors(state.get("journal", NO_CURSORS))
         if cursors and step not in cursors:
-            log.warning("rank %d resumes at step %d but the state's journal cursors are for steps %s: the constructor takes the step "
-                        "to start at the journal step of the same number", self.rank, step, sorted(cursors))
+            log.warning(
+                "rank %d resumes at step %d but the state's journal cursors are for steps %s: the constructor takes the step "
+                "to start at the journal step of the same number",
+                self.rank,
+                step,
+                sorted(cursors),
+            )
         then, now = _fingerprints(state["fingerprints"]), dict(self.job.fingerprints)
         if then.get("data") != now.get("data"):
             raise InvalidRequestError(
@@ -370,7 +377,9 @@ class Client:
             )
         changed = tuple(name for name in now if then.get(name) != now[name])
         if changed:
-            log.info("rank %d resumes at step %d across changes of %s; the planner re-plans from its ledger", self.rank, step, ", ".join(changed))
+            log.info(
+                "rank %d resumes at step %d across changes of %s; the planner re-plans from its ledger", self.rank, step, ", ".join(changed)
+            )
         self.resumed_across = changed
         self._resume = then
         self._restart = True
@@ -447,7 +456,9 @@ def _journal_cursors(value: Any) -> dict[int, constructor_pb2.JournalCursor]:
     except ValueError as exc:
         raise InvalidRequestError(f"state_dict journal is not JSON: {exc}") from exc
     if not isinstance(cursors, dict) or not all(
-        step.isdigit() and isinstance(fields, dict) and set(fields) == set(CURSOR_FIELDS)
+        step.isdigit()
+        and isinstance(fields, dict)
+        and set(fields) == set(CURSOR_FIELDS)
         and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields.values())
         for step, fields in cursors.items()
     ):

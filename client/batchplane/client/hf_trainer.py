@@ -178,7 +178,9 @@ class Trainer(transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.packed_attention = packed_attention
         if self.is_deepspeed_enabled:
-            raise ValueError("DeepSpeed is not supported: its engine counts gradient accumulation itself, while each step's microbatches vary")
+            raise ValueError(
+                "DeepSpeed is not supported: its engine counts gradient accumulation itself, while each step's microbatches vary"
+            )
         if self.args.n_gpu > 1:
             raise ValueError(f"n_gpu={self.args.n_gpu}: run one process per GPU (torchrun), not nn.DataParallel")
         if not self.args.ignore_data_skip:
@@ -247,7 +249,9 @@ class Trainer(transformers.Trainer):
         size = int(getattr(self.data.job, "global_batch_size", 0) or 0)
         return size if size > 0 else super().get_total_train_batch_size(args)
 
-    def set_initial_training_values(self, args: transformers.TrainingArguments, dataloader: Any) -> tuple[int, int, int, int, int, int, int]:
+    def set_initial_training_values(
+        self, args: transformers.TrainingArguments, dataloader: Any
+    ) -> tuple[int, int, int, int, int, int, int]:
         """One epoch (the whole job, or `max_steps` of an infinite one), one update per item."""
         max_steps = self._max_steps
         steps_in_epoch = len(dataloader) if has_length(dataloader) else max_steps
@@ -290,7 +294,9 @@ class Trainer(transformers.Trainer):
             step_loss += loss.detach().to(step_loss.device)
         return step_loss
 
-    def _microbatch_loss(self, model: torch.nn.Module, microbatch: Mapping[str, Any], *, global_loss_tokens: int, world: int) -> torch.Tensor:
+    def _microbatch_loss(
+        self, model: torch.nn.Module, microbatch: Mapping[str, Any], *, global_loss_tokens: int, world: int
+    ) -> torch.Tensor:
         """world * (summed token loss) / global_loss_tokens of one microbatch, through
         `compute_loss` (so a subclass's or `compute_loss_func`'s loss applies)."""
         inputs = self._prepare_inputs(causal_lm_inputs(microbatch, packed_attention=self.packed_attention, dtype=self._mask_dtype()))

@@ -141,7 +141,9 @@ class SlabChannel:
                 raise errors.ProtocolError(f"slab socket {self.path}: an oversized message")
             message = SlabMessage.decode(data)
             if (fd is not None) != (message.kind == SLAB_FD):
-                raise errors.ProtocolError(f"slab socket {self.path}: a message of kind {message.kind} with{'' if fd is not None else 'out'} an fd")
+                raise errors.ProtocolError(
+                    f"slab socket {self.path}: a message of kind {message.kind} with{'' if fd is not None else 'out'} an fd"
+                )
         except WireFormatError as exc:
             if fd is not None:
                 os.close(fd)

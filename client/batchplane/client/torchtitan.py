@@ -149,7 +149,9 @@ class BatchplaneDataLoader(BaseDataLoader):
         job = self._client.job
         m = job.mesh
         if m.dp != self.dp_world_size:
-            raise InvalidRequestError(f"torchtitan's data-parallel degree is {self.dp_world_size} but the batchplane job's mesh.dp is {m.dp}")
+            raise InvalidRequestError(
+                f"torchtitan's data-parallel degree is {self.dp_world_size} but the batchplane job's mesh.dp is {m.dp}"
+            )
         if max(m.cp, 1) > 1:
             raise InvalidRequestError(
                 f"the batchplane job has mesh.cp={m.cp}: torchtitan slices sequences for context parallelism itself "
@@ -296,7 +298,7 @@ def _pick_entry(state: Mapping[str, Any], own: str) -> Mapping[str, Any] | None:
     if own in state:
         return state[own]
     ranks = sorted(
-        (int(key[len(_ENTRY_PREFIX):]), key) for key in state if key.startswith(_ENTRY_PREFIX) and key[len(_ENTRY_PREFIX):].isdigit()
+        (int(key[len(_ENTRY_PREFIX) :]), key) for key in state if key.startswith(_ENTRY_PREFIX) and key[len(_ENTRY_PREFIX) :].isdigit()
     )
     if ranks:
         return state[ranks[0][1]]

@@ -155,7 +155,13 @@ class ConstructorConnection:
         return self._call(lambda remaining: self._stub.GetInfo(constructor_pb2.GetInfoRequest(), timeout=remaining), "GetInfo")
 
     def batch(
-        self, rank: int, step: int, *, pin: bool, resume: dict[str, str] | None = None, restart: bool = False,
+        self,
+        rank: int,
+        step: int,
+        *,
+        pin: bool,
+        resume: dict[str, str] | None = None,
+        restart: bool = False,
         cursor: constructor_pb2.JournalCursor | None = None,
     ) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
         """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream);
@@ -168,7 +174,12 @@ class ConstructorConnection:
             wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
             slabs = self.slab_channel()
             request = constructor_pb2.GetBatchRequest(
-                rank=rank, step=step, wait_ms=wait_ms, resume=resume or {}, restart=restart, journal_cursor=cursor,
+                rank=rank,
+                step=step,
+                wait_ms=wait_ms,
+                resume=resume or {},
+                restart=restart,
+                journal_cursor=cursor,
                 shm_session=slabs.session if slabs is not None else "",
                 released_slabs=slabs.take_releases() if slabs is not None else (),  # sent once: the constructor applies them first
             )
@@ -223,7 +234,9 @@ class ConstructorConnection:
     def mark_checkpoint(self, rank: int, step: int) -> constructor_pb2.MarkCheckpointResponse:
         """Tells the constructor rank `rank`'s checkpoint resumes at `step` (answered once kept)."""
         request = constructor_pb2.MarkCheckpointRequest(rank=rank, step=step)
-        return self._call(lambda remaining: self._stub.MarkCheckpoint(request, timeout=remaining), f"MarkCheckpoint(rank {rank}, step {step})")
+        return self._call(
+            lambda remaining: self._stub.MarkCheckpoint(request, timeout=remaining), f"MarkCheckpoint(rank {rank}, step {step})"
+        )
 
     def _call(self, attempt: Callable[[float], T], what: str) -> T:
         begin = time.monotonic()

@@ -81,7 +81,9 @@ def vision_inputs(
     """
     for name in ("pixel_values", "image_grid_thw"):
         if name not in images:
-            raise VisionBatchError(f"no {name!r} among the tensors {sorted(images)}: does the strategy deliver it (DGraph.deliver) and the job declare it?")
+            raise VisionBatchError(
+                f"no {name!r} among the tensors {sorted(images)}: does the strategy deliver it (DGraph.deliver) and the job declare it?"
+            )
     pixels, grid = images["pixel_values"], images["image_grid_thw"]
     if pixels.dtype != torch.uint8 or pixels.dim() != 2:
         raise VisionBatchError(f"pixel_values must be uint8 [patches, row], got {pixels.dtype} {list(pixels.shape)}")
@@ -111,7 +113,9 @@ def vision_inputs(
 def _check_per_sample(patches: torch.Tensor, pixel_offsets: torch.Tensor, grid_offsets: torch.Tensor) -> None:
     """Each sample's grid products sum to its pixel rows."""
     if pixel_offsets.shape != grid_offsets.shape:
-        raise VisionBatchError(f"pixel_values_offsets {list(pixel_offsets.shape)} and image_grid_thw_offsets {list(grid_offsets.shape)} count other samples")
+        raise VisionBatchError(
+            f"pixel_values_offsets {list(pixel_offsets.shape)} and image_grid_thw_offsets {list(grid_offsets.shape)} count other samples"
+        )
     cumulative = torch.zeros(len(patches) + 1, dtype=torch.int64)
     if len(patches):
         cumulative[1:] = torch.cumsum(patches.cpu(), dim=0)
@@ -123,7 +127,9 @@ def _check_per_sample(patches: torch.Tensor, pixel_offsets: torch.Tensor, grid_o
     bad = torch.nonzero(got != want).flatten()
     if len(bad):
         b = int(bad[0])
-        raise VisionBatchError(f"at sample boundary {b}, the image grids cover {int(got[b])} patches but pixel_values_offsets says {int(want[b])}")
+        raise VisionBatchError(
+            f"at sample boundary {b}, the image grids cover {int(got[b])} patches but pixel_values_offsets says {int(want[b])}"
+        )
 
 
 def _normalize(pixels: torch.Tensor, *, dtype: torch.dtype, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

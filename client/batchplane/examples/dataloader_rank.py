@@ -91,8 +91,14 @@ def make_loader(files: Sequence[pathlib.Path], *, rank: int, world: int, microba
     dataset = ParquetTokens(files)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return DataLoader(
-        dataset, batch_size=microbatch, sampler=sampler, drop_last=True, collate_fn=collate,
-        num_workers=1, prefetch_factor=2, persistent_workers=True,
+        dataset,
+        batch_size=microbatch,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=1,
+        prefetch_factor=2,
+        persistent_workers=True,
     )
 
 

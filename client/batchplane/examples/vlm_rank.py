@@ -121,7 +121,11 @@ class ImageTextRows:
         for i in indices:
             if i >= self.image_rows:
                 ids = self._text[i - self.image_rows].values.to_numpy(zero_copy_only=False)
-                out[i] = {"input_ids": ids, "pixel_values": np.zeros((0, PIXEL_ROW), np.uint8), "image_grid_thw": np.zeros((0, 3), np.int64)}
+                out[i] = {
+                    "input_ids": ids,
+                    "pixel_values": np.zeros((0, PIXEL_ROW), np.uint8),
+                    "image_grid_thw": np.zeros((0, 3), np.int64),
+                }
         return [out[i] for i in indices]
 
 
@@ -150,8 +154,12 @@ def collate(samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, torch.Tens
     pixel_values (uint8 [ΣP, row]) and image_grid_thw (int64 [images, 3]) concatenated in
     sample order."""
     out = collate_tokens([s["input_ids"] for s in samples])
-    out["pixel_values"] = torch.from_numpy(np.concatenate([s["pixel_values"] for s in samples]) if samples else np.zeros((0, PIXEL_ROW), np.uint8))
-    out["image_grid_thw"] = torch.from_numpy(np.concatenate([s["image_grid_thw"] for s in samples]) if samples else np.zeros((0, 3), np.int64))
+    out["pixel_values"] = torch.from_numpy(
+        np.concatenate([s["pixel_values"] for s in samples]) if samples else np.zeros((0, PIXEL_ROW), np.uint8)
+    )
+    out["image_grid_thw"] = torch.from_numpy(
+        np.concatenate([s["image_grid_thw"] for s in samples]) if samples else np.zeros((0, 3), np.int64)
+    )
     return out
 
 
@@ -172,8 +180,14 @@ def make_loader(
     dataset = ImageTextRows(image_files, text_files, transform=transform, transform_args=transform_args)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return DataLoader(
-        dataset, batch_size=microbatch, sampler=sampler, drop_last=True, collate_fn=collate,
-        num_workers=workers, prefetch_factor=2, persistent_workers=True,
+        dataset,
+        batch_size=microbatch,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=workers,
+        prefetch_factor=2,
+        persistent_workers=True,
     )
 
 
@@ -200,8 +214,14 @@ class _Feed:
 
 def _dataloader_steps(args: argparse.Namespace) -> _Feed:
     loader = make_loader(
-        parquet_files(args.images), parquet_files(args.text), rank=args.rank, world=args.world, microbatch=args.microbatch,
-        workers=args.workers, transform=args.transform, transform_args=json.loads(args.transform_args),
+        parquet_files(args.images),
+        parquet_files(args.text),
+        rank=args.rank,
+        world=args.world,
+        microbatch=args.microbatch,
+        workers=args.workers,
+        transform=args.transform,
+        transform_args=json.loads(args.transform_args),
     )
     batches = iter(loader)  # kept (with its workers) after the last step, until the process ends
 
@@ -248,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="dataloader: worker processes (default 1)")
     parser.add_argument("--images", nargs="+", default=[], help="dataloader: the image-text source's folder")
     parser.add_argument("--text", nargs="+", default=[], help="dataloader: the text source's folder")
-    parser.add_argument("--transform", default=DEFAULT_TRANSFORM, help=f"dataloader: the image rows' transform (default {DEFAULT_TRANSFORM})")
-    parser.add_argument("--transform-args", default=json.dumps(dict(DEFAULT_TRANSFORM_ARGS)), help="dataloader: its keyword arguments (JSON)")
+    parser.add_argument(
+        "--transform", default=DEFAULT_TRANSFORM, help=f"dataloader: the image rows' transform (default {DEFAULT_TRANSFORM})"
+    )
+    parser.add_argument(
+        "--transform-args", default=json.dumps(dict(DEFAULT_TRANSFORM_ARGS)), help="dataloader: its keyword arguments (JSON)"
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="batchplane: the client's deadline per batch, seconds")
     args = parser.parse_args(argv)
     feed = (_dataloader_steps if args.system == "dataloader" else _batchplane_steps)(args)
@@ -263,8 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         samples, pixels, grids = taken
         pixel_bytes = touch(pixels)
         line = {
-            "step": step, "wait_s": waited, "received": time.time(), "samples": samples,
-            "images": sum(int(g.shape[0]) for g in grids), "pixel_bytes": pixel_bytes,
+            "step": step,
+            "wait_s": waited,
+            "received": time.time(),
+            "samples": samples,
+            "images": sum(int(g.shape[0]) for g in grids),
+            "pixel_bytes": pixel_bytes,
         }
         del taken, pixels, grids
         print(json.dumps(line), flush=True)

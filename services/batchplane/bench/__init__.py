@@ -61,13 +61,21 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *, dp: Sequence[int], pp
     --context (repeatable), with these defaults."""
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     parser.add_argument(
-        "--dp", action="append", type=positive_int, default=None, metavar="N",
+        "--dp",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help=f"data-parallel size (repeatable; default {', '.join(map(str, dp))})",
     )
     parser.add_argument("--tp", type=positive_int, default=4, help="tensor-parallel size (default 4)")
     parser.add_argument("--pp", type=positive_int, default=pp, help=f"pipeline-parallel size (default {pp})")
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (default 1)")
     parser.add_argument(
-        "--context", action="append", type=positive_int, default=None, metavar="TOKENS",
+        "--context",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
         help=f"maximum sequence length (repeatable; default {', '.join(map(str, contexts))})",
     )

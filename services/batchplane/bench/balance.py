@@ -154,21 +154,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add_mesh_arguments(parser, dp=DP, pp=1, contexts=CONTEXTS)
     parser.add_argument(
-        "--samples-per-rank", type=positive_int, default=72,
+        "--samples-per-rank",
+        type=positive_int,
+        default=72,
         help="samples per DP rank per step (default 72, the paper's per-GPU batch)",
     )
     parser.add_argument("--steps", type=positive_int, default=60, help="steps per (dp, context) (default 60)")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per DP rank (default 4)")
     parser.add_argument(
-        "--tflops", type=_positive_float, default=400.0,
+        "--tflops",
+        type=_positive_float,
+        default=400.0,
         help="assumed effective training throughput per GPU, TFLOP/s (default 400)",
     )
     parser.add_argument(
-        "--backbone-layers", type=positive_int, default=LLAMA_12B.layers,
+        "--backbone-layers",
+        type=positive_int,
+        default=LLAMA_12B.layers,
         help=f"layers of the Llama-12B backbone (default {LLAMA_12B.layers}; the paper's Sec. 7.2 runs 8 or 16)",
     )
     parser.add_argument(
-        "--lengths", type=pathlib.Path, default=None, metavar="FILE",
+        "--lengths",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
         help="draw samples from a .npy (text lengths, or [2, n] text and image tokens) or .npz "
         "(text lengths, then image tokens) instead of the synthetic distribution",
     )
@@ -223,17 +232,19 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             for method in METHODS:
                 mo_mean, mo_min, enc_mo_mean, sim = means[method]
                 speedups = {field: float(means[vanilla][3] / sim) for vanilla, field in VANILLAS.items()}
-                records.append({
-                    "dp": dp,
-                    "context": context,
-                    "method": method,
-                    "max_over_mean": float(mo_mean),
-                    "max_over_min": float(mo_min),
-                    "encoder_max_over_mean": float(enc_mo_mean),
-                    "sim_iteration_s": float(sim),
-                    "speedup_vs_vanilla": speedups["speedup_vs_round_robin"],
-                    **speedups,
-                })
+                records.append(
+                    {
+                        "dp": dp,
+                        "context": context,
+                        "method": method,
+                        "max_over_mean": float(mo_mean),
+                        "max_over_min": float(mo_min),
+                        "encoder_max_over_mean": float(enc_mo_mean),
+                        "sim_iteration_s": float(sim),
+                        "speedup_vs_vanilla": speedups["speedup_vs_round_robin"],
+                        **speedups,
+                    }
+                )
             progress(f"balance: dp {dp} context {context} done")
     return {
         "benchmark": "balance",

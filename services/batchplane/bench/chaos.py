@@ -73,7 +73,9 @@ RANKS = (0, 1)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failure", action="append", choices=FAILURES, default=None, help="part to kill (repeatable; default all)")
     parser.add_argument("--shadow", action="append", choices=("off", "on"), default=None, help="shadow loaders (repeatable; default both)")
-    parser.add_argument("--prefetch", action="append", type=positive_int, default=None, help="constructors.prefetch_steps (repeatable; default 1, 2, 4)")
+    parser.add_argument(
+        "--prefetch", action="append", type=positive_int, default=None, help="constructors.prefetch_steps (repeatable; default 1, 2, 4)"
+    )
     parser.add_argument("--kill-at", type=positive_int, default=40, help="step at which the part is killed (default 40)")
     parser.add_argument("--step-seconds", type=float, default=0.05, help="the trainer's compute time per step (default 0.05)")
     parser.add_argument("--rows", type=positive_int, default=4000, help="rows over the four sources (default 4,000)")
@@ -93,7 +95,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             for shadow in shadows:
                 for prefetch in prefetches:
                     progress(f"{failure} killed at step {args.kill_at}, {'with' if shadow else 'without'} shadows, prefetch {prefetch}")
-                    record, rss = _run(root / f"{failure}-{shadow}-{prefetch}", data, failure=failure, shadow=shadow, prefetch=prefetch, args=args)
+                    record, rss = _run(
+                        root / f"{failure}-{shadow}-{prefetch}", data, failure=failure, shadow=shadow, prefetch=prefetch, args=args
+                    )
                     records.append(record)
                     if rss is not None:
                         memory.append(rss)
@@ -134,8 +138,13 @@ def _run(
 ) -> tuple[dict, tuple[int, int] | None]:
     """One run: its record, and (loader 0's, its shadow's) resident bytes before the kill."""
     config = write_job(
-        folder, f"chaos-{failure}-{'shadow' if shadow else 'plain'}-{prefetch}", data, ranks=len(RANKS), batch=32,
-        loaders={"count": 2, "shadow": shadow}, constructors={"prefetch_steps": prefetch},
+        folder,
+        f"chaos-{failure}-{'shadow' if shadow else 'plain'}-{prefetch}",
+        data,
+        ranks=len(RANKS),
+        batch=32,
+        loaders={"count": 2, "shadow": shadow},
+        constructors={"prefetch_steps": prefetch},
     )
     begin = time.monotonic()
     steps_path = folder / "steps.jsonl"
@@ -190,7 +199,9 @@ def _run(
 def _replayed(process: ServiceProcess) -> int:
     """batchplane_loader_samples_replayed_total of a loader, over its sources."""
     page = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
-    return int(sum(float(line.rpartition(" ")[2]) for line in page.splitlines() if line.startswith("batchplane_loader_samples_replayed_total{")))
+    return int(
+        sum(float(line.rpartition(" ")[2]) for line in page.splitlines() if line.startswith("batchplane_loader_samples_replayed_total{"))
+    )
 
 
 def _rss(cluster: LocalCluster, name: str) -> int:

@@ -47,16 +47,23 @@ from batchplane.bench import positive_int
 from batchplane.bench.transport import text_sources
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-rows", type=positive_int, default=12000, help="Part B: rows over the four sources (default 12,000)")
     parser.add_argument("--global-batch", type=positive_int, default=64, help="Part B: samples a step over all ranks (default 64)")
     parser.add_argument("--dp-microbatches", type=positive_int, default=2, help="Part B: microbatches per rank and step (default 2)")
-    parser.add_argument("--ranks", action="append", type=positive_int, default=None, metavar="N", help="Part B: ranks (repeatable; default 2 and 8)")
-    parser.add_argument("--sample-repeats", type=positive_int, default=2, help="Part B: runs of each system per rank count, alternating (default 2)")
+    parser.add_argument(
+        "--ranks", action="append", type=positive_int, default=None, metavar="N", help="Part B: ranks (repeatable; default 2 and 8)"
+    )
+    parser.add_argument(
+        "--sample-repeats", type=positive_int, default=2, help="Part B: runs of each system per rank count, alternating (default 2)"
+    )
     parser.add_argument("--loaders", type=positive_int, default=2, help="Part B: batchplane loader groups (default 2)")
-    parser.add_argument("--ranks-per-constructor", type=positive_int, default=8, help="Part B: ranks a batchplane constructor serves (default 8)")
-    parser.add_argument("--journal", action="store_true", help="Part B: also run batchplane with journal delivery (batch.delivery: journal)")
+    parser.add_argument(
+        "--ranks-per-constructor", type=positive_int, default=8, help="Part B: ranks a batchplane constructor serves (default 8)"
+    )
+    parser.add_argument(
+        "--journal", action="store_true", help="Part B: also run batchplane with journal delivery (batch.delivery: journal)"
+    )
 
 
 def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callable[[str], None]) -> list[dict]:
@@ -67,15 +74,22 @@ def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callab
     records = []
     for ranks in args.ranks or (2, 8):
         if args.global_batch % (ranks * args.dp_microbatches):
-            raise ValueError(f"--global-batch {args.global_batch} must be a multiple of ranks x --dp-microbatches = {ranks * args.dp_microbatches}")
+            raise ValueError(
+                f"--global-batch {args.global_batch} must be a multiple of ranks x --dp-microbatches = {ranks * args.dp_microbatches}"
+            )
         for repeat in range(args.sample_repeats):
             for system in ("batchplane", "dataloader", *(["batchplane-journal"] if getattr(args, "journal", False) else [])):
                 progress(f"{system}, {ranks} ranks, run {repeat + 1} of {args.sample_repeats}")
                 where = folder / f"{system}-{ranks}-{repeat}"
                 if system.startswith("batchplane"):
                     record = run_batchplane(
-                        where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches,
-                        loaders=args.loaders, ranks_per_constructor=min(args.ranks_per_constructor, ranks),
+                        where,
+                        data,
+                        ranks=ranks,
+                        batch=args.global_batch,
+                        microbatches=args.dp_microbatches,
+                        loaders=args.loaders,
+                        ranks_per_constructor=min(args.ranks_per_constructor, ranks),
                         delivery="journal" if system == "batchplane-journal" else "stream",
                     )
                 else:
@@ -118,9 +132,23 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
     microbatch = batch // (ranks * microbatches)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "batchplane.examples.dataloader_rank", "--rank", str(r), "--world", str(ranks),
-             "--microbatch", str(microbatch), "--microbatches", str(microbatches), *map(str, data.values())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(folder / f"rank-{r}.log", "wb"),
+            [
+                sys.executable,
+                "-m",
+                "batchplane.examples.dataloader_rank",
+                "--rank",
+                str(r),
+                "--world",
+                str(ranks),
+                "--microbatch",
+                str(microbatch),
+                "--microbatches",
+                str(microbatches),
+                *map(str, data.values()),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(folder / f"rank-{r}.log", "wb"),
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # as torchrun sets it for several processes a node
         )
         for r in range(ranks)
@@ -154,7 +182,14 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
 
 
 def run_batchplane(
-    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, microbatches: int, loaders: int, ranks_per_constructor: int,
+    folder: pathlib.Path,
+    data: dict[str, pathlib.Path],
+    *,
+    ranks: int,
+    batch: int,
+    microbatches: int,
+    loaders: int,
+    ranks_per_constructor: int,
     delivery: str = "stream",
 ) -> dict:
     """One run of a batchplane job at `ranks` ranks with the stand-in trainer (`delivery`:
@@ -163,8 +198,14 @@ def run_batchplane(
     from batchplane.launcher.local import LocalCluster
 
     config = write_job(
-        folder, f"delivery-{ranks}", data, ranks=ranks, batch=batch, loaders={"count": loaders},
-        constructors={"ranks_per_constructor": ranks_per_constructor}, network={"tls": False},
+        folder,
+        f"delivery-{ranks}",
+        data,
+        ranks=ranks,
+        batch=batch,
+        loaders={"count": loaders},
+        constructors={"ranks_per_constructor": ranks_per_constructor},
+        network={"tls": False},
     )
     _set_microbatches(config, microbatches, delivery=delivery)
     steps_path = folder / "steps.jsonl"
@@ -189,7 +230,9 @@ def run_batchplane(
     start = min(s["received"] for s in first.values())
     end = max(s["received"] for s in steps)
     samples = sum(len(s["samples"]) for s in steps) - sum(len(s["samples"]) for s in first.values())
-    return _record("batchplane" if delivery == "stream" else f"batchplane-{delivery}", ranks, samples, end - start, cpu_at_last, cpu_at_first)
+    return _record(
+        "batchplane" if delivery == "stream" else f"batchplane-{delivery}", ranks, samples, end - start, cpu_at_last, cpu_at_first
+    )
 
 
 def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str = "stream") -> None:

@@ -130,7 +130,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         root = pathlib.Path(tmp)
         if not args.skip_transports:
             records = measure_transports(
-                settings, folder=root / "transports", batches=args.batches, repeats=args.repeats, progress=progress, min_round_s=args.min_round_s
+                settings,
+                folder=root / "transports",
+                batches=args.batches,
+                repeats=args.repeats,
+                progress=progress,
+                min_round_s=args.min_round_s,
             )
             out["records"] += records
             out["summary"] = summarize(records)
@@ -249,7 +254,9 @@ def _stream_server(path: str, payloads: dict[str, list[BuiltBatch]]):
     # Deliberately not core.rpc.create_grpc_server: this is the bare-gRPC ceiling the factory's
     # server (interceptor, health, security) is measured against.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.max_send_message_length", 4 << 20)])
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("batchplane.bench.Stream", {"Get": grpc.unary_stream_rpc_method_handler(get)})])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("batchplane.bench.Stream", {"Get": grpc.unary_stream_rpc_method_handler(get)})]
+    )
     server.add_insecure_port(f"unix://{path}")
     server.start()
     return server
@@ -276,7 +283,9 @@ def _constructor_server(path: str, payloads: dict[str, list[BuiltBatch]], *, shm
     pipeline = _StandInPipeline(payloads)
     slabs = None
     if shm_bytes:
-        slabs = SlabServer(slab_socket_path(address), SlabPool(shm_bytes, metrics), max_sessions=len(pipeline.ranks) * SESSIONS_PER_RANK).start()
+        slabs = SlabServer(
+            slab_socket_path(address), SlabPool(shm_bytes, metrics), max_sessions=len(pipeline.ranks) * SESSIONS_PER_RANK
+        ).start()
     add_to_server(ConstructorServicer(common_pb2.JobInfo(), pipeline, metrics, slabs), server)
     server.start()
     return [lambda: server.stop(0).wait(), *([slabs.stop] if slabs is not None else [])]
@@ -303,7 +312,9 @@ class SenderProcess:
         self.folder = folder
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "batchplane.bench.delivery", str(folder), json.dumps(dataclasses.asdict(settings))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(folder / "sender.log", "wb"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(folder / "sender.log", "wb"),
         )
         line = self.popen.stdout.readline()  # blocks until ready (or the child died)
         if line.strip() != b"ready":
@@ -450,7 +461,10 @@ def verify(receiver: Receiver, batch: BuiltBatch) -> bool:
         expected = tensors_of(batch)
         return len(expected) == len(receiver.last) and all(
             want.keys() == got.keys()
-            and all(got[k].numpy().dtype == want[k].dtype and got[k].numpy().shape == want[k].shape and np.array_equal(got[k].numpy(), want[k]) for k in want)
+            and all(
+                got[k].numpy().dtype == want[k].dtype and got[k].numpy().shape == want[k].shape and np.array_equal(got[k].numpy(), want[k])
+                for k in want
+            )
             for want, got in zip(expected, receiver.last)
         )
     return bytes(receiver.last) == bytes(batch.payload)
@@ -460,13 +474,23 @@ def verify(receiver: Receiver, batch: BuiltBatch) -> bool:
 
 
 def measure_transports(
-    settings: PayloadSettings, *, folder: pathlib.Path, batches: int, repeats: int, progress: Callable[[str], None], min_round_s: float = 0.0
+    settings: PayloadSettings,
+    *,
+    folder: pathlib.Path,
+    batches: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    min_round_s: float = 0.0,
 ) -> list[dict]:
     """Part A: one record per (payload, transport), medians of `repeats` alternated rounds of at
     least `batches` batches and `min_round_s` seconds each."""
     payloads = build_payloads(settings)
     with SenderProcess(folder, settings) as sender:
-        receivers: list[Receiver] = [MemcpyReceiver(payloads), StreamReceiver(sender.stream_address, payloads), ClientReceiver(sender.constructor_address, shm=False)]
+        receivers: list[Receiver] = [
+            MemcpyReceiver(payloads),
+            StreamReceiver(sender.stream_address, payloads),
+            ClientReceiver(sender.constructor_address, shm=False),
+        ]
         try:
             receivers.append(ClientReceiver(sender.constructor_address, shm=True))
         except ShmUnavailable as exc:
@@ -479,7 +503,7 @@ def measure_transports(
         rounds: dict[tuple[str, str], list[dict]] = {key: [] for key in verified}
         for repeat in range(repeats):
             progress(f"round {repeat + 1} of {repeats}")
-            order = receivers[repeat % len(receivers):] + receivers[: repeat % len(receivers)]
+            order = receivers[repeat % len(receivers) :] + receivers[: repeat % len(receivers)]
             for payload in PAYLOADS:
                 for receiver in order:
                     rounds[payload, receiver.name].append(_round(receiver, sender, payload, batches, min_round_s))
@@ -488,18 +512,20 @@ def measure_transports(
     records = []
     for (payload, transport), measured in rounds.items():
         median = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
-        records.append({
-            "payload": payload,
-            "transport": transport,
-            "gb_per_s": round(median["gb_per_s"], 4),
-            "cpu_s_per_gb": round(median["sender_cpu_s_per_gb"] + median["receiver_cpu_s_per_gb"], 4),
-            "sender_cpu_s_per_gb": round(median["sender_cpu_s_per_gb"], 4),
-            "receiver_cpu_s_per_gb": round(median["receiver_cpu_s_per_gb"], 4),
-            "bytes_per_batch": round(median["bytes_per_batch"]),
-            "batches": round(median["batches"]),
-            "repeats": repeats,
-            "verified": verified[payload, transport],
-        })
+        records.append(
+            {
+                "payload": payload,
+                "transport": transport,
+                "gb_per_s": round(median["gb_per_s"], 4),
+                "cpu_s_per_gb": round(median["sender_cpu_s_per_gb"] + median["receiver_cpu_s_per_gb"], 4),
+                "sender_cpu_s_per_gb": round(median["sender_cpu_s_per_gb"], 4),
+                "receiver_cpu_s_per_gb": round(median["receiver_cpu_s_per_gb"], 4),
+                "bytes_per_batch": round(median["bytes_per_batch"]),
+                "batches": round(median["batches"]),
+                "repeats": repeats,
+                "verified": verified[payload, transport],
+            }
+        )
         progress(f"  {payload:6s} {transport:11s} {records[-1]['gb_per_s']:6.2f} GB/s  {records[-1]['cpu_s_per_gb']:.3f} CPU s/GB")
     return records
 

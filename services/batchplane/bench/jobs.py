@@ -14,22 +14,28 @@ import yaml
 from batchplane.launcher.local import LocalCluster
 
 
-def write_job(folder: pathlib.Path, name: str, data: dict[str, pathlib.Path], *, ranks: int, batch: int, **sections: object) -> pathlib.Path:
+def write_job(
+    folder: pathlib.Path, name: str, data: dict[str, pathlib.Path], *, ranks: int, batch: int, **sections: object
+) -> pathlib.Path:
     """Writes `folder`/job.yaml: one epoch of `data`'s sources (name -> folder) on `ranks`
     data-parallel ranks, `batch` samples a step in 2 microbatches, run folder `folder`/run;
     `sections` add or replace top-level sections (loaders, constructors, network)."""
     folder.mkdir(parents=True)
     config = folder / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "job": name,
-        "run_dir": str(folder / "run"),
-        "seed": 0,
-        "epochs": 1,
-        "sources": [{"name": source, "path": str(path)} for source, path in data.items()],
-        "mesh": {"dp": ranks},
-        "batch": {"global_batch_size": batch, "microbatches": 2},
-        **sections,
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "job": name,
+                "run_dir": str(folder / "run"),
+                "seed": 0,
+                "epochs": 1,
+                "sources": [{"name": source, "path": str(path)} for source, path in data.items()],
+                "mesh": {"dp": ranks},
+                "batch": {"global_batch_size": batch, "microbatches": 2},
+                **sections,
+            }
+        )
+    )
     return config
 
 
@@ -37,8 +43,18 @@ def start_trainer(cluster: LocalCluster, ranks: Sequence[int], *, step_seconds: 
     """The stand-in trainer for `ranks` of `cluster`'s job, spending `step_seconds` a step and
     writing one JSON line per rank and step to `out`."""
     return subprocess.Popen(
-        [sys.executable, "-m", "batchplane.examples.timed_trainer", "--ranks", ",".join(map(str, ranks)),
-         "--step-seconds", str(step_seconds), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "batchplane.examples.timed_trainer",
+            "--ranks",
+            ",".join(map(str, ranks)),
+            "--step-seconds",
+            str(step_seconds),
+            "--out",
+            str(out),
+        ],
         env={**os.environ, "BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )

@@ -118,12 +118,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     default = ", ".join(f"{dp}:{b}:{k}" for dp, b, k in CONFIGS)
     parser.add_argument(
-        "--config", action="append", type=parse_config, default=None, metavar="DP:BATCH:SOURCES",
+        "--config",
+        action="append",
+        type=parse_config,
+        default=None,
+        metavar="DP:BATCH:SOURCES",
         help=f"a configuration (repeatable; default {default})",
     )
     parser.add_argument("--steps", type=positive_int, default=PER_STEPS, help="steps per configuration (default 10,000)")
     parser.add_argument(
-        "--budget-s", type=float, default=5.0,
+        "--budget-s",
+        type=float,
+        default=5.0,
         help="seconds after which a configuration stops at the next whole segment and extrapolates (default 5)",
     )
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per rank (default 4)")
@@ -131,7 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lag", type=int, default=8, help="steps the slowest rank is behind when compacting (default 8)")
     parser.add_argument("--rows", type=positive_int, default=10_000_000, help="rows per source (default 10,000,000)")
     parser.add_argument(
-        "--keep-detail-steps", type=int, default=None, metavar="D",
+        "--keep-detail-steps",
+        type=int,
+        default=None,
+        metavar="D",
         help="thin segments further than D steps behind the slowest rank (default: keep every sample)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the orders and lengths (default 0)")
@@ -233,17 +242,19 @@ def _measure(config: Config, folder: pathlib.Path, args: argparse.Namespace, pro
         step = steps
         allocation, after = mixture.allocate(state)
         rng = np.random.default_rng([args.seed, config.dp, config.batch, k, step])
-        table = SampleTable.concat([
-            SampleTable(
-                source=np.full(count, i, np.int32),
-                seq=np.arange(start, start + count, dtype=np.int64),
-                row=rows[i].at(start, count),
-                length=np.minimum(np.rint(rng.lognormal(6.5, 1.0, count)) + 1, CONTEXT).astype(np.int32),
-                epoch=(np.arange(start, start + count) // args.rows).astype(np.int32),
-            )
-            for i, (start, count) in enumerate(zip(allocation.starts, allocation.counts))
-            if count
-        ])
+        table = SampleTable.concat(
+            [
+                SampleTable(
+                    source=np.full(count, i, np.int32),
+                    seq=np.arange(start, start + count, dtype=np.int64),
+                    row=rows[i].at(start, count),
+                    length=np.minimum(np.rint(rng.lognormal(6.5, 1.0, count)) + 1, CONTEXT).astype(np.int32),
+                    epoch=(np.arange(start, start + count) // args.rows).astype(np.int32),
+                )
+                for i, (start, count) in enumerate(zip(allocation.starts, allocation.counts))
+                if count
+            ]
+        )
         plan = strategy.run(step, table, mesh, default_cost=cost)
         t0 = time.perf_counter()
         record = ledger.record(allocation, plan, after)

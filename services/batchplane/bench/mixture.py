@@ -80,17 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", type=positive_int, default=4, help="number of sources, all endless (default 4)")
     parser.add_argument("--batch", type=positive_int, default=256, help="global batch size in samples (default 256)")
     parser.add_argument(
-        "--microbatches", type=positive_int, default=8,
+        "--microbatches",
+        type=positive_int,
+        default=8,
         help="sub-steps per step with microbatch granularity (default 8)",
     )
+    parser.add_argument("--window", type=positive_int, default=100, help="steps per window of the windowed share error (default 100)")
+    parser.add_argument("--kind", action="append", choices=KINDS, default=None, help="schedule kind (repeatable; default all five)")
     parser.add_argument(
-        "--window", type=positive_int, default=100, help="steps per window of the windowed share error (default 100)"
-    )
-    parser.add_argument(
-        "--kind", action="append", choices=KINDS, default=None, help="schedule kind (repeatable; default all five)"
-    )
-    parser.add_argument(
-        "--granularity", action="append", choices=GRANULARITIES, default=None,
+        "--granularity",
+        action="append",
+        choices=GRANULARITIES,
+        default=None,
         help="how often the schedule is read (repeatable; default both)",
     )
 
@@ -127,16 +128,18 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             else:
                 counts, shares, seconds = allocate(mixture, steps=args.steps)
                 expected = expected_shares(schedule, steps=args.steps, batch=args.batch, microbatches=mixture.microbatches)
-            records.append({
-                "kind": kind,
-                "granularity": granularity,
-                "steps": args.steps,
-                "batch": args.batch,
-                "sources": args.sources,
-                **fidelity(counts, shares, expected, window=args.window),
-                "seconds": seconds,
-                **extra,
-            })
+            records.append(
+                {
+                    "kind": kind,
+                    "granularity": granularity,
+                    "steps": args.steps,
+                    "batch": args.batch,
+                    "sources": args.sources,
+                    **fidelity(counts, shares, expected, window=args.window),
+                    "seconds": seconds,
+                    **extra,
+                }
+            )
             progress(f"mixture: {kind} per {granularity} done ({len(records)}/{len(kinds) * len(granularities)})")
     return {
         "benchmark": "mixture",
@@ -188,8 +191,11 @@ def default_schedule(kind: str, *, sources: int, steps: int) -> Schedule:
         return FromCallable(cosine, f"cosine, period {period:g} steps", names)
     if kind == "adaptive":
         rule = AdaptiveRule(
-            source_names=names, initial=(1.0,) * sources, minimum=(min(0.05, 1 / sources),) * sources,
-            maximum=(max(0.7, 1 / sources),) * sources, max_change=0.02,
+            source_names=names,
+            initial=(1.0,) * sources,
+            minimum=(min(0.05, 1 / sources),) * sources,
+            maximum=(max(0.7, 1 / sources),) * sources,
+            max_change=0.02,
         )
         return AdaptiveSchedule(rule)
     raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")

@@ -46,8 +46,14 @@ class MotoServer:
         RuntimeError: It exited or did not answer in time (with its log's end).
     """
 
-    def __init__(self, workdir: str | os.PathLike[str], *, access_key: str = "batchplane",
-                 secret_key: str = "batchplane-secret", start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        access_key: str = "batchplane",
+        secret_key: str = "batchplane-secret",
+        start_timeout_s: float = 30.0,
+    ) -> None:
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.access_key = access_key
@@ -60,14 +66,18 @@ class MotoServer:
         self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"moto's S3 server did not start within {start_timeout_s} s "
-                                   f"(exit {self._proc.returncode}); its log ends: {self.log_text()}")
+                raise RuntimeError(
+                    f"moto's S3 server did not start within {start_timeout_s} s "
+                    f"(exit {self._proc.returncode}); its log ends: {self.log_text()}"
+                )
             try:
                 self._call("GET", "/moto-api/", timeout=1.0)
                 return

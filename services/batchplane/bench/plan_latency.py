@@ -101,11 +101,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add_mesh_arguments(parser, dp=DP, pp=8, contexts=CONTEXTS)
     parser.add_argument(
-        "--samples-per-rank", action="append", type=positive_int, default=None, metavar="N",
+        "--samples-per-rank",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help=f"samples per DP rank per step (repeatable; default {', '.join(map(str, SAMPLES_PER_RANK))})",
     )
     parser.add_argument(
-        "--group-size", action="append", type=positive_int, default=None, metavar="G",
+        "--group-size",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="G",
         help="DP ranks per balancing group, run for each DP size it divides besides no grouping "
         "(repeatable; default: per DP size its divisor closest to the square root)",
     )
@@ -141,19 +149,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                         key=lambda t: t[2],
                     )
                     cost_s, balance_s, total_s = timings[(len(timings) - 1) // 2]
-                    records.append({
-                        "ranks": mesh.world,
-                        "tp": args.tp,
-                        "pp": args.pp,
-                        "dp": dp,
-                        "cp": args.cp,
-                        "samples_per_step": dp * spr,
-                        "context": context,
-                        "group_size": group_size,
-                        "cost_s": cost_s,
-                        "balance_s": balance_s,
-                        "total_s": total_s,
-                    })
+                    records.append(
+                        {
+                            "ranks": mesh.world,
+                            "tp": args.tp,
+                            "pp": args.pp,
+                            "dp": dp,
+                            "cp": args.cp,
+                            "samples_per_step": dp * spr,
+                            "context": context,
+                            "group_size": group_size,
+                            "cost_s": cost_s,
+                            "balance_s": balance_s,
+                            "total_s": total_s,
+                        }
+                    )
             progress(f"plan-latency: {mesh.world} ranks, {spr} samples per DP rank done")
     return {
         "benchmark": "plan-latency",
@@ -232,31 +242,35 @@ def _summarize(records: list[dict]) -> dict:
     for column, ranks, spr, context, grouped, cost_s, balance_s in PAPER_TABLE_2:
         r = _find(records, ranks=ranks, samples_per_rank=spr, context=context, grouped=grouped)
         if r is not None:
-            table.append({
-                "column": column,
-                "ranks": ranks,
-                "samples_per_rank": spr,
-                "context": context,
-                "group_size": r["group_size"],
-                "paper_cost_s": cost_s,
-                "paper_balance_s": balance_s,
-                "cost_s": r["cost_s"],
-                "balance_s": r["balance_s"],
-                "paper_over_ours": (cost_s + balance_s) / r["total_s"],
-            })
+            table.append(
+                {
+                    "column": column,
+                    "ranks": ranks,
+                    "samples_per_rank": spr,
+                    "context": context,
+                    "group_size": r["group_size"],
+                    "paper_cost_s": cost_s,
+                    "paper_balance_s": balance_s,
+                    "cost_s": r["cost_s"],
+                    "balance_s": r["balance_s"],
+                    "paper_over_ours": (cost_s + balance_s) / r["total_s"],
+                }
+            )
     out["paper_table_2"] = table
     by_key = {(r["ranks"], r["samples_per_step"] // r["dp"], r["context"], r["group_size"]): r for r in records}
     growth = []
     for (ranks, spr, context, group_size), small in by_key.items():
         big = by_key.get((ranks, 10 * spr, context, group_size))
         if spr == 72 and big is not None:
-            growth.append({
-                "ranks": ranks,
-                "context": context,
-                "group_size": group_size,
-                "total_s_72": small["total_s"],
-                "total_s_720": big["total_s"],
-                "ratio": big["total_s"] / small["total_s"],
-            })
+            growth.append(
+                {
+                    "ranks": ranks,
+                    "context": context,
+                    "group_size": group_size,
+                    "total_s_72": small["total_s"],
+                    "total_s_720": big["total_s"],
+                    "ratio": big["total_s"] / small["total_s"],
+                }
+            )
     out["growth_72_to_720"] = growth
     return out

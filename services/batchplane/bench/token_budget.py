@@ -161,35 +161,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated lengths (default 0)")
     parser.add_argument(
-        "--global-batch", type=positive_int, default=GLOBAL_BATCH, metavar="N",
+        "--global-batch",
+        type=positive_int,
+        default=GLOBAL_BATCH,
+        metavar="N",
         help=f"samples per step (default {GLOBAL_BATCH})",
     )
     parser.add_argument(
-        "--window-steps", action="append", type=positive_int, default=None, metavar="K",
+        "--window-steps",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="K",
         help="steps per planner window (repeatable, e.g. 1, 4, 16; default: the planner's default "
         "for the global batch and the default loaders.read_ahead_samples)",
     )
     parser.add_argument("--window", type=_removed_window, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--samples", type=positive_int, default=None, metavar="N",
-        help=f"samples per generated distribution (default {SYNTHETIC_SAMPLES} for ODB's six, "
-        f"{MATCHED_SAMPLES} for the matched ones)",
+        "--samples",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"samples per generated distribution (default {SYNTHETIC_SAMPLES} for ODB's six, {MATCHED_SAMPLES} for the matched ones)",
     )
     parser.add_argument(
-        "--lengths", type=pathlib.Path, default=None, metavar="FILE",
-        help="a .npy of integer lengths > 0, run as a distribution named after the file; "
-        "alone unless --distribution is given too",
+        "--lengths",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
+        help="a .npy of integer lengths > 0, run as a distribution named after the file; alone unless --distribution is given too",
     )
     parser.add_argument(
-        "--distribution", action="append", choices=NAMES, default=None,
+        "--distribution",
+        action="append",
+        choices=NAMES,
+        default=None,
         help="a generated distribution to run (repeatable; default: all ten, none with --lengths)",
     )
     parser.add_argument(
-        "--lmax", action="append", type=positive_int, default=None, metavar="N",
+        "--lmax",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help=f"token budget per microbatch (repeatable; default {', '.join(map(str, LMAX))})",
     )
     parser.add_argument(
-        "--world", action="append", type=positive_int, default=None, metavar="W",
+        "--world",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="W",
         help=f"data-parallel world size (repeatable; default {', '.join(map(str, WORLD))})",
     )
 
@@ -225,16 +247,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             for world in worlds:
                 shape = {"lmax": lmax, "world": world}
                 plans: list[tuple[str, int | None, Plan]] = [
-                    ("planner", w, _planner_plan(lengths, **shape, global_batch=args.global_batch, window_steps=w))
-                    for w in windows
+                    ("planner", w, _planner_plan(lengths, **shape, global_batch=args.global_batch, window_steps=w)) for w in windows
                 ]
                 plans.append(("offline_greedy", None, _offline_greedy_plan(lengths, **shape)))
                 plans.append(("fixed_batch", None, _fixed_batch_plan(lengths, **shape, global_batch=args.global_batch)))
                 for batching, window_steps, plan in plans:
-                    own.append({
-                        "distribution": name, "lmax": lmax, "world": world, "batching": batching,
-                        "window_steps": window_steps, **_measure(plan, lengths, world=world),
-                    })
+                    own.append(
+                        {
+                            "distribution": name,
+                            "lmax": lmax,
+                            "world": world,
+                            "batching": batching,
+                            "window_steps": window_steps,
+                            **_measure(plan, lengths, world=world),
+                        }
+                    )
         records.extend(own)
         summary[name] = _summarize(own, lengths=lengths, recipe=recipe, windows=windows)
         if name in MATCHED:
@@ -358,8 +385,7 @@ def _load_lengths(path: pathlib.Path) -> np.ndarray:
     a = np.load(path, allow_pickle=False)
     if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer) or a.min() <= 0:
         raise ValueError(
-            f"--lengths {str(path)!r}: want a non-empty one-dimensional array of integers > 0, "
-            f"got dtype {a.dtype} shape {a.shape}"
+            f"--lengths {str(path)!r}: want a non-empty one-dimensional array of integers > 0, got dtype {a.dtype} shape {a.shape}"
         )
     return a.astype(np.int64)
 
@@ -375,9 +401,7 @@ def _planner_plan(lengths: np.ndarray, *, lmax: int, world: int, global_batch: i
     for ids in _chunks(len(lengths), window_steps * global_batch):
         lens = lengths[ids]
         steps = min(window_steps, -(-len(ids) // global_batch))
-        for step in token_budget_steps(
-            lens, lens.astype(np.float64) ** 2, ranks=world, steps=steps, max_tokens=lmax, padded=True
-        ):
+        for step in token_budget_steps(lens, lens.astype(np.float64) ** 2, ranks=world, steps=steps, max_tokens=lmax, padded=True):
             plan.append([[ids[b] for b in microbatches] for microbatches in step])
     return plan
 
@@ -436,16 +460,18 @@ def _summarize(records: list[dict], *, lengths: np.ndarray, recipe: str, windows
         pp = [100 * (p["padding_rate"] - g["padding_rate"]) for p, g in zip(mine, greedy)]
         vs_greedy = [max(p["steps_per_rank"]) / max(g["steps_per_rank"]) for p, g in zip(mine, greedy)]
         vs_fixed = [max(f["steps_per_rank"]) / max(p["steps_per_rank"]) for p, f in zip(mine, fixed)]
-        planner.append({
-            "window_steps": w,
-            "padding_rate": float(np.mean([r["padding_rate"] for r in mine])),
-            "padding_pp_vs_offline_greedy": float(np.mean(pp)),
-            "padding_pp_vs_offline_greedy_max": float(max(pp)),
-            "within_margin": bool(max(pp) <= MARGIN_PP),
-            "steps_ratio_vs_offline_greedy": float(np.mean(vs_greedy)),
-            "steps_ratio_vs_offline_greedy_max": float(max(vs_greedy)),
-            "steps_ratio_fixed_batch": float(np.mean(vs_fixed)),
-        })
+        planner.append(
+            {
+                "window_steps": w,
+                "padding_rate": float(np.mean([r["padding_rate"] for r in mine])),
+                "padding_pp_vs_offline_greedy": float(np.mean(pp)),
+                "padding_pp_vs_offline_greedy_max": float(max(pp)),
+                "within_margin": bool(max(pp) <= MARGIN_PP),
+                "steps_ratio_vs_offline_greedy": float(np.mean(vs_greedy)),
+                "steps_ratio_vs_offline_greedy_max": float(max(vs_greedy)),
+                "steps_ratio_fixed_batch": float(np.mean(vs_fixed)),
+            }
+        )
     return {
         "samples": len(lengths),
         "recipe": recipe,

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     for tls in (True, False):
         mine = [r for r in records if r["tls"] is tls]
         summary["tls" if tls else "off"] = {
-            key: round(statistics.median(r[key] for r in mine), 6) for key in ("tokens_per_s", "service_cpu_s_per_step", "trainer_cpu_s_per_step")
+            key: round(statistics.median(r[key] for r in mine), 6)
+            for key in ("tokens_per_s", "service_cpu_s_per_step", "trainer_cpu_s_per_step")
         }
     summary["tls_over_off"] = {key: round(summary["tls"][key] / summary["off"][key], 4) for key in summary["off"]}
     return {"records": records, "summary": summary, "trainer": {"ranks": len(RANKS), "global_batch_size": args.batch, "step_seconds": 0}}
@@ -132,4 +133,3 @@ def _cpu_seconds(process: ServiceProcess) -> float:
     """User + system CPU seconds a running service process has used (its /proc stat)."""
     fields = pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-

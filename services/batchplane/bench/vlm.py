@@ -73,7 +73,12 @@ STRATEGY = pathlib.Path(__file__).resolve().parents[3] / "examples" / "strategie
 MIB = 1 << 20
 #: Summary keys: the medians of these record fields.
 SUMMARY_FIELDS = (
-    "samples_per_s", "data_wait_s_per_step_mean", "data_wait_s_per_step_p95", "cpu_s_per_1k_samples", "rss_mb_per_rank", "pss_mb_per_rank",
+    "samples_per_s",
+    "data_wait_s_per_step_mean",
+    "data_wait_s_per_step_p95",
+    "cpu_s_per_1k_samples",
+    "rss_mb_per_rank",
+    "pss_mb_per_rank",
 )
 
 
@@ -82,11 +87,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-rows", type=positive_int, default=1500, help="rows of the text source (default 1,500)")
     parser.add_argument("--global-batch", type=positive_int, default=32, help="samples a step over all ranks (default 32)")
     parser.add_argument("--ranks", type=positive_int, default=2, help="data-parallel ranks, one process each (default 2)")
-    parser.add_argument("--workers", action="append", type=positive_int, default=None, metavar="W", help="DataLoader workers per rank (repeatable; default 1 and 2)")
+    parser.add_argument(
+        "--workers",
+        action="append",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="DataLoader workers per rank (repeatable; default 1 and 2)",
+    )
     parser.add_argument("--step-seconds", type=float, default=0.05, help="each rank's compute per step, seconds (default 0.05)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds, the systems alternating (default 3)")
     parser.add_argument("--memory-interval-s", type=float, default=0.2, help="how often memory is sampled, seconds (default 0.2)")
-    parser.add_argument("--strategy", default=str(STRATEGY), help="the vision-language strategy file (default: the repository's examples/strategies/vlm.py)")
+    parser.add_argument(
+        "--strategy", default=str(STRATEGY), help="the vision-language strategy file (default: the repository's examples/strategies/vlm.py)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
 
@@ -108,15 +122,25 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                 where = folder / f"{system}-{repeat}"
                 if system == "batchplane":
                     record = run_batchplane(
-                        where, data, ranks=args.ranks, batch=args.global_batch, step_seconds=args.step_seconds,
-                        strategy=pathlib.Path(args.strategy), memory_interval_s=args.memory_interval_s,
+                        where,
+                        data,
+                        ranks=args.ranks,
+                        batch=args.global_batch,
+                        step_seconds=args.step_seconds,
+                        strategy=pathlib.Path(args.strategy),
+                        memory_interval_s=args.memory_interval_s,
                     )
                     if record["transport"] != "shm":
                         progress(f"  the ranks got their batches over {record['transport']}, not shared memory")
                 else:
                     record = run_dataloader(
-                        where, data, ranks=args.ranks, workers=int(system.split("-")[1]), microbatch=microbatch,
-                        step_seconds=args.step_seconds, memory_interval_s=args.memory_interval_s,
+                        where,
+                        data,
+                        ranks=args.ranks,
+                        workers=int(system.split("-")[1]),
+                        microbatch=microbatch,
+                        step_seconds=args.step_seconds,
+                        memory_interval_s=args.memory_interval_s,
                     )
                 records.append(record)
                 progress(
@@ -128,8 +152,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "records": records,
         "summary": summarize(records),
         "settings": {
-            "image_rows": args.image_rows, "text_rows": args.text_rows, "global_batch": args.global_batch, "ranks": args.ranks,
-            "step_seconds": args.step_seconds, "repeats": args.repeats, "cpus": os.cpu_count(),
+            "image_rows": args.image_rows,
+            "text_rows": args.text_rows,
+            "global_batch": args.global_batch,
+            "ranks": args.ranks,
+            "step_seconds": args.step_seconds,
+            "repeats": args.repeats,
+            "cpus": os.cpu_count(),
         },
     }
 
@@ -138,10 +167,15 @@ def write_data(folder: pathlib.Path, *, image_rows: int, text_rows: int, seed: i
     """The demo image-text source ("images") and one text source ("chat") under `folder`."""
     from batchplane.demo.dataset import DemoSource, ImageTextSource, LogNormal, write_demo_dataset
 
-    return write_demo_dataset(folder, sources=[
-        ImageTextSource("images", "image-text", image_rows, 2, 100),
-        DemoSource("chat", "chat", text_rows, 2, 100, (LogNormal(median=48, sigma=0.5),), min_length=4, max_length=512),
-    ], vocab_size=1024, seed=seed)
+    return write_demo_dataset(
+        folder,
+        sources=[
+            ImageTextSource("images", "image-text", image_rows, 2, 100),
+            DemoSource("chat", "chat", text_rows, 2, 100, (LogNormal(median=48, sigma=0.5),), min_length=4, max_length=512),
+        ],
+        vocab_size=1024,
+        seed=seed,
+    )
 
 
 def summarize(records: Sequence[dict]) -> dict:
@@ -159,14 +193,42 @@ def summarize(records: Sequence[dict]) -> dict:
 
 
 def run_dataloader(
-    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, workers: int, microbatch: int, step_seconds: float, memory_interval_s: float = 0.2
+    folder: pathlib.Path,
+    data: dict[str, pathlib.Path],
+    *,
+    ranks: int,
+    workers: int,
+    microbatch: int,
+    step_seconds: float,
+    memory_interval_s: float = 0.2,
 ) -> dict:
     """One run of the DataLoader ranks (see the module docstring)."""
     folder.mkdir(parents=True)
     commands = [
-        ["--system", "dataloader", "--rank", str(r), "--world", str(ranks), "--microbatch", str(microbatch), "--microbatches", "2",
-         "--workers", str(workers), "--step-seconds", str(step_seconds), "--images", str(data["images"]), "--text", str(data["chat"]),
-         "--transform", TRANSFORM, "--transform-args", json.dumps(TRANSFORM_ARGS)]
+        [
+            "--system",
+            "dataloader",
+            "--rank",
+            str(r),
+            "--world",
+            str(ranks),
+            "--microbatch",
+            str(microbatch),
+            "--microbatches",
+            "2",
+            "--workers",
+            str(workers),
+            "--step-seconds",
+            str(step_seconds),
+            "--images",
+            str(data["images"]),
+            "--text",
+            str(data["chat"]),
+            "--transform",
+            TRANSFORM,
+            "--transform-args",
+            json.dumps(TRANSFORM_ARGS),
+        ]
         for r in range(ranks)
     ]
     record = _drive(folder, commands, env={}, services=[], memory_interval_s=memory_interval_s)
@@ -174,7 +236,13 @@ def run_dataloader(
 
 
 def run_batchplane(
-    folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks: int, batch: int, step_seconds: float, strategy: pathlib.Path = STRATEGY,
+    folder: pathlib.Path,
+    data: dict[str, pathlib.Path],
+    *,
+    ranks: int,
+    batch: int,
+    step_seconds: float,
+    strategy: pathlib.Path = STRATEGY,
     memory_interval_s: float = 0.2,
 ) -> dict:
     """One run of a batchplane job with one rank process per rank (see the module docstring)."""
@@ -183,27 +251,41 @@ def run_batchplane(
 
     folder.mkdir(parents=True)
     config = folder / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "job": f"vlm-{ranks}",
-        "run_dir": str(folder / "run"),
-        "seed": 0,
-        "epochs": 1,
-        "strategy": str(strategy),
-        "sources": [
-            {"name": "images", "path": str(data["images"]), "transform": TRANSFORM, "columns": ["caption", "images"],
-             "transform_args": {"patch": 14, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID, **TRANSFORM_ARGS}},
-            {"name": "chat", "path": str(data["chat"])},
-        ],
-        "mixture": {"weights": {name: _rows(path) for name, path in data.items()}},  # as the DataLoader's uniform shuffle mixes them
-        "mesh": {"dp": ranks},
-        "batch": {"global_batch_size": batch, "microbatches": 2, "payload": [dict(c) for c in PAYLOAD]},
-        "constructors": {"ranks_per_constructor": ranks},
-        "network": {"tls": True},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "job": f"vlm-{ranks}",
+                "run_dir": str(folder / "run"),
+                "seed": 0,
+                "epochs": 1,
+                "strategy": str(strategy),
+                "sources": [
+                    {
+                        "name": "images",
+                        "path": str(data["images"]),
+                        "transform": TRANSFORM,
+                        "columns": ["caption", "images"],
+                        "transform_args": {"patch": 14, "max_side": 448, "image_token_id": IMAGE_TOKEN_ID, **TRANSFORM_ARGS},
+                    },
+                    {"name": "chat", "path": str(data["chat"])},
+                ],
+                "mixture": {
+                    "weights": {name: _rows(path) for name, path in data.items()}
+                },  # as the DataLoader's uniform shuffle mixes them
+                "mesh": {"dp": ranks},
+                "batch": {"global_batch_size": batch, "microbatches": 2, "payload": [dict(c) for c in PAYLOAD]},
+                "constructors": {"ranks_per_constructor": ranks},
+                "network": {"tls": True},
+            }
+        )
+    )
     with LocalCluster(config) as cluster:
         commands = [["--system", "batchplane", "--rank", str(r), "--step-seconds", str(step_seconds)] for r in range(ranks)]
         record = _drive(
-            folder, commands, env={"BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)}, services=[p.pid for p in cluster.processes],
+            folder,
+            commands,
+            env={"BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)},
+            services=[p.pid for p in cluster.processes],
             memory_interval_s=memory_interval_s,
         )
     return {"system": "batchplane", "workers": None, **record}
@@ -225,7 +307,9 @@ def _drive(folder: pathlib.Path, commands: list[list[str]], *, env: dict[str, st
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "batchplane.examples.vlm_rank", *command],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(folder / f"rank-{r}.log", "wb"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(folder / f"rank-{r}.log", "wb"),
             env={**os.environ, "OMP_NUM_THREADS": "1", **env},  # as torchrun sets it for several processes a node
         )
         for r, command in enumerate(commands)
@@ -272,13 +356,15 @@ def _drive(folder: pathlib.Path, commands: list[list[str]], *, env: dict[str, st
     per_rank = {key: statistics.fmean(peak[key] for peak in peaks["ranks"]) / MIB for key in ("rss", "pss")}
     if services:
         shared = {key: peaks["services"][key] / len(procs) / MIB for key in ("rss", "pss")}
-        record.update({
-            "rss_mb_per_rank": round(per_rank["rss"] + shared["rss"], 1),
-            "pss_mb_per_rank": round(per_rank["pss"] + shared["pss"], 1),
-            "trainer_rss_mb_per_rank": round(per_rank["rss"], 1),
-            "services_rss_mb_per_rank": round(shared["rss"], 1),
-            "transport": transports[0] if len(set(transports)) == 1 else ",".join(map(str, transports)),
-        })
+        record.update(
+            {
+                "rss_mb_per_rank": round(per_rank["rss"] + shared["rss"], 1),
+                "pss_mb_per_rank": round(per_rank["pss"] + shared["pss"], 1),
+                "trainer_rss_mb_per_rank": round(per_rank["rss"], 1),
+                "services_rss_mb_per_rank": round(shared["rss"], 1),
+                "transport": transports[0] if len(set(transports)) == 1 else ",".join(map(str, transports)),
+            }
+        )
     else:
         record.update({"rss_mb_per_rank": round(per_rank["rss"], 1), "pss_mb_per_rank": round(per_rank["pss"], 1)})
     return record

@@ -184,7 +184,9 @@ def _check_columns(samples: RankSamples, payload: Sequence[PayloadColumn]) -> No
     for c in payload:
         got = samples.columns.get(c.name)
         if got is None or len(got) != len(samples.tokens):
-            raise ValueError(f"samples.columns: declared column {c.name!r} needs one view per sample ({len(samples.tokens)}), got {None if got is None else len(got)}")
+            raise ValueError(
+                f"samples.columns: declared column {c.name!r} needs one view per sample ({len(samples.tokens)}), got {None if got is None else len(got)}"
+            )
 
 
 def _token_fills(payload: Sequence[PayloadColumn]) -> Mapping[str, float]:
@@ -223,8 +225,16 @@ def assemble(
     _check_columns(samples, payload)
     if pack_length is not None:
         return _assemble_packed(
-            samples, step=step, rank=rank, pad_id=pad_id, ignore_id=ignore_id, token_dtype=token_dtype,
-            global_loss_tokens=global_loss_tokens, pack_length=pack_length, payload=payload, max_length=max_length,
+            samples,
+            step=step,
+            rank=rank,
+            pad_id=pad_id,
+            ignore_id=ignore_id,
+            token_dtype=token_dtype,
+            global_loss_tokens=global_loss_tokens,
+            pack_length=pack_length,
+            payload=payload,
+            max_length=max_length,
             policy=length_policy,
         )
     token_columns = [c for c in payload if c.kind == TOKEN]
@@ -367,10 +377,18 @@ def _assemble_packed(
     for m in range(len(samples.offsets) - 1):
         lo, hi = int(samples.offsets[m]), int(samples.offsets[m + 1])
         token_columns = [TokenColumn(c.name, c.dtype, c.shape, c.fill, samples.columns[c.name][lo:hi]) for c in payload if c.kind == TOKEN]
-        tensors: dict[str, np.ndarray | Pieces] = dict(pack(
-            samples.tokens[lo:hi], max_length=pack_length, pad_id=pad_id, ignore_id=ignore_id, dtype=token_dtype,
-            max_sample_length=max_length, length_policy=policy, columns=token_columns,
-        ))
+        tensors: dict[str, np.ndarray | Pieces] = dict(
+            pack(
+                samples.tokens[lo:hi],
+                max_length=pack_length,
+                pad_id=pad_id,
+                ignore_id=ignore_id,
+                dtype=token_dtype,
+                max_sample_length=max_length,
+                length_policy=policy,
+                columns=token_columns,
+            )
+        )
         tensors.pop("sample_rows")
         sample_chunks = tensors.pop("sample_chunks")
         packed_columns = {c.name: tensors.pop(c.name) for c in token_columns}
@@ -415,10 +433,7 @@ def tensors_of(batch: BuiltBatch) -> list[dict[str, np.ndarray]]:
     """Read-only views of every microbatch's tensors in a built batch."""
     view = memoryview(batch.payload)
     return [
-        {
-            t.name: np.frombuffer(view, t.dtype, int(np.prod(t.shape, dtype=np.int64)), t.offset).reshape(t.shape)
-            for t in mb.tensors
-        }
+        {t.name: np.frombuffer(view, t.dtype, int(np.prod(t.shape, dtype=np.int64)), t.offset).reshape(t.shape) for t in mb.tensors}
         for mb in batch.microbatches
     ]
 
@@ -445,7 +460,14 @@ def derive(
     Loss tokens and weights are those of the slice the rank computes a loss on (the whole
     microbatch without CP).
     """
-    pads: dict[str, float] = {"input_ids": pad_id, "labels": ignore_id, "attention_mask": False, "position_ids": 0, "segment_ids": 0, "loss_mask": False}
+    pads: dict[str, float] = {
+        "input_ids": pad_id,
+        "labels": ignore_id,
+        "attention_mask": False,
+        "position_ids": 0,
+        "segment_ids": 0,
+        "loss_mask": False,
+    }
     out: list[tuple[Mapping[str, np.ndarray | Pieces], MicrobatchLayout]] = []
     for tensors, meta in zip(tensors_of(batch), batch.microbatches):
         if not with_tensors:

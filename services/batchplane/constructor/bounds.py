@@ -115,7 +115,9 @@ def fetch_bytes_cap(*, buffer_bytes: int, samples: int, columns: int) -> int:
     columns may take: the loader's budget `loaders.buffer_bytes` (it refuses a fetch whose
     samples take more) plus the IPC stream's own bytes (schema, padding, offsets, validity)."""
     return (
-        buffer_bytes + FETCH_OVERHEAD_BYTES + columns * COLUMN_OVERHEAD_BYTES
+        buffer_bytes
+        + FETCH_OVERHEAD_BYTES
+        + columns * COLUMN_OVERHEAD_BYTES
         + samples * (FETCH_SAMPLE_BYTES + columns * COLUMN_SAMPLE_BYTES)
     )
 
@@ -334,8 +336,7 @@ def check_report(*, step: int, losses: Mapping[str, float], sources: Sequence[st
     unknown = sorted(set(losses) - set(sources))
     if unknown:
         raise InvalidArgument(
-            f"report of step {step}: {unknown[0][:64]!r} names no source; sources are {', '.join(sources)} "
-            f"({len(unknown)} unknown names)"
+            f"report of step {step}: {unknown[0][:64]!r} names no source; sources are {', '.join(sources)} ({len(unknown)} unknown names)"
         )
     for name, loss in losses.items():
         if not (math.isfinite(loss) and loss >= 0):

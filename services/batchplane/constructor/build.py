@@ -107,7 +107,9 @@ class Served:
 
     def variants(self, axis: str) -> dict[int, Variant]:
         """Each served rank's variant on the plan's axis."""
-        rules = DeliveryRules(self.mesh, axis=axis or "DP", broadcast=self.broadcast, middle_tensors=self.job.constructors.pp_middle_tensors)
+        rules = DeliveryRules(
+            self.mesh, axis=axis or "DP", broadcast=self.broadcast, middle_tensors=self.job.constructors.pp_middle_tensors
+        )
         return {rank: rules.variant(rank) for rank in self.ranks}
 
     def consumes(self, axis: str, bucket: int) -> bool:
@@ -152,19 +154,36 @@ def build_step(plan: StepPlan, fetched: Fetched, served: Served) -> list[Deliver
         b = plan.buckets[bucket]
         if bucket not in wanted:
             built[bucket] = metadata_only(
-                step=plan.step, rank=bucket, lengths=b.length, offsets=b.offsets, global_loss_tokens=plan.global_loss_tokens,
-                max_length=job.max_length, length_policy=batch.length_policy,
+                step=plan.step,
+                rank=bucket,
+                lengths=b.length,
+                offsets=b.offsets,
+                global_loss_tokens=plan.global_loss_tokens,
+                max_length=job.max_length,
+                length_policy=batch.length_policy,
             )
             continue
         keys = [(int(k), int(s)) for k, s in zip(b.source, b.seq)]
         samples = RankSamples(
-            tokens=[fetched.tokens[key] for key in keys], source=b.source, row=b.row, epoch=b.epoch, offsets=b.offsets,
+            tokens=[fetched.tokens[key] for key in keys],
+            source=b.source,
+            row=b.row,
+            epoch=b.epoch,
+            offsets=b.offsets,
             columns={c.name: [fetched.columns[c.name][key] for key in keys] for c in payload},
         )
         built[bucket] = assemble(
-            samples, step=plan.step, rank=bucket, pad_id=batch.pad_id, ignore_id=batch.ignore_id, token_dtype=batch.token_dtype,
-            global_loss_tokens=plan.global_loss_tokens, pack_length=pack_length, max_length=job.max_length,
-            length_policy=batch.length_policy, payload=payload,
+            samples,
+            step=plan.step,
+            rank=bucket,
+            pad_id=batch.pad_id,
+            ignore_id=batch.ignore_id,
+            token_dtype=batch.token_dtype,
+            global_loss_tokens=plan.global_loss_tokens,
+            pack_length=pack_length,
+            max_length=job.max_length,
+            length_policy=batch.length_policy,
+            payload=payload,
         )
         if served.hook is not None:
             built[bucket] = apply_constructor_hook(served.hook, built[bucket], sources=job.source_names)
@@ -173,10 +192,21 @@ def build_step(plan: StepPlan, fetched: Fetched, served: Served) -> list[Deliver
     for rank, v in variants.items():
         if v not in by_variant:
             whole = v.cp_rank is None and v.stage == ALL and v.tensors
-            by_variant[v] = built[v.bucket] if whole else derive(
-                built[v.bucket], cp=served.mesh.sizes["cp"], cp_rank=v.cp_rank, cp_mode=job.constructors.cp_slicing,
-                stage=served.mesh.coords(rank).pp, stages=served.mesh.sizes["pp"], middle=job.constructors.pp_middle_tensors,
-                with_tensors=v.tensors, pad_id=batch.pad_id, ignore_id=batch.ignore_id,
+            by_variant[v] = (
+                built[v.bucket]
+                if whole
+                else derive(
+                    built[v.bucket],
+                    cp=served.mesh.sizes["cp"],
+                    cp_rank=v.cp_rank,
+                    cp_mode=job.constructors.cp_slicing,
+                    stage=served.mesh.coords(rank).pp,
+                    stages=served.mesh.sizes["pp"],
+                    middle=job.constructors.pp_middle_tensors,
+                    with_tensors=v.tensors,
+                    pad_id=batch.pad_id,
+                    ignore_id=batch.ignore_id,
+                )
             )
         deliveries.append(_with_subplans(Delivery(by_variant[v], rank, v), plan.parts, fetched, served))
     return deliveries

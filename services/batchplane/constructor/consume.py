@@ -97,8 +97,18 @@ class JournalConsumer:
         clock: Monotonic seconds.
     """
 
-    def __init__(self, job: JobSettings, *, storage: Storage, index: int, ranks: Sequence[int], metrics: ConstructorMetrics,
-                 prefix: str = "", mark_every: int = MARK_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        job: JobSettings,
+        *,
+        storage: Storage,
+        index: int,
+        ranks: Sequence[int],
+        metrics: ConstructorMetrics,
+        prefix: str = "",
+        mark_every: int = MARK_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         m = job.mesh
         self.mesh = ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
         self.ranks = tuple(ranks)
@@ -130,8 +140,9 @@ class JournalConsumer:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def batch(self, rank: int, step: int, *, timeout_s: float, restart: bool = False,
-              cursor: SliceCursor | None = None) -> tuple[constructor_pb2.BatchHeader, memoryview] | None:
+    def batch(
+        self, rank: int, step: int, *, timeout_s: float, restart: bool = False, cursor: SliceCursor | None = None
+    ) -> tuple[constructor_pb2.BatchHeader, memoryview] | None:
         """Rank `rank`'s header and payload of logical step `step`, the header carrying the next
         step's journal cursor; None past the end of data. `cursor` (with `restart`): where
         `step` starts in the journal, from the trainer's checkpoint.
@@ -144,8 +155,10 @@ class JournalConsumer:
             Unavailable: not committed in time; retry.
         """
         if rank not in self.ranks:
-            raise InvalidArgument(f"rank {rank} is not served here: this consumer serves ranks {list(self.ranks)} of a mesh of "
-                                  f"{self.mesh.world} ranks ({self.mesh.describe()})")
+            raise InvalidArgument(
+                f"rank {rank} is not served here: this consumer serves ranks {list(self.ranks)} of a mesh of "
+                f"{self.mesh.world} ranks ({self.mesh.describe()})"
+            )
         deadline = self._clock() + timeout_s
         with self._cond:
             self._ask(rank, step, restart=restart, cursor=cursor if restart else None)
@@ -255,8 +268,11 @@ class JournalConsumer:
         """Why logical step `step` is not served yet: the journal and its last committed step."""
         last = self._reader.visible_through if self._reader is not None else None
         remapped = self._written is not None and not self._identity(self._written)
-        committed = "the manifest was not read yet" if last is None else (
-            "no step is committed yet" if last < 0 else f"last committed {'written ' if remapped else ''}step {last}")
+        committed = (
+            "the manifest was not read yet"
+            if last is None
+            else ("no step is committed yet" if last < 0 else f"last committed {'written ' if remapped else ''}step {last}")
+        )
         where = f"the journal at {self._prefix or '/'} in {self._storage.describe()}"
         return f"step {step} is not in {where} yet: no producer has committed it ({committed}); it is served once a producer commits it"
 
@@ -289,9 +305,17 @@ class JournalConsumer:
     def _open(self, start: int, written: DataMesh) -> JournalReader:
         """A reader of the pod's coordinates from logical step `start` (under the lock)."""
         reader = JournalReader(
-            self._storage, prefix=self._prefix, mesh=self._reader_mesh, coords=self._coords,
-            cursor=self._cursor(start, written), start_step=start, depth=self._job.journal.prefetch_steps,
-            poll_s=POLL_S, stall_log_s=STALL_LOG_S, expect_job=None, consumer_id=self.mark,
+            self._storage,
+            prefix=self._prefix,
+            mesh=self._reader_mesh,
+            coords=self._coords,
+            cursor=self._cursor(start, written),
+            start_step=start,
+            depth=self._job.journal.prefetch_steps,
+            poll_s=POLL_S,
+            stall_log_s=STALL_LOG_S,
+            expect_job=None,
+            consumer_id=self.mark,
         )
         self._read_bytes = 0
         reader.start()
@@ -395,8 +419,16 @@ class JournalConsumer:
 class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
     """The Constructor service of a consumer (see the module docstring)."""
 
-    def __init__(self, job: JobSettings, consumer: JournalConsumer, metrics: ConstructorMetrics, *, storage: Storage,
-                 prefix: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        job: JobSettings,
+        consumer: JournalConsumer,
+        metrics: ConstructorMetrics,
+        *,
+        storage: Storage,
+        prefix: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._job = job
         self._consumer = consumer
         self._metrics = metrics
@@ -448,12 +480,17 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         check_batch_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume)
         got = self._consumer.batch(
-            request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS), restart=request.restart,
+            request.rank,
+            request.step,
+            timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
+            restart=request.restart,
             cursor=_requested_cursor(request),
         )
         self._mark_recorder.handed(request.rank, request.step, restart=request.restart)
         if got is None:
-            yield constructor_pb2.GetBatchResponse(header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True))
+            yield constructor_pb2.GetBatchResponse(
+                header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)
+            )
             return
         header, payload = got
         yield from stream_payload(constructor_pb2.GetBatchResponse, header, payload, serialized=True)
@@ -462,8 +499,9 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
 
     # ---- checkpoint marks (`checkpoint_marks`, `mark_recorder`) ------------------------------
 
-    def MarkCheckpoint(self, request: constructor_pb2.MarkCheckpointRequest,
-                       context: grpc.ServicerContext) -> constructor_pb2.MarkCheckpointResponse:
+    def MarkCheckpoint(
+        self, request: constructor_pb2.MarkCheckpointRequest, context: grpc.ServicerContext
+    ) -> constructor_pb2.MarkCheckpointResponse:
         """Records rank `request.rank`'s checkpoint at `request.step` in the pod's checkpoint mark
         (`mark_recorder.MarkRecorder`), answering once the mark is committed."""
         check_checkpoint_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world)
@@ -476,8 +514,14 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
     @functools.cached_property
     def _mark_recorder(self) -> MarkRecorder:
         consumer = self._consumer
-        return MarkRecorder(self._storage, prefix=self._prefix, pod=consumer.mark, ranks=consumer.ranks,
-                            holding=consumer._pulling, position=self._journal_position)
+        return MarkRecorder(
+            self._storage,
+            prefix=self._prefix,
+            pod=consumer.mark,
+            ranks=consumer.ranks,
+            holding=consumer._pulling,
+            position=self._journal_position,
+        )
 
     def _journal_position(self, step: int) -> SliceCursor:
         """Where logical step `step` starts in the written steps (same DP: step itself)."""

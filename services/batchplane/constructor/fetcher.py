@@ -47,8 +47,14 @@ class Fetcher:
     """
 
     def __init__(
-        self, job: JobSettings, *, index: int, metrics: ConstructorMetrics, connect: Callable[[str, str], grpc.Channel],
-        delivered: Callable[[], int], stopped: Callable[[], bool],
+        self,
+        job: JobSettings,
+        *,
+        index: int,
+        metrics: ConstructorMetrics,
+        connect: Callable[[str, str], grpc.Channel],
+        delivered: Callable[[], int],
+        stopped: Callable[[], bool],
     ) -> None:
         self._job = job
         self._index = index
@@ -80,7 +86,9 @@ class Fetcher:
         for i in np.unique(holders):
             address = addresses[int(i)]
             if not address:
-                raise Unavailable(f"the plan of step {step} has no address for a loader of sources {sorted(set(group.source[holders == i].tolist()))}")
+                raise Unavailable(
+                    f"the plan of step {step} has no address for a loader of sources {sorted(set(group.source[holders == i].tolist()))}"
+                )
             by_loader[address] = holders == i
         begin = time.perf_counter()
         jobs = {
@@ -130,7 +138,9 @@ class Fetcher:
                 channel = self._channels[address] = self._connect(address, "loader")
         return loader_pb2_grpc.LoaderStub(channel)
 
-    def _fetch_from(self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, lengths: np.ndarray) -> pa.Table:
+    def _fetch_from(
+        self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, lengths: np.ndarray
+    ) -> pa.Table:
         request = loader_pb2.FetchSamplesRequest(
             constructor_index=self._index,
             step=step,
@@ -144,7 +154,12 @@ class Fetcher:
         def attempt() -> pa.Table:
             stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
             table, nbytes = receive_samples(
-                stream, address=address, sources=sources, seqs=seqs, lengths=lengths, columns=self._job.batch.payload,
+                stream,
+                address=address,
+                sources=sources,
+                seqs=seqs,
+                lengths=lengths,
+                columns=self._job.batch.payload,
                 max_bytes=self._job.loaders.buffer_bytes,
             )
             self._metrics.received_bytes.inc(nbytes)

@@ -91,15 +91,21 @@ def _checked(result: object, built: dict[str, np.ndarray], name: str) -> dict[st
         if not isinstance(key, str) or not key:
             raise HookError(f"{name} returned a tensor named {key!r}; names are non-empty strings")
         if not isinstance(value, np.ndarray) or value.dtype.kind not in TENSOR_KINDS:
-            raise HookError(f"{name}: {key!r} must be a numpy array of bools, integers or floats, got {getattr(value, 'dtype', type(value).__name__)}")
+            raise HookError(
+                f"{name}: {key!r} must be a numpy array of bools, integers or floats, got {getattr(value, 'dtype', type(value).__name__)}"
+            )
         if key in built:
             if key.startswith(SAMPLE_PREFIX) and not np.array_equal(value, built[key]):
                 raise HookError(f"{name} changed {key!r}: the samples' identity is not the hook's to change")
             if value.shape != built[key].shape or value.dtype != built[key].dtype:
-                raise HookError(f"{name} changed {key!r} from {built[key].dtype}{list(built[key].shape)} to {value.dtype}{list(value.shape)}")
+                raise HookError(
+                    f"{name} changed {key!r} from {built[key].dtype}{list(built[key].shape)} to {value.dtype}{list(value.shape)}"
+                )
         elif key.startswith(SAMPLE_PREFIX):
             raise HookError(f"{name} added {key!r}: names starting with {SAMPLE_PREFIX!r} are the samples' identity")
         elif value.ndim == 2 and value.shape != per_token:
-            raise HookError(f"{name}: 2-D tensor {key!r} is {list(value.shape)}; 2-D tensors are per-token, shaped like input_ids {list(per_token)}")
+            raise HookError(
+                f"{name}: 2-D tensor {key!r} is {list(value.shape)}; 2-D tensors are per-token, shaped like input_ids {list(per_token)}"
+            )
         tensors[key] = np.ascontiguousarray(value)
     return tensors

@@ -158,8 +158,13 @@ def _stages(arrays: Mapping[str, np.ndarray]) -> int:
     stages: set[int] = set()
     for name in arrays:
         parts = name.split(".")
-        if len(parts) not in (2, 3) or not parts[0].startswith("pp") or not parts[0][2:].isdigit() or parts[-1] not in ("header", "payload") \
-                or (len(parts) == 3 and parts[1] != "peer"):
+        if (
+            len(parts) not in (2, 3)
+            or not parts[0].startswith("pp")
+            or not parts[0][2:].isdigit()
+            or parts[-1] not in ("header", "payload")
+            or (len(parts) == 3 and parts[1] != "peer")
+        ):
             raise CorruptSlice(name, "not an array name a producer writes (pp<k>[.peer].header|payload)")
         stages.add(int(parts[0][2:]))
     if not stages or stages != set(range(len(stages))):
@@ -174,8 +179,10 @@ def _stages(arrays: Mapping[str, np.ndarray]) -> int:
 
 def _bytes_of(array: np.ndarray, name: str) -> np.ndarray:
     if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
-        raise CorruptSlice(name, f"must be a 1-D uint8 array, got {getattr(array, 'dtype', type(array).__name__)} "
-                           f"of shape {list(getattr(array, 'shape', ()))}")
+        raise CorruptSlice(
+            name,
+            f"must be a 1-D uint8 array, got {getattr(array, 'dtype', type(array).__name__)} of shape {list(getattr(array, 'shape', ()))}",
+        )
     return np.ascontiguousarray(array)
 
 
@@ -190,4 +197,6 @@ def _check_tensors(header: constructor_pb2.BatchHeader, field: str) -> None:
             raise CorruptSlice(field, f"tensor {spec.name!r} has a negative shape or offset")
         nbytes = int(np.prod(spec.shape, dtype=object)) * itemsize
         if spec.offset + nbytes > header.payload_bytes:
-            raise CorruptSlice(field, f"tensor {spec.name!r} ({spec.offset} + {nbytes} bytes) lies past the payload of {header.payload_bytes} bytes")
+            raise CorruptSlice(
+                field, f"tensor {spec.name!r} ({spec.offset} + {nbytes} bytes) lies past the payload of {header.payload_bytes} bytes"
+            )

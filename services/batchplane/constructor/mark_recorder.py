@@ -37,8 +37,16 @@ class MarkRecorder:
         position: Where logical step s starts in the written steps (the journal's cursor).
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", pod: str, ranks: Iterable[int], holding: Iterable[int],
-                 position: Callable[[int], SliceCursor]) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        pod: str,
+        ranks: Iterable[int],
+        holding: Iterable[int],
+        position: Callable[[int], SliceCursor],
+    ) -> None:
         self.marks = CheckpointMarks(ranks, holding=holding)
         self.checkpoint_id = checkpoint_mark(pod)
         self.start_id = start_mark(pod)

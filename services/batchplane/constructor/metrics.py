@@ -14,18 +14,14 @@ class ConstructorMetrics:
         self.batches_built = Counter(
             "batchplane_constructor_batches_built_total", "Rank batches built (one per rank per step).", registry=registry
         )
-        self.batches_sent = Counter(
-            "batchplane_constructor_batches_sent_total", "Rank batches streamed to clients.", registry=registry
-        )
+        self.batches_sent = Counter("batchplane_constructor_batches_sent_total", "Rank batches streamed to clients.", registry=registry)
         self.samples_received = Counter(
             "batchplane_constructor_samples_received_total", "Samples received from loaders.", registry=registry
         )
         self.received_bytes = Counter(
             "batchplane_constructor_received_bytes_total", "Sample payload bytes received from loaders.", registry=registry
         )
-        self.sent_bytes = Counter(
-            "batchplane_constructor_sent_bytes_total", "Batch payload bytes streamed to clients.", registry=registry
-        )
+        self.sent_bytes = Counter("batchplane_constructor_sent_bytes_total", "Batch payload bytes streamed to clients.", registry=registry)
         self.rewinds = Counter(
             "batchplane_constructor_rewinds_total",
             "Ranks whose trainer restarted at a step they had moved past (a rewind: building went back).",
@@ -75,8 +71,7 @@ class ConstructorMetrics:
         )
         self.recovery = Histogram(
             "batchplane_constructor_recovery_seconds",
-            "Recovery time: from the first failed attempt at a step until it was built (the failed part restarted, "
-            "or another took over).",
+            "Recovery time: from the first failed attempt at a step until it was built (the failed part restarted, or another took over).",
             registry=registry,
             buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300),
         )

@@ -44,11 +44,13 @@ LAST = "last"
 # keep the packed samples of a row apart and a per-sample loss can be reduced per segment.
 # Middle stages get nothing by default (only activations); a model whose middle stages need
 # positions or packing info for the same reason names them in `stage_filter(..., middle=...)`.
-STAGE_TENSORS: Mapping[str, frozenset[str]] = MappingProxyType({
-    FIRST: frozenset({"input_ids", "attention_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
-    MIDDLE: frozenset(),
-    LAST: frozenset({"labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
-})
+STAGE_TENSORS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        FIRST: frozenset({"input_ids", "attention_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
+        MIDDLE: frozenset(),
+        LAST: frozenset({"labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen"}),
+    }
+)
 SAMPLE_PREFIX = "sample_"
 #: The per-token tensors the constructor builds, [rows, width] like input_ids: CP slices them
 #: (besides these, it slices the tensors it is given pad values for: declared token columns).
@@ -192,7 +194,9 @@ def cp_slice(
     per_token = [name for name in tensors if name in pad_values]
     flat = sorted(name for name in per_token if tensors[name].ndim < 2)
     if flat:
-        raise ValueError(f"tensors: per-token tensors must be [rows, width, ...], got {', '.join(f'{n} {list(tensors[n].shape)}' for n in flat)}")
+        raise ValueError(
+            f"tensors: per-token tensors must be [rows, width, ...], got {', '.join(f'{n} {list(tensors[n].shape)}' for n in flat)}"
+        )
     widths = {name: tensors[name].shape[1] for name in per_token}
     if len(set(widths.values())) > 1:
         raise ValueError(f"tensors: per-token tensors must share one width, got {widths}")

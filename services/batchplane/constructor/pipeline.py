@@ -108,7 +108,9 @@ class StepPipeline:
             stride=job.build_stride,
             offset=index % job.build_stride,
         )
-        self._fetcher = Fetcher(job, index=index, metrics=metrics, connect=connect, delivered=self._delivered, stopped=lambda: self._stopped)
+        self._fetcher = Fetcher(
+            job, index=index, metrics=metrics, connect=connect, delivered=self._delivered, stopped=lambda: self._stopped
+        )
         self._failure: FailedPrecondition | None = None
         self._blocked: tuple[str, float] | None = None  # why building fails, and since when (monotonic)
         self._peer = "planner"  # the part the step being built waits on
@@ -216,7 +218,9 @@ class StepPipeline:
             except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
                 log.exception("step %d cannot be built", step)
                 with self._cond:
-                    self._failure = exc if isinstance(exc, FailedPrecondition) else FailedPrecondition(f"step {step} cannot be built: {exc}")
+                    self._failure = (
+                        exc if isinstance(exc, FailedPrecondition) else FailedPrecondition(f"step {step} cannot be built: {exc}")
+                    )
                     self._cond.notify_all()
                 return
             with self._cond:
@@ -275,7 +279,12 @@ class StepPipeline:
 
     def _get_plan(self, ask: PlanRequest) -> planner_pb2.GetPlanResponse:
         request = planner_pb2.GetPlanRequest(
-            constructor_index=self._index, step=ask.step, wait_ms=5000, resume=ask.resume, delivered_below=ask.delivered_below, rewind=ask.rewind
+            constructor_index=self._index,
+            step=ask.step,
+            wait_ms=5000,
+            resume=ask.resume,
+            delivered_below=ask.delivered_below,
+            rewind=ask.rewind,
         )
 
         def get_plan() -> planner_pb2.GetPlanResponse:

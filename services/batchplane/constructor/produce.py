@@ -48,6 +48,7 @@ def producer_id(index: int) -> str:
     """Producer `index`'s id in the journal (`journal.writer`'s id rules): "p<index>"."""
     return f"p{index}"
 
+
 #: How long one ask of the pipeline waits before asking again (and looking at `stop`), in seconds.
 TAKE_WAIT_S = 5.0
 #: Pause before the loop starts again after a failure, in seconds.
@@ -60,8 +61,9 @@ class BatchSource(Protocol):
     ranks: tuple[int, ...]
     mesh: ClientPlaceTree
 
-    def batch(self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None,
-              restart: bool = False) -> Delivery | None: ...
+    def batch(
+        self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None, restart: bool = False
+    ) -> Delivery | None: ...
 
 
 def data_mesh(job: JobSettings) -> DataMesh:
@@ -120,9 +122,17 @@ class JournalProducer:
         index: Which producer it is: it builds the steps s with s % journal.producers == index.
     """
 
-    def __init__(self, job: JobSettings, *, pipeline: BatchSource, storage: Storage, info: common_pb2.JobInfo,
-                 metrics: ConstructorMetrics, make_writer: Callable[[threading.Event], JournalWriter] | None = None,
-                 index: int = 0) -> None:
+    def __init__(
+        self,
+        job: JobSettings,
+        *,
+        pipeline: BatchSource,
+        storage: Storage,
+        info: common_pb2.JobInfo,
+        metrics: ConstructorMetrics,
+        make_writer: Callable[[threading.Event], JournalWriter] | None = None,
+        index: int = 0,
+    ) -> None:
         self._job = job
         self._index = index
         self._id = producer_id(index)
@@ -176,15 +186,22 @@ class JournalProducer:
                 except Exception as exc:  # noqa: BLE001 - storage, planner or loaders: resume from the journal
                     if self._stop.is_set():
                         return
-                    log.warning("producing failed (%s); resuming after the last committed step", exc, exc_info=not isinstance(exc, Unavailable))
+                    log.warning(
+                        "producing failed (%s); resuming after the last committed step", exc, exc_info=not isinstance(exc, Unavailable)
+                    )
                     self._stop.wait(RETRY_PAUSE_S)
         finally:
             self.done.set()
 
     def _writer(self, stop: threading.Event) -> JournalWriter:
         return JournalWriter(
-            self._storage, producer_id=self._id, mesh=data_mesh(self._job), policy=self._job.journal.policy,
-            job=self._job.fingerprint, retention=RetentionPolicy(max_lag=self._job.journal.max_lag_steps), stop=stop,
+            self._storage,
+            producer_id=self._id,
+            mesh=data_mesh(self._job),
+            policy=self._job.journal.policy,
+            job=self._job.fingerprint,
+            retention=RetentionPolicy(max_lag=self._job.journal.max_lag_steps),
+            stop=stop,
             lag_marks=counts_for_lag,
         )
 

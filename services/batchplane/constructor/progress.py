@@ -96,8 +96,15 @@ class BuildProgress:
     """
 
     def __init__(
-        self, ranks: Iterable[int], *, pulling: Iterable[int] | None = None, prefetch_steps: int, resume_step: int | None = None, oldest: int = 0,
-        stride: int = 1, offset: int = 0,
+        self,
+        ranks: Iterable[int],
+        *,
+        pulling: Iterable[int] | None = None,
+        prefetch_steps: int,
+        resume_step: int | None = None,
+        oldest: int = 0,
+        stride: int = 1,
+        offset: int = 0,
     ) -> None:
         if not 0 <= offset < stride:
             raise ValueError(f"offset {offset} must be in [0, stride {stride})")

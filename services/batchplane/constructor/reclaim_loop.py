@@ -35,8 +35,15 @@ class ReclaimLoop:
             `storage` with `min_age_s`. Called in the loop's thread, again after a failure.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = "", min_age_s: float, every_s: float = RECLAIM_EVERY_S,
-                 make_reclaimer: Callable[[], Reclaimer] | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = "",
+        min_age_s: float,
+        every_s: float = RECLAIM_EVERY_S,
+        make_reclaimer: Callable[[], Reclaimer] | None = None,
+    ) -> None:
         self._storage = storage
         self._prefix = prefix
         self._min_age_s = min_age_s

@@ -100,7 +100,8 @@ def receive_samples(
             limit = min(limit, fetch_bytes_cap(buffer_bytes=max_bytes, samples=len(seqs), columns=len(columns)))
         if not 0 <= first.header.payload_bytes <= limit:
             raise MalformedResponse(
-                "loader", address,
+                "loader",
+                address,
                 f"payload_bytes {first.header.payload_bytes} outside [0, {limit}] for {len(seqs)} samples of {tokens} tokens and columns {[c.name for c in columns]}",
             )
     # with declared columns, the size was checked just above against the larger limit
@@ -234,14 +235,29 @@ def plan_buckets(
         fetchers = max(rank_plan.fetchers, 1)
         copies = _decode_optional(rank_plan, "copies", field="copies", where=f"bucket {rank_plan.dp_rank}", address=address)
         check_bucket(
-            bucket=rank_plan.dp_rank, sizes={name: len(a) for name, a in arrays.items()}, offsets=offsets, lengths=arrays["samples.length"],
-            fetchers=fetchers, constructors=constructors, max_samples=max_samples, microbatches=microbatches, peer="planner", address=address,
+            bucket=rank_plan.dp_rank,
+            sizes={name: len(a) for name, a in arrays.items()},
+            offsets=offsets,
+            lengths=arrays["samples.length"],
+            fetchers=fetchers,
+            constructors=constructors,
+            max_samples=max_samples,
+            microbatches=microbatches,
+            peer="planner",
+            address=address,
             copies=copies,
         )
         n = len(arrays["samples.seq"])
         buckets[rank_plan.dp_rank] = Bucket(
-            arrays["samples.source"], arrays["samples.seq"], arrays["samples.row"], arrays["samples.epoch"], arrays["samples.length"],
-            offsets, fetchers, arrays["loaders"], copies if copies is not None else np.full(n, fetchers, np.int32),
+            arrays["samples.source"],
+            arrays["samples.seq"],
+            arrays["samples.row"],
+            arrays["samples.epoch"],
+            arrays["samples.length"],
+            offsets,
+            fetchers,
+            arrays["loaders"],
+            copies if copies is not None else np.full(n, fetchers, np.int32),
         )
     return buckets
 
@@ -294,27 +310,51 @@ def plan_subplans(
         copies = _decode_optional(part, "copies", field="copies", where=where, address=address)
         columns = tuple(part.columns)
         check_subplan_part(
-            name=part.name, axis=part.axis, bucket=part.bucket, metadata=part.metadata, sizes={k: len(a) for k, a in arrays.items()},
-            lengths=arrays["samples.length"], columns=columns, kinds=kinds, loaders=loaders, copies=copies,
-            loader_count=len(plan.loader_addresses), constructors=constructors, max_samples=max_samples,
-            consumed=part.axis in ("DP", "CP", "WORLD") and consumes(part.axis, part.bucket), peer="planner", address=address,
+            name=part.name,
+            axis=part.axis,
+            bucket=part.bucket,
+            metadata=part.metadata,
+            sizes={k: len(a) for k, a in arrays.items()},
+            lengths=arrays["samples.length"],
+            columns=columns,
+            kinds=kinds,
+            loaders=loaders,
+            copies=copies,
+            loader_count=len(plan.loader_addresses),
+            constructors=constructors,
+            max_samples=max_samples,
+            consumed=part.axis in ("DP", "CP", "WORLD") and consumes(part.axis, part.bucket),
+            peer="planner",
+            address=address,
         )
         if (part.name, part.bucket) in seen:
             raise MalformedResponse("planner", address, f"{where}: the part is listed twice")
         seen.add((part.name, part.bucket))
         parts.append(
             SubPart(
-                name=part.name, axis=part.axis, metadata=part.metadata, bucket=part.bucket,
-                source=arrays["samples.source"], seq=arrays["samples.seq"], row=arrays["samples.row"], epoch=arrays["samples.epoch"],
-                length=arrays["samples.length"], values=arrays["values"], columns=columns,
-                loaders=loaders if columns else None, copies=copies if columns else None,
+                name=part.name,
+                axis=part.axis,
+                metadata=part.metadata,
+                bucket=part.bucket,
+                source=arrays["samples.source"],
+                seq=arrays["samples.seq"],
+                row=arrays["samples.row"],
+                epoch=arrays["samples.epoch"],
+                length=arrays["samples.length"],
+                values=arrays["values"],
+                columns=columns,
+                loaders=loaders if columns else None,
+                copies=copies if columns else None,
             )
         )
     for name in {p.name for p in parts}:
         mine = [p for p in parts if p.name == name]
         check_unique_samples(
-            np.concatenate([p.source for p in mine]), np.concatenate([p.seq for p in mine]),
-            where=f"subplan {name[:64]!r}", peer="planner", address=address,
+            np.concatenate([p.source for p in mine]),
+            np.concatenate([p.seq for p in mine]),
+            where=f"subplan {name[:64]!r}",
+            peer="planner",
+            address=address,
         )
     return parts
 

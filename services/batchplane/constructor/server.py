@@ -61,7 +61,9 @@ class RunningConstructor:
                 if step is None:
                     continue
                 try:
-                    stub.RegisterConstructor(_request(process, self.address, ranks, next_step=step), timeout=max(job.network.heartbeat_s * 2, 1.0))
+                    stub.RegisterConstructor(
+                        _request(process, self.address, ranks, next_step=step), timeout=max(job.network.heartbeat_s * 2, 1.0)
+                    )
                 except grpc.RpcError:
                     continue  # the planner is restarting: the next round tells it
 
@@ -104,8 +106,10 @@ def start_constructor(job: JobSettings, process: ProcessSettings, registry: Coll
     """
     if job.batch.delivery == "journal":
         raise ConfigError(
-            "batch.delivery", "is journal: start the constructor as a producer (--produce --index I --planner ADDR, I < journal.producers) "
-            "or as a pod's consumer (--consume --index I)", job.batch.delivery,
+            "batch.delivery",
+            "is journal: start the constructor as a producer (--produce --index I --planner ADDR, I < journal.producers) "
+            "or as a pod's consumer (--consume --index I)",
+            job.batch.delivery,
         )
     b = _start_building(job, process, registry, rpc)
     slabs = None
@@ -218,7 +222,13 @@ def _start_building(job: JobSettings, process: ProcessSettings, registry: Collec
     info = registered.job
     hook = job_hook(job, "constructor_do_plan", info.hooks.constructor_do_plan)
     pipeline = StepPipeline(
-        job, index=process.index, ranks=ranks, planner=process.planner, metrics=metrics, info=info, hook=hook,
+        job,
+        index=process.index,
+        ranks=ranks,
+        planner=process.planner,
+        metrics=metrics,
+        info=info,
+        hook=hook,
         connect=lambda peer_address, peer: create_channel(rpc, peer_address, peer=peer),
         rejoin=lambda step: _register(job, process, rpc, address, ranks, next_step=step),
         resume_step=registered.resume_step if registered.resume_step >= 0 else None,
@@ -227,7 +237,9 @@ def _start_building(job: JobSettings, process: ProcessSettings, registry: Collec
     return _Building(address, server, health, metrics, pipeline, info, ranks)
 
 
-def _request(process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None) -> planner_pb2.RegisterConstructorRequest:
+def _request(
+    process: ProcessSettings, address: str, ranks: tuple[int, ...], *, next_step: int | None = None
+) -> planner_pb2.RegisterConstructorRequest:
     return planner_pb2.RegisterConstructorRequest(
         constructor_index=process.index, address=address, ranks=ranks, rejoin=next_step is not None, next_step=next_step or 0
     )
@@ -263,6 +275,8 @@ def prepare_socket_folder(listen: str) -> None:
         raise ConfigError("--listen", f"cannot make the socket folder {folder}: {exc.strerror or exc}", listen) from None
     if mode & 0o007:
         raise ConfigError(
-            "--listen", f"the socket folder {folder} lets every user in (mode {stat.S_IMODE(mode):o}); "
-            "point --listen into a folder of its own, which the constructor makes with mode 2770", listen,
+            "--listen",
+            f"the socket folder {folder} lets every user in (mode {stat.S_IMODE(mode):o}); "
+            "point --listen into a folder of its own, which the constructor makes with mode 2770",
+            listen,
         )

@@ -23,8 +23,9 @@ from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 DEFAULT_WAIT_MS = 30_000
 #: MarkCheckpoint's reason with stream delivery.
-STREAM_KEEPS_NOTHING = ("stream delivery keeps no journal: nothing is retained for a checkpoint (the planner's ledger "
-                        "re-plans the steps it keeps)")
+STREAM_KEEPS_NOTHING = (
+    "stream delivery keeps no journal: nothing is retained for a checkpoint (the planner's ledger re-plans the steps it keeps)"
+)
 
 
 def _specs(tensors: tuple[TensorLayout, ...]) -> list[constructor_pb2.TensorSpec]:
@@ -45,7 +46,11 @@ def batch_header(delivery: Delivery, mesh: ClientPlaceTree) -> constructor_pb2.B
         global_loss_tokens=batch.global_loss_tokens,
         microbatches=[
             constructor_pb2.MicrobatchSpec(
-                tensors=_specs(mb.tensors), num_tokens=mb.num_tokens, loss_tokens=mb.loss_tokens, filler=mb.filler, loss_weight=mb.loss_weight
+                tensors=_specs(mb.tensors),
+                num_tokens=mb.num_tokens,
+                loss_tokens=mb.loss_tokens,
+                filler=mb.filler,
+                loss_weight=mb.loss_weight,
             )
             for mb in batch.microbatches
         ],
@@ -88,8 +93,11 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         if session is not None and request.released_slabs:
             pool.release(session, request.released_slabs)  # before waiting: a retry never sends them again
         delivery = self._pipeline.batch(
-            request.rank, request.step, timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
-            resume=dict(request.resume), restart=request.restart,
+            request.rank,
+            request.step,
+            timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
+            resume=dict(request.resume),
+            restart=request.restart,
         )
         if delivery is None:
             yield constructor_pb2.GetBatchResponse(
@@ -128,8 +136,9 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
             return None
         return placement
 
-    def MarkCheckpoint(self, request: constructor_pb2.MarkCheckpointRequest,
-                       context: grpc.ServicerContext) -> constructor_pb2.MarkCheckpointResponse:
+    def MarkCheckpoint(
+        self, request: constructor_pb2.MarkCheckpointRequest, context: grpc.ServicerContext
+    ) -> constructor_pb2.MarkCheckpointResponse:
         """Counts a trainer's checkpoint; stream delivery keeps no journal, so nothing is kept
         (the planner's ledger re-plans any step it still holds)."""
         check_checkpoint_request(rank=request.rank, step=request.step, world=self._pipeline.mesh.world)

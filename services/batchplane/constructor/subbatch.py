@@ -178,7 +178,9 @@ def lay_out_subbatches(
     """
     laid = lay_out(
         [(subbatch_tensors(p, columns, payload), MicrobatchLayout((), 0, 0, False)) for p in parts],
-        step=step, rank=rank, global_loss_tokens=0,
+        step=step,
+        rank=rank,
+        global_loss_tokens=0,
     )
     subbatches = tuple(
         SubBatch(part.name, part.metadata, tuple(dataclasses.replace(t, offset=base + t.offset) for t in layout.tensors))

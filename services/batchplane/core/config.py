@@ -517,7 +517,11 @@ class JobSettings:
                 "mesh": dataclasses.asdict(self.mesh),
                 "delivery": [self.constructors.cp_slicing, list(self.constructors.pp_middle_tensors)],
             },
-            "batching": {"batch": _batch_fingerprint(self.batch), "balance": dataclasses.asdict(self.balance), "strategy": self.strategy_digest},
+            "batching": {
+                "batch": _batch_fingerprint(self.batch),
+                "balance": dataclasses.asdict(self.balance),
+                "strategy": self.strategy_digest,
+            },
         }
         if self.loaders.read_ahead_samples != LoaderSettings.read_ahead_samples:
             # Only when set, so the fingerprints of jobs without it stay as they were.
@@ -537,24 +541,72 @@ class JobSettings:
 #: changes exactly its group's fingerprint.
 FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
     "data": (
-        "sources[].name", "sources[].token_column", "sources[].transform", "sources[].transform_args", "sources[].columns",
-        "sources[].repeat", "seed", "epochs", "loaders.shuffle.enabled", "loaders.shuffle.window_row_groups",
+        "sources[].name",
+        "sources[].token_column",
+        "sources[].transform",
+        "sources[].transform_args",
+        "sources[].columns",
+        "sources[].repeat",
+        "seed",
+        "epochs",
+        "loaders.shuffle.enabled",
+        "loaders.shuffle.window_row_groups",
     ),
     "mixture": ("mixture.weights", "mixture.schedule"),
     "topology": ("mesh.dp", "mesh.cp", "mesh.tp", "mesh.pp", "mesh.order", "constructors.cp_slicing", "constructors.pp_middle_tensors"),
     "batching": (
-        "batch.global_batch_size", "batch.microbatches", "batch.pad_id", "batch.ignore_id", "batch.token_dtype", "batch.packing",
-        "batch.pack_length", "batch.max_length", "batch.length_policy", "batch.bad_samples.policy", "batch.bad_samples.max_per_window",
-        "batch.payload", "balance.method", "balance.max_tokens", "balance.max_cost", "balance.window_steps", "balance.cost.kind",
-        "balance.cost.linear", "balance.cost.quadratic", "strategy", "loaders.read_ahead_samples",
+        "batch.global_batch_size",
+        "batch.microbatches",
+        "batch.pad_id",
+        "batch.ignore_id",
+        "batch.token_dtype",
+        "batch.packing",
+        "batch.pack_length",
+        "batch.max_length",
+        "batch.length_policy",
+        "batch.bad_samples.policy",
+        "batch.bad_samples.max_per_window",
+        "batch.payload",
+        "balance.method",
+        "balance.max_tokens",
+        "balance.max_cost",
+        "balance.window_steps",
+        "balance.cost.kind",
+        "balance.cost.linear",
+        "balance.cost.quadratic",
+        "strategy",
+        "loaders.read_ahead_samples",
     ),
     "none": (
-        "job", "sources[].path", "run_dir", "loaders.count", "loaders.groups", "loaders.buffer_bytes", "loaders.shadow",
-        "loaders.failover.probe_interval_s", "loaders.failover.failures", "constructors.ranks_per_constructor",
-        "constructors.prefetch_steps", "constructors.pulling_ranks", "constructors.shm_bytes", "network.host", "network.tls",
-        "network.max_message_bytes", "network.rpc_timeout_s", "network.heartbeat_s", "ledger.location",
-        "ledger.keep_detail_steps", "ledger.compare_methods", "batch.delivery", "journal.location", "journal.policy",
-        "journal.producers", "journal.max_lag_steps", "journal.prefetch_steps", "journal.reclaim", "journal.min_age_s",
+        "job",
+        "sources[].path",
+        "run_dir",
+        "loaders.count",
+        "loaders.groups",
+        "loaders.buffer_bytes",
+        "loaders.shadow",
+        "loaders.failover.probe_interval_s",
+        "loaders.failover.failures",
+        "constructors.ranks_per_constructor",
+        "constructors.prefetch_steps",
+        "constructors.pulling_ranks",
+        "constructors.shm_bytes",
+        "network.host",
+        "network.tls",
+        "network.max_message_bytes",
+        "network.rpc_timeout_s",
+        "network.heartbeat_s",
+        "ledger.location",
+        "ledger.keep_detail_steps",
+        "ledger.compare_methods",
+        "batch.delivery",
+        "journal.location",
+        "journal.policy",
+        "journal.producers",
+        "journal.max_lag_steps",
+        "journal.prefetch_steps",
+        "journal.reclaim",
+        "journal.min_age_s",
     ),
 }
 
@@ -593,7 +645,6 @@ def load_job(path: str | pathlib.Path) -> JobSettings:
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "not valid YAML", str(exc).replace("\n", " ")) from exc
     return job_from_mapping(data, base_dir=path.resolve().parent)
-
 
 
 #: The head of a URL, "scheme://" (group 1: the scheme as written).
@@ -824,7 +875,9 @@ def _check_balance(job: JobSettings) -> None:
     if balance.max_cost is not None and not (math.isfinite(balance.max_cost) and balance.max_cost > 0):
         raise ConfigError("balance.max_cost", "must be a finite number > 0", balance.max_cost)
     if balance.method == "token_budget" and sum(v is not None for v in budgets.values()) != 1:
-        raise ConfigError("balance.max_tokens", "method 'token_budget' needs exactly one of balance.max_tokens and balance.max_cost", budgets)
+        raise ConfigError(
+            "balance.max_tokens", "method 'token_budget' needs exactly one of balance.max_tokens and balance.max_cost", budgets
+        )
     window = balance.window_steps
     if window is not None:
         _positive("balance.window_steps", window)
@@ -836,7 +889,9 @@ def _check_balance(job: JobSettings) -> None:
                 window,
             )
         if window > 1 and job.strategy is None and balance.method != "token_budget":
-            raise ConfigError("balance.window_steps", f"windows of several steps apply to method 'token_budget', not {balance.method!r}", window)
+            raise ConfigError(
+                "balance.window_steps", f"windows of several steps apply to method 'token_budget', not {balance.method!r}", window
+            )
     cost = balance.cost
     if not cost.kind.strip():
         raise ConfigError("balance.cost.kind", f"must be one of {COST_KINDS}, a model name or 'module:callable'", cost.kind)
@@ -868,7 +923,9 @@ def _check_loaders(job: JobSettings) -> None:
                 placed[name] = g
         missing = [name for name in names if name not in placed]
         if missing:
-            raise ConfigError("loaders.groups", f"must place every source in a group; missing: {', '.join(missing)}", [list(n) for n in loaders.groups])
+            raise ConfigError(
+                "loaders.groups", f"must place every source in a group; missing: {', '.join(missing)}", [list(n) for n in loaders.groups]
+            )
     if loaders.count is not None:
         _positive("loaders.count", loaders.count)
         if loaders.count > len(job.sources):
@@ -914,18 +971,26 @@ def _check_journal(job: JobSettings) -> None:
     _positive("journal.prefetch_steps", journal.prefetch_steps)
     if not isinstance(journal.reclaim, bool):
         raise ConfigError("journal.reclaim", "must be true or false", journal.reclaim)
-    if (isinstance(journal.min_age_s, bool) or not isinstance(journal.min_age_s, (int, float))
-            or not MIN_RECLAIM_AGE_S <= journal.min_age_s < math.inf):
-        raise ConfigError("journal.min_age_s", f"must be a finite number of seconds >= {MIN_RECLAIM_AGE_S:g} (4 x the manifest's "
-                          "30 s confirm window)", journal.min_age_s)
+    if (
+        isinstance(journal.min_age_s, bool)
+        or not isinstance(journal.min_age_s, (int, float))
+        or not MIN_RECLAIM_AGE_S <= journal.min_age_s < math.inf
+    ):
+        raise ConfigError(
+            "journal.min_age_s",
+            f"must be a finite number of seconds >= {MIN_RECLAIM_AGE_S:g} (4 x the manifest's 30 s confirm window)",
+            journal.min_age_s,
+        )
     if journal.max_lag_steps <= journal.prefetch_steps:
         raise ConfigError("journal.max_lag_steps", f"must exceed journal.prefetch_steps ({journal.prefetch_steps})", journal.max_lag_steps)
     if journal.location is not None:
         _check_ledger_location(journal.location, field="journal.location")
     if job.batch.delivery == "journal" and (job.mixture.schedule or {}).get("kind") == "adaptive":
         raise ConfigError(
-            "batch.delivery", "journal delivery cannot serve an adaptive mixture (its weights follow the training losses, "
-            "which a producer running ahead has not seen): use stream delivery", job.batch.delivery,
+            "batch.delivery",
+            "journal delivery cannot serve an adaptive mixture (its weights follow the training losses, "
+            "which a producer running ahead has not seen): use stream delivery",
+            job.batch.delivery,
         )
 
 

@@ -82,7 +82,7 @@ def parse_uri(uri: str) -> Identity:
     head = f"{SCHEME}://"
     if not uri.startswith(head):
         raise InvalidArgument(f"not a {head} identity: {uri!r}")
-    parts = uri[len(head):].split("/")
+    parts = uri[len(head) :].split("/")
     if not 1 <= len(parts) <= 3 or any(not p for p in parts):
         raise InvalidArgument(f"a {head} identity is {head}<role>[/<index>[/<replica>]], got {uri!r}")
     index = None

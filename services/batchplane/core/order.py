@@ -126,12 +126,7 @@ class SampleOrder:
 
     def rows(self, window: Window) -> np.ndarray:
         """int64 [window.size]: source row of each row of the window's concatenated row groups."""
-        return np.concatenate(
-            [
-                np.arange(self.row_group_sizes[g], dtype=np.int64) + self.row_group_starts[g]
-                for g in window.row_groups
-            ]
-        )
+        return np.concatenate([np.arange(self.row_group_sizes[g], dtype=np.int64) + self.row_group_starts[g] for g in window.row_groups])
 
     def window_rows(self, epoch: int, window: Window) -> np.ndarray:
         """int64 [window.size]: the source row at each position of the window, in order."""

@@ -47,10 +47,20 @@ KINDS = (TOKEN, SAMPLE, BLOB)
 DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
 #: Names the constructor builds itself; a declared column may not take them.
-BUILT = frozenset({
-    "input_ids", "labels", "attention_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen", "loss_mask",
-    "source", "seq",
-})
+BUILT = frozenset(
+    {
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "position_ids",
+        "segment_ids",
+        "cu_seqlens",
+        "max_seqlen",
+        "loss_mask",
+        "source",
+        "seq",
+    }
+)
 #: Prefix of the per-sample identity tensors the constructor builds (sample_source, ...).
 RESERVED_PREFIX = "sample_"
 #: Suffix of a blob column's offsets tensor.
@@ -104,7 +114,9 @@ def check_columns(columns: Sequence[PayloadColumn]) -> list[tuple[str, str, obje
         if not _NAME.fullmatch(c.name):
             problems.append((f"{at}.name", "must be letters, digits and _, not starting with a digit", c.name))
         elif c.name in BUILT or c.name.startswith(RESERVED_PREFIX) or c.name.endswith(OFFSETS_SUFFIX):
-            problems.append((f"{at}.name", f"is a name the constructor builds (input_ids, labels, ..., {RESERVED_PREFIX}*, *{OFFSETS_SUFFIX})", c.name))
+            problems.append(
+                (f"{at}.name", f"is a name the constructor builds (input_ids, labels, ..., {RESERVED_PREFIX}*, *{OFFSETS_SUFFIX})", c.name)
+            )
         elif c.name in seen:
             problems.append((f"{at}.name", f"duplicates batch.payload[{seen[c.name]}].name", c.name))
         else:
@@ -114,7 +126,9 @@ def check_columns(columns: Sequence[PayloadColumn]) -> list[tuple[str, str, obje
         if c.dtype not in DTYPES:
             problems.append((f"{at}.dtype", f"must be one of {', '.join(DTYPES)}", c.dtype))
         if len(c.shape) > MAX_SHAPE_DIMS or any(d < 1 for d in c.shape) or math.prod(c.shape) > MAX_INNER_ELEMENTS:
-            problems.append((f"{at}.shape", f"must be at most {MAX_SHAPE_DIMS} extents >= 1 of at most {MAX_INNER_ELEMENTS} elements", list(c.shape)))
+            problems.append(
+                (f"{at}.shape", f"must be at most {MAX_SHAPE_DIMS} extents >= 1 of at most {MAX_INNER_ELEMENTS} elements", list(c.shape))
+            )
         if not math.isfinite(c.fill):
             problems.append((f"{at}.fill", "must be a finite number", c.fill))
     return problems
@@ -177,7 +191,9 @@ def normalize(column: PayloadColumn, array: pa.Array | pa.ChunkedArray | None, t
             return _normalize_sample(column, array, value, n)
         return _normalize_lists(column, array, value, token_lengths)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-        raise PayloadError(f"column {column.name!r}: cannot be {column.kind} values of {column.dtype}{list(column.shape) or ''}: {exc}") from None
+        raise PayloadError(
+            f"column {column.name!r}: cannot be {column.kind} values of {column.dtype}{list(column.shape) or ''}: {exc}"
+        ) from None
 
 
 def _normalize_sample(column: PayloadColumn, array: pa.Array, value: pa.DataType, n: int) -> pa.Array:
@@ -190,7 +206,9 @@ def _normalize_sample(column: PayloadColumn, array: pa.Array, value: pa.DataType
     bad = valid & (counts != column.inner)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise PayloadError(f"column {column.name!r}: sample {i} has {int(counts[i])} values, shape {list(column.shape)} needs {column.inner}")
+        raise PayloadError(
+            f"column {column.name!r}: sample {i} has {int(counts[i])} values, shape {list(column.shape)} needs {column.inner}"
+        )
     out = np.full(n * column.inner, np.dtype(column.dtype).type(column.fill), column.dtype)
     out[np.repeat(valid, column.inner)] = flat.cast(value).to_numpy(zero_copy_only=False)
     return pa.FixedSizeListArray.from_arrays(pa.array(out), column.inner)
@@ -205,14 +223,18 @@ def _normalize_lists(column: PayloadColumn, array: pa.Array, value: pa.DataType,
         bad = valid & (counts != want)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise PayloadError(f"column {column.name!r}: sample {i} has {int(counts[i])} values for {int(token_lengths[i])} tokens of shape {list(column.shape)}")
+            raise PayloadError(
+                f"column {column.name!r}: sample {i} has {int(counts[i])} values for {int(token_lengths[i])} tokens of shape {list(column.shape)}"
+            )
         if not valid.all():  # a null list: fill for every token
             out = np.full(int(want.sum()), np.dtype(column.dtype).type(column.fill), column.dtype)
             out[np.repeat(valid, want)] = flat.to_numpy(zero_copy_only=False)
             flat, counts = pa.array(out), want
     elif column.inner > 1 and (counts % column.inner).any():
         i = int(np.flatnonzero(counts % column.inner)[0])
-        raise PayloadError(f"column {column.name!r}: sample {i} has {int(counts[i])} values, not a multiple of a row of shape {list(column.shape)}")
+        raise PayloadError(
+            f"column {column.name!r}: sample {i} has {int(counts[i])} values, not a multiple of a row of shape {list(column.shape)}"
+        )
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     if offsets[-1] >= 2**31:
@@ -228,7 +250,9 @@ def _leaves(column: PayloadColumn, array: pa.Array) -> tuple[pa.Array, np.ndarra
     """The leaf values of a (possibly nested) list array in order, and how many each row holds
     (0 for a null row)."""
     if not _is_list(array.type):
-        raise PayloadError(f"column {column.name!r}: a {column.kind} column of shape {list(column.shape)} holds a list per sample, got {array.type}")
+        raise PayloadError(
+            f"column {column.name!r}: a {column.kind} column of shape {list(column.shape)} holds a list per sample, got {array.type}"
+        )
     flat, rows = array, np.arange(len(array))
     while _is_list(flat.type):
         parents = pc.list_parent_indices(flat).to_numpy(zero_copy_only=False)

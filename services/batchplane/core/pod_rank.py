@@ -160,7 +160,10 @@ def resolve_index(source: str, environ: Mapping[str, str]) -> int:
         pods = _integer(source, TRAINER_PODS, environ, least=1)
         if pods % jobs:
             raise PodRankError(
-                source, JOBSET_REPLICAS, f"must divide the {pods} trainer pods (the replicated Job holds every trainer pod, the same number per Job)", jobs
+                source,
+                JOBSET_REPLICAS,
+                f"must divide the {pods} trainer pods (the replicated Job holds every trainer pod, the same number per Job)",
+                jobs,
             )
         per_job = pods // jobs
         completion = _integer(source, COMPLETION_INDEX, environ) if per_job > 1 or environ.get(COMPLETION_INDEX) else 0

@@ -108,20 +108,44 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--shadow-of", help="run a loader as the shadow (hot standby) of this replica id of its group, e.g. 0")
     parser.add_argument("--planner", help="planner address host:port (loaders and constructors)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port)")
-    parser.add_argument("--listen", help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/batchplane/socket/constructor.sock (its folder is made with mode 2770)")
+    parser.add_argument(
+        "--listen",
+        help="a Unix socket to serve gRPC on instead of host:port, e.g. unix:///run/batchplane/socket/constructor.sock (its folder is made with mode 2770)",
+    )
     parser.add_argument("--advertise", help="address other parts reach this one at (default: the served address), e.g. $(POD_IP):50052")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (default: any free port)")
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound addresses here once serving")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
     parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
     parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
-    parser.add_argument("--tls-dir", type=pathlib.Path, default=_env_path("BATCHPLANE_TLS_DIR"), help="certificate folder: ca.crt, tls.crt, tls.key (a mounted Secret; never subPath) (default: $BATCHPLANE_TLS_DIR)")
-    parser.add_argument("--token-file", type=pathlib.Path, default=_env_path("BATCHPLANE_TOKEN_FILE"), help="bearer token this process sends (default: $BATCHPLANE_TOKEN_FILE)")
-    parser.add_argument("--auth-tokens", type=pathlib.Path, default=_env_path("BATCHPLANE_AUTH_TOKENS"), help="folder of accepted tokens, one file per role (default: $BATCHPLANE_AUTH_TOKENS)")
-    parser.add_argument("--run-dir", type=pathlib.Path, help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set")
+    parser.add_argument(
+        "--tls-dir",
+        type=pathlib.Path,
+        default=_env_path("BATCHPLANE_TLS_DIR"),
+        help="certificate folder: ca.crt, tls.crt, tls.key (a mounted Secret; never subPath) (default: $BATCHPLANE_TLS_DIR)",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        default=_env_path("BATCHPLANE_TOKEN_FILE"),
+        help="bearer token this process sends (default: $BATCHPLANE_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--auth-tokens",
+        type=pathlib.Path,
+        default=_env_path("BATCHPLANE_AUTH_TOKENS"),
+        help="folder of accepted tokens, one file per role (default: $BATCHPLANE_AUTH_TOKENS)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=pathlib.Path,
+        help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set",
+    )
     ns = parser.parse_args(argv)
     if ns.listen is not None and not ns.listen.startswith("unix:"):
-        parser.error(f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host")
+        parser.error(
+            f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host"
+        )
     ns.log_format = log_format_setting(ns.log_format, os.environ, parser)
     return ProcessSettings(**vars(ns))
 
@@ -207,8 +231,12 @@ def run_service(
     settings = parse_process_args(part, argv)
     name = part if part == "planner" else f"{part}-{settings.replica or settings.index}" + ("-shadow" if settings.shadow_of else "")
     context = configure_logging(
-        settings.log_level, name, log_format=settings.log_format,
-        part=part, index=None if part == "planner" else settings.index, replica=settings.replica,
+        settings.log_level,
+        name,
+        log_format=settings.log_format,
+        part=part,
+        index=None if part == "planner" else settings.index,
+        replica=settings.replica,
     )
     registry = process_registry(part, build_info(os.environ))
     try:
@@ -225,7 +253,11 @@ def run_service(
             registry=registry,
         )
         security = process_security(
-            tls=job.network.tls, tls_dir=settings.tls_dir, token_file=settings.token_file, auth_tokens=settings.auth_tokens, on_reload=reloads.inc
+            tls=job.network.tls,
+            tls_dir=settings.tls_dir,
+            token_file=settings.token_file,
+            auth_tokens=settings.auth_tokens,
+            on_reload=reloads.inc,
         )
         running = start(job, settings, registry, RpcSettings.of(job.network, security))
     except PortUnavailable as exc:
@@ -266,12 +298,14 @@ def run_service(
     if settings.exit_with_parent:
         _watch_parent(stop_event)
     if settings.ready_file:
-        write_ready_file(
-            settings.ready_file, {"address": running.address, "metrics_port": metrics_port, "pid": os.getpid()}
-        )
+        write_ready_file(settings.ready_file, {"address": running.address, "metrics_port": metrics_port, "pid": os.getpid()})
     log.info(
-        "%s serving on %s (%s), metrics on http://%s:%d/metrics", name, running.address,
-        "mutual TLS" if security.enabled else "PLAINTEXT", job.network.host, metrics_port,
+        "%s serving on %s (%s), metrics on http://%s:%d/metrics",
+        name,
+        running.address,
+        "mutual TLS" if security.enabled else "PLAINTEXT",
+        job.network.host,
+        metrics_port,
     )
     # Wait in slices: the kernel may deliver SIGTERM to one of grpc's threads, and CPython runs
     # signal handlers only when the main thread wakes; an untimed wait can then miss it forever.

@@ -50,6 +50,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
 #: The longest a request may ask a service to wait (`wait_ms`); longer asks are cut to it.
 MAX_WAIT_MS = 60_000
 
+
 def wait_seconds(wait_ms: int, context: grpc.ServicerContext | None, *, default_ms: int = 0) -> float:
     """How long a request may keep a server thread waiting for data: its `wait_ms` (0:
     `default_ms`), cut to MAX_WAIT_MS and to what is left of the caller's deadline: a caller
@@ -416,13 +417,13 @@ def add_servicer(server: grpc.Server, servicer: Any, service: Any) -> None:
             raise TypeError(f"{service.full_name}.{method.name}: client streaming is not used here")
         factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         serializer = _serialize if method.server_streaming else response.SerializeToString
-        handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=request.FromString, response_serializer=serializer)
+        handlers[method.name] = factory(
+            getattr(servicer, method.name), request_deserializer=request.FromString, response_serializer=serializer
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def stream_payload(
-    response_cls: Callable[..., Any], header: Any, *payloads: memoryview | bytes, serialized: bool = False
-) -> Iterator[Any]:
+def stream_payload(response_cls: Callable[..., Any], header: Any, *payloads: memoryview | bytes, serialized: bool = False) -> Iterator[Any]:
     """A chunked response stream: the header first, then the payloads one after another in
     ~1 MiB chunks (the receiver sees one payload). `serialized`: every item is the response
     already serialized (bytes; `wire.chunk_messages`, one copy of each chunk), for a method

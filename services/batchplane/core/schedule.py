@@ -376,9 +376,7 @@ def _points_from(data: object, path: str, key: str, names: tuple[str, ...]) -> t
     return tuple(points)
 
 
-def _callable_from(
-    path: object, names: tuple[str, ...], resolve: Callable[[str], Callable[..., Any]] | None
-) -> FromCallable:
+def _callable_from(path: object, names: tuple[str, ...], resolve: Callable[[str], Callable[..., Any]] | None) -> FromCallable:
     field = "mixture.schedule.callable"
     if not isinstance(path, str) or not _IMPORT_PATH.fullmatch(path):
         raise ScheduleError(field, "must be an import path 'module:function'", path)

@@ -126,9 +126,7 @@ class LocalStorage(Storage):
                 # A concurrent sweep (another process opening the storage) removed our new
                 # folder or our temporary file before the link; write again.
                 error = e
-        raise Unavailable(
-            f"could not write {key!r} to {self.describe()}: its folder or temporary file kept vanishing"
-        ) from error
+        raise Unavailable(f"could not write {key!r} to {self.describe()}: its folder or temporary file kept vanishing") from error
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -297,9 +295,7 @@ class MemoryStorage(Storage):
         for i in range(1, len(parts)):
             folder = "/".join(parts[:i])
             if folder in self._objects:
-                raise FailedPrecondition(
-                    f"cannot put {key!r} in {self.describe()}: {folder!r} is an object, not a folder"
-                )
+                raise FailedPrecondition(f"cannot put {key!r} in {self.describe()}: {folder!r} is an object, not a folder")
         if any(k.startswith(key + "/") for k in self._objects):
             raise FailedPrecondition(f"cannot put {key!r} in {self.describe()}: it is a folder of other keys")
 

@@ -227,7 +227,7 @@ class Security:
         sent = ""
         for key, value in context.invocation_metadata():
             if key == TOKEN_KEY and isinstance(value, str) and value.startswith("Bearer "):
-                sent = value[len("Bearer "):]
+                sent = value[len("Bearer ") :]
         matches = [role for role, token in self.role_tokens.items() if hmac.compare_digest(token.encode(), sent.encode())]
         if not sent or not matches:
             raise Unauthenticated("no valid bearer token")
@@ -259,7 +259,9 @@ class ReloadingChannel(grpc.Channel):
     on; replaced channels are closed with this one.
     """
 
-    def __init__(self, open_channel: Callable[[tuple[bytes, bytes, bytes]], grpc.Channel], folder: CertificateFolder, on_reload: Callable[[], None]) -> None:
+    def __init__(
+        self, open_channel: Callable[[tuple[bytes, bytes, bytes]], grpc.Channel], folder: CertificateFolder, on_reload: Callable[[], None]
+    ) -> None:
         self._open = open_channel
         self._reloader = _Reloader(folder, on_reload)
         self._lock = threading.Lock()
@@ -334,7 +336,12 @@ class _MultiCallable:
 
 
 def process_security(
-    *, tls: bool, tls_dir: pathlib.Path | None, token_file: pathlib.Path | None, auth_tokens: pathlib.Path | None, on_reload: Callable[[], None] = lambda: None
+    *,
+    tls: bool,
+    tls_dir: pathlib.Path | None,
+    token_file: pathlib.Path | None,
+    auth_tokens: pathlib.Path | None,
+    on_reload: Callable[[], None] = lambda: None,
 ) -> Security:
     """A process's security from the job's `network.tls` and its flags.
 
@@ -348,7 +355,9 @@ def process_security(
         return Security(None, token=token, role_tokens=role_tokens)
     if tls_dir is None:
         raise ConfigError(
-            "network.tls", f"is on, so every part needs --tls-dir (a folder with {CA_FILE}, {CERT_FILE}, {KEY_FILE}); "
-            "set network.tls: off only on a network nothing else can reach", True,
+            "network.tls",
+            f"is on, so every part needs --tls-dir (a folder with {CA_FILE}, {CERT_FILE}, {KEY_FILE}); "
+            "set network.tls: off only on a network nothing else can reach",
+            True,
         )
     return Security(CertificateFolder(tls_dir), token=token, role_tokens=role_tokens, on_reload=on_reload)

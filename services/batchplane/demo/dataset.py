@@ -182,9 +182,7 @@ class DemoSource:
         if not self.lengths:
             problems.append("lengths needs at least one component")
         if not 2 <= self.min_length <= self.max_length:
-            problems.append(
-                f"need 2 <= min_length <= max_length, got {self.min_length}, {self.max_length}"
-            )
+            problems.append(f"need 2 <= min_length <= max_length, got {self.min_length}, {self.max_length}")
         if self.branching < 1:
             problems.append(f"branching must be >= 1, got {self.branching}")
         if not 0.0 <= self.noise <= 1.0:

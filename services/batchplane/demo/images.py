@@ -48,9 +48,7 @@ __all__ = [
 ]
 
 #: The Arrow schema of every file `write_image_text_source` writes.
-SCHEMA = pa.schema(
-    [("caption", pa.list_(pa.int32())), ("images", pa.list_(pa.binary())), ("doc_id", pa.int64())]
-)
+SCHEMA = pa.schema([("caption", pa.list_(pa.int32())), ("images", pa.list_(pa.binary())), ("doc_id", pa.int64())])
 
 #: The image placeholder token: the last id of the demo's 1024-token vocabulary. Captions
 #: written here never use it (they draw from ``[0, vocab_size - 1)``).
@@ -144,9 +142,9 @@ def write_image_text_source(
     layout = _rng(seed, _STREAM_LAYOUT)
     counts = layout.choice(len(IMAGE_COUNT_WEIGHTS), size=rows, p=IMAGE_COUNT_WEIGHTS)
     sizes = layout.choice(len(RESOLUTIONS), size=int(counts.sum()), p=[p for _, p in RESOLUTIONS])
-    caption_lengths = np.clip(
-        np.rint(_CAPTION_MEDIAN * np.exp(_CAPTION_SIGMA * layout.standard_normal(rows))), *_CAPTION_RANGE
-    ).astype(np.int64)
+    caption_lengths = np.clip(np.rint(_CAPTION_MEDIAN * np.exp(_CAPTION_SIGMA * layout.standard_normal(rows))), *_CAPTION_RANGE).astype(
+        np.int64
+    )
     captions = _captions(caption_lengths, vocab_size=vocab_size - 1, rng=_rng(seed, _STREAM_CAPTIONS))
     bases = _base_pictures(_rng(seed, _STREAM_PICTURES))
     variation = _rng(seed, _STREAM_VARIATION)
@@ -307,14 +305,12 @@ def patchify(data: bytes, *, patch: int = 14, max_side: int = 448) -> np.ndarray
         return None
     rgb, (rows, columns) = decoded
     pixels = np.asarray(rgb, dtype=np.float32) * np.float32(1 / 255)
-    return (
-        pixels.reshape(rows, patch, columns, patch, 3)
-        .transpose(0, 2, 1, 3, 4)
-        .reshape(rows * columns, patch * patch * 3)
-    )
+    return pixels.reshape(rows, patch, columns, patch, 3).transpose(0, 2, 1, 3, 4).reshape(rows * columns, patch * patch * 3)
 
 
-def pixel_patches(data: bytes, *, patch: int = 14, max_side: int = 448, temporal_patch: int = 1) -> tuple[np.ndarray, tuple[int, int]] | None:
+def pixel_patches(
+    data: bytes, *, patch: int = 14, max_side: int = 448, temporal_patch: int = 1
+) -> tuple[np.ndarray, tuple[int, int]] | None:
     """Decodes one JPEG into raw pixel patches as a Qwen2-VL-style vision encoder takes them.
 
     The image is decoded, resized to the grid of `image_grid` like `patchify`, and cut into
@@ -399,7 +395,9 @@ def image_text(
     num_images = pc.fill_null(pc.list_value_length(images), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(images).to_pylist()  # bytes (or None) per image, rows in order
     if pixels:
-        decoded = [None if data is None else pixel_patches(data, patch=patch, max_side=max_side, temporal_patch=temporal_patch) for data in flat]
+        decoded = [
+            None if data is None else pixel_patches(data, patch=patch, max_side=max_side, temporal_patch=temporal_patch) for data in flat
+        ]
         tokens_per_image = np.array([-1 if d is None else len(d[0]) for d in decoded], dtype=np.int64)
     else:
         tokens_per_image = np.array([-1 if data is None else _patch_count(data, patch, max_side) for data in flat], dtype=np.int64)
@@ -422,9 +420,7 @@ def image_text(
     np.cumsum(caption_lengths, out=caption_offsets[1:])
     shift = np.repeat(caption_starts - caption_offsets[:-1], caption_lengths)
     values[np.arange(len(caption_values)) + shift] = caption_values
-    input_ids = pa.ListArray.from_arrays(
-        pa.array(offsets.astype(np.int32)), pa.array(values), mask=pa.array(rejected)
-    )
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values), mask=pa.array(rejected))
     columns = {
         "input_ids": input_ids,
         "num_images": pa.array(num_images.astype(np.int32), mask=rejected),

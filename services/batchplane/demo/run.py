@@ -67,10 +67,7 @@ run_dir: run
 
 def write_job(workdir: pathlib.Path) -> pathlib.Path:
     """Writes the demo's job configuration; returns its path."""
-    sources = "\n".join(
-        "  - " + json.dumps({"name": s.name, "path": f"data/{s.name}", **TRANSFORMS.get(s.name, {})})
-        for s in DEMO_SOURCES
-    )
+    sources = "\n".join("  - " + json.dumps({"name": s.name, "path": f"data/{s.name}", **TRANSFORMS.get(s.name, {})}) for s in DEMO_SOURCES)
     path = workdir / "job.yaml"
     payload = json.dumps([dict(c) for c in PAYLOAD])
     path.write_text(JOB_TEMPLATE.format(sources=sources, weights=json.dumps(WEIGHTS), dp=DP, payload=payload))
@@ -122,8 +119,10 @@ def run_demo(*, workdir: pathlib.Path, steps: int, log_every: int) -> int:
         print(f"batchplane demo: {exc}", file=sys.stderr)
         return 1
     try:
-        print(f"data plane up: planner {cluster.planner.address}, {len(cluster.loaders)} loaders, "
-              f"{len(cluster.constructors)} constructors; logs in {cluster.run_dir / 'logs'}")
+        print(
+            f"data plane up: planner {cluster.planner.address}, {len(cluster.loaders)} loaders, "
+            f"{len(cluster.constructors)} constructors; logs in {cluster.run_dir / 'logs'}"
+        )
         stats = _train(cluster, workdir, steps=steps, log_every=log_every)
         if stats is None:
             return 1
@@ -141,9 +140,21 @@ def _train(cluster: LocalCluster, workdir: pathlib.Path, *, steps: int, log_ever
     trainers = []
     for rank in range(DP):
         command = [
-            sys.executable, "-m", "batchplane.examples.tiny_lm",
-            "--rank", str(rank), "--world-size", str(DP), "--master-port", str(port),
-            "--steps", str(steps), "--log-every", str(log_every), "--stats", str(workdir / f"trainer-{rank}.json"),
+            sys.executable,
+            "-m",
+            "batchplane.examples.tiny_lm",
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(DP),
+            "--master-port",
+            str(port),
+            "--steps",
+            str(steps),
+            "--log-every",
+            str(log_every),
+            "--stats",
+            str(workdir / f"trainer-{rank}.json"),
         ]
         output = None if rank == 0 else open(workdir / f"trainer-{rank}.log", "w")  # noqa: SIM115
         trainers.append(subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None))
@@ -206,7 +217,5 @@ def summary(stats: list[dict], status, memory: dict[str, int | None]) -> str:
         lines.append(
             f"  {figure.method:<15} max/min {figure.mean_max_over_min:8.3f}   max/mean {figure.mean_max_over_mean:6.3f}{configured}"
         )
-    lines.append("resident memory: " + ", ".join(
-        f"{name} {rss / 2**20:.0f} MiB" for name, rss in memory.items() if rss is not None
-    ))
+    lines.append("resident memory: " + ", ".join(f"{name} {rss / 2**20:.0f} MiB" for name, rss in memory.items() if rss is not None))
     return "\n".join(lines)

@@ -170,8 +170,7 @@ class LocalCluster:
             self._wait_ready([self.planner], timeout_s)
             planner_args = ["--planner", self.planner.address]
             self.loaders = [
-                spawn(f"loader-{i}", "batchplane.loader", ["--index", str(i), *planner_args])
-                for i in range(self.job.loader_count)
+                spawn(f"loader-{i}", "batchplane.loader", ["--index", str(i), *planner_args]) for i in range(self.job.loader_count)
             ]
             if self.job.loaders.shadow:  # a hot standby of each loader
                 self.loaders += [
@@ -188,7 +187,9 @@ class LocalCluster:
                     for i in range(self.job.journal.producers)
                 ]
                 self.constructors = [
-                    spawn(f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *run_dir, "--consume"])
+                    spawn(
+                        f"constructor-{i}", "batchplane.constructor", ["--index", str(i), *self._trainer_socket(i), *run_dir, "--consume"]
+                    )
                     for i in range(self.job.pod_count)
                 ]
             else:
@@ -245,12 +246,16 @@ class LocalCluster:
             return {}
         job = table.get("job") if isinstance(table, dict) else None
         if job != self.job.job:
-            log.info("not keeping the addresses in %s: they are job %r's, not %r's; every process takes a free port", path, job, self.job.job)
+            log.info(
+                "not keeping the addresses in %s: they are job %r's, not %r's; every process takes a free port", path, job, self.job.job
+            )
             return {}
         try:
             ports = _ports_in(table, self.job)
         except (AttributeError, LookupError, TypeError, ValueError) as exc:
-            log.info("not keeping the addresses in %s: cannot read it (%s: %s); every process takes a free port", path, type(exc).__name__, exc)
+            log.info(
+                "not keeping the addresses in %s: cannot read it (%s: %s); every process takes a free port", path, type(exc).__name__, exc
+            )
             return {}
         log.info("keeping the addresses of the earlier run of job %r in %s", self.job.job, path)
         return ports
@@ -270,7 +275,8 @@ class LocalCluster:
         if leftovers:
             log.warning(
                 "processes %s of an earlier launcher of %s still run; the ports they hold are replaced by free ones",
-                sorted(leftovers.values()), self.run_dir,
+                sorted(leftovers.values()),
+                self.run_dir,
             )
 
     def _spawn(self, name: str, module: str, args: Sequence[str], *, ports: Ports = Ports(), kept: Ports | None = None) -> ServiceProcess:
@@ -284,11 +290,16 @@ class LocalCluster:
         ready_path = self.run_dir / f".{name}.ready"
         ready_path.unlink(missing_ok=True)
         command = [
-            sys.executable, "-m", module,
-            "--config", str(self.config_path),
-            "--ready-file", str(ready_path),
+            sys.executable,
+            "-m",
+            module,
+            "--config",
+            str(self.config_path),
+            "--ready-file",
+            str(ready_path),
             "--exit-with-parent",
-            "--log-level", self.log_level,
+            "--log-level",
+            self.log_level,
             *args,
         ]
         if ports.grpc:
@@ -364,9 +375,7 @@ class LocalCluster:
             "job": self.job.job,
             "planner": self.planner.address,
             "loaders": {p.name.removeprefix("loader-"): p.address for p in self.loaders},
-            "constructors": {
-                str(rank): p.address for i, p in enumerate(self.constructors) for rank in self.job.pod_ranks(i)
-            },
+            "constructors": {str(rank): p.address for i, p in enumerate(self.constructors) for rank in self.job.pod_ranks(i)},
             "metrics": {p.name: f"http://{self.job.network.host}:{p.metrics_port}/metrics" for p in self.processes},
         }
         tmp = self.endpoints_path.with_suffix(".tmp")
@@ -435,7 +444,9 @@ class LocalCluster:
         self._replicas_started += 1  # ids are never reused: the planner remembers those that left
         n = self._replicas_started
         name = f"loader-{index}-{n}"
-        process = self._spawn(name, "batchplane.loader", ["--index", str(index), "--replica", f"{index}-{n}", "--planner", self.planner.address])
+        process = self._spawn(
+            name, "batchplane.loader", ["--index", str(index), "--replica", f"{index}-{n}", "--planner", self.planner.address]
+        )
         self.loaders.append(process)
         try:
             self._wait_ready([process], timeout_s)
@@ -574,10 +585,15 @@ def _warn_if_moved(p: ServiceProcess) -> None:
     if p.kept.grpc and p.port != p.kept.grpc:
         log.warning(
             "%s: its gRPC port %d is held by another process; it serves on port %d instead (%s names it)",
-            p.name, p.kept.grpc, p.port, ENDPOINTS_FILE,
+            p.name,
+            p.kept.grpc,
+            p.port,
+            ENDPOINTS_FILE,
         )
     if p.kept.metrics and p.metrics_port != p.kept.metrics:
-        log.warning("%s: its metrics port %d is held by another process; metrics on port %d instead", p.name, p.kept.metrics, p.metrics_port)
+        log.warning(
+            "%s: its metrics port %d is held by another process; metrics on port %d instead", p.name, p.kept.metrics, p.metrics_port
+        )
 
 
 def _check_strategy(job: JobSettings) -> None:

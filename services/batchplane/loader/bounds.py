@@ -161,14 +161,17 @@ def check_summary(
     """
     if source not in served:
         raise InvalidArgument(f"source: this loader serves sources {sorted(served)}, not {source}")
-    for name, value in (("from_seq", from_seq), ("planned_seq", planned_seq), ("max_samples", max_samples),
-                        ("planned_steps", planned_steps), ("delivered_below", delivered_below)):
+    for name, value in (
+        ("from_seq", from_seq),
+        ("planned_seq", planned_seq),
+        ("max_samples", max_samples),
+        ("planned_steps", planned_steps),
+        ("delivered_below", delivered_below),
+    ):
         if not 0 <= value <= MAX_POSITION:
             raise InvalidArgument(f"{name} must be in [0, {MAX_POSITION}], got {value}")
     if planned_seq > from_seq:
-        raise InvalidArgument(
-            f"planned_seq {planned_seq} lies past from_seq {from_seq}: the planner's cursor never passes what it knows"
-        )
+        raise InvalidArgument(f"planned_seq {planned_seq} lies past from_seq {from_seq}: the planner's cursor never passes what it knows")
 
 
 def routing_from(routes: Sequence[tuple[int, Sequence[str]]]) -> Routing | None:

@@ -89,7 +89,9 @@ class FetchBook:
         self._copies_left: dict[tuple[int, int], int] = {}  # (source, seq) -> releases still due
         self._lock = threading.Lock()
 
-    def fetch(self, *, constructor: int, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray | None = None) -> pa.RecordBatch:
+    def fetch(
+        self, *, constructor: int, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray | None = None
+    ) -> pa.RecordBatch:
         """The requested samples as one record batch (rows grouped by source and window).
 
         Args:
@@ -206,8 +208,14 @@ def _rows_of(window: BufferedWindow, index: np.ndarray) -> BufferedWindow:
     """Rows `index` of a window, copied out of it, so the window itself can be dropped."""
     take = pa.array(index)
     return BufferedWindow(
-        seq_start=window.seq_start, ids=window.ids.take(take), rows=window.rows[index], lengths=window.lengths[index],
-        reasons=window.reasons[index], features={}, nbytes=0, unreleased=0,
+        seq_start=window.seq_start,
+        ids=window.ids.take(take),
+        rows=window.rows[index],
+        lengths=window.lengths[index],
+        reasons=window.reasons[index],
+        features={},
+        nbytes=0,
+        unreleased=0,
         columns={name: array.take(take) for name, array in window.columns.items()},
     )
 

@@ -179,7 +179,9 @@ def _fsspec(location: str, scheme: str, *, source: str) -> tuple[pafs.FileSystem
             ) from exc
         raise SourceError(f"source {source!r}: cannot open {location!r}: {first_line(str(exc))}") from exc
     except Exception as exc:  # noqa: BLE001 - an fsspec implementation's own failure, reported as the source's
-        raise SourceError(f"source {source!r}: cannot open {location!r}: fsspec's {scheme!r} file system failed: {type(exc).__name__}: {first_line(str(exc))}") from exc
+        raise SourceError(
+            f"source {source!r}: cannot open {location!r}: fsspec's {scheme!r} file system failed: {type(exc).__name__}: {first_line(str(exc))}"
+        ) from exc
     return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), path
 
 

@@ -74,7 +74,7 @@ def split_glob(location: str) -> GlobSplit:
         return GlobSplit(location, ())
     m = URL_HEAD.match(location)
     head = m.group(0) if m else ""
-    parts = location[len(head):].split("/")
+    parts = location[len(head) :].split("/")
     first = next(i for i, p in enumerate(parts) if has_glob(p))
     if head and first == 0:
         raise ValueError(f"a glob in the bucket, container or host of {location!r} is not supported; put it in the path below")
@@ -151,7 +151,7 @@ def relative_to(base: str, path: str) -> str:
     prefix = base if base.endswith("/") else base + "/"
     if not path.startswith(prefix):
         raise ValueError(f"{path!r} is not below {base!r}")
-    return path[len(prefix):]
+    return path[len(prefix) :]
 
 
 # ---- the S3 endpoint --------------------------------------------------------------------------
@@ -216,26 +216,60 @@ _TEXTS: tuple[tuple[Problem, tuple[str, ...]], ...] = (
     (
         Problem.ACCESS_DENIED,
         (
-            "ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId", "SIGNATURE_DOES_NOT_MATCH",
-            "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "MISSING_AUTHENTICATION_TOKEN", "HTTP status 401",
-            "HTTP status 403", "PERMISSION_DENIED", "UNAUTHENTICATED", "AuthenticationFailed", "AuthorizationFailure",
-            "AuthorizationPermissionMismatch", "No credentials", "Unable to locate credentials",
+            "ACCESS_DENIED",
+            "AccessDenied",
+            "INVALID_ACCESS_KEY_ID",
+            "InvalidAccessKeyId",
+            "SIGNATURE_DOES_NOT_MATCH",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+            "MISSING_AUTHENTICATION_TOKEN",
+            "HTTP status 401",
+            "HTTP status 403",
+            "PERMISSION_DENIED",
+            "UNAUTHENTICATED",
+            "AuthenticationFailed",
+            "AuthorizationFailure",
+            "AuthorizationPermissionMismatch",
+            "No credentials",
+            "Unable to locate credentials",
         ),
     ),
     (Problem.WRONG_REGION, ("PermanentRedirect", "HTTP status 301", "AuthorizationHeaderMalformed", "IllegalLocationConstraint")),
     (
         Problem.UNREACHABLE,
         (
-            "NETWORK_CONNECTION", "Could not connect", "Could not resolve host", "Failed to connect", "Connection refused",
-            "Couldn't connect", "Timeout was reached", "timed out", "Name or service not known", "SSL connect error",
-            "Connection reset", "Recv failure", "Send failure", "Broken pipe",
+            "NETWORK_CONNECTION",
+            "Could not connect",
+            "Could not resolve host",
+            "Failed to connect",
+            "Connection refused",
+            "Couldn't connect",
+            "Timeout was reached",
+            "timed out",
+            "Name or service not known",
+            "SSL connect error",
+            "Connection reset",
+            "Recv failure",
+            "Send failure",
+            "Broken pipe",
         ),
     ),
     (
         Problem.THROTTLED,
         (
-            "SLOW_DOWN", "SlowDown", "HTTP status 503", "SERVICE_UNAVAILABLE", "RESOURCE_EXHAUSTED", "HTTP status 500",
-            "HTTP status 502", "HTTP status 504", "INTERNAL_FAILURE", "InternalError", "REQUEST_TIMEOUT",
+            "SLOW_DOWN",
+            "SlowDown",
+            "HTTP status 503",
+            "SERVICE_UNAVAILABLE",
+            "RESOURCE_EXHAUSTED",
+            "HTTP status 500",
+            "HTTP status 502",
+            "HTTP status 504",
+            "INTERNAL_FAILURE",
+            "InternalError",
+            "REQUEST_TIMEOUT",
         ),
     ),
 )

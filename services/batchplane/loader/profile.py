@@ -150,7 +150,10 @@ def profile_job(job: JobSettings, *, settings: ProfileSettings = ProfileSettings
         "samples": settings.samples,
         "batch_rows": settings.batch_rows,
         "state_method": meter.method,
-        "mixture": {"weights": dict(zip(job.source_names, job.weights)), **({"schedule": job.mixture.schedule} if job.mixture.schedule else {})},
+        "mixture": {
+            "weights": dict(zip(job.source_names, job.weights)),
+            **({"schedule": job.mixture.schedule} if job.mixture.schedule else {}),
+        },
         "mesh": {"dp": job.mesh.dp, "cp": job.mesh.cp, "tp": job.mesh.tp, "pp": job.mesh.pp},
         "batch": {"global_batch_size": job.batch.global_batch_size, "microbatches": job.batch.microbatches},
         "sources": sources,
@@ -188,7 +191,9 @@ def profile_source(
     nfiles = len(source.files)
     files = _file_states(source, meter, lambda done: report(config.name, "open", done, nfiles))
 
-    sample, read_s, rows_read, starts = _read_sample(source, transform.columns, settings.samples, lambda n: report(config.name, "read", n, settings.samples))
+    sample, read_s, rows_read, starts = _read_sample(
+        source, transform.columns, settings.samples, lambda n: report(config.name, "read", n, settings.samples)
+    )
     n = sample.num_rows
     seconds, per_sample, token_counts, rejected, buffered = 0.0, [], [], 0, 0
     batches = [(i, sample.slice(i, settings.batch_rows)) for i in range(0, n, settings.batch_rows)]
@@ -204,7 +209,9 @@ def profile_source(
         good = lengths > 0
         rejected += int(np.count_nonzero(~good))
         token_counts.append(lengths[good])
-        buffered += ids.nbytes + 12 * batch.num_rows + sum(f.nbytes for f in features.values()) + sum(c.nbytes for c in out.columns.values())
+        buffered += (
+            ids.nbytes + 12 * batch.num_rows + sum(f.nbytes for f in features.values()) + sum(c.nbytes for c in out.columns.values())
+        )
         report(config.name, "transform", min(done * settings.batch_rows, n), n)
     tokens = np.concatenate(token_counts)
     result = {
@@ -243,7 +250,9 @@ def _open(job: JobSettings, index: int, columns: tuple[str, ...]) -> tuple[Parqu
         with _no_gc():
             before = tracemalloc.get_traced_memory()[0]
             source = ParquetSource(
-                config.name, job.locate(config.path), required_columns=columns,
+                config.name,
+                job.locate(config.path),
+                required_columns=columns,
                 token_column=config.token_column if config.transform is None else None,
             )
             python_bytes = max(tracemalloc.get_traced_memory()[0] - before, 0)

@@ -102,8 +102,7 @@ class WindowReader:
         columns = {c.name: shuffle([p.columns[c.name] for p in parts], perm) for c in self.transform.payload}
         reasons = np.concatenate(reason_parts)[perm] if reason_parts else np.zeros(0, bad.DTYPE)
         features = {
-            name: np.concatenate([p.features.get(name, np.zeros(len(p.ids))) for p in parts])[perm]
-            for name in self.feature_names or ()
+            name: np.concatenate([p.features.get(name, np.zeros(len(p.ids))) for p in parts])[perm] for name in self.feature_names or ()
         }
         rows = self.order.window_rows(epoch, window)
         self._report.bad(window, failed, ids, rows)
@@ -126,7 +125,11 @@ class WindowReader:
             lengths=lengths,
             reasons=reasons,
             features=features,
-            nbytes=ids.nbytes + rows.nbytes + lengths.nbytes + reasons.nbytes + sum(f.nbytes for f in features.values())
+            nbytes=ids.nbytes
+            + rows.nbytes
+            + lengths.nbytes
+            + reasons.nbytes
+            + sum(f.nbytes for f in features.values())
             + sum(c.nbytes for c in columns.values()),
             unreleased=int(np.count_nonzero(lengths[first_counted:] > 0)),
             columns=columns,

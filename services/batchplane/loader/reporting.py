@@ -43,7 +43,12 @@ class SampleReport:
             for rg, bad_rows in self._by_group(window, rows, mask, skip=failed):
                 self._metrics.bad_samples.labels(self._name, reason).inc(len(bad_rows))
                 log.warning(
-                    "source %r: %s: skipping %d %s sample(s) at rows %s", self._name, self._source.describe(rg), len(bad_rows), reason, _first(bad_rows)
+                    "source %r: %s: skipping %d %s sample(s) at rows %s",
+                    self._name,
+                    self._source.describe(rg),
+                    len(bad_rows),
+                    reason,
+                    _first(bad_rows),
                 )
 
     def over_length(self, window: Window, rows: np.ndarray, over: np.ndarray) -> None:
@@ -57,16 +62,27 @@ class SampleReport:
                 self._metrics.truncated_samples.labels(self._name).inc(len(long_rows))
                 log.info(
                     "source %r: %s: truncating %d sample(s) longer than batch.max_length = %d to their first %d tokens at rows %s",
-                    self._name, self._source.describe(rg), len(long_rows), limit, limit, _first(long_rows),
+                    self._name,
+                    self._source.describe(rg),
+                    len(long_rows),
+                    limit,
+                    limit,
+                    _first(long_rows),
                 )
             else:
                 self._metrics.bad_samples.labels(self._name, "too_long").inc(len(long_rows))
                 log.warning(
                     "source %r: %s: skipping %d sample(s) longer than batch.max_length = %d (batch.length_policy reject) at rows %s",
-                    self._name, self._source.describe(rg), len(long_rows), limit, _first(long_rows),
+                    self._name,
+                    self._source.describe(rg),
+                    len(long_rows),
+                    limit,
+                    _first(long_rows),
                 )
 
-    def _by_group(self, window: Window, rows: np.ndarray, mask: np.ndarray, *, skip: set[int] = frozenset()) -> Iterator[tuple[RowGroup, np.ndarray]]:
+    def _by_group(
+        self, window: Window, rows: np.ndarray, mask: np.ndarray, *, skip: set[int] = frozenset()
+    ) -> Iterator[tuple[RowGroup, np.ndarray]]:
         """For each row group of `window` (but `skip`) holding samples of `mask` (`rows`: each
         sample's row in the source): the row group and those samples' rows in it, ascending."""
         if not mask.any():

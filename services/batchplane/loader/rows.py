@@ -150,7 +150,7 @@ def _copy_runs(
         at = 0
         for w, a, b in zip(source.tolist(), first.tolist(), last.tolist()):
             n = (b - a) * per_row
-            out[at:at + n] = flats[w][0][a * per_row:b * per_row]
+            out[at : at + n] = flats[w][0][a * per_row : b * per_row]
             at += n
         values = pa.array(out)
         return pa.FixedSizeListArray.from_arrays(values, t.list_size) if pa.types.is_fixed_size_list(t) else values.cast(t)
@@ -165,6 +165,6 @@ def _copy_runs(
     for w, a, b in zip(source.tolist(), first.tolist(), last.tolist()):
         values, offs, _ = flats[w]
         lo, hi = int(offs[a]), int(offs[b])
-        out[at:at + hi - lo] = values[lo:hi]
+        out[at : at + hi - lo] = values[lo:hi]
         at += hi - lo
     return pa.ListArray.from_arrays(pa.array(out_offsets.astype(np.int32)), pa.array(out), type=t)

@@ -60,11 +60,19 @@ def open_streams(job: JobSettings, loader_index: int, metrics: LoaderMetrics, *,
             shuffle=job.loaders.shuffle.enabled,
         )
         streams[k] = SourceStream(
-            k, source, order, transform,
-            epochs=job.passes(k), read_ahead_samples=job.loaders.read_ahead_samples, budget=budget, metrics=metrics,
+            k,
+            source,
+            order,
+            transform,
+            epochs=job.passes(k),
+            read_ahead_samples=job.loaders.read_ahead_samples,
+            budget=budget,
+            metrics=metrics,
             replica=replica or str(loader_index),
         )
-        log.info("source %r: %d rows in %d file(s), %d row groups", settings.name, source.num_rows, len(source.files), len(source.row_groups))
+        log.info(
+            "source %r: %d rows in %d file(s), %d row groups", settings.name, source.num_rows, len(source.files), len(source.row_groups)
+        )
     return streams
 
 
@@ -106,7 +114,9 @@ class RunningLoader:
                             self.streams[r.source].asked_through(r.through_seq)
                 except grpc.RpcError as exc:
                     if known:
-                        log.warning("the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name)
+                        log.warning(
+                            "the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name
+                        )
                     known = False
                     continue
                 if not known:
@@ -119,7 +129,12 @@ class RunningLoader:
         replica = self.streams_replica
         role = replica if shadow else ""
         if self.registration.shadow_of != role:
-            log.info("the planner %s", f"made this loader the shadow of replica {replica!r}" if shadow else f"promoted this shadow: it serves as replica {replica!r}")
+            log.info(
+                "the planner %s",
+                f"made this loader the shadow of replica {replica!r}"
+                if shadow
+                else f"promoted this shadow: it serves as replica {replica!r}",
+            )
             self.registration.shadow_of = role
 
     @property
@@ -188,7 +203,9 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
         who = f"loader {process.index}" + (f" (shadow of replica {process.shadow_of!r})" if process.shadow_of else "")
         registered = register_with_planner(job, process, rpc, method="RegisterLoader", request=running.registration, who=who)
         if registered.shadow:
-            log.info("serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica)
+            log.info(
+                "serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica
+            )
         running.registration.shadow_of = running.streams_replica if registered.shadow else ""
         restore(streams, registered.restore)
         info = registered.job
@@ -237,7 +254,10 @@ def restore(streams: dict[int, SourceStream], sources: Sequence[planner_pb2.Sour
         )
         log.info(
             "source %r: joined mid-job at step %d; reading again %d samples from position %d that constructors may still fetch",
-            streams[r.source].name, r.delivered_below, replay, r.from_seq,
+            streams[r.source].name,
+            r.delivered_below,
+            replay,
+            r.from_seq,
         )
 
 

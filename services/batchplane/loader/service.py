@@ -65,8 +65,13 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
 
     def GetSummary(self, request: loader_pb2.GetSummaryRequest, context: grpc.ServicerContext) -> loader_pb2.GetSummaryResponse:
         check_summary(
-            source=request.source, served=self._streams, from_seq=request.from_seq, planned_seq=request.planned_seq,
-            max_samples=request.max_samples, planned_steps=request.planned_steps, delivered_below=request.delivered_below,
+            source=request.source,
+            served=self._streams,
+            from_seq=request.from_seq,
+            planned_seq=request.planned_seq,
+            max_samples=request.max_samples,
+            planned_steps=request.planned_steps,
+            delivered_below=request.delivered_below,
         )
         routes = routing_of(request.routes)
         stream = self._streams[request.source]
@@ -74,8 +79,12 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             raise Unavailable("this loader has not joined the planner's job yet")
         if request.follow:
             stream.follow(
-                from_seq=request.from_seq, count=request.max_samples, planned_seq=request.planned_seq,
-                planned_steps=request.planned_steps, delivered_below=request.delivered_below, routes=routes,
+                from_seq=request.from_seq,
+                count=request.max_samples,
+                planned_seq=request.planned_seq,
+                planned_steps=request.planned_steps,
+                delivered_below=request.delivered_below,
+                routes=routes,
             )
             return loader_pb2.GetSummaryResponse(start_seq=request.from_seq)
         rows, lengths, reasons, features, end = stream.summary(
@@ -96,13 +105,21 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             features={name: encode_array(values) for name, values in features.items()},
         )
 
-    def FetchSamples(self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext) -> Iterator[loader_pb2.FetchSamplesResponse]:
+    def FetchSamples(
+        self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext
+    ) -> Iterator[loader_pb2.FetchSamplesResponse]:
         sources = decode_array(request.samples.source, field="samples.source", dtype="int32", ndim=1)
         seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
         copies = decode_array(request.copies, field="copies", dtype="int32", ndim=1) if request.HasField("copies") else None
         check_fetch(
-            constructor=request.constructor_index, step=request.step, release_below_step=request.release_below_step,
-            sources=sources, seqs=seqs, copies=copies, served=self._streams, limits=self._limits,
+            constructor=request.constructor_index,
+            step=request.step,
+            release_below_step=request.release_below_step,
+            sources=sources,
+            seqs=seqs,
+            copies=copies,
+            served=self._streams,
+            limits=self._limits,
         )
         self._book.release(constructor=request.constructor_index, below_step=request.release_below_step)
         if not self._joined.wait(JOIN_WAIT_S):

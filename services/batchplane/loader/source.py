@@ -109,24 +109,15 @@ class ParquetSource:
                 handle.close()
                 raise
 
-    def _check_schema(
-        self, file: str, schema: pa.Schema, required: Sequence[str], token_column: str | None
-    ) -> None:
+    def _check_schema(self, file: str, schema: pa.Schema, required: Sequence[str], token_column: str | None) -> None:
         for column in (*required, *([token_column] if token_column else [])):
             if schema.get_field_index(column) < 0:
-                raise SourceError(
-                    f"source {self.name!r}: file {file!r} has no column {column!r} "
-                    f"(columns: {', '.join(schema.names)})"
-                )
+                raise SourceError(f"source {self.name!r}: file {file!r} has no column {column!r} (columns: {', '.join(schema.names)})")
         if token_column:
             kind = schema.field(token_column).type
-            if not (
-                (pa.types.is_list(kind) or pa.types.is_large_list(kind))
-                and pa.types.is_integer(kind.value_type)
-            ):
+            if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
                 raise SourceError(
-                    f"source {self.name!r}: file {file!r} column {token_column!r} must be a list of "
-                    f"integers (token ids), got {kind}"
+                    f"source {self.name!r}: file {file!r} column {token_column!r} must be a list of integers (token ids), got {kind}"
                 )
 
     def read(self, row_group: RowGroup, columns: Sequence[str] | None) -> pa.Table:
@@ -154,7 +145,12 @@ class ParquetSource:
                 attempt += 1
                 log.warning(
                     "source %r: reading %s failed (%s), try %d again in %.1f s: %s",
-                    self.name, self.describe(row_group), classify_error(str(exc)).value, attempt + 1, delay, first_line(str(exc)),
+                    self.name,
+                    self.describe(row_group),
+                    classify_error(str(exc)).value,
+                    attempt + 1,
+                    delay,
+                    first_line(str(exc)),
                 )
                 self.on_retry()
                 time.sleep(delay)

@@ -51,6 +51,7 @@ from batchplane.loader.windows import HeldWindow, Progress, WindowBook
 
 log = logging.getLogger(__name__)
 
+
 class ByteBudget:
     """Buffered payload bytes of one loader, shared by its sources; `direct` serializes the
     loader's reads that fetches make outside the buffer (over budget: `bounds.plan_fetch_reads`)."""
@@ -330,4 +331,3 @@ class SourceStream:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
-

@@ -97,10 +97,20 @@ class OperatorSettings:
 def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSettings:
     """The settings from the command line, falling back to POD_NAMESPACE or the pod's
     ServiceAccount namespace for --namespace. Exits with status 2 on bad flags."""
-    parser = argparse.ArgumentParser(prog="python -m batchplane.operator", description="batchplane operator: loader Deployments scaled from the mixture")
-    parser.add_argument("--namespace", default=env.get("POD_NAMESPACE") or in_cluster_namespace(), help="namespace to reconcile (default: $POD_NAMESPACE, or the pod's own)")
+    parser = argparse.ArgumentParser(
+        prog="python -m batchplane.operator", description="batchplane operator: loader Deployments scaled from the mixture"
+    )
+    parser.add_argument(
+        "--namespace",
+        default=env.get("POD_NAMESPACE") or in_cluster_namespace(),
+        help="namespace to reconcile (default: $POD_NAMESPACE, or the pod's own)",
+    )
     parser.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://prometheus-operated.monitoring.svc:9090")
-    parser.add_argument("--interval-s", type=_positive, help="seconds between passes (default: the smallest spec.scaling.intervalSeconds, 30 without DataPlanes)")
+    parser.add_argument(
+        "--interval-s",
+        type=_positive,
+        help="seconds between passes (default: the smallest spec.scaling.intervalSeconds, 30 without DataPlanes)",
+    )
     parser.add_argument("--metrics-port", type=int, default=9100, help="metrics port (default 9100; 0: any free port)")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="metrics address to bind (default 0.0.0.0)")
     parser.add_argument("--kube-api", help="Kubernetes API URL (default: in-cluster, from the ServiceAccount)")
@@ -108,16 +118,47 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
     parser.add_argument("--ca-file", type=pathlib.Path, help="CA bundle verifying --kube-api")
     parser.add_argument("--kube-timeout-s", type=_positive, default=10.0, help="deadline of one API request (default 10)")
     parser.add_argument("--prometheus-timeout-s", type=_positive, default=5.0, help="deadline of one Prometheus query (default 5)")
-    parser.add_argument("--rate-window-s", type=_positive, default=120.0, help="window of the rates read from Prometheus (default 120; at least two scrape intervals)")
+    parser.add_argument(
+        "--rate-window-s",
+        type=_positive,
+        default=120.0,
+        help="window of the rates read from Prometheus (default 120; at least two scrape intervals)",
+    )
     parser.add_argument("--once", action="store_true", help="run one pass and exit (0: nothing failed)")
     parser.add_argument("--log-level", default=env.get("BATCHPLANE_LOG_LEVEL", "INFO"))
     parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
-    parser.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="elect a leader through a Lease; only the leader reconciles (default: on)")
-    parser.add_argument("--lease-name", default="batchplane-operator", help="the leader-election Lease in --namespace (default batchplane-operator)")
-    parser.add_argument("--identity", default=env.get("POD_NAME") or socket.gethostname(), help="this operator in the election (default: $POD_NAME, else the host name)")
-    parser.add_argument("--lease-duration-s", type=_positive, default=15.0, help="seconds a Lease stays valid without renewal: a standby takes over at most this long after the leader's last renewal (default 15)")
-    parser.add_argument("--renew-deadline-s", type=_positive, default=10.0, help="seconds a leader keeps leading while it cannot renew; < --lease-duration-s (default 10)")
-    parser.add_argument("--retry-period-s", type=_positive, default=2.0, help="seconds between two attempts to acquire or renew; < --renew-deadline-s (default 2)")
+    parser.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="elect a leader through a Lease; only the leader reconciles (default: on)",
+    )
+    parser.add_argument(
+        "--lease-name", default="batchplane-operator", help="the leader-election Lease in --namespace (default batchplane-operator)"
+    )
+    parser.add_argument(
+        "--identity",
+        default=env.get("POD_NAME") or socket.gethostname(),
+        help="this operator in the election (default: $POD_NAME, else the host name)",
+    )
+    parser.add_argument(
+        "--lease-duration-s",
+        type=_positive,
+        default=15.0,
+        help="seconds a Lease stays valid without renewal: a standby takes over at most this long after the leader's last renewal (default 15)",
+    )
+    parser.add_argument(
+        "--renew-deadline-s",
+        type=_positive,
+        default=10.0,
+        help="seconds a leader keeps leading while it cannot renew; < --lease-duration-s (default 10)",
+    )
+    parser.add_argument(
+        "--retry-period-s",
+        type=_positive,
+        default=2.0,
+        help="seconds between two attempts to acquire or renew; < --renew-deadline-s (default 2)",
+    )
     ns = parser.parse_args(argv)
     if not ns.namespace:
         parser.error("--namespace is required outside a pod (or set POD_NAMESPACE)")
@@ -160,7 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     leader = None
     if settings.leader_elect:
         leader = LeaderElection(
-            api, namespace=settings.namespace, name=settings.lease_name, identity=settings.identity,
+            api,
+            namespace=settings.namespace,
+            name=settings.lease_name,
+            identity=settings.identity,
             settings=ElectionSettings(settings.lease_duration_s, settings.renew_deadline_s, settings.retry_period_s),
             labels={"app.kubernetes.io/managed-by": "batchplane-operator"},
             on_change=lambda leading: metrics.leader.set(1 if leading else 0),
@@ -169,8 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.leader.set(1)
     recorder = EventRecorder(api, instance=settings.identity or socket.gethostname())
     operator = Operator(
-        api, observations, metrics, namespace=settings.namespace, interval_s=settings.interval_s,
-        events=recorder, leading=leader.is_leader if leader is not None else None,
+        api,
+        observations,
+        metrics,
+        namespace=settings.namespace,
+        interval_s=settings.interval_s,
+        events=recorder,
+        leading=leader.is_leader if leader is not None else None,
     )
     if settings.once:
         return _once(operator, leader)
@@ -185,7 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     log.info(
         "operator %s for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics, %s",
-        settings.identity, settings.namespace, config.api_url, settings.prometheus, settings.metrics_host, server.server_port,
+        settings.identity,
+        settings.namespace,
+        config.api_url,
+        settings.prometheus,
+        settings.metrics_host,
+        server.server_port,
         f"leader election through the lease {settings.namespace}/{settings.lease_name}" if leader is not None else "no leader election",
     )
     # The election stops only after the loop: the Lease is released once no pass can write any more.

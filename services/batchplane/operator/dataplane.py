@@ -163,6 +163,7 @@ class DataPlaneSpec:
             scaling=self.scaling,
         )
 
+
 # ---- reading a DataPlane ----------------------------------------------------------------------
 
 
@@ -349,7 +350,11 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
     mounted = {field: _secret_name(raw, field) for field in ("tls", "authTokens")}
     for i, volume in enumerate(pod.volumes):
         if volume.get("name") in (TLS_VOLUME, AUTH_TOKENS_VOLUME):
-            raise SpecError(f"spec.loader.volumes[{i}].name", f"is used by batchplane ({TLS_VOLUME} and {AUTH_TOKENS_VOLUME} are reserved)", volume.get("name"))
+            raise SpecError(
+                f"spec.loader.volumes[{i}].name",
+                f"is used by batchplane ({TLS_VOLUME} and {AUTH_TOKENS_VOLUME} are reserved)",
+                volume.get("name"),
+            )
     return LoaderTemplate(
         image=image,
         planner_address=address,
@@ -381,6 +386,7 @@ def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
         raise SpecError(f"spec.loader.{field}.secretName", "must be a Secret name (a DNS subdomain)", name)
     return name
 
+
 # ---- the declared schedule ----------------------------------------------------------------------
 
 
@@ -405,7 +411,11 @@ def declared_schedule(mixture: Mapping[str, Any], source_names: Sequence[str]) -
     # The job may name sources of groups this DataPlane no longer has: read them as the planner
     # does (it has them all) and leave them out of the result.
     points = spec.get("stages" if spec.get("kind") == "staged" else "anchors")
-    named = [n for p in points if isinstance(p, Mapping) and isinstance(p.get("weights"), Mapping) for n in p["weights"]] if isinstance(points, list) else []
+    named = (
+        [n for p in points if isinstance(p, Mapping) and isinstance(p.get("weights"), Mapping) for n in p["weights"]]
+        if isinstance(points, list)
+        else []
+    )
     served = tuple(source_names)
     names = served + tuple(dict.fromkeys(n for n in named if n not in served))
     try:

@@ -71,7 +71,11 @@ class LeaseRecord:
 
     def same_term(self, other: LeaseRecord | None) -> bool:
         """Whether `other` is this record unchanged (same holder, renewal and version)."""
-        return other is not None and (self.holder, self.renew_time, self.resource_version) == (other.holder, other.renew_time, other.resource_version)
+        return other is not None and (self.holder, self.renew_time, self.resource_version) == (
+            other.holder,
+            other.renew_time,
+            other.resource_version,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,7 +209,9 @@ class KubernetesClient:
 
     # ---- plumbing -------------------------------------------------------------------------------
 
-    def _request(self, verb: str, path: str, resource: str, *, body: Mapping[str, Any] | None = None, merge: bool = False) -> dict[str, Any]:
+    def _request(
+        self, verb: str, path: str, resource: str, *, body: Mapping[str, Any] | None = None, merge: bool = False
+    ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER}
         data = None
         if body is not None:

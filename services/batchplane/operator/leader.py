@@ -109,7 +109,9 @@ class LeaderElection:
                 return self._settle()
             try:
                 if isinstance(step, election.Create):
-                    answer = self.api.create_lease(self.namespace, election.new_lease(step.record, namespace=self.namespace, name=self.name, labels=self.labels))
+                    answer = self.api.create_lease(
+                        self.namespace, election.new_lease(step.record, namespace=self.namespace, name=self.name, labels=self.labels)
+                    )
                 else:
                     answer = self.api.update_lease(self.namespace, self.name, election.lease_update(step.record))
             except KubernetesError as exc:
@@ -165,7 +167,9 @@ class LeaderElection:
             else:
                 holder = self.holder
                 log.warning(
-                    "no longer leading: the lease %s/%s %s", self.namespace, self.name,
+                    "no longer leading: the lease %s/%s %s",
+                    self.namespace,
+                    self.name,
                     f"is held by {holder}" if holder and holder != self.identity else "could not be renewed in time",
                 )
             if self.on_change is not None:

@@ -271,7 +271,9 @@ class Operator:
             except Exception as exc:  # noqa: BLE001 - one DataPlane must not stop the others
                 where.exception("reconciling failed unexpectedly; retrying in the next pass")
                 self.metrics.errors.labels("internal").inc()
-                self._warn(obj, "ReconcileError", f"reconciling failed unexpectedly, retrying in the next pass: {type(exc).__name__}: {exc}")
+                self._warn(
+                    obj, "ReconcileError", f"reconciling failed unexpectedly, retrying in the next pass: {type(exc).__name__}: {exc}"
+                )
                 failed, interval = 1, None
             errors += failed
             if interval is not None:
@@ -284,7 +286,9 @@ class Operator:
 
     # ---- one DataPlane ------------------------------------------------------------------------------
 
-    def _reconcile(self, obj: Mapping[str, Any], deployments: list[dict[str, Any]], now: float, where: logging.LoggerAdapter) -> tuple[int, float | None]:
+    def _reconcile(
+        self, obj: Mapping[str, Any], deployments: list[dict[str, Any]], now: float, where: logging.LoggerAdapter
+    ) -> tuple[int, float | None]:
         """Returns (failed steps, the DataPlane's scaling interval or None when invalid)."""
         previous = obj.get("status") or {}
         try:
@@ -294,7 +298,10 @@ class Operator:
             self.metrics.errors.labels("invalid_spec").inc()
             self._warn(obj, "InvalidSpec", f"invalid spec, its loader Deployments are left as they are: {exc}")
             generation = (obj.get("metadata") or {}).get("generation", 0)
-            wanted = [reconcile.Condition("Ready", False, "InvalidSpec", str(exc)), reconcile.Condition("Degraded", True, "InvalidSpec", str(exc))]
+            wanted = [
+                reconcile.Condition("Ready", False, "InvalidSpec", str(exc)),
+                reconcile.Condition("Degraded", True, "InvalidSpec", str(exc)),
+            ]
             conds = reconcile.conditions(wanted, previous.get("conditions"), now=self.wall_clock(), generation=generation)
             new = reconcile.status(generation=generation, groups=None, mixture=None, conditions=conds, previous=previous)
             return 1 + self._write_status(obj, previous, new, where), None
@@ -346,7 +353,13 @@ class Operator:
                     try:
                         self.api.scale_deployment(spec.namespace, deployments_by_group[group.name], decision.replicas)
                     except KubernetesError as exc:
-                        where.error("scaling group %s %d -> %d failed, retrying in the next pass: %s", group.name, decision.previous, decision.replicas, exc)
+                        where.error(
+                            "scaling group %s %d -> %d failed, retrying in the next pass: %s",
+                            group.name,
+                            decision.previous,
+                            decision.replicas,
+                            exc,
+                        )
                         self.metrics.errors.labels("api").inc()
                         problems.append(("ApiError", str(exc)))
                     else:
@@ -394,7 +407,9 @@ class Operator:
             where.info("deleted %s: %s", action.name, action.why)
             self._note(obj, "DeploymentDeleted", f"deleted {action.name}: {action.why}")
 
-    def _write_status(self, obj: Mapping[str, Any], previous: Mapping[str, Any], new: Mapping[str, Any], where: logging.LoggerAdapter) -> int:
+    def _write_status(
+        self, obj: Mapping[str, Any], previous: Mapping[str, Any], new: Mapping[str, Any], where: logging.LoggerAdapter
+    ) -> int:
         """Patches the status when it changed; returns 1 when that failed."""
         patch = reconcile.status_patch(previous, new)
         if patch is None:

@@ -103,6 +103,7 @@ DRAIN_TIMEOUT_S = 300
 #: The preStop hook: SIGUSR1 to the loader (PID 1), then wait for it to finish leaving.
 LEAVE_COMMAND = "import os, signal, time; os.kill(1, signal.SIGUSR1); time.sleep(3600)"
 
+
 def selector_labels(spec: DataPlaneSpec, group: SourceGroup) -> dict[str, str]:
     """The Deployment's selector: what tells its pods from every other group's."""
     return {LABEL_DATAPLANE: spec.name, LABEL_GROUP: group.name}
@@ -162,7 +163,10 @@ def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[di
     """(volumes, volume mounts) of the Secrets spec.loader names: whole Secrets as read-only
     directories, never subPath (a subPath mount never sees a renewed certificate)."""
     volumes, mounts = [], []
-    for secret, volume, path in ((spec.loader.tls_secret, TLS_VOLUME, TLS_DIR), (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR)):
+    for secret, volume, path in (
+        (spec.loader.tls_secret, TLS_VOLUME, TLS_DIR),
+        (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR),
+    ):
         if secret:
             volumes.append({"name": volume, "secret": {"secretName": secret, "defaultMode": SECRET_MODE}})
             mounts.append({"name": volume, "mountPath": path, "readOnly": True})

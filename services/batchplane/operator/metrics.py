@@ -1,10 +1,10 @@
 """The operator's own Prometheus metrics, served on --metrics-port.
 
-    batchplane_operator_desired_replicas{dataplane,group}      replicas the operator set
-    batchplane_operator_replicas{dataplane,group}              ready loader pods it saw
-    batchplane_operator_scale_events_total{dataplane,group,direction}   replica changes it made
-    batchplane_operator_reconcile_errors_total{reason}         failed steps of a pass
-    batchplane_operator_leader                                 1 while it leads (reconciles), else 0
+batchplane_operator_desired_replicas{dataplane,group}      replicas the operator set
+batchplane_operator_replicas{dataplane,group}              ready loader pods it saw
+batchplane_operator_scale_events_total{dataplane,group,direction}   replica changes it made
+batchplane_operator_reconcile_errors_total{reason}         failed steps of a pass
+batchplane_operator_leader                                 1 while it leads (reconciles), else 0
 """
 
 from __future__ import annotations

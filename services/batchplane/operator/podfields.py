@@ -248,7 +248,9 @@ def _check_ownership(options: PodOptions, at: str) -> None:
             raise ConfigError(f"{at}.volumes[{i}].name", "is listed twice", name)
         sources = [key for key, value in volume.items() if key != "name" and value is not None]
         if len(sources) != 1:
-            raise ConfigError(f"{at}.volumes[{i}]", "must name exactly one volume source (emptyDir, persistentVolumeClaim, csi, ...)", sources)
+            raise ConfigError(
+                f"{at}.volumes[{i}]", "must name exactly one volume source (emptyDir, persistentVolumeClaim, csi, ...)", sources
+            )
         volumes.add(name)
     paths: set[str] = set()
     for i, mount in enumerate(options.volume_mounts):
@@ -353,7 +355,14 @@ def _type_words(schema: Mapping[str, Any]) -> str:
         return "a " + _short(schema["$ref"].rsplit("/", 1)[-1])
     kinds = schema.get("type", ())
     kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if k != "null"]
-    words = {"object": "a mapping", "array": "a list", "string": "a string", "boolean": "true or false", "integer": "an integer", "number": "a number"}
+    words = {
+        "object": "a mapping",
+        "array": "a list",
+        "string": "a string",
+        "boolean": "true or false",
+        "integer": "an integer",
+        "number": "a number",
+    }
     return " or ".join(words[k] for k in kinds) or "null"
 
 

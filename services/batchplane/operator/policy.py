@@ -240,7 +240,9 @@ def ahead_weights(spec: GroupSpec, observation: Observation) -> tuple[float, ...
     future = o.schedule(o.step + lead_s * o.step_rate)
     for source, w in future.items():
         if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-            raise ValueError(f"schedule weight of source {source!r} at step {o.step + lead_s * o.step_rate:g}: must be a finite number >= 0, got {w!r}")
+            raise ValueError(
+                f"schedule weight of source {source!r} at step {o.step + lead_s * o.step_rate:g}: must be a finite number >= 0, got {w!r}"
+            )
     total = float(sum(future.values()))
     if total <= 0:
         return None
@@ -352,7 +354,12 @@ def _ceil(x: float) -> int:
 
 
 def _at_least(field: str, value: object, minimum: float, *, integer: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (integer and not isinstance(value, int))
+        or not math.isfinite(value)
+    ):
         raise ConfigError(field, "must be an integer" if integer else "must be a finite number", value)
     if value < minimum:
         raise ConfigError(field, f"must be >= {minimum}", value)

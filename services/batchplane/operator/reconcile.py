@@ -253,7 +253,9 @@ def _drift(desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
     if have != want:
         out.append(f"spec hash {have} -> {want}")
     ours = desired["spec"]["template"]["spec"]["containers"][0]
-    theirs = next((c for c in live.get("spec", {}).get("template", {}).get("spec", {}).get("containers", ()) if c.get("name") == CONTAINER), None)
+    theirs = next(
+        (c for c in live.get("spec", {}).get("template", {}).get("spec", {}).get("containers", ()) if c.get("name") == CONTAINER), None
+    )
     if theirs is None:
         out.append(f"no {CONTAINER!r} container")
     else:
@@ -267,7 +269,9 @@ def _drift(desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
 # ---- status ---------------------------------------------------------------------------------------
 
 
-def conditions(wanted: Sequence[Condition], previous: Sequence[Mapping[str, Any]] | None, *, now: str, generation: int) -> list[dict[str, Any]]:
+def conditions(
+    wanted: Sequence[Condition], previous: Sequence[Mapping[str, Any]] | None, *, now: str, generation: int
+) -> list[dict[str, Any]]:
     """Status conditions: `wanted`, each keeping its previous lastTransitionTime while its status
     is unchanged, then previous conditions of other types as they were.
 

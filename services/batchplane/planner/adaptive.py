@@ -123,9 +123,16 @@ class AdaptiveRule:
         _check_scalar(self.smoothing, "smoothing", "a number in [0, 1)", lambda x: 0 <= x < 1)
         if not _is_integer(self.delay_steps) or self.delay_steps < 1:
             raise ScheduleError(f"{FIELD}.delay_steps", "must be an integer >= 1", self.delay_steps)
-        for key, value in (("source_names", names), ("initial", shares), ("minimum", minimum), ("maximum", maximum),
-                           ("max_change", float(self.max_change)), ("learning_rate", float(self.learning_rate)),
-                           ("smoothing", float(self.smoothing)), ("delay_steps", int(self.delay_steps))):
+        for key, value in (
+            ("source_names", names),
+            ("initial", shares),
+            ("minimum", minimum),
+            ("maximum", maximum),
+            ("max_change", float(self.max_change)),
+            ("learning_rate", float(self.learning_rate)),
+            ("smoothing", float(self.smoothing)),
+            ("delay_steps", int(self.delay_steps)),
+        ):
             object.__setattr__(self, key, value)
 
 

@@ -170,9 +170,7 @@ def _karmarkar_karp(values: list[float], parts: int) -> list[list[int]]:
     # Entries: (-difference, lowest item index, sums, trees). The lowest item index is unique
     # among live tuples, so comparison never reaches the lists. A tuple that is not full has
     # an empty subset, so its difference is its largest sum.
-    heap: list[tuple[float, int, list[float], list[_Node]]] = [
-        (-v, i, [v], [i]) for i, v in enumerate(values)
-    ]
+    heap: list[tuple[float, int, list[float], list[_Node]]] = [(-v, i, [v], [i]) for i, v in enumerate(values)]
     heapq.heapify(heap)
     pop, push, insort_at = heapq.heappop, heapq.heappush, bisect.bisect_right
     while len(heap) > 1:
@@ -200,9 +198,7 @@ def _karmarkar_karp(values: list[float], parts: int) -> list[list[int]]:
     return groups
 
 
-def _combine(
-    sa: list[float], ta: list[_Node], sb: list[float], tb: list[_Node], k: int
-) -> tuple[list[float], list[_Node]]:
+def _combine(sa: list[float], ta: list[_Node], sb: list[float], tb: list[_Node], k: int) -> tuple[list[float], list[_Node]]:
     """Combines two sparse k-tuples, pairing the largest sums of A with the smallest of B.
 
     With m_a >= m_b non-empty subsets, the dense tuples overlap in ov = max(0, m_a + m_b - k)
@@ -267,9 +263,6 @@ def _ordered(groups: list[list[int]], values: list[float]) -> list[np.ndarray]:
         The groups as sorted int64 arrays, in that order.
     """
     arrays = [np.sort(np.array(g, dtype=np.int64)) for g in groups]
-    keys = [
-        (-math.fsum(values[i] for i in g), int(a[0]) if a.size else len(values))
-        for g, a in zip(groups, arrays)
-    ]
+    keys = [(-math.fsum(values[i] for i in g), int(a[0]) if a.size else len(values)) for g, a in zip(groups, arrays)]
     order = sorted(range(len(arrays)), key=keys.__getitem__)
     return [arrays[j] for j in order]

@@ -44,7 +44,19 @@ from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 from batchplane.planner.mixture import Mixture, MixtureState
 from batchplane.planner.plan import StepPlan
-from batchplane.planner.planning import EndOfData, Failed, Halt, PlanNext, Planning, Rewind, StartAt, Stopping, next_window, reads_floor, where_to_start
+from batchplane.planner.planning import (
+    EndOfData,
+    Failed,
+    Halt,
+    PlanNext,
+    Planning,
+    Rewind,
+    StartAt,
+    Stopping,
+    next_window,
+    reads_floor,
+    where_to_start,
+)
 from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start
 from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
 from batchplane.planner.length import JobLength, job_length
@@ -100,7 +112,9 @@ class PlanBook:
         if self._adaptive is not None and self._adaptive.delay_steps < job.constructors.prefetch_steps + 2:
             log.warning(
                 "mixture.schedule.adaptive.delay_steps = %d is less than constructors.prefetch_steps + 2 = %d: planning will wait "
-                "for training reports and the trainer for its batches", self._adaptive.delay_steps, job.constructors.prefetch_steps + 2,
+                "for training reports and the trainer for its batches",
+                self._adaptive.delay_steps,
+                job.constructors.prefetch_steps + 2,
             )
         method = self.strategy.primary.balancing.method
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user", compare=job.ledger.compare_methods)
@@ -108,14 +122,22 @@ class PlanBook:
         rules = DeliveryRules(self.mesh, axis=self.strategy.primary.axis, pulling_ranks=job.constructors.pulling_ranks)
         pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
         # A journal producer prefetches its own steps, every build_stride-th of the sequence.
-        progress = PlanProgress(range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps) * job.build_stride)
+        progress = PlanProgress(
+            range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps) * job.build_stride
+        )
         self._planning = Planning(progress, adaptive=self._adaptive)
         self._mixture: Mixture | None = None
         self._waiting_on = ""
         self._window_steps = window_steps(job, self.strategy, adaptive=self._adaptive is not None)
         self._builder = WindowBuilder(
-            job, store=store, membership=membership, metrics=metrics, strategy=self.strategy, mesh=self.mesh,
-            interrupted=lambda: self._planning.interrupted, waiting=self._waiting,
+            job,
+            store=store,
+            membership=membership,
+            metrics=metrics,
+            strategy=self.strategy,
+            mesh=self.mesh,
+            interrupted=lambda: self._planning.interrupted,
+            waiting=self._waiting,
         )
         self._length: JobLength | None = None
         self._length_lock = threading.Lock()
@@ -172,7 +194,12 @@ class PlanBook:
                     )
                 decision = planning.ask(constructor, step, delivered_below=delivered_below, rewind=rewind, again=True)
             if isinstance(decision, Replan):
-                log.info("constructor %d rewinds to step %d, whose plan is no longer kept: re-planning from the ledger's record of step %d", constructor, step, step - 1)
+                log.info(
+                    "constructor %d rewinds to step %d, whose plan is no longer kept: re-planning from the ledger's record of step %d",
+                    constructor,
+                    step,
+                    step - 1,
+                )
             self._store.delivered(planning.progress.consumed_below)
             self._cond.notify_all()
             self._cond.wait_for(lambda: planning.answer(step) is not None, timeout=max(give_up - time.monotonic(), 0))
@@ -205,7 +232,10 @@ class PlanBook:
         floor = delivered_floor(reader) if reads_floor(step, resume=bool(resume), rejoined=self._membership.rejoined()) else None
         give_up = time.monotonic() + timeout_s
         count = self._job.constructor_count
-        while not isinstance(where := where_to_start(step, resume=bool(resume), floor=floor, rejoined=self._membership.rejoined(), constructors=count), StartAt):
+        while not isinstance(
+            where := where_to_start(step, resume=bool(resume), floor=floor, rejoined=self._membership.rejoined(), constructors=count),
+            StartAt,
+        ):
             if time.monotonic() >= give_up:
                 raise Unavailable(f"restarted: waiting for constructors {list(where.waiting)} to rejoin")
             self._cond.wait(timeout=give_up - time.monotonic())
@@ -228,7 +258,9 @@ class PlanBook:
         """The state to plan from to reach `step`, restored from the ledger (see `restore`) with
         the ledger's consumption and the adaptive mixing state, and whether `step` lies inside a
         planning window (`window.resume_inside`)."""
-        restored = restore_mixture(step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, adaptive=self._adaptive is not None)
+        restored = restore_mixture(
+            step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, adaptive=self._adaptive is not None
+        )
         self.resumed_across = restored.changed
         if restored.record is not None:
             self.ledger.restore(restored.record)
@@ -247,10 +279,7 @@ class PlanBook:
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
-        ends = [
-            self._job.stream_end(k, self._membership.num_rows(k))
-            for k in range(len(self._job.sources))
-        ]
+        ends = [self._job.stream_end(k, self._membership.num_rows(k)) for k in range(len(self._job.sources))]
         return Mixture(
             self.schedule.schedule,
             global_batch_size=self._job.batch.global_batch_size,
@@ -282,7 +311,6 @@ class PlanBook:
     def start_step(self) -> int | None:
         """The step the job started at (lowered by a rewind before it); None before it starts."""
         return self._planning.progress.start
-
 
     @property
     def end_step(self) -> int | None:
@@ -405,7 +433,9 @@ class PlanBook:
             self._store.rewind(state.cursors, step=step, delivered_below=self._planning.progress.consumed_below)
             self._cond.notify_all()
         self._metrics.rewinds.inc()
-        log.info("rewound to step %d: planning again from the ledger's record of step %d (generation %d)", step, step - 1, writer.generation.gen)
+        log.info(
+            "rewound to step %d: planning again from the ledger's record of step %d (generation %d)", step, step - 1, writer.generation.gen
+        )
 
     def _plan_next(self, action: PlanNext) -> None:
         """Plans the next window (`planning.next_window`; one step unless the job plans token
@@ -434,7 +464,9 @@ class PlanBook:
             record["delivered_below"] = self._planning.progress.consumed_below  # where a restarted planner may resume
             if self._adaptive is not None:
                 record["adaptive"] = {
-                    "applied": applied, "applied_through": self._planning.applied_through, "state": adaptive_to_json(self._planning.adaptive_state),
+                    "applied": applied,
+                    "applied_through": self._planning.applied_through,
+                    "state": adaptive_to_json(self._planning.adaptive_state),
                 }
             self._writer.append(record)
             kept.append((allocation, plan, None if spans is None else [x.count for x in spans]))
@@ -447,10 +479,14 @@ class PlanBook:
                 self.shares = planned.allocations[-1].shares
             self._cond.notify_all()
         for allocation, plan, counts in kept:
-            self._metrics.observe_step(allocation, plan, self.ledger, counts=counts, waited_s=built.waited_s / len(kept), planned_s=built.planned_s / len(kept))
+            self._metrics.observe_step(
+                allocation, plan, self.ledger, counts=counts, waited_s=built.waited_s / len(kept), planned_s=built.planned_s / len(kept)
+            )
         if self._compacting is None or self._compacting.done():  # compaction never stalls planning
             self._compacting = self._compactor.submit(
-                self._writer.compact, self._planning.progress.consumed_below, report_delay=self._adaptive.delay_steps if self._adaptive is not None else None
+                self._writer.compact,
+                self._planning.progress.consumed_below,
+                report_delay=self._adaptive.delay_steps if self._adaptive is not None else None,
             )
             self._compacting.add_done_callback(_log_failure)
 

@@ -162,7 +162,12 @@ class WindowBuilder:
     def _plan_window(self, window: Window, table: SampleTable, home: np.ndarray) -> list[StepPlan]:
         """The plans of a window's steps by the job's strategy."""
         job = self._job
-        limit = {"default_cost": self._cost_fn, "max_length": job.max_length, "length_policy": job.batch.length_policy, "packed": job.batch.packing}
+        limit = {
+            "default_cost": self._cost_fn,
+            "max_length": job.max_length,
+            "length_policy": job.batch.length_policy,
+            "packed": job.batch.packing,
+        }
         if self._strategy.windowed:
             return self._strategy.run_window(window.first, table, home, self._mesh, steps=window.steps, **limit)
         # The rest of a window after a resume that also left token budgets: its samples in

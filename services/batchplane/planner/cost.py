@@ -180,7 +180,9 @@ def _wrap_user(path: str, fn: Callable[..., object]) -> CostFn:
         bad = ~np.isfinite(costs)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"cost function {path!r} returned a non-finite cost {float(costs[i])!r} at index {i} (length {int(lengths[i])})")
+            raise ValueError(
+                f"cost function {path!r} returned a non-finite cost {float(costs[i])!r} at index {i} (length {int(lengths[i])})"
+            )
         neg = costs < 0
         if neg.any():
             i = int(np.flatnonzero(neg)[0])
@@ -226,5 +228,7 @@ def sample_costs(
     chunk_features = {name: np.where(first, np.asarray(values, np.float64)[seqs.sample], 0.0) for name, values in features.items()}
     chunk_costs = np.asarray(cost_fn(seqs.lengths, chunk_features), dtype=np.float64)
     if chunk_costs.shape != seqs.lengths.shape:
-        raise ValueError(f"the cost model returned shape {chunk_costs.shape} for the {len(seqs)} chunks of split samples, expected {seqs.lengths.shape}")
+        raise ValueError(
+            f"the cost model returned shape {chunk_costs.shape} for the {len(seqs)} chunks of split samples, expected {seqs.lengths.shape}"
+        )
     return np.bincount(seqs.sample, weights=chunk_costs, minlength=len(lengths))

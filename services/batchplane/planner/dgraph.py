@@ -236,7 +236,9 @@ class DGraph:
         if self._hooks and not primary:
             raise StrategyError(f"{self.name}.{next(iter(self._hooks))}: hooks belong to the primary graph (the one plan() is called on)")
         if self._columns and primary:
-            raise StrategyError(f"{self.name}.deliver: the primary graph's microbatches carry every payload column no secondary graph delivers")
+            raise StrategyError(
+                f"{self.name}.deliver: the primary graph's microbatches carry every payload column no secondary graph delivers"
+            )
         return GraphSpec(
             name=self.name,
             metadata=self.metadata,
@@ -336,7 +338,9 @@ class Strategy:
         for g in (self.primary, *self.secondary):
             buckets = mesh.buckets(g.axis)
             if g.group_size and g.group_size < buckets and buckets % g.group_size:
-                raise StrategyError(f"{g.name}.distribute: group_size {g.group_size} must divide the {buckets} {g.axis} buckets of {mesh!r}")
+                raise StrategyError(
+                    f"{g.name}.distribute: group_size {g.group_size} must divide the {buckets} {g.axis} buckets of {mesh!r}"
+                )
             if g.group_size and g.balancing.method == "token_budget":
                 raise StrategyError(f"{g.name}.distribute: group_size does not apply to 'token_budget', which plans every bucket at once")
 
@@ -374,7 +378,9 @@ class Strategy:
         """
         limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         if self.windowed:
-            return self.run_window(step, allocated, np.zeros(len(allocated), np.int64), mesh, steps=1, default_cost=default_cost, packed=packed, **limit)[0]
+            return self.run_window(
+                step, allocated, np.zeros(len(allocated), np.int64), mesh, steps=1, default_cost=default_cost, packed=packed, **limit
+            )[0]
         samples, bad = good_samples(allocated)
         samples, metadata, costs, rows = self._prepare(samples, default_cost, packed=packed, **limit)
         primary = self.primary
@@ -382,10 +388,19 @@ class Strategy:
         if primary.raw is not None:
             microbatches = _checked_raw(primary.raw(samples, costs, mesh), len(samples), buckets, primary.name)
         else:
-            microbatches = assign(costs, metadata, buckets=buckets, balancing=_with_group(primary), rows=rows, **_limit_of(primary, **limit))
+            microbatches = assign(
+                costs, metadata, buckets=buckets, balancing=_with_group(primary), rows=rows, **_limit_of(primary, **limit)
+            )
         return StepPlan(
-            step=step, samples=samples, microbatches=microbatches, bad_samples=bad, costs=costs, axis=primary.axis,
-            subplans=self._subplans(samples, mesh, default_cost, **limit), rows=rows, **limit,
+            step=step,
+            samples=samples,
+            microbatches=microbatches,
+            bad_samples=bad,
+            costs=costs,
+            axis=primary.axis,
+            subplans=self._subplans(samples, mesh, default_cost, **limit),
+            rows=rows,
+            **limit,
         )
 
     @property
@@ -436,8 +451,17 @@ class Strategy:
         samples, metadata, costs, rows = self._prepare(samples, default_cost, packed=packed, **limit)
         primary, b = self.primary, self.primary.balancing
         per_step = token_budget_steps(
-            metadata, costs, ranks=mesh.buckets(primary.axis), steps=steps, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded,
-            min_microbatches=b.microbatches, sources=samples.source, targets=targets, **_limit_of(primary, **limit),
+            metadata,
+            costs,
+            ranks=mesh.buckets(primary.axis),
+            steps=steps,
+            max_tokens=b.max_tokens,
+            max_cost=b.max_cost,
+            padded=b.padded,
+            min_microbatches=b.microbatches,
+            sources=samples.source,
+            targets=targets,
+            **_limit_of(primary, **limit),
         )
         plans = []
         for s, ranks in enumerate(per_step):
@@ -446,11 +470,19 @@ class Strategy:
             own_rows = None
             if rows is not None:
                 own_rows = rows_of(primary.cost_fn or default_cost, metadata[mine], own.features, costs[mine], padded=not packed, **limit)
-            plans.append(StepPlan(
-                step=first + s, samples=own, bad_samples=int(bad[s]), costs=costs[mine], axis=primary.axis,
-                microbatches=tuple(tuple(np.searchsorted(mine, mb).astype(np.int64) for mb in rank) for rank in ranks),
-                subplans=self._subplans(own, mesh, default_cost, **limit), rows=own_rows, **limit,
-            ))
+            plans.append(
+                StepPlan(
+                    step=first + s,
+                    samples=own,
+                    bad_samples=int(bad[s]),
+                    costs=costs[mine],
+                    axis=primary.axis,
+                    microbatches=tuple(tuple(np.searchsorted(mine, mb).astype(np.int64) for mb in rank) for rank in ranks),
+                    subplans=self._subplans(own, mesh, default_cost, **limit),
+                    rows=own_rows,
+                    **limit,
+                )
+            )
         return plans
 
     def _prepare(
@@ -473,7 +505,9 @@ class Strategy:
                 raise StrategyError(f"graph {primary.name!r}: {exc}") from exc
         return samples, metadata, costs, rows
 
-    def _subplans(self, samples: SampleTable, mesh: ClientPlaceTree, default_cost: CostFn, *, max_length: int | None, length_policy: str) -> tuple[SubPlan, ...]:
+    def _subplans(
+        self, samples: SampleTable, mesh: ClientPlaceTree, default_cost: CostFn, *, max_length: int | None, length_policy: str
+    ) -> tuple[SubPlan, ...]:
         """The secondary graphs' assignments of one step's samples."""
         limit: LengthLimit = {"max_length": max_length, "length_policy": length_policy}
         subplans = []
@@ -494,7 +528,9 @@ class Strategy:
         return tuple(subplans)
 
 
-def default_strategy(*, method: str, microbatches: int, cost_fn: CostFn, max_tokens: int | None = None, max_cost: float | None = None, padded: bool = True) -> Strategy:
+def default_strategy(
+    *, method: str, microbatches: int, cost_fn: CostFn, max_tokens: int | None = None, max_cost: float | None = None, padded: bool = True
+) -> Strategy:
     """The strategy of a job without a strategy file: mix by the job's weights, distribute over
     DP, the job's cost model, balance with the job's method."""
     g = DGraph("text")
@@ -539,7 +575,9 @@ def _limit_of(g: GraphSpec, *, max_length: int | None, length_policy: str) -> Le
     return {"max_length": max_length if g.metadata == "length" else None, "length_policy": length_policy}
 
 
-def _costs(g: GraphSpec, lengths: np.ndarray, samples: SampleTable, default_cost: CostFn, *, max_length: int | None, length_policy: str) -> np.ndarray:
+def _costs(
+    g: GraphSpec, lengths: np.ndarray, samples: SampleTable, default_cost: CostFn, *, max_length: int | None, length_policy: str
+) -> np.ndarray:
     fn = g.cost_fn or default_cost
     limit = _limit_of(g, max_length=max_length, length_policy=length_policy)
     costs = np.asarray(sample_costs(fn, lengths, samples.features, **limit), dtype=np.float64)

@@ -268,7 +268,9 @@ class LedgerWriter:
         """Writes one step's record durably (before its plan may be served)."""
         data = _encode(record)
         if not self.storage.put_if_absent(f"{self._prefix}steps/{record['step']:012d}.json", data):
-            raise RuntimeError(f"ledger record of step {record['step']} exists twice in generation {self.generation.gen} of {self.storage.describe()}")
+            raise RuntimeError(
+                f"ledger record of step {record['step']} exists twice in generation {self.generation.gen} of {self.storage.describe()}"
+            )
         self._appended_through = record["step"]
         self.bytes_written += len(data)
 

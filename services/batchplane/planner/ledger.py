@@ -81,9 +81,13 @@ def _built_costs(plan: StepPlan, method: str) -> np.ndarray:
     if plan.rows is None:
         return np.array([plan.costs[g].sum() for g in partition(plan.costs, plan.dp, method)])
     microbatches = assign(
-        plan.costs, plan.samples.length.astype(np.int64), buckets=plan.dp,
-        balancing=Balancing(method=method, microbatches=max(plan.num_microbatches, 1)), rows=plan.rows,
-        max_length=plan.max_length, length_policy=plan.length_policy,
+        plan.costs,
+        plan.samples.length.astype(np.int64),
+        buckets=plan.dp,
+        balancing=Balancing(method=method, microbatches=max(plan.num_microbatches, 1)),
+        rows=plan.rows,
+        max_length=plan.max_length,
+        length_policy=plan.length_policy,
     )
     return plan.rows.bucket_costs(microbatches)
 
@@ -157,7 +161,10 @@ class Ledger:
         if taken is None:
             if allocation is None:
                 raise ValueError(f"step {plan.step} has no allocation: the seqs it takes must be given")
-            taken = [IntervalSet([(start, start + count)]) if count else IntervalSet.empty() for start, count in zip(allocation.starts, allocation.counts)]
+            taken = [
+                IntervalSet([(start, start + count)]) if count else IntervalSet.empty()
+                for start, count in zip(allocation.starts, allocation.counts)
+            ]
         for k, spans in enumerate(taken):
             again = spans.intersection(self.consumed[k])
             if not again.is_empty:
@@ -194,11 +201,9 @@ class Ledger:
         record = {
             "step": plan.step,
             "shares": [round(float(x), 9) for x in shares],
-            "take": {
-                name: [start, count]
-                for name, start, count in zip(self.source_names, allocation.starts, allocation.counts)
-                if count
-            } if allocation is not None else {},
+            "take": {name: [start, count] for name, start, count in zip(self.source_names, allocation.starts, allocation.counts) if count}
+            if allocation is not None
+            else {},
             "tokens": {name: int(tokens[k]) for k, name in enumerate(self.source_names) if counts[k]},
             "bad": plan.bad_samples,
             "ranks": [[identities[np.asarray(mb, np.int64)].tolist() for mb in rank] for rank in plan.microbatches],

@@ -107,7 +107,7 @@ def step_samples(record: Mapping[str, Any], source: str) -> int:
 
 
 def parse_sample(text: str, sources: Sequence[str]) -> tuple[int, int]:
-    """"SOURCE:INDEX" as (source index, row).
+    """ "SOURCE:INDEX" as (source index, row).
 
     Raises:
         ValueError: not of that form, an unknown source, or a negative index; names the text.

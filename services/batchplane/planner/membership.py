@@ -151,14 +151,17 @@ class Membership:
                 known = self._num_rows.get(k)
                 if known is not None and known != facts.num_rows:
                     raise InvalidArgument(
-                        f"source {facts.name!r} had {known} rows and now has {facts.num_rows}: "
-                        "its files changed under a running job"
+                        f"source {facts.name!r} had {known} rows and now has {facts.num_rows}: its files changed under a running job"
                     )
                 order = self._orders.get(k)
                 if order is not None and tuple(order.row_group_sizes.tolist()) != tuple(facts.row_group_sizes):
-                    raise InvalidArgument(f"source {facts.name!r}: replica {replica!r} found other row groups than the group's other replicas")
+                    raise InvalidArgument(
+                        f"source {facts.name!r}: replica {replica!r} found other row groups than the group's other replicas"
+                    )
                 if sum(facts.row_group_sizes) != facts.num_rows:
-                    raise InvalidArgument(f"source {facts.name!r}: row groups of {sum(facts.row_group_sizes)} rows for {facts.num_rows} rows")
+                    raise InvalidArgument(
+                        f"source {facts.name!r}: row groups of {sum(facts.row_group_sizes)} rows for {facts.num_rows} rows"
+                    )
             for k, facts in zip(job.loader_sources(index), sources):
                 self._num_rows[k] = facts.num_rows
                 self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
@@ -283,11 +286,7 @@ class Membership:
     def shadowed(self) -> list[tuple[tuple[int, str], str, str]]:
         """((group, replica), its address, its shadow's address) of every replica with a shadow."""
         with self._lock:
-            return [
-                ((g, r), self._replicas[g][r], shadow)
-                for (g, r), shadow in self._shadows.items()
-                if r in self._replicas.get(g, {})
-            ]
+            return [((g, r), self._replicas[g][r], shadow) for (g, r), shadow in self._shadows.items() if r in self._replicas.get(g, {})]
 
     def restore_targets(self, index: int) -> list[tuple[int, int, Routing]]:
         """Per source of loader group `index` that has routes: (source, the first position of the

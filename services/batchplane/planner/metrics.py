@@ -172,7 +172,14 @@ class PlannerMetrics:
             self.exhausted.labels(name)  # exported as 0 until the source runs out
 
     def observe_step(
-        self, allocation: Allocation | None, plan: StepPlan, ledger: Ledger, *, waited_s: float, planned_s: float, counts: Sequence[int] | None = None
+        self,
+        allocation: Allocation | None,
+        plan: StepPlan,
+        ledger: Ledger,
+        *,
+        waited_s: float,
+        planned_s: float,
+        counts: Sequence[int] | None = None,
     ) -> None:
         """Records one planned step: `counts` samples of each source (the seqs it consumed, bad
         ones included; default: the allocation's); `allocation`: what the mixture allocated to
@@ -215,5 +222,7 @@ class PlannerMetrics:
             log.info(
                 "source %r ran out at step %d (its last sample is in this step); from step %d on the other sources share "
                 "its places, so the mixture differs from the configured one (batchplane_planner_mixture_configured_drift_ratio)",
-                self._names[k], allocation.step, allocation.step + 1,
+                self._names[k],
+                allocation.step,
+                allocation.step + 1,
             )

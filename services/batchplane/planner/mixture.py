@@ -224,9 +224,7 @@ class Mixture:
             phase_shares=run.phase_shares,
             phase_offsets=run.phase_offsets,
         )
-        exhausted = tuple(
-            k for k, end in enumerate(self.stream_ends) if end is not None and state.cursors[k] < end <= after.cursors[k]
-        )
+        exhausted = tuple(k for k, end in enumerate(self.stream_ends) if end is not None and state.cursors[k] < end <= after.cursors[k])
         return Allocation(state.step, state.cursors, counts, shares, configured, exhausted), after
 
     def fast_forward(self, state: MixtureState, step: int) -> MixtureState:
@@ -281,10 +279,7 @@ class Mixture:
     ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...], MixtureState] | None:
         """Counts, target shares and configured shares of a sub-step at position `t`, and the
         state after it; None when no source with weight > 0 at `t` has samples left."""
-        remaining = [
-            math.inf if end is None else max(end - cursor, 0)
-            for end, cursor in zip(self.stream_ends, run.cursors)
-        ]
+        remaining = [math.inf if end is None else max(end - cursor, 0) for end, cursor in zip(self.stream_ends, run.cursors)]
         weights = self.schedule.weights_at(t)
         active = tuple(k for k in range(self.num_sources) if weights[k] > 0 and remaining[k] > 0)
         if not active:
@@ -314,9 +309,7 @@ class Mixture:
             offsets = (0.0,) * self.num_sources
         else:
             offsets = _owed(run)
-        return dataclasses.replace(
-            run, phase=active, phase_total=0, phase_counts=zeros, phase_shares=shares, phase_offsets=offsets
-        )
+        return dataclasses.replace(run, phase=active, phase_total=0, phase_counts=zeros, phase_shares=shares, phase_offsets=offsets)
 
 
 def _combined(parts: list[tuple[tuple[int, ...], tuple[float, ...]]]) -> tuple[tuple[int, ...], tuple[float, ...]]:

@@ -217,9 +217,7 @@ TMOE_25B = TransformerSpec(name="tmoe-25b", layers=42, heads=16, hidden=2048, ff
 
 #: Mixtral 8x7B's published shape: GQA with 8 KV heads, SwiGLU width 14336, 8 experts, top-2.
 #: ~46.4B (46.7B with embeddings and head).
-MIXTRAL_8X7B = TransformerSpec(
-    name="mixtral-8x7b", layers=32, heads=32, kv_heads=8, hidden=4096, ffn_hidden=14336, experts=8, top_k=2
-)
+MIXTRAL_8X7B = TransformerSpec(name="mixtral-8x7b", layers=32, heads=32, kv_heads=8, hidden=4096, ffn_hidden=14336, experts=8, top_k=2)
 
 #: The built-in models by lowercase name.
 MODELS: dict[str, TransformerSpec] = {m.name: m for m in (VIT_1B, VIT_2B, LLAMA_12B, TMOE_25B, MIXTRAL_8X7B)}

@@ -122,7 +122,13 @@ def rows_of(
     if row_costs.shape != widths.shape or not np.all(np.isfinite(row_costs)) or np.any(row_costs < 0):
         raise ValueError("the cost model must return one finite cost >= 0 per length")
     return Rows(
-        costs=costs, width=width, rows=rows, extra=np.maximum(costs - base, 0.0), padded=padded, _widths=widths, _row_costs=row_costs,
+        costs=costs,
+        width=width,
+        rows=rows,
+        extra=np.maximum(costs - base, 0.0),
+        padded=padded,
+        _widths=widths,
+        _row_costs=row_costs,
     )
 
 
@@ -223,7 +229,13 @@ class _Layout:
             ranked = sorted(range(parts), key=lambda g: (-costs[g], -g))
             empty = np.zeros(parts, bool)
         return cls(
-            index=index, perm=perm, order=order, cuts=cuts, ranked=ranked, groups=groups, empty=empty,
+            index=index,
+            perm=perm,
+            order=order,
+            cuts=cuts,
+            ranked=ranked,
+            groups=groups,
+            empty=empty,
             total=float(sum(costs[g] for g in ranked)),
         )
 

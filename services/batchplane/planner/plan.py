@@ -67,9 +67,7 @@ class SampleTable:
         names = sorted({name for t in tables for name in t.features})
         return cls(
             **{name: np.concatenate([getattr(t, name) for t in tables]) for name, _ in _COLUMNS},
-            features={
-                name: np.concatenate([t.features.get(name, np.zeros(len(t))) for t in tables]) for name in names
-            },
+            features={name: np.concatenate([t.features.get(name, np.zeros(len(t))) for t in tables]) for name in names},
         )
 
     def take(self, index: np.ndarray) -> SampleTable:
@@ -231,9 +229,7 @@ def fill_short_groups(groups: list[np.ndarray], costs: np.ndarray, *, minimum: i
         donors = [i for i, g in enumerate(groups) if len(g) > minimum]
         if not short or not donors:
             return groups
-        donor, item = min(
-            ((d, int(j)) for d in donors for j in groups[d]), key=lambda di: (costs[di[1]], di[1])
-        )
+        donor, item = min(((d, int(j)) for d in donors for j in groups[d]), key=lambda di: (costs[di[1]], di[1]))
         groups[donor] = groups[donor][groups[donor] != item]
         groups[short[0]] = np.sort(np.append(groups[short[0]], item))
 
@@ -294,8 +290,15 @@ def assign(
     aware = rows is not None and rows.padded and b.intra and b.method in ("karmarkar_karp", "greedy")
     if b.method == "token_budget":
         per_rank = token_budget(
-            lengths, costs, ranks=buckets, max_tokens=b.max_tokens, max_cost=b.max_cost, padded=b.padded, min_microbatches=b.microbatches,
-            max_length=max_length, length_policy=length_policy,
+            lengths,
+            costs,
+            ranks=buckets,
+            max_tokens=b.max_tokens,
+            max_cost=b.max_cost,
+            padded=b.padded,
+            min_microbatches=b.microbatches,
+            max_length=max_length,
+            length_policy=length_policy,
         )
         return tuple(tuple(np.asarray(mb, dtype=np.int64) for mb in rank) for rank in per_rank)
     if b.group_size and b.group_size < buckets:
@@ -310,7 +313,9 @@ def assign(
     ranks = fill_short_groups(ranks, costs, minimum=b.microbatches)
     if aware and rows is not None:
         size = b.group_size if b.group_size and b.group_size < buckets else buckets
-        ranks = [r for lo in range(0, buckets, size) for r in rebalance(ranks[lo : lo + size], b.microbatches, rows, minimum=b.microbatches)]
+        ranks = [
+            r for lo in range(0, buckets, size) for r in rebalance(ranks[lo : lo + size], b.microbatches, rows, minimum=b.microbatches)
+        ]
         return tuple(tuple(group(rank_index, b.microbatches, rows)) for rank_index in ranks)
     result: list[tuple[np.ndarray, ...]] = []
     for rank_index in ranks:
@@ -367,9 +372,7 @@ def build_step_plan(
     return StepPlan(
         step=step,
         samples=samples,
-        microbatches=assign(
-            costs, lengths, buckets=dp, balancing=Balancing(method=method, microbatches=microbatches), rows=rows, **limit
-        ),
+        microbatches=assign(costs, lengths, buckets=dp, balancing=Balancing(method=method, microbatches=microbatches), rows=rows, **limit),
         bad_samples=bad,
         costs=costs,
         rows=rows,

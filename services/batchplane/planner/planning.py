@@ -74,7 +74,8 @@ def where_to_start(asked: int, *, resume: bool, floor: int | None, rejoined: Map
     if floor is not None:  # a restarted planner: no rank needs a step below the ledger's floor
         step = start_step(asked, floor=floor, rejoined=rejoined)
         return StartAt(
-            step, dict(rejoined),
+            step,
+            dict(rejoined),
             f"restarted: every rank had been handed the steps below {floor} (the ledger), the constructors that rejoined need "
             f"{dict(rejoined)}; resuming at step {step}",
         )

@@ -59,7 +59,9 @@ def restore_mixture(
     if record is not None:
         before = reader.owner(step - 1)
         if list(before.sources) != list(job.source_names):
-            raise FailedPrecondition(f"cannot resume at step {step}: the ledger's sources {list(before.sources)} are not this job's {list(job.source_names)}")
+            raise FailedPrecondition(
+                f"cannot resume at step {step}: the ledger's sources {list(before.sources)} are not this job's {list(job.source_names)}"
+            )
         changed = tuple(name for name, value in job.fingerprints.items() if before.fingerprints.get(name) != value)
         if "data" in changed:
             raise FailedPrecondition(
@@ -68,7 +70,10 @@ def restore_mixture(
             )
         log.info(
             "job resumes at step %d from the ledger's record of step %d (generation %d)%s",
-            step, step - 1, before.gen, f"; changed since: {', '.join(changed)}, re-planned from its cursors" if changed else "",
+            step,
+            step - 1,
+            before.gen,
+            f"; changed since: {', '.join(changed)}, re-planned from its cursors" if changed else "",
         )
         return Restored(state_from_json(record["after"]), changed, record)
     if adaptive:
@@ -120,7 +125,9 @@ def restore_adaptive(step: int, *, rule: AdaptiveRule, reader: LedgerReader, cha
         reports[t] = None if stored is None else stored["losses"]
     missing = [t for t, losses in reports.items() if losses is None]
     if missing:
-        log.warning("adaptive mixing: steps %s before the resume step %d were never reported; their reports count as missing", missing, step)
+        log.warning(
+            "adaptive mixing: steps %s before the resume step %d were never reported; their reports count as missing", missing, step
+        )
     return AdaptiveRestored(adaptive_from_json(saved["state"]), applied_through, reports)
 
 
@@ -143,11 +150,17 @@ def rewind_horizon(reader: LedgerReader, step: int, *, adaptive: bool) -> int:
     return min(starts)
 
 
-def new_generation(reader: LedgerReader, step: int, *, job: JobSettings, source_facts: Mapping[str, tuple[int, str]] | None = None) -> LedgerWriter:
+def new_generation(
+    reader: LedgerReader, step: int, *, job: JobSettings, source_facts: Mapping[str, tuple[int, str]] | None = None
+) -> LedgerWriter:
     """Opens a new generation of the ledger that plans from `step` on; `source_facts`: what the
     loaders reported of each source (name -> (rows, row groups digest))."""
     return LedgerWriter(
-        reader, start_step=step, fingerprints=job.fingerprints, sources=job.source_names, keep_detail_steps=job.ledger.keep_detail_steps,
+        reader,
+        start_step=step,
+        fingerprints=job.fingerprints,
+        sources=job.source_names,
+        keep_detail_steps=job.ledger.keep_detail_steps,
         source_facts=source_facts,
     )
 

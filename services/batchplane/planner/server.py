@@ -86,7 +86,10 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
 
     watch = ReplicaWatch(membership, job.loaders.failover, metrics, connect=connect, shadows=job.loaders.shadow)
     puller = SummaryPuller(
-        store, num_sources=len(job.sources), target=membership.summary_target, connect=connect,
+        store,
+        num_sources=len(job.sources),
+        target=membership.summary_target,
+        connect=connect,
         observe=watch.observe,
     )
     server, port, health = create_grpc_server(
@@ -98,7 +101,12 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     address = process.advertise or process.listen or f"{job.network.host}:{port}"
     log.info(
         "job %r (fingerprint %s): %d sources, mesh %s, ledger in %s (writer epoch %d)",
-        job.job, job.fingerprint, len(job.sources), book.mesh.describe(), ledger.describe(), epoch,
+        job.job,
+        job.fingerprint,
+        len(job.sources),
+        book.mesh.describe(),
+        ledger.describe(),
+        epoch,
     )
     return RunningPlanner(address, server, book, puller, watch, health)
 

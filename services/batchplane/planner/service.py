@@ -39,7 +39,13 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
         fingerprint=job.fingerprint,
         sources=job.source_names,
         mesh=common_pb2.Mesh(
-            dp=m.dp, cp=m.cp, tp=m.tp, pp=m.pp, order=m.order, cp_slicing=job.constructors.cp_slicing, broadcast_at=sorted(strategy.broadcast)
+            dp=m.dp,
+            cp=m.cp,
+            tp=m.tp,
+            pp=m.pp,
+            order=m.order,
+            cp_slicing=job.constructors.cp_slicing,
+            broadcast_at=sorted(strategy.broadcast),
         ),
         global_batch_size=job.batch.global_batch_size,
         microbatches=job.batch.microbatches,
@@ -118,20 +124,28 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._copies: dict[int, np.ndarray] = {}  # step -> per-sample fetchers, when they differ
         self._copies_lock = threading.Lock()
 
-    def RegisterLoader(self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterLoaderResponse:
+    def RegisterLoader(
+        self, request: planner_pb2.RegisterLoaderRequest, context: grpc.ServicerContext
+    ) -> planner_pb2.RegisterLoaderResponse:
         check_address("address", request.address)
         for field in ("replica", "incarnation", "shadow_of"):
             check_name(field, getattr(request, field))
         facts = [SourceFacts(name=s.name, num_rows=s.num_rows, row_group_sizes=tuple(s.row_group_sizes)) for s in request.sources]
         joined = self._membership.register_loader(
-            request.loader_index, request.address, facts, replica=request.replica, incarnation=request.incarnation, shadow_of=request.shadow_of
+            request.loader_index,
+            request.address,
+            facts,
+            replica=request.replica,
+            incarnation=request.incarnation,
+            shadow_of=request.shadow_of,
         )
         if joined.restarted:
             self._metrics.loader_restarts.labels(str(request.loader_index)).inc()
         if joined.displaced:
             log.warning(
                 "loader group %d: dropped the replicas registered before, which reported other source facts than the job's ledger "
-                "records; this loader reports those", request.loader_index,
+                "records; this loader reports those",
+                request.loader_index,
             )
         self._book.notify_membership()
         return planner_pb2.RegisterLoaderResponse(job=self._info, restore=self._restore(request.loader_index), shadow=joined.shadow)
@@ -155,11 +169,15 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             for k, through, routing in self._membership.restore_targets(index)
         ]
 
-    def DeregisterLoader(self, request: planner_pb2.DeregisterLoaderRequest, context: grpc.ServicerContext) -> planner_pb2.DeregisterLoaderResponse:
+    def DeregisterLoader(
+        self, request: planner_pb2.DeregisterLoaderRequest, context: grpc.ServicerContext
+    ) -> planner_pb2.DeregisterLoaderResponse:
         drain = self._membership.deregister_loader(request.loader_index, check_name("replica", request.replica))
         return planner_pb2.DeregisterLoaderResponse(drain_through=drain)
 
-    def RegisterConstructor(self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext) -> planner_pb2.RegisterConstructorResponse:
+    def RegisterConstructor(
+        self, request: planner_pb2.RegisterConstructorRequest, context: grpc.ServicerContext
+    ) -> planner_pb2.RegisterConstructorResponse:
         check_address("address", request.address)
         if request.rejoin:  # believed up to what the planner planned (`progress.PlanProgress.delivered`)
             check_step("next_step", request.next_step)
@@ -273,15 +291,18 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             finished=self._book.finished,
             sources=[
                 planner_pb2.SourceStatus(
-                    name=name, target_weight=float(w), samples=t.samples, tokens=t.tokens, bad_samples=t.bad_samples, target_samples=t.target_samples,
+                    name=name,
+                    target_weight=float(w),
+                    samples=t.samples,
+                    tokens=t.tokens,
+                    bad_samples=t.bad_samples,
+                    target_samples=t.target_samples,
                     configured_samples=t.configured_samples,
                 )
                 for name, w, t in zip(self._job.source_names, weights, ledger.sources)
             ],
             balance=[
-                planner_pb2.BalanceFigure(
-                    method=method, mean_max_over_min=t.mean_max_over_min, mean_max_over_mean=t.mean_max_over_mean
-                )
+                planner_pb2.BalanceFigure(method=method, mean_max_over_min=t.mean_max_over_min, mean_max_over_mean=t.mean_max_over_mean)
                 for method, t in ledger.balance.items()
             ],
         )

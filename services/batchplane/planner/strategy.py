@@ -79,7 +79,9 @@ def _from_file(job: JobSettings, mesh: ClientPlaceTree) -> Strategy:
     except Exception as exc:
         raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} failed: {type(exc).__name__}: {exc}", job.strategy) from exc
     if not isinstance(result, Strategy):
-        raise ConfigError("strategy", f"strategy(mesh) in {str(path)!r} must return DGraph.plan(), got {type(result).__name__}", job.strategy)
+        raise ConfigError(
+            "strategy", f"strategy(mesh) in {str(path)!r} must return DGraph.plan(), got {type(result).__name__}", job.strategy
+        )
     for kind, hook in result.hooks.items():
         if getattr(module, getattr(hook, "__name__", ""), None) is not hook:
             raise ConfigError(
@@ -139,7 +141,9 @@ def load_schedule(job: JobSettings, strategy: Strategy) -> JobSchedule:
     if strategy.primary.weights is not None:
         if not isinstance(schedule, Static):
             raise ConfigError(
-                "strategy", f"{strategy.primary.name}.mix sets fixed weights, but mixture.schedule changes them; give the weights in one place", job.strategy
+                "strategy",
+                f"{strategy.primary.name}.mix sets fixed weights, but mixture.schedule changes them; give the weights in one place",
+                job.strategy,
             )
         try:
             schedule = Static(strategy.weights(job.source_names, job.weights), source_names=job.source_names)

@@ -213,16 +213,24 @@ def entries(
     subs = {k: {sub for _, sub, _ in m.pairs} for k, m in matches.items()}
     for k, m in sorted(matches.items()):
         for bad, sub, home in m.pairs:
-            out.setdefault(home, []).append({
-                "source": names[k],
-                "bad": list(where[(k, bad)]),
-                "by": list(where[(k, sub)]) if sub >= 0 else None,
-                "reason": reasons.get(k, {}).get(bad, "unknown"),
-            })
+            out.setdefault(home, []).append(
+                {
+                    "source": names[k],
+                    "bad": list(where[(k, bad)]),
+                    "by": list(where[(k, sub)]) if sub >= 0 else None,
+                    "reason": reasons.get(k, {}).get(bad, "unknown"),
+                }
+            )
         for j, home in enumerate(m.homes.tolist()):
             seq = m.start + j
             if seq not in subs.get(k, ()):
                 out.setdefault(home, []).append(
-                    {"source": names[k], "bad": list(where[(k, seq)]), "by": None, "reason": reasons.get(k, {}).get(seq, "unknown"), "passed_over": True}
+                    {
+                        "source": names[k],
+                        "bad": list(where[(k, seq)]),
+                        "by": None,
+                        "reason": reasons.get(k, {}).get(seq, "unknown"),
+                        "passed_over": True,
+                    }
                 )
     return out

@@ -166,9 +166,7 @@ class SummaryStore:
             return None
         return known.known_through, known.cursor
 
-    def get(
-        self, source: int, start: int, count: int
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
+    def get(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
         """Rows, lengths and features of seqs [start, start + count), or None while not all known."""
         with self.cond:
             known, lo = self._at(source, start, count)
@@ -216,17 +214,23 @@ def parse_summary(
     lengths = decode_array(response.length, field="length", dtype="int32", ndim=1)
     if any(len(name) > MAX_NAME_CHARS for name in response.features):
         raise MalformedSummary(f"a feature name longer than {MAX_NAME_CHARS} characters")
-    features = {
-        name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1) for name, array in response.features.items()
-    }
+    features = {name: decode_array(array, field=f"features[{name}]", dtype="float64", ndim=1) for name, array in response.features.items()}
     reasons = (
         decode_array(response.bad_reason, field="bad_reason", dtype=np.dtype(bad.DTYPE).name, ndim=1)
         if response.HasField("bad_reason")
         else None
     )
     check_summary(
-        rows, lengths, features, start_seq=response.start_seq, end_of_stream=response.end_of_stream, from_seq=request.from_seq,
-        max_samples=request.max_samples, num_rows=target.num_rows, stream_end=target.stream_end, reasons=reasons,
+        rows,
+        lengths,
+        features,
+        start_seq=response.start_seq,
+        end_of_stream=response.end_of_stream,
+        from_seq=request.from_seq,
+        max_samples=request.max_samples,
+        num_rows=target.num_rows,
+        stream_end=target.stream_end,
+        reasons=reasons,
     )
     if reasons is None or len(reasons) != len(rows):
         reasons = np.zeros(len(rows), bad.DTYPE)
@@ -274,10 +278,7 @@ class SummaryPuller:
         self._stopped = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._pull_loop, args=(k,), name=f"summary-{k}", daemon=True)
-            for k in range(num_sources)
-        ]
+        self._threads = [threading.Thread(target=self._pull_loop, args=(k,), name=f"summary-{k}", daemon=True) for k in range(num_sources)]
         for t in self._threads:
             t.start()
 
@@ -327,7 +328,9 @@ class SummaryPuller:
         try:
             response = self._stub(target.address).GetSummary(request, timeout=self._wait_ms / 1000 + 10)
         except grpc.RpcError as exc:
-            log.warning("GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details())
+            log.warning(
+                "GetSummary(source %d from %d) at loader %s: %s: %s", source, from_seq, target.address, exc.code().name, exc.details()
+            )
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._observe(target.owner, target.address, False)
             self._stopped.wait(backoff)
@@ -335,7 +338,9 @@ class SummaryPuller:
         try:
             rows, lengths, features, reasons = parse_summary(response, request, target)
         except (MalformedSummary, WireFormatError) as exc:  # refused: the replica answered, but not what was asked
-            log.warning("GetSummary(source %d from %d) at loader %s: a malformed answer, refused: %s", source, from_seq, target.address, exc)
+            log.warning(
+                "GetSummary(source %d from %d) at loader %s: a malformed answer, refused: %s", source, from_seq, target.address, exc
+            )
             self._observe(target.owner, target.address, False, malformed=True)
             self._stopped.wait(backoff)
             return min(backoff * 2, 2.0)

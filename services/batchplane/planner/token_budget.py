@@ -107,8 +107,16 @@ def token_budget(
         TypeError: ranks, min_microbatches or max_tokens not an integer.
     """
     return token_budget_steps(
-        lengths, costs, ranks=ranks, steps=1, max_tokens=max_tokens, max_cost=max_cost, padded=padded,
-        min_microbatches=min_microbatches, max_length=max_length, length_policy=length_policy,
+        lengths,
+        costs,
+        ranks=ranks,
+        steps=1,
+        max_tokens=max_tokens,
+        max_cost=max_cost,
+        padded=padded,
+        min_microbatches=min_microbatches,
+        max_length=max_length,
+        length_policy=length_policy,
     )[0]
 
 
@@ -174,10 +182,7 @@ def token_budget_steps(
     """
     steps = _positive_int(steps, "steps")
     if (max_tokens is None) == (max_cost is None):
-        raise ValueError(
-            f"exactly one of max_tokens and max_cost must be given, got max_tokens={max_tokens!r} "
-            f"and max_cost={max_cost!r}"
-        )
+        raise ValueError(f"exactly one of max_tokens and max_cost must be given, got max_tokens={max_tokens!r} and max_cost={max_cost!r}")
     ranks = _positive_int(ranks, "ranks")
     min_microbatches = _positive_int(min_microbatches, "min_microbatches")
     lens, c = _check_samples(lengths, costs)

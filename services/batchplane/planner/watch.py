@@ -46,7 +46,13 @@ class ReplicaWatch:
     """
 
     def __init__(
-        self, membership: Membership, settings: FailoverSettings, metrics: PlannerMetrics, *, connect: Callable[[str], grpc.Channel], shadows: bool = False
+        self,
+        membership: Membership,
+        settings: FailoverSettings,
+        metrics: PlannerMetrics,
+        *,
+        connect: Callable[[str], grpc.Channel],
+        shadows: bool = False,
     ) -> None:
         self._membership = membership
         self._connect = connect
@@ -89,14 +95,30 @@ class ReplicaWatch:
             if address is None:
                 adopter = self._membership.adopt(group, replica)
                 if adopter is None:
-                    log.warning("loader replica %r of group %d failed and the group has no other live replica: its windows wait for it to restart or for one to join", replica, group)
+                    log.warning(
+                        "loader replica %r of group %d failed and the group has no other live replica: its windows wait for it to restart or for one to join",
+                        replica,
+                        group,
+                    )
                 else:
                     self._metrics.adoptions.labels(str(group)).inc()
-                    log.warning("loader replica %r of group %d failed: replica %r serves its windows, %.2f s after the first failure", replica, group, adopter, now - since)
+                    log.warning(
+                        "loader replica %r of group %d failed: replica %r serves its windows, %.2f s after the first failure",
+                        replica,
+                        group,
+                        adopter,
+                        now - since,
+                    )
                 return
         self._metrics.promotions.labels(str(group)).inc()
         self._metrics.failover_seconds.observe(now - since)
-        log.warning("loader replica %r of group %d failed: promoted its shadow at %s, %.2f s after the first failure", replica, group, address, now - since)
+        log.warning(
+            "loader replica %r of group %d failed: promoted its shadow at %s, %.2f s after the first failure",
+            replica,
+            group,
+            address,
+            now - since,
+        )
 
     def _probe_loop(self) -> None:
         while not self._stopped.wait(self._interval):
@@ -121,7 +143,10 @@ class ReplicaWatch:
                 log.warning(
                     "loaders.shadow is set but loader replica %r of group %d has had no shadow for %.0f s: start one with "
                     "--shadow-of %s; until then a failure is recovered by restarting it or by another replica of its group",
-                    owner[1], owner[0], UNSHADOWED_WARN_S, owner[1],
+                    owner[1],
+                    owner[0],
+                    UNSHADOWED_WARN_S,
+                    owner[1],
                 )
 
     def _promote_lone_shadows(self, now: float) -> None:
@@ -135,7 +160,9 @@ class ReplicaWatch:
             if now - first >= LONE_SHADOW_S and self._membership.promote(*key) is not None:
                 del self._lone[key]
                 self._metrics.promotions.labels(str(key[0])).inc()
-                log.warning("loader replica %r of group %d has not registered for %.0f s: promoted its shadow", key[1], key[0], LONE_SHADOW_S)
+                log.warning(
+                    "loader replica %r of group %d has not registered for %.0f s: promoted its shadow", key[1], key[0], LONE_SHADOW_S
+                )
 
     def _healthy(self, address: str) -> bool:
         channel = self._channels.get(address)

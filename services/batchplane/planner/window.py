@@ -72,7 +72,11 @@ def window_steps(job: JobSettings, strategy: Strategy, *, adaptive: bool) -> int
     configured = job.balance.window_steps
     if not strategy.windowed or adaptive:
         if configured not in (None, 1):
-            why = "an adaptive mixture plans one step at a time" if strategy.windowed else "the strategy's primary graph does not plan token budgets"
+            why = (
+                "an adaptive mixture plans one step at a time"
+                if strategy.windowed
+                else "the strategy's primary graph does not plan token budgets"
+            )
             raise ConfigError("balance.window_steps", f"must be 1 (or left out): {why}", configured)
         return 1
     if configured is not None:
@@ -122,8 +126,12 @@ class Window:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Window:
         return cls(
-            first=int(data["first"]), steps=int(data["steps"]), before=state_from_json(data["before"]), end=state_from_json(data["end"]),
-            skip=tuple(IntervalSet.from_list(s) for s in data.get("skip", ())), leftover=bool(data.get("leftover", False)),
+            first=int(data["first"]),
+            steps=int(data["steps"]),
+            before=state_from_json(data["before"]),
+            end=state_from_json(data["end"]),
+            skip=tuple(IntervalSet.from_list(s) for s in data.get("skip", ())),
+            leftover=bool(data.get("leftover", False)),
         )
 
 

@@ -36,8 +36,14 @@ from batchplane.client.hf import Trainer
 def tiny_llama(vocab: int) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="eager",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        attn_implementation="eager",
     )
     return transformers.LlamaForCausalLM(config)
 
