@@ -54,10 +54,13 @@ run: $(STAMP)
 # than 2. `--dist loadfile` runs each test file on one worker, so a module's shared fixture (a
 # running cluster, a trained reference run) is built once. (`--dist loadgroup` would balance
 # finer but does nothing under pytest 9.2: xdist 3.8 marks a group by rewriting the node id,
-# which pytest 9.2 no longer reads.) tests/conftest.py keeps torch on one thread per process.
+# which pytest 9.2 no longer reads.) Files start in the order tests/conftest.py gives, the
+# heaviest first (`--no-loadscope-reorder`: xdist would otherwise start the files with the most
+# tests first and leave a two-test, two-minute one to the end); it also keeps torch on one
+# thread per process. `--durations=30` prints the slowest tests.
 # `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= logical
-PYTEST       := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
+PYTEST       := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 test: $(STAMP) $(PROTO_TOOLS) $(HELM) prometheus
 	$(PYTEST)
