@@ -26,7 +26,10 @@ Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won
 committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first attempt of a batch
 to the end of the attempt that committed it, retries and gaps included), step_visible_latency_s
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
-as failed attempts), commits, steps_committed, offered_mb_per_s (what the producers wrote),
+as failed attempts), reprepared (versions another producer committed between an attempt's
+prepare and its final probe: each a race lost before any put, so not in the success rate),
+commit_success_rate_counting_reprepares (commits / (attempts + reprepared): the success rate had
+each of those been a lost put, as in the paper's protocol, which has no final probe), commits, steps_committed, offered_mb_per_s (what the producers wrote),
 fragile_window_s (mean, from the start of the final probe, the GET that found no version after
 the one the commit was prepared on, to the end of the put; the rebase, apply and encoding come
 before it), gap_s (the policy's wait after an attempt, mean: DAC's g* (1 + xi)), cycle_s (the
@@ -232,15 +235,16 @@ def _record(
     """The commit record from the producers' raw attempts, counting what ends in `window`."""
     lo, hi = window
     measured = hi - lo
-    attempts = conflicts = errors = commits = committed_bytes = written = 0
+    attempts = conflicts = errors = commits = committed_bytes = written = reprepared = 0
     latencies, visible, windows, gaps = [], [], [], []
     steps: list[tuple[int, int]] = []  # (step, producer index)
     for index, r in enumerate(results):
         written += sum(size for at, size in r["built"] if lo <= at < hi)
-        for end, batch_start, outcome, fragile, gap, committed in r["attempts"]:
+        for end, batch_start, outcome, fragile, gap, committed, caught_up in r["attempts"]:
             if not lo <= end < hi:
                 continue
             attempts += 1
+            reprepared += caught_up
             windows.append(fragile)
             gaps.append(gap)
             conflicts += outcome == 0
@@ -269,6 +273,8 @@ def _record(
         "step_visible_latency_s": _mean(visible),
         "attempts": attempts,
         "conflicts": conflicts,
+        "reprepared": reprepared,
+        "commit_success_rate_counting_reprepares": commits / (attempts + reprepared) if attempts else 0.0,
         "errors": errors,
         "commits": commits,
         "steps_committed": len(steps),
@@ -352,7 +358,8 @@ def _produce(job: _Job, shared: _Shared) -> dict:
     """Registers, waits for the start, then builds, writes and adds a step every `build_s` and
     attempts while due, until the window closes. Returns {"attempts": [(end, batch start,
     outcome 1 won / 0 lost / -1 storage error, fragile window, gap after, ((step, bytes,
-    built at), ...))], "built": [(built at, bytes)], "cpu_s"}."""
+    built at), ...), versions caught up on before the put)], "built": [(built at, bytes)],
+    "cpu_s"}."""
     storage = job.place.open()
     while job.index > 0 and not shared.ready[job.index - 1]:
         time.sleep(0.005)  # register in turn (see the module docstring)
@@ -386,12 +393,12 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             try:
                 attempt = producer.attempt()
                 outcome = 1 if attempt.success and attempt.wrote else 0
-                fragile = attempt.fragile_window_s
+                fragile, caught_up = attempt.fragile_window_s, attempt.caught_up
                 committed = tuple((s, built_at[s][1], built_at[s][0]) for s in attempt.committed)
             except Unavailable:
-                outcome, fragile, committed = -1, time.monotonic() - begin, ()
+                outcome, fragile, committed, caught_up = -1, time.monotonic() - begin, (), 0
             end = time.monotonic()
-            attempts.append((end, batch_start, outcome, fragile, producer.policy.gap_s(), committed))
+            attempts.append((end, batch_start, outcome, fragile, producer.policy.gap_s(), committed, caught_up))
             shared.ends[2 * job.index] = shared.ends[2 * job.index + 1]
             shared.ends[2 * job.index + 1] = end
             shared.attempts[job.index] += 1
