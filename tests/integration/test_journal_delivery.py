@@ -4,7 +4,8 @@ constructor range-reads its ranks' slices and serves them. The trainers receive 
 batches to a streaming run of the same job; a producer killed (SIGKILL) mid-run and started
 again commits every planned step exactly once (read back from the manifest), and the trainers
 still receive the streaming run's batches; so do two producers building alternate steps without
-coordination, one of them killed mid-run."""
+coordination, one of them killed mid-run. A trainer asking `len()` before the producer reached
+the end of the data gets the streaming run's length (the planner's)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 from disturbed import kill
 from harness import assert_same_batches, collect, running_cluster, skewed_lengths, wait_until, write_job, write_source
 
+from batchplane.client import Client
 from batchplane.core.storage import LocalStorage
 from batchplane.journal.commit import ManifestStore
+from batchplane.journal.writer import read_end
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +35,23 @@ def _job(root: pathlib.Path, name: str, **settings) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The reference: the same job delivered by streaming."""
+def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, int]:
+    """The reference: the same job delivered by streaming, and its `len()` (the planner's)."""
     root = tmp_path_factory.mktemp("stream")
     with running_cluster(_job(root, "stream")) as cluster:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("BATCHPLANE_ENDPOINTS", str(cluster.endpoints_path))
+            with Client(rank=0, timeout_s=30) as client:
+                length = len(client)
         batches, _ = collect(cluster.endpoints_path, range(MESH["dp"]))
     assert [len(b) for b in batches.values()] == [STEPS] * MESH["dp"]
-    return batches
+    return batches, length
+
+
+@pytest.fixture(scope="module")
+def streamed(streaming_run: tuple[dict, int]) -> dict:
+    """The streaming run's batches."""
+    return streaming_run[0]
 
 
 def _committed(run_dir: pathlib.Path) -> list[int]:
@@ -104,3 +117,16 @@ def test_two_producers_build_alternate_steps_and_one_killed_loses_or_repeats_not
     assert_same_batches(batches, streamed)
     assert sorted(_committed(cluster.run_dir)) == list(range(STEPS))
     assert owners == {step: f"p{step % 2}" for step in range(STEPS)}, "producer i committed exactly the steps s % 2 == i"
+
+
+def test_a_trainer_gets_the_streaming_runs_length_before_the_producer_reaches_the_end(
+    tmp_path: pathlib.Path, streaming_run: tuple[dict, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # max_lag_steps 4: with no trainer consuming, the producer pauses at step 4 of 20
+    config = _job(tmp_path, "length", batch={"delivery": "journal"}, journal={"policy": "naive", "max_lag_steps": 4})
+    with running_cluster(config) as cluster:
+        monkeypatch.setenv("BATCHPLANE_ENDPOINTS", str(cluster.endpoints_path))
+        with Client(rank=0, timeout_s=30) as client:
+            length = len(client)
+        assert read_end(LocalStorage(cluster.run_dir / "journal")) is None, "the producer reached the end of the data"
+    assert length == streaming_run[1] == STEPS

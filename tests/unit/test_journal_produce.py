@@ -59,7 +59,8 @@ def built(step: int, bucket: int, *, tensors: bool = True, extra: bytes = b"") -
 
 class FakePipeline:
     """What a StepPipeline over every rank hands out: TP peers share one built batch (I3);
-    `broadcast` TP: tp > 0 ranks get no tensors. Ends at `end` (None: never)."""
+    `broadcast` TP: tp > 0 ranks get no tensors. Ends at `end` (None: never). Its planner says
+    the job has `end` steps (None: infinite), after answering (or raising) `lengths` in order."""
 
     def __init__(self, job, *, end: int | None = None, broadcast: bool = False, extra: bytes = b"") -> None:
         self.mesh = mesh_of(job)
@@ -69,6 +70,7 @@ class FakePipeline:
         self.rules = DeliveryRules(self.mesh, broadcast=frozenset({"TP"}) if broadcast else frozenset())
         self.asks: list[tuple[int, int, bool]] = []
         self.unavailable = 0  # raise Unavailable this many times first
+        self.lengths: list[common_pb2.JobLength | Exception] = []
         self._cache: dict[tuple[int, object], BuiltBatch] = {}
 
     def delivery(self, rank: int, step: int) -> Delivery:
@@ -77,6 +79,14 @@ class FakePipeline:
         if key not in self._cache:
             self._cache[key] = built(step, variant.bucket * 10 + (variant.cp_rank or 0), tensors=variant.tensors)
         return Delivery(self._cache[key], rank, variant, extra=self.extra if variant.tensors else b"")
+
+    def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:
+        if self.lengths:
+            answer = self.lengths.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return common_pb2.JobLength(infinite=True) if self.end is None else common_pb2.JobLength(num_steps=self.end)
 
     def batch(self, rank: int, step: int, *, timeout_s: float, resume=None, restart: bool = False) -> Delivery | None:
         if self.unavailable:

@@ -10,7 +10,12 @@ planner or to loaders.
   `journal_slices` and streamed over gRPC exactly as `service.ConstructorServicer` streams it, so
   a client sees byte-identical batches to streaming delivery. Past the end marker, the
   end-of-data header. No shared memory in v1: the gRPC stream only.
-- GetLength: from the end marker once written, else unknown.
+- GetLength: in logical steps (mapped as the end marker is, see below): from the end marker once
+  written, else from the length object a producer stored from the planner's count
+  (`length.json`), else unknown; waits up to the request's `wait_ms` for either. When both are
+  written and disagree the end marker wins (a warning is logged once); a length object that
+  cannot be read is refused (FAILED_PRECONDITION) while no end marker is written. An infinite
+  job (epochs: infinite) answers so at once.
 - MarkCheckpoint: the pod's checkpoint mark (see Marks below).
 - Report: refused (FAILED_PRECONDITION): a producer runs ahead of training, so training losses
   cannot steer it (configuration refuses adaptive mixtures with journal delivery).
@@ -70,7 +75,7 @@ from batchplane.core.rpc import add_servicer, stream_payload, wait_seconds
 from batchplane.core.storage import Storage
 from batchplane.journal.reader import JournalReader, JournalStep, ReaderCursor
 from batchplane.journal.slices import DataMesh, SliceCursor, cursor_for, flat_index, logical_steps
-from batchplane.journal.writer import read_end, read_header
+from batchplane.journal.writer import length_key, read_end, read_header, read_length
 from batchplane.v1 import common_pb2, constructor_pb2, constructor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -81,6 +86,8 @@ MARK_EVERY = 8
 POLL_S = 0.05
 #: Log again while waiting for the producer every this many seconds.
 STALL_LOG_S = 30.0
+#: Seconds between looks at the journal while GetLength waits for its length or end marker.
+LENGTH_POLL_S = 0.1
 
 
 class JournalConsumer:
@@ -137,6 +144,8 @@ class JournalConsumer:
         self._end: int | None = None  # the logical end step, once the end marker is read
         self._read_bytes = 0
         self._stopped = False
+        self._stored_length: int | None = None  # the length object's written steps, once read
+        self._length_checked = False  # the length object was compared with the end marker
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -175,12 +184,32 @@ class JournalConsumer:
         header.journal_cursor.step, header.journal_cursor.offset = after.position.step, after.position.offset
         return header, payload
 
-    def length(self) -> common_pb2.JobLength:
-        """The job's length in logical steps, once the end marker is written."""
-        end = self._logical_end()
-        if end is None:
-            return common_pb2.JobLength(unknown="journal delivery: the producer has not reached the end of the data yet")
-        return common_pb2.JobLength(num_steps=end)
+    def length(self, *, timeout_s: float = 0.0) -> common_pb2.JobLength:
+        """The job's length in logical steps: from the end marker once written, else from the
+        length object a producer stored; waits up to `timeout_s` for either. Infinite for a job
+        whose data never ends.
+
+        Raises:
+            FailedPrecondition: An end marker that cannot be read; without one, a length object
+                that cannot be read (naming its key and field).
+        """
+        if self._job.epochs is None:
+            return common_pb2.JobLength(infinite=True)
+        deadline = self._clock() + timeout_s
+        while True:
+            steps = self._known_length()
+            if steps is not None:
+                return common_pb2.JobLength(num_steps=steps)
+            remaining = deadline - self._clock()
+            with self._cond:
+                if self._stopped or remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, LENGTH_POLL_S))
+        return common_pb2.JobLength(
+            unknown=f"journal delivery: waiting for a producer to store the job's length ({length_key(self._prefix)!r}, "
+            "once the planner's loaders registered) or to reach the end of the data (its end marker) in the journal at "
+            f"{self._prefix or '/'} in {self._storage.describe()}"
+        )
 
     def stop(self) -> None:
         with self._cond:
@@ -382,15 +411,46 @@ class JournalConsumer:
         origin, position = self._anchor if self._anchor is not None else (0, SliceCursor(0))
         return origin + logical_steps(position, end, written=written, reader=self._reader_mesh)
 
-    def _logical_end(self) -> int | None:
-        with self._cond:
-            if self._end is not None:
-                return self._end
+    def _known_length(self) -> int | None:
+        """The job's length in logical steps: the end marker's, else the length object's; None
+        while neither (or the journal's header) is written."""
         end = read_end(self._storage, self._prefix)
-        if end is None:
+        if end is not None:
+            self._check_length(end)
+            return self._logical(end)
+        if self._stored_length is None:
+            self._stored_length = read_length(self._storage, self._prefix)
+        return None if self._stored_length is None else self._logical(self._stored_length)
+
+    def _check_length(self, end: int) -> None:
+        """Warns (once) when the length object disagrees with the end marker (written step
+        `end`)."""
+        if self._length_checked:
+            return
+        self._length_checked = True
+        key = length_key(self._prefix)
+        try:
+            stored = self._stored_length if self._stored_length is not None else read_length(self._storage, self._prefix)
+        except FailedPrecondition as exc:
+            log.warning("%s; answering the length from the end marker (written step %d)", exc, end)
+            return
+        if stored is not None and stored != end:
+            log.warning(
+                "the journal's length object %r says %d steps, its end marker says the data ends at step %d: answering the end marker's",
+                key,
+                stored,
+                end,
+            )
+
+    def _logical(self, written_step: int) -> int | None:
+        """Written step `written_step` in logical steps (`_to_logical`); None while the journal
+        has no header."""
+        try:
+            written = self._written or read_header(self._storage, self._prefix).mesh
+        except NotFound:
             return None
-        written = self._written or read_header(self._storage, self._prefix).mesh
-        return self._to_logical(end, written)
+        with self._cond:
+            return self._to_logical(written_step, written)
 
     # ---- marks -------------------------------------------------------------------------------
 
@@ -475,7 +535,7 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         )
 
     def GetLength(self, request: constructor_pb2.GetLengthRequest, context: grpc.ServicerContext) -> constructor_pb2.GetLengthResponse:
-        return constructor_pb2.GetLengthResponse(length=self._consumer.length())
+        return constructor_pb2.GetLengthResponse(length=self._consumer.length(timeout_s=wait_seconds(request.wait_ms, context)))
 
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         check_batch_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume)

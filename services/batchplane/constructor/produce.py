@@ -9,7 +9,13 @@ rank's delivery from the pipeline (all ranks take, so the pipeline moves on; the
 after a start or a restart asks with restart=True: the planner serves or re-plans it), write
 the step; at the end of data, commit what is pending and write the end marker (`end/<producer id>.json`).
 Before its first write it stores the JobInfo the planner gave at registration as `info.pb`
-(put-if-absent; a different one is refused), which consumers serve as GetInfo.
+(put-if-absent; a different one is refused), which consumers serve as GetInfo. Before each step,
+until it is settled, it asks the planner for the job's length (GetJob, as the streaming
+constructor's GetLength does: unknown until the loaders registered) and once it is finite stores
+it as `length.json` (`writer.claim_length`, put-if-absent), which consumers serve as GetLength
+before the end marker is written; a journal holding another length keeps it (an error is
+logged), an infinite job stores none. Failing to learn or store it only logs: the next step
+tries again.
 
 A failure of the storage or of the pipeline restarts the loop from `writer.resume()` (a new
 fencing epoch; what was not committed is built again); a producer fenced by a newer process of
@@ -35,7 +41,7 @@ from batchplane.core.storage import Storage
 from batchplane.journal.manifest import Fenced
 from batchplane.journal.retention import RetentionPolicy
 from batchplane.journal.slices import DataMesh
-from batchplane.journal.writer import JournalMismatch, JournalWriter, WriterStats
+from batchplane.journal.writer import JournalMismatch, JournalWriter, WriterStats, claim_length, length_key
 from batchplane.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,8 @@ class BatchSource(Protocol):
     def batch(
         self, rank: int, step: int, *, timeout_s: float, resume: dict[str, str] | None = None, restart: bool = False
     ) -> Delivery | None: ...
+
+    def job_length(self, *, wait_ms: int) -> common_pb2.JobLength: ...
 
 
 def data_mesh(job: JobSettings) -> DataMesh:
@@ -151,6 +159,9 @@ class JournalProducer:
         self.done = threading.Event()
         #: The reclaimer's loop, once started (`journal.reclaim`, producer 0).
         self.reclaim_loop: ReclaimLoop | None = None
+        #: The job's length is in the journal, or will never be stored by this producer
+        #: (infinite, refused, or the journal holds another one).
+        self.length_settled = False
 
     def start(self) -> JournalProducer:
         """Starts the loop on a thread of its own, and the reclaimer's (`journal.reclaim`, on
@@ -215,6 +226,8 @@ class JournalProducer:
         log.info("producing from step %d (epoch %d)", step, writer.epoch)
         restart = True
         while not self._stop.is_set():
+            if not self.length_settled:
+                self._store_length(writer.prefix)
             if not writer.wait_for_room(step):
                 break
             self._count(writer.stats)
@@ -231,6 +244,50 @@ class JournalProducer:
             self._count(writer.stats)
             step += self._stride
         return False
+
+    def _store_length(self, prefix: str) -> None:
+        """Stores the job's length in the journal once the planner knows it is finite (see the
+        module docstring); sets `length_settled` when nothing is left to do. Never raises: a
+        failure is logged and the next step asks again."""
+        try:
+            length = self._pipeline.job_length(wait_ms=0)
+        except Exception as exc:  # noqa: BLE001 - the planner is away: ask again next step
+            log.warning("could not ask the planner for the job's length (%s); asking again before the next step", exc)
+            return
+        if length.infinite:
+            self.length_settled = True
+            return
+        if length.unknown:
+            log.debug("the job's length is not known yet: %s", length.unknown)
+            return
+        steps = length.num_steps
+        if steps < 0:
+            log.error("the planner says the job has %d steps: not storing a length in the journal", steps)
+            self.length_settled = True
+            return
+        key = length_key(prefix)
+        try:
+            found = claim_length(self._storage, prefix, num_steps=steps)
+        except FailedPrecondition as exc:  # a length object it cannot read: left as it is
+            log.error("the journal holds a length object producer %s cannot read (%s); not overwriting it", self._id, exc)
+            self.length_settled = True
+            return
+        except Exception as exc:  # noqa: BLE001 - the storage failed: try again next step
+            log.warning("could not store the job's length (%d steps) as %r (%s); trying again", steps, key, exc)
+            return
+        self.length_settled = True
+        if found != steps:
+            log.error(
+                "the journal's length object %r in %s says %d steps, the planner says %d: a journal's length never changes; "
+                "keeping %d (is this journal another job's?)",
+                key,
+                self._storage.describe(),
+                found,
+                steps,
+                found,
+            )
+        else:
+            log.info("the job's length (%d steps) is in the journal as %r", steps, key)
 
     def _take(self, step: int, *, restart: bool) -> dict[int, Delivery | None] | None:
         """Every rank's delivery of `step` (None for a rank past the end of data); None if stopped."""

@@ -12,6 +12,10 @@ Layout it adds under the journal's prefix (beside `manifest/`, see `commit`):
     end/p0.json                           {"end_step": N}: producer p0 found the data ends at
                                           N (`finish`; put_if_absent, once); the least marker
                                           is the end (`read_end`)
+    length.json                           {"num_steps": N}: the job's length as the planner
+                                          counted it (steps 0..N-1), stored once a producer
+                                          learnt it (put_if_absent, never changed;
+                                          `claim_length`, `read_length`)
     tgb/000000000042/p0.e3.tgb            step 42's TGB as producer "p0" wrote it in epoch 3
 
 A TGB's key is unique to (producer id, epoch, step) and created with put_if_absent, so a
@@ -39,7 +43,7 @@ from typing import cast
 
 import numpy as np
 
-from batchplane.core.errors import FailedPrecondition, NotFound
+from batchplane.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from batchplane.core.storage import Storage
 from batchplane.journal.commit import Attempt, ManifestSettings, ManifestStore, Producer
 from batchplane.journal.manifest import Fenced, ManifestState, StepEntry, StepObject
@@ -56,6 +60,8 @@ HEADER_KEY = "journal.json"
 #: The folder of the end markers, under the journal's prefix: each producer writes
 #: `end/<producer id>.json` where it found the data ended (see `read_end`).
 END_FOLDER = "end/"
+#: The length object's key, under the journal's prefix (see `claim_length`).
+LENGTH_KEY = "length.json"
 #: The folder of the TGB objects, under the journal's prefix.
 TGB_FOLDER = "tgb/"
 HEADER_FORMAT = "batchplane.journal"
@@ -210,6 +216,82 @@ def _read_end(storage: Storage, key: str) -> int | None:
     if not isinstance(doc, dict) or set(doc) != {"end_step"} or not isinstance(end, int) or isinstance(end, bool) or end < 0:
         raise FailedPrecondition(f'end marker {key!r} in {storage.describe()}: expected {{"end_step": <int >= 0>}}, got {data[:80]!r}')
     return end
+
+
+def length_key(prefix: str) -> str:
+    """The key of the journal's length object under `prefix`."""
+    return f"{prefix}{LENGTH_KEY}"
+
+
+def encode_length(num_steps: int) -> bytes:
+    """The length object's bytes (deterministic): the job has `num_steps` written steps, from
+    step 0 to its end of data.
+
+    Raises:
+        InvalidArgument: A negative or non-integer `num_steps`.
+    """
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+        raise InvalidArgument(f"num_steps: must be an integer >= 0, got {num_steps!r}")
+    return json.dumps({"num_steps": num_steps}, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def decode_length(data: bytes, *, where: str) -> int:
+    """Reads a length object (`encode_length`'s bytes): the job's number of written steps.
+
+    Args:
+        data: The object's bytes.
+        where: What to call it in errors (its key and storage).
+
+    Raises:
+        FailedPrecondition: Not JSON, other fields than "num_steps", or a "num_steps" that is
+            not an integer >= 0; the message names `where` and the field.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FailedPrecondition(f"{where}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or set(doc) != {"num_steps"}:
+        fields = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise FailedPrecondition(f'{where}: expected the fields ["num_steps"], got {fields}')
+    steps = doc["num_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise FailedPrecondition(f"{where}: field 'num_steps' must be an integer >= 0, got {steps!r}")
+    return steps
+
+
+def read_length(storage: Storage, prefix: str = "") -> int | None:
+    """The job's length in written steps as a producer stored it, or None while none has.
+
+    Raises:
+        FailedPrecondition: A length object this code cannot read (naming the key and field).
+    """
+    key = length_key(prefix)
+    try:
+        data = storage.get(key)
+    except NotFound:
+        return None
+    return decode_length(data, where=f"length object {key!r} in {storage.describe()}")
+
+
+def claim_length(storage: Storage, prefix: str = "", *, num_steps: int) -> int:
+    """Stores the job's length (`num_steps` written steps) as the length object, unless one is
+    there already: a journal's length never changes.
+
+    Returns:
+        The length the journal holds: `num_steps`, or the one stored before (the caller compares).
+
+    Raises:
+        InvalidArgument: A negative `num_steps`.
+        FailedPrecondition: The stored length object cannot be read.
+        Unavailable: The storage failed, or the object vanished between the put and the read
+            (retry).
+    """
+    if storage.put_if_absent(length_key(prefix), encode_length(num_steps)):
+        return num_steps
+    found = read_length(storage, prefix)
+    if found is None:
+        raise Unavailable(f"the length object {length_key(prefix)!r} in {storage.describe()} was taken, then gone; retry")
+    return found
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
