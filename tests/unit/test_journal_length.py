@@ -187,7 +187,7 @@ def written(*, dp: int = 2, end: int = 6, length: int | None = None, end_marker:
     return storage
 
 
-def test_the_length_comes_from_the_end_marker_else_the_length_object_else_unknown() -> None:
+def test_the_length_comes_from_the_length_object_else_the_end_marker_else_unknown() -> None:
     job = make_job(dp=2)
     storage = written(end_marker=False)
     # the length object, before the end
@@ -213,6 +213,18 @@ def test_the_end_marker_wins_over_a_length_object_that_disagrees_warning_once(ca
         assert [length(servicer).num_steps for _ in range(3)] == [6, 6, 6]
     warned = [r.getMessage() for r in caplog.records if "answering the end marker's" in r.getMessage()]
     assert len(warned) == 1 and "says 9 steps" in warned[0] and "step 6" in warned[0]
+
+
+def test_an_end_marker_past_the_stored_length_is_no_contradiction(caplog: pytest.LogCaptureFixture) -> None:
+    """With several producers, each finds the end at its first own step at or past it: until the
+    producer of the last step writes its marker, the least marker can lie past the end. The
+    planner's count (stored) is exact then."""
+    job = make_job(dp=2)
+    storage = written(end=6, end_marker=False)  # the producer of the last step has not written its marker
+    storage.put_if_absent("end/p1.json", b'{"end_step":9}')  # another producer's: its first own step past the end
+    with caplog.at_level(logging.WARNING, logger="batchplane.constructor.consume"):
+        assert length(serve(job, storage)) == common_pb2.JobLength(num_steps=6)
+    assert not [r for r in caplog.records if "answering the end marker's" in r.getMessage()]
 
 
 def test_a_corrupt_length_object_is_refused_before_the_end_and_ignored_after(caplog: pytest.LogCaptureFixture) -> None:

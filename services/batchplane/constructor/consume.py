@@ -10,12 +10,14 @@ planner or to loaders.
   `journal_slices` and streamed over gRPC exactly as `service.ConstructorServicer` streams it, so
   a client sees byte-identical batches to streaming delivery. Past the end marker, the
   end-of-data header. No shared memory in v1: the gRPC stream only.
-- GetLength: in logical steps (mapped as the end marker is, see below): from the end marker once
-  written, else from the length object a producer stored from the planner's count
-  (`length.json`), else unknown; waits up to the request's `wait_ms` for either. When both are
-  written and disagree the end marker wins (a warning is logged once); a length object that
-  cannot be read is refused (FAILED_PRECONDITION) while no end marker is written. An infinite
-  job (epochs: infinite) answers so at once.
+- GetLength: in logical steps (mapped as the end marker is, see below): from the length object a
+  producer stored from the planner's count (`length.json`), else from the end marker once
+  written, else unknown; waits up to the request's `wait_ms` for either. Each producer's end
+  marker is at or past the true end (exact once the producer of the last step wrote its own),
+  so a marker above the stored count is no contradiction; one below it wins (the data ended
+  sooner: a warning is logged once). A length object that cannot be read is refused
+  (FAILED_PRECONDITION) while no end marker is written. An infinite job (epochs: infinite)
+  answers so at once.
 - MarkCheckpoint: the pod's checkpoint mark (see Marks below).
 - Report: refused (FAILED_PRECONDITION): a producer runs ahead of training, so training losses
   cannot steer it (configuration refuses adaptive mixtures with journal delivery).
@@ -416,31 +418,36 @@ class JournalConsumer:
         while neither (or the journal's header) is written."""
         end = read_end(self._storage, self._prefix)
         if end is not None:
-            self._check_length(end)
-            return self._logical(end)
+            # Each producer's marker is at or past the true end (the least one is exact once the
+            # producer of the last step wrote it): the planner's count, when stored, is exact
+            # before that; a marker below it says the data ended sooner.
+            stored = self._check_length(end)
+            return self._logical(end if stored is None else min(stored, end))
         if self._stored_length is None:
             self._stored_length = read_length(self._storage, self._prefix)
         return None if self._stored_length is None else self._logical(self._stored_length)
 
-    def _check_length(self, end: int) -> None:
-        """Warns (once) when the length object disagrees with the end marker (written step
-        `end`)."""
+    def _check_length(self, end: int) -> int | None:
+        """The length object's written steps beside end marker `end` (None: none, or one that
+        cannot be read, warned once); warns once when the marker lies below it."""
         if self._length_checked:
-            return
+            return self._stored_length
         self._length_checked = True
         key = length_key(self._prefix)
         try:
             stored = self._stored_length if self._stored_length is not None else read_length(self._storage, self._prefix)
         except FailedPrecondition as exc:
             log.warning("%s; answering the length from the end marker (written step %d)", exc, end)
-            return
-        if stored is not None and stored != end:
+            return None
+        self._stored_length = stored
+        if stored is not None and end < stored:
             log.warning(
                 "the journal's length object %r says %d steps, its end marker says the data ends at step %d: answering the end marker's",
                 key,
                 stored,
                 end,
             )
+        return stored
 
     def _logical(self, written_step: int) -> int | None:
         """Written step `written_step` in logical steps (`_to_logical`); None while the journal
