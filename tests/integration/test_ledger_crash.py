@@ -165,9 +165,12 @@ def _describe_temp(path: pathlib.Path) -> str:
 
 
 def _sources(root: pathlib.Path):
+    """About 75 steps of 8: the planner still writes dozens of records after the trainers' 2-8
+    steps, so the kill catches one in the making however loaded the machine (with about 18 steps
+    it could miss the last few writes and find planning over)."""
     return [
-        write_source(root / "data", "a", skewed_lengths(90, seed=5), seed=5),
-        write_source(root / "data", "b", skewed_lengths(60, seed=6), seed=6),
+        write_source(root / "data", "a", skewed_lengths(360, seed=5), seed=5),
+        write_source(root / "data", "b", skewed_lengths(240, seed=6), seed=6),
     ]
 
 
