@@ -18,6 +18,7 @@ the moments to crash in are recognised from its layout of keys.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ from harness import Batch, collect, sample_ids, skewed_lengths, start_cluster, t
 
 from batchplane.client import Client
 from batchplane.core.storage import TEMP_PREFIX, LocalStorage
+from batchplane.launcher.zygote import ZygoteProcess
 from batchplane.planner.journal import LedgerReader
 
 pytestmark = pytest.mark.integration
@@ -119,8 +121,8 @@ class Trainer(threading.Thread):
             raise self.error
 
 
-def kill_when(process: subprocess.Popen, condition: Callable[[], bool], *, timeout_s: float = 20.0) -> int:
-    """SIGKILLs the child `process` at a moment when `condition()` holds (a write in progress).
+def kill_when(process: subprocess.Popen | ZygoteProcess, condition: Callable[[], bool], *, timeout_s: float = 20.0) -> int:
+    """SIGKILLs `process` at a moment when `condition()` holds (a write in progress).
 
     Polls `condition` and, as soon as it holds, stops the process (SIGSTOP, then waits until all
     its threads stopped: one inside fsync stops when the call returns). If the condition still
@@ -137,8 +139,7 @@ def kill_when(process: subprocess.Popen, condition: Callable[[], bool], *, timeo
             continue
         os.kill(process.pid, signal.SIGSTOP)
         stops += 1
-        _, status = os.waitpid(process.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status), f"pid {process.pid} ended (wait status {status}) instead of stopping"
+        _wait_stopped(process.pid)
         if condition():
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
@@ -146,6 +147,22 @@ def kill_when(process: subprocess.Popen, condition: Callable[[], bool], *, timeo
             return stops
         os.kill(process.pid, signal.SIGCONT)
     raise AssertionError(f"pid {process.pid} did not reach the moment to kill it within {timeout_s} s")
+
+
+def _wait_stopped(pid: int) -> None:
+    """Waits until every thread of process `pid` has stopped (its /proc task states are all T):
+    one inside a system call stops only when the call returns. Read from /proc, not waitpid, as
+    the process need not be this one's child (the launcher forks services from its zygote)."""
+    give_up = time.monotonic() + 10
+    while True:
+        states = []
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < give_up and "Z" not in states, f"pid {pid} did not stop (thread states {states})"
+        time.sleep(0.001)
 
 
 def writing_in(folder: pathlib.Path) -> bool:

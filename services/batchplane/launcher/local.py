@@ -37,6 +37,7 @@ from batchplane.planner.strategy import load_schedule, load_strategy
 from batchplane.core.identity import INDEXED_ROLES, Identity
 from batchplane.core.localca import LocalCA
 from batchplane.core.rpc import RpcSettings, create_channel, is_serving
+from batchplane.launcher import zygote
 from batchplane.core.tls import TLS_OFF_WARNING, CertificateFolder, Security
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
@@ -66,7 +67,8 @@ class ServiceProcess:
     """One running service process."""
 
     name: str
-    popen: subprocess.Popen
+    #: The process: a child of this process's zygote, or a plain subprocess (see `zygote`).
+    popen: subprocess.Popen | zygote.ZygoteProcess
     log_path: pathlib.Path
     ready_path: pathlib.Path
     module: str = ""
@@ -309,7 +311,9 @@ class LocalCluster:
         if self.ca is not None:
             command += ["--tls-dir", str(self.ca.issue(_identity_of(module, args), self.tls_dir / name))]
         with open(log_path, "ab") as log_file:
-            popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            popen = zygote.spawn(module, command[3:], log_fd=log_file.fileno()) or subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         log.debug("started %s (pid %d): %s", name, popen.pid, " ".join(command))
         return ServiceProcess(name, popen, log_path, ready_path, module, tuple(args), ports, ports if kept is None else kept)
 
