@@ -201,7 +201,7 @@ class StepPipeline:
                 request = self._steps.plan_request(step)
             began = time.monotonic()
             try:
-                built = self._build(request)
+                built = self._build(request, abandoned=lambda: self._steps.epoch != epoch)
             except Unavailable as exc:  # a peer is slow or restarting: keep trying
                 if self._stopped:
                     return
@@ -238,10 +238,13 @@ class StepPipeline:
                     self._metrics.batches_built.inc(len(built))
                 self._cond.notify_all()
 
-    def _build(self, request: PlanRequest) -> list[Delivery] | None:
-        """The deliveries of the step `request` asks the plan of; None past the end of data."""
+    def _build(self, request: PlanRequest, *, abandoned: Callable[[], bool]) -> list[Delivery] | None:
+        """The deliveries of the step `request` asks the plan of; None past the end of data.
+        Retrying the planner stops once `abandoned()` (a rank rewound: the steps to build
+        changed), so a rewind waits for one planner call at most, not for the retries of a
+        step built ahead that the planner cannot plan yet."""
         self._peer = "planner"
-        answer = self._get_plan(request)
+        answer = self._get_plan(request, abandoned=abandoned)
         self._peer = "loader"
         if answer.end_of_data:
             return None
@@ -277,7 +280,7 @@ class StepPipeline:
         response = self._call_planner(lambda: self._planner.GetJob(request, timeout=wait_ms / 1000 + 10), "GetJob from")
         return response.length
 
-    def _get_plan(self, ask: PlanRequest) -> planner_pb2.GetPlanResponse:
+    def _get_plan(self, ask: PlanRequest, *, abandoned: Callable[[], bool]) -> planner_pb2.GetPlanResponse:
         request = planner_pb2.GetPlanRequest(
             constructor_index=self._index,
             step=ask.step,
@@ -301,20 +304,21 @@ class StepPipeline:
             self._rejoin(step)
             return self._planner.GetPlan(request, timeout=10)
 
-        plan = self._call_planner(get_plan, f"GetPlan(step {ask.step}) from")
+        plan = self._call_planner(get_plan, f"GetPlan(step {ask.step}) from", abandoned=abandoned)
         check_plan_step(asked=ask.step, step=plan.step, oldest_step=plan.oldest_step, peer="planner", address=self._planner_address)
         with self._cond:
             self._steps.planned(plan.oldest_step)
         return plan
 
-    def _call_planner(self, call: Callable[[], T], what: str) -> T:
-        """`call` retried while the planner is unavailable, within the job's RPC timeout."""
+    def _call_planner(self, call: Callable[[], T], what: str, *, abandoned: Callable[[], bool] = lambda: False) -> T:
+        """`call` retried while the planner is unavailable, within the job's RPC timeout, until
+        the constructor stops or `abandoned()`."""
         try:
             return call_with_retry(
                 call,
                 what=f"{what} planner at {self._planner_address}",
                 deadline_s=self._job.network.rpc_timeout_s,
-                should_stop=lambda: self._stopped,
+                should_stop=lambda: self._stopped or abandoned(),
                 max_backoff_s=PLANNER_RETRY_BACKOFF_S,
             )
         except grpc.RpcError as exc:
