@@ -1,6 +1,7 @@
 """Tests of loading a job's mixture schedule (`planner.strategy.load_schedule`): every kind from
-YAML, errors that name the field, a callable imported by path, the strategy's fixed mix, and the
-fingerprint group a schedule belongs to."""
+YAML, errors that name the field, a callable imported by path, the strategy's fixed mix, the
+fingerprint group a schedule belongs to, and the mixture allocator that runs it
+(`planner.strategy.job_mixture`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import ConfigError
 from batchplane.core.schedule import Curriculum, FromCallable, Staged, Static
-from batchplane.planner.strategy import load_schedule, load_strategy
+from batchplane.planner.strategy import job_mixture, load_schedule, load_strategy
 
 
 def _job(mixture: dict[str, Any] | None = None, **extra: Any):
@@ -164,3 +165,23 @@ def test_a_schedule_changes_only_the_mixture_fingerprint() -> None:
     changed = {k for k in plain.fingerprints if plain.fingerprints[k] != staged.fingerprints[k]}
     assert changed == {"mixture"}
     assert staged.fingerprints["mixture"] != later.fingerprints["mixture"]
+
+
+@pytest.mark.parametrize("epochs", [2, "infinite"])
+def test_the_jobs_mixture_runs_its_schedule_over_its_batch_and_ends_each_stream_after_its_passes(epochs: int | str) -> None:
+    """`job_mixture`, as the planner builds it once every loader has registered: source b
+    repeats 3 times an epoch; a source whose rows are not known yet has no end."""
+    job = job_from_mapping(
+        {
+            "job": "t",
+            "sources": [{"name": "a", "path": "a"}, {"name": "b", "path": "b", "repeat": 3}, {"name": "c", "path": "c"}],
+            "epochs": epochs,
+            "batch": {"global_batch_size": 12, "microbatches": 3},
+            "mixture": {"schedule": {"kind": "staged", "granularity": "microbatch", "stages": [{"start": 0, "weights": {"a": 2}}]}},
+        }
+    )
+    schedule = _load(job)
+    mixture = job_mixture(job, schedule, num_rows=[100, 10, None])
+    assert mixture.stream_ends == ((200, 60, None) if epochs == 2 else (None, None, None))
+    assert (mixture.schedule, mixture.granularity, mixture.microbatches) == (schedule.schedule, "microbatch", 3)
+    assert mixture.global_batch_size == 12

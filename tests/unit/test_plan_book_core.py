@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import FailedPrecondition
 from batchplane.planner.mixture import MixtureState
 from batchplane.planner.planning import (
@@ -24,11 +25,13 @@ from batchplane.planner.planning import (
     Rewind,
     StartAt,
     Stopping,
+    job_planning,
     next_window,
     reads_floor,
     where_to_start,
 )
-from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start
+from batchplane.planner.progress import Ahead, PlanProgress, Replan, Serve, Start
+from batchplane.planner.strategy import job_mesh
 from batchplane.planner.window import Resume, Window
 
 
@@ -560,3 +563,28 @@ def test_a_stopped_or_failed_planner_answers_every_waiting_request_and_its_threa
     assert planning.answer(0) == Stopping()
     planning.ended(0)
     assert planning.answer(0) == EndOfData()
+
+
+@pytest.mark.parametrize(
+    ("settings", "pulling", "lead"),
+    [
+        ({"mesh": {"pp": 3}}, {0, 1, 2}, 4),
+        ({"mesh": {"pp": 3}, "constructors": {"pulling_ranks": "megatron", "prefetch_steps": 5}}, {0, 2}, 7),
+        ({"batch": {"delivery": "journal"}, "journal": {"producers": 2}}, {0, 1}, 8),
+    ],
+)
+def test_a_jobs_planning_waits_for_the_constructors_that_pull_and_leads_by_their_prefetch(settings: dict, pulling: set, lead: int) -> None:
+    """`job_planning`, as `PlanBook` starts it: plans are kept until every constructor with a
+    rank that asks for batches was handed them (a middle pipeline stage under `megatron` asks for
+    none), and a request may ask `prefetch_steps + 2` steps ahead, times the journal producers
+    (each prefetches its own steps, every `producers`-th)."""
+    job = job_from_mapping({"job": "t", "sources": [{"name": "a", "path": "a"}], **settings})
+    planning = job_planning(job, mesh=job_mesh(job), axis="DP", adaptive=None)
+    planning.started(0, horizon=0, positions={}, state=before(0), resume=None)
+    assert planning.ask(0, lead + 1, delivered_below=0) == Ahead(lead)
+    assert planning.ask(0, lead, delivered_below=0) == Serve()
+    assert planning.planned(planning.epoch, [Plan(s) for s in range(3)], before=before(0), end=before(3))
+    for c in range(job.constructor_count):
+        assert planning.progress.consumed_below == (0 if pulling - set(range(c)) else 3)
+        planning.delivered(c, 3)
+    assert planning.progress.consumed_below == 3 and not planning.progress.kept(2)

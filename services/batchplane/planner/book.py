@@ -14,12 +14,14 @@ job's ClientPlaceTree; token budgets are planned a window of several steps at a 
 
 This class is the thin driver: it holds the lock, runs the planning thread, reads and writes the
 ledger and the summary store, and does what the pure cores decide: `planning.Planning` (where the
-job starts, what the planning thread does next, what a request is answered, which reports wait)
-and the request rules it holds (`progress.PlanProgress`). `builder.WindowBuilder` builds a
-window's plans. A rewind (a trainer restarted from an older checkpoint while the data plane
-runs) to a step whose plan is no longer kept is carried out by the planning thread: it restores
-the state from the ledger's record of the step before, exactly as a restarted planner does,
-opens a new ledger generation there and plans the sequence again.
+job starts, what the planning thread does next, what a request is answered, which reports wait),
+the request rules it holds (`progress.PlanProgress`) and the report rules of `bounds`.
+`restore.restore_start` assembles where a start or a rewind continues from,
+`builder.WindowBuilder` builds a window's plans and `ledger.Ledger` their records. A rewind (a
+trainer restarted from an older checkpoint while the data plane runs) to a step whose plan is no
+longer kept is carried out by the planning thread: it restores the state from the ledger's
+record of the step before, exactly as a restarted planner does, opens a new ledger generation
+there and plans the sequence again.
 """
 
 from __future__ import annotations
@@ -31,39 +33,36 @@ from concurrent import futures
 from collections.abc import Mapping
 
 from batchplane.core.config import JobSettings
-from batchplane.core.delivery import DeliveryRules
-from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from batchplane.core.errors import FailedPrecondition, Unavailable
 from batchplane.core.storage import MemoryStorage, Storage
-from batchplane.planner.adaptive import check_report, state_to_json as adaptive_to_json
-from batchplane.planner.bounds import plan_lead
+from batchplane.planner.bounds import check_report_request, report_delay_warning, report_taken
 from batchplane.planner.builder import WindowBuilder
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.journal import LedgerReader, LedgerWriter
-from batchplane.planner.ledger import Ledger
+from batchplane.planner.ledger import AdaptiveRecord, Ledger
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
-from batchplane.planner.mixture import Mixture, MixtureState
+from batchplane.planner.mixture import Mixture
 from batchplane.planner.plan import StepPlan
 from batchplane.planner.planning import (
     EndOfData,
     Failed,
     Halt,
     PlanNext,
-    Planning,
     Rewind,
     StartAt,
     Stopping,
+    job_planning,
     next_window,
     reads_floor,
     where_to_start,
 )
-from batchplane.planner.progress import Ahead, PlanProgress, Replan, Start
-from batchplane.planner.restore import delivered_floor, expected_sources, new_generation, restore_adaptive, restore_mixture, rewind_horizon
+from batchplane.planner.progress import Ahead, Replan, Start
+from batchplane.planner.restore import StartPoint, delivered_floor, expected_sources, new_generation, restore_start, rewind_horizon
 from batchplane.planner.length import JobLength, job_length
-from batchplane.core.schedule import ScheduleError
-from batchplane.planner.strategy import JobSchedule, job_mesh, load_schedule, load_strategy
+from batchplane.planner.strategy import JobSchedule, job_mesh, job_mixture, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore
-from batchplane.planner.window import Resume, resume_inside, window_steps
+from batchplane.planner.window import window_steps
 
 log = logging.getLogger(__name__)
 
@@ -109,23 +108,13 @@ class PlanBook:
         #: The normalized weights the schedule gave the latest planned step.
         self.shares = self.schedule.initial_shares
         self._adaptive = self.schedule.adaptive
-        if self._adaptive is not None and self._adaptive.delay_steps < job.constructors.prefetch_steps + 2:
-            log.warning(
-                "mixture.schedule.adaptive.delay_steps = %d is less than constructors.prefetch_steps + 2 = %d: planning will wait "
-                "for training reports and the trainer for its batches",
-                self._adaptive.delay_steps,
-                job.constructors.prefetch_steps + 2,
-            )
+        late = report_delay_warning(self._adaptive, prefetch_steps=job.constructors.prefetch_steps)
+        if late is not None:
+            log.warning("%s", late)
         method = self.strategy.primary.balancing.method
         self.ledger = Ledger(job.source_names, method=method if isinstance(method, str) else "user", compare=job.ledger.compare_methods)
         self._cond = threading.Condition()
-        rules = DeliveryRules(self.mesh, axis=self.strategy.primary.axis, pulling_ranks=job.constructors.pulling_ranks)
-        pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
-        # A journal producer prefetches its own steps, every build_stride-th of the sequence.
-        progress = PlanProgress(
-            range(job.constructor_count), pulling=pulling, lead=plan_lead(job.constructors.prefetch_steps) * job.build_stride
-        )
-        self._planning = Planning(progress, adaptive=self._adaptive)
+        self._planning = job_planning(job, mesh=self.mesh, axis=self.strategy.primary.axis, adaptive=self._adaptive)
         self._mixture: Mixture | None = None
         self._waiting_on = ""
         self._window_steps = window_steps(job, self.strategy, adaptive=self._adaptive is not None)
@@ -247,46 +236,30 @@ class PlanBook:
             log.info("%s", where.note)
         self._mixture = self._make_mixture()
         log.info("mixture: %s", self._mixture.describe())
-        state, inside = self._restore(where.step, resume, reader)
+        start = self._restore(where.step, resume, reader)
         self._writer = new_generation(reader, where.step, job=self._job, source_facts=self._membership.commit_sources())
         horizon = rewind_horizon(reader, where.step, adaptive=self._adaptive is not None)
-        self._planning.started(where.step, horizon=horizon, positions=where.positions, state=state, resume=inside)
-        self._store.start(state.cursors, step=where.step)
+        self._planning.started(where.step, horizon=horizon, positions=where.positions, state=start.state, resume=start.inside)
+        self._store.start(start.state.cursors, step=where.step)
         self._cond.notify_all()
 
-    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> tuple[MixtureState, Resume | None]:
-        """The state to plan from to reach `step`, restored from the ledger (see `restore`) with
-        the ledger's consumption and the adaptive mixing state, and whether `step` lies inside a
-        planning window (`window.resume_inside`)."""
-        restored = restore_mixture(
-            step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, adaptive=self._adaptive is not None
+    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> StartPoint:
+        """Where planning continues from to reach `step` (`restore.restore_start`, which
+        continues `self.ledger` from the durable one); hands planning the adaptive state."""
+        start = restore_start(
+            step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, rule=self._adaptive, ledger=self.ledger
         )
-        self.resumed_across = restored.changed
-        if restored.record is not None:
-            self.ledger.restore(restored.record)
-        elif step:
-            self.ledger.assume_consumed(restored.state.cursors)
-        inside = resume_inside(restored.record, step, changed=bool(restored.changed), source_names=self._job.source_names)
-        if inside is not None:
-            w = inside.window
-            how = "its rest planned as a new window (settings changed)" if w.leftover else "planned again as it was"
-            log.info("step %d lies inside the planning window of steps %d..%d: %s", step, w.first, w.first + w.steps - 1, how)
-        if self._adaptive is not None:
-            adaptive = restore_adaptive(step, rule=self._adaptive, reader=reader, changed=restored.changed)
+        self.resumed_across = start.changed
+        if start.adaptive is not None:
             with self._cond:
-                self._planning.adaptive_restored(adaptive.state, applied_through=adaptive.applied_through, reports=adaptive.reports)
-        return (restored.state, None) if inside is None else (inside.window.before, inside)
+                self._planning.adaptive_restored(
+                    start.adaptive.state, applied_through=start.adaptive.applied_through, reports=start.adaptive.reports
+                )
+        return start
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
-        ends = [self._job.stream_end(k, self._membership.num_rows(k)) for k in range(len(self._job.sources))]
-        return Mixture(
-            self.schedule.schedule,
-            global_batch_size=self._job.batch.global_batch_size,
-            stream_ends=ends,
-            granularity=self.schedule.granularity,
-            microbatches=self._job.batch.microbatches,
-        )
+        return job_mixture(self._job, self.schedule, num_rows=[self._membership.num_rows(k) for k in range(len(self._job.sources))])
 
     def length(self) -> JobLength:
         """How many steps the job has (see `length.job_length`): known for a finite job once every
@@ -335,28 +308,22 @@ class PlanBook:
         """
         if self._adaptive is None:
             return False, "the job's mixture is not adaptive (mixture.schedule.kind), so reports are not used"
-        if step < 0:
-            raise InvalidArgument(f"report: step must be >= 0, got {step}")
-        try:
-            check_report(self._adaptive, losses)
-        except ScheduleError as exc:
-            raise InvalidArgument(f"report of step {step}: {exc.problem}, got {exc.value!r}") from exc
+        checked = check_report_request(step, losses, rule=self._adaptive)
         with self._cond:
             writer = self._writer
             refusal = None if writer is None else self._planning.report_refusal(step)
         if writer is None:
             raise Unavailable("the job has not started: no constructor has asked for a step yet")
-        losses = {name: float(loss) for name, loss in losses.items()}
-        if refusal is not None:  # a retry of a report that was applied is still taken
-            accepted = refusal.applied and writer.report(step) == {"losses": losses}
-            return accepted, "" if accepted else refusal.reason
-        stored = writer.put_report(step, {"losses": losses})["losses"]
-        if stored != losses:
-            return False, f"step {step} was already reported with other losses; the first report stands"
-        with self._cond:
-            self._planning.reported(step, stored)
-            self._cond.notify_all()
-        return True, ""
+        if refusal is None:
+            stored = writer.put_report(step, {"losses": checked})
+        else:  # only a retry of a report that was applied is taken
+            stored = writer.report(step) if refusal.applied else None
+        accepted, reason = report_taken(step, checked, refusal=refusal, stored=stored)
+        if accepted and refusal is None:
+            with self._cond:
+                self._planning.reported(step, checked)
+                self._cond.notify_all()
+        return accepted, reason
 
     def constructor_delivered(self, constructor: int, below: int) -> None:
         """Constructor `constructor` says (it registers again every heartbeat) that every rank it
@@ -425,12 +392,12 @@ class PlanBook:
         self.ledger = Ledger(self._job.source_names, method=self.ledger.method, compare=self.ledger.compare)
         with self._cond:
             self._planning.rewinding()
-        state, inside = self._restore(step, {}, reader)
+        start = self._restore(step, {}, reader)
         writer = new_generation(reader, step, job=self._job, source_facts=self._membership.commit_sources())
         with self._cond:
             self._writer = writer
-            self._planning.rewound(step, state=state, resume=inside)
-            self._store.rewind(state.cursors, step=step, delivered_below=self._planning.progress.consumed_below)
+            self._planning.rewound(step, state=start.state, resume=start.inside)
+            self._store.rewind(start.state.cursors, step=step, delivered_below=self._planning.progress.consumed_below)
             self._cond.notify_all()
         self._metrics.rewinds.inc()
         log.info(
@@ -455,19 +422,21 @@ class PlanBook:
         if built is None:
             self._planning.put_back(resume)
             return  # stopped or rewound while waiting
+        planning = self._planning
+        adaptive = None if self._adaptive is None else AdaptiveRecord(applied, planning.applied_through, planning.adaptive_state)
         kept = []
         for i, plan, spans in built.kept:
             allocation = planned.allocations[i]
-            record = self.ledger.record(allocation, plan, built.afters[i], taken=spans, window=built.recorded)
-            if i in built.substituted:
-                record["substituted"] = built.substituted[i]
-            record["delivered_below"] = self._planning.progress.consumed_below  # where a restarted planner may resume
-            if self._adaptive is not None:
-                record["adaptive"] = {
-                    "applied": applied,
-                    "applied_through": self._planning.applied_through,
-                    "state": adaptive_to_json(self._planning.adaptive_state),
-                }
+            record = self.ledger.record(
+                allocation,
+                plan,
+                built.afters[i],
+                taken=spans,
+                window=built.recorded,
+                substituted=built.substituted.get(i),
+                delivered_below=planning.progress.consumed_below,
+                adaptive=adaptive,
+            )
             self._writer.append(record)
             kept.append((allocation, plan, None if spans is None else [x.count for x in spans]))
         with self._cond:

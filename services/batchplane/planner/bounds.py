@@ -25,9 +25,10 @@ Each bound and why it holds for every correct peer:
 - **Resume fingerprints** (`check_resume`): group names and 16-hex-digit digests; a checkpoint of
   any version fits in `MAX_RESUME_ENTRIES` entries of `MAX_FINGERPRINT_CHARS`. A checkpoint whose
   "data" fingerprint differs names other samples: refused (the client refuses it too).
-- **Reports** (`report_refusal`): only for a step that is planned and not yet past (see there),
-  so the reports waiting to be applied are at most the steps between the last applied one and
-  the planning cursor, and report files on the ledger as many; at most one per step.
+- **Reports** (`check_report_request`, `report_refusal`, `report_taken`): a step >= 0 and a
+  finite loss >= 0 per named source; only for a step that is planned and not yet past (see
+  there), so the reports waiting to be applied are at most the steps between the last applied
+  one and the planning cursor, and report files on the ledger as many; at most one per step.
 - **Summaries** (`check_summary`): a loader's answer must be what was asked: starting at the
   position asked, no more samples than asked, equal lengths, rows of the source, lengths >= 0,
   finite features, bad reasons as uint8 codes, one per sample or none (an older loader), and an
@@ -43,6 +44,8 @@ import numpy as np
 
 from batchplane.core import bad
 from batchplane.core.errors import InvalidArgument
+from batchplane.core.schedule import ScheduleError
+from batchplane.planner.adaptive import AdaptiveRule, check_report
 
 #: Characters of a replica id, incarnation or shadow's replica id (a Kubernetes object name has
 #: at most 253).
@@ -68,6 +71,25 @@ def plan_lead(prefetch_steps: int) -> int:
         prefetch_steps: `constructors.prefetch_steps`.
     """
     return prefetch_steps + 2
+
+
+def report_delay_warning(rule: AdaptiveRule | None, *, prefetch_steps: int) -> str | None:
+    """What to warn of an adaptive mixture whose reports come too late, or None. Step s is
+    planned with the reports of the steps up to s - `delay_steps`, and constructors ask for steps
+    up to `plan_lead(prefetch_steps)` past the one their ranks train on: with a shorter delay,
+    planning waits for reports of steps not trained yet, and the trainers for their batches.
+
+    Args:
+        rule: The mixture's adaptive rule (`delay_steps`); None: the mixture does not adapt.
+        prefetch_steps: `constructors.prefetch_steps`.
+    """
+    lead = plan_lead(prefetch_steps)
+    if rule is None or rule.delay_steps >= lead:
+        return None
+    return (
+        f"mixture.schedule.adaptive.delay_steps = {rule.delay_steps} is less than constructors.prefetch_steps + 2 = {lead}: planning "
+        f"will wait for training reports and the trainer for its batches"
+    )
 
 
 def check_step(field: str, value: int) -> int:
@@ -135,6 +157,25 @@ def check_resume(resume: Mapping[str, str], fingerprints: Mapping[str, str]) -> 
     return dict(resume)
 
 
+def check_report_request(step: int, losses: Mapping[str, float], *, rule: AdaptiveRule) -> dict[str, float]:
+    """The losses of a training report of `step` (mean loss per source), as floats, if they can
+    be.
+
+    Args:
+        rule: The mixture's adaptive rule (its sources).
+    Raises:
+        InvalidArgument: a negative step, a name that is no source, or a loss that is not a
+            finite number >= 0.
+    """
+    if step < 0:
+        raise InvalidArgument(f"report: step must be >= 0, got {step}")
+    try:
+        check_report(rule, losses)
+    except ScheduleError as exc:
+        raise InvalidArgument(f"report of step {step}: {exc.problem}, got {exc.value!r}") from exc
+    return {name: float(loss) for name, loss in losses.items()}
+
+
 class ReportRefusal(NamedTuple):
     """Why a training report is not taken."""
 
@@ -166,6 +207,27 @@ def report_refusal(step: int, *, start: int, applied_through: int, handed_below:
     if step >= handed_below:
         return ReportRefusal(f"step {step} is not planned yet (steps below {handed_below} may be): a report is taken for a step trained on")
     return None
+
+
+def report_taken(step: int, losses: Mapping[str, float], *, refusal: ReportRefusal | None, stored: Mapping | None) -> tuple[bool, str]:
+    """Whether the training report of `step` with `losses` is taken, and why not: refused (see
+    `report_refusal`) unless it retries the report that was applied, and not taken when the step
+    was reported first with other losses (the first report stands).
+
+    Args:
+        refusal: `report_refusal` of the step.
+        stored: The report that stands for the step on the ledger ({"losses": ...}): without a
+            refusal, the one stored first (this one, or an earlier); with a refusal of an
+            applied step, the one stored, if any. None: none.
+    Returns:
+        (taken, reason): the reason is "" when taken.
+    """
+    if refusal is not None:  # a retry of a report that was applied is still taken
+        taken = refusal.applied and stored == {"losses": losses}
+        return taken, "" if taken else refusal.reason
+    if stored != {"losses": losses}:
+        return False, f"step {step} was already reported with other losses; the first report stands"
+    return True, ""
 
 
 def check_summary(

@@ -2,7 +2,9 @@
 
 Consumption is contiguous per source (see `mixture`), so a step's record is one seq range per
 source plus the rank and microbatch of every sample, and the mixture state after the step (what
-a resume restores). The ledger also keeps running totals: the
+a resume restores), with what a restarted planner reads back beside it (`restore`): where the
+ranks stood, the substitutions of bad samples and the adaptive mixing state. The ledger also
+keeps running totals: the
 realized mixture per source and, for the balancing figures, each step's per-rank cost spread
 under the configured method and, on the same samples, under the other methods: the cost of the
 microbatches as the constructor builds them, padding included (`StepPlan.built_rank_costs`).
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from batchplane.planner.adaptive import AdaptiveState, state_to_json as adaptive_to_json
 from batchplane.planner.balance import METHODS, partition, spread
 from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.mixture import Allocation, MixtureState
@@ -92,6 +95,27 @@ def _built_costs(plan: StepPlan, method: str) -> np.ndarray:
     return plan.rows.bucket_costs(microbatches)
 
 
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRecord:
+    """Where adaptive mixing stood when a step was planned: a record's "adaptive" field, which
+    a resume restores it from (`restore.restore_adaptive`).
+
+    Attributes:
+        applied: The (step, losses) of the reports applied before the step's window was
+            planned (losses None: missing).
+        applied_through: The last step whose report the state holds.
+        state: The adaptive rule's state.
+    """
+
+    applied: Sequence[tuple[int, dict | None]]
+    applied_through: int
+    state: AdaptiveState
+
+    def to_json(self) -> dict[str, Any]:
+        applied = [[step, losses] for step, losses in self.applied]
+        return {"applied": applied, "applied_through": self.applied_through, "state": adaptive_to_json(self.state)}
+
+
 class Ledger:
     """Records steps in order and keeps the job's running totals.
 
@@ -130,6 +154,9 @@ class Ledger:
         *,
         taken: Sequence[IntervalSet] | None = None,
         window: dict[str, Any] | None = None,
+        substituted: list[dict] | None = None,
+        delivered_below: int | None = None,
+        adaptive: AdaptiveRecord | None = None,
     ) -> dict[str, Any]:
         """Adds one planned step; returns its record (JSON-ready):
 
@@ -142,7 +169,11 @@ class Ledger:
           resumes (a snapshot: a resume restores it from the step before);
         - with a planning window (`batchplane.planner.window`): window, the window's
           `Window.to_json`, and samples: {source: [[first, end), ...]}, the seqs the step
-          consumed (its samples may come from anywhere in the window's range).
+          consumed (its samples may come from anywhere in the window's range);
+        - substituted: the step's substitutions of bad samples, as given;
+        - delivered_below: every rank had been handed every step below it (where a restarted
+          planner may resume, `restore.delivered_floor`);
+        - adaptive: `AdaptiveRecord.to_json`.
 
         Args:
             allocation: What the mixture allocated to the step; None for a step of a window
@@ -152,6 +183,11 @@ class Ledger:
             after: The mixture's state after the step.
             taken: Per source, the seqs the step consumes; default: the allocation's ranges.
             window: The step's window (`Window.to_json`), recorded as is.
+            substituted: The ledger's substitution entries of the step (`substitute.entries`);
+                None: none recorded.
+            delivered_below: Where the ranks stood when the step was planned; None: not
+                recorded.
+            adaptive: Where adaptive mixing stood; None: the mixture does not adapt.
         Raises:
             ValueError: the step takes a seq already consumed (I1 guard), or has neither an
                 allocation nor `taken`.
@@ -213,6 +249,12 @@ class Ledger:
         if window is not None:
             record["window"] = window
             record["samples"] = {name: spans.to_list() for name, spans in zip(self.source_names, taken) if not spans.is_empty}
+        if substituted is not None:
+            record["substituted"] = substituted
+        if delivered_below is not None:
+            record["delivered_below"] = delivered_below
+        if adaptive is not None:
+            record["adaptive"] = adaptive.to_json()
         return record
 
 

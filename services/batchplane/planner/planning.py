@@ -25,8 +25,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from batchplane.core.config import JobSettings
+from batchplane.core.delivery import DeliveryRules
+from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveState, update
-from batchplane.planner.bounds import ReportRefusal, report_refusal
+from batchplane.planner.bounds import ReportRefusal, plan_lead, report_refusal
 from batchplane.planner.mixture import Allocation, Mixture, MixtureState
 from batchplane.planner.plan import StepPlan
 from batchplane.planner.progress import Ahead, Decision, PlanProgress, Replan, Serve, Start, start_step
@@ -368,3 +371,21 @@ class Planning:
 
     def _past_end(self, step: int) -> bool:
         return self.end_step is not None and step >= self.end_step
+
+
+def job_planning(job: JobSettings, *, mesh: ClientPlaceTree, axis: str, adaptive: AdaptiveRule | None) -> Planning:
+    """The plan sequence of `job`, not started: request rules over the job's constructors, of
+    which those with a rank that asks for batches are waited for (`DeliveryRules.pulling`), with
+    the planning window's lead (`bounds.plan_lead`) in steps of the sequence: a journal producer
+    prefetches its own steps, every `build_stride`-th.
+
+    Args:
+        job: The job's settings.
+        mesh: The job's mesh.
+        axis: The axis the strategy's primary graph balances over.
+        adaptive: The mixture's adaptive rule; None: the mixture does not adapt.
+    """
+    rules = DeliveryRules(mesh, axis=axis, pulling_ranks=job.constructors.pulling_ranks)
+    pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
+    lead = plan_lead(job.constructors.prefetch_steps) * job.build_stride
+    return Planning(PlanProgress(range(job.constructor_count), pulling=pulling, lead=lead), adaptive=adaptive)

@@ -1,8 +1,10 @@
 """Where a plan sequence continues from, read from the durable ledger (see `journal`): the
 mixture's state before a step (the record of the step before, or a fast-forward where the ledger
-lacks it), the adaptive mixing state with the training reports stored since, the floor a
-restarted planner resumes at, and the oldest step a rewind can re-plan. Reads the ledger; decides
-nothing about requests (that is `progress`) and holds no state (that is `book.PlanBook`).
+lacks it), the adaptive mixing state with the training reports stored since, all of it assembled
+for a start or a rewind (`restore_start`), the floor a restarted planner resumes at, and the
+oldest step a rewind can re-plan. Reads the ledger; decides nothing about requests (that is
+`progress`) and holds no state (that is `book.PlanBook`, which applies what `restore_start`
+returns under its lock).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveState, state_from_json as adaptive_from_json
 from batchplane.planner.journal import LedgerReader, LedgerWriter
-from batchplane.planner.ledger import state_from_json
+from batchplane.planner.ledger import Ledger, state_from_json
 from batchplane.planner.mixture import Mixture, MixtureState
+from batchplane.planner.window import Resume, resume_inside
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,73 @@ def restore_adaptive(step: int, *, rule: AdaptiveRule, reader: LedgerReader, cha
             "adaptive mixing: steps %s before the resume step %d were never reported; their reports count as missing", missing, step
         )
     return AdaptiveRestored(adaptive_from_json(saved["state"]), applied_through, reports)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPoint:
+    """Where planning continues from to reach a step, at a start or a rewind.
+
+    Attributes:
+        state: The mixture state to plan from: the state before the step, or before the
+            planning window the step lies inside.
+        inside: The window the step lies inside and how planning goes on in it
+            (`window.resume_inside`); None when the step starts a window.
+        changed: Groups of settings that changed since the ledger's generation that planned
+            the step before (`Restored.changed`).
+        adaptive: The adaptive mixing state before the step; None when the mixture does not
+            adapt.
+    """
+
+    state: MixtureState
+    inside: Resume | None
+    changed: tuple[str, ...]
+    adaptive: AdaptiveRestored | None
+
+
+def restore_start(
+    step: int,
+    *,
+    job: JobSettings,
+    mixture: Mixture,
+    reader: LedgerReader,
+    resume: Mapping[str, str],
+    rule: AdaptiveRule | None,
+    ledger: Ledger,
+) -> StartPoint:
+    """Where planning continues from to reach `step` (a job's start, a restarted planner's or a
+    rewind): the mixture's state (`restore_mixture`), whether `step` lies inside a planning
+    window, and the adaptive mixing state (`restore_adaptive`). Continues `ledger`'s consumption
+    from the ledger's record of step - 1 (`Ledger.restore`), or from the cursors of a
+    fast-forward (`Ledger.assume_consumed`).
+
+    Args:
+        step: The step planning must reach.
+        job: The job's settings.
+        mixture: The job's mixture allocator.
+        reader: The durable ledger.
+        resume: The settings fingerprints of the checkpoint a trainer resumes from (empty:
+            none; a rewind has none).
+        rule: The mixture's adaptive rule; None: the mixture does not adapt.
+        ledger: This run's in-memory ledger, with nothing recorded yet.
+    Returns:
+        The state to plan from, the window `step` lies inside, what changed and the adaptive
+        state.
+    Raises:
+        FailedPrecondition: as `restore_mixture`.
+    """
+    restored = restore_mixture(step, job=job, mixture=mixture, reader=reader, resume=resume, adaptive=rule is not None)
+    if restored.record is not None:
+        ledger.restore(restored.record)
+    elif step:
+        ledger.assume_consumed(restored.state.cursors)
+    inside = resume_inside(restored.record, step, changed=bool(restored.changed), source_names=job.source_names)
+    if inside is not None:
+        w = inside.window
+        how = "its rest planned as a new window (settings changed)" if w.leftover else "planned again as it was"
+        log.info("step %d lies inside the planning window of steps %d..%d: %s", step, w.first, w.first + w.steps - 1, how)
+    adaptive = None if rule is None else restore_adaptive(step, rule=rule, reader=reader, changed=restored.changed)
+    state = restored.state if inside is None else inside.window.before
+    return StartPoint(state, inside, restored.changed, adaptive)
 
 
 def delivered_floor(reader: LedgerReader) -> int | None:

@@ -1,6 +1,6 @@
 """Loading what the planner runs from a job's settings: its strategy (the user's strategy file, or
-the default one built from the job's `balance` settings) and its mixture schedule. Reads
-(imports) the strategy file and a schedule callable; nothing else.
+the default one built from the job's `balance` settings), its mixture schedule and the mixture
+allocator that runs it. Reads (imports) the strategy file and a schedule callable; nothing else.
 
 A strategy file is plain Python defining `strategy(mesh)`, which gets the job's
 ClientPlaceTree and returns `DGraph.plan()`. `from batchplane.planner import DGraph, models`
@@ -11,6 +11,7 @@ constructors, loaders) loads the same file: the fingerprint holds its digest.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import ConfigError
@@ -20,6 +21,7 @@ from batchplane.core.userfile import import_callable, import_file
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveSchedule, adaptive_schedule
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy, StrategyError, default_strategy
+from batchplane.planner.mixture import Mixture
 
 
 def job_mesh(job: JobSettings) -> ClientPlaceTree:
@@ -150,3 +152,20 @@ def load_schedule(job: JobSettings, strategy: Strategy) -> JobSchedule:
         except StrategyError as exc:
             raise ConfigError("strategy", str(exc), job.strategy) from exc
     return JobSchedule(schedule, granularity)
+
+
+def job_mixture(job: JobSettings, schedule: JobSchedule, *, num_rows: Sequence[int | None]) -> Mixture:
+    """The job's mixture allocator: `schedule` over the job's batch, with each source's stream
+    ending after its passes over its rows (`JobSettings.stream_end`).
+
+    Args:
+        num_rows: Per source, in source order, its rows as its loader registered them (None:
+            not known yet, as for an endless stream).
+    """
+    return Mixture(
+        schedule.schedule,
+        global_batch_size=job.batch.global_batch_size,
+        stream_ends=[job.stream_end(k, rows) for k, rows in enumerate(num_rows)],
+        granularity=schedule.granularity,
+        microbatches=job.batch.microbatches,
+    )
