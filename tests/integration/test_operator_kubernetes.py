@@ -773,12 +773,19 @@ class PodClient(KubernetesClient):
     def __init__(self, config: KubeConfig) -> None:
         super().__init__(config)
         self.cut = False
+        #: Every write of this pod that went through, or may have: one whose answer never came
+        #: (a timeout on a loaded machine) the server may have applied.
         self.writes: list[tuple[str, str]] = []
 
     def _request(self, verb: str, path: str, resource: str, **kwargs: Any) -> dict[str, Any]:
         if self.cut:
             raise KubernetesError(verb, resource, None, "cut off from the API server")
-        answer = super()._request(verb, path, resource, **kwargs)
+        try:
+            answer = super()._request(verb, path, resource, **kwargs)
+        except KubernetesError as exc:
+            if verb != "GET" and exc.status is None:
+                self.writes.append((verb, resource))
+            raise
         if verb != "GET":
             self.writes.append((verb, resource))
         return answer

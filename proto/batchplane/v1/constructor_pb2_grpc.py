@@ -83,8 +83,10 @@ class ConstructorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetLength(self, request, context):
-        """How many steps the job has, from the planner (for len(), LR schedules and progress bars).
-        Errors: UNAVAILABLE when the planner cannot be reached (retry).
+        """How many steps the job has (for len(), LR schedules and progress bars): from the planner
+        with stream delivery; with journal delivery from the journal (the planner's count a producer
+        stored there, or the producers' end marker where that is lower; unknown until either is).
+        Errors: UNAVAILABLE when the planner (stream) or the journal's store cannot be reached (retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
