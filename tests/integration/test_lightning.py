@@ -1,8 +1,9 @@
 """Lightning over batchplane, for real: `lightning.Trainer(accelerator="cpu", devices=2,
 strategy="ddp")` (two processes, gloo) trains on `BatchplaneDataModule`, checkpoints every 3
 steps with ModelCheckpoint and stops; a second `fit(ckpt_path=...)` against the same running data
-plane receives exactly the steps after the checkpoint, byte for byte as an uninterrupted run
-does. Lightning writes its checkpoint from rank 0 only, so rank 1 resumes from rank 0's data
+plane receives exactly the steps after the checkpoint, byte for byte as an uninterrupted read of
+the same job does (a plain `Client` per rank on another run folder: what every rank receives is
+the data plane's, whatever framework reads it). Lightning writes its checkpoint from rank 0 only, so rank 1 resumes from rank 0's data
 state. The infinite job has no length, so Lightning fetches one batch ahead: the checkpoint must
 still name the step after the last one trained. Real processes (tests/integration/trainers/
 lightning_trainer.py)."""
@@ -10,6 +11,7 @@ lightning_trainer.py)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import pathlib
@@ -19,7 +21,11 @@ import sys
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import start_cluster, write_job, write_source
+from harness import run_ranks, running_cluster, start_cluster, write_job, write_source
+from trainers.hashes import tensor_hashes
+
+from batchplane.client import Client
+from batchplane.launcher.local import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +55,32 @@ def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Pa
     assert code == 0, f"the Lightning trainer exited with {code}:\n{log.read_text()[-4000:]}"
 
 
+def uninterrupted(cluster: LocalCluster, steps: int | None) -> dict[int, list[dict]]:
+    """What each rank receives in the first `steps` steps (None: to the end of a finite job),
+    read with a plain client, as the trainer records it (samples and tensor hashes, through
+    JSON)."""
+    endpoints = json.loads(cluster.endpoints_path.read_text())
+    got: dict[int, list[dict]] = {}
+
+    def read(rank: int) -> None:
+        with Client(endpoints["constructors"][str(rank)], rank=rank, timeout_s=60) as client:
+            got[rank] = json.loads(
+                json.dumps(
+                    [
+                        {
+                            "step": batch["step"],
+                            "samples": [list(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())) for mb in batch["microbatches"]],
+                            "hashes": tensor_hashes(batch["microbatches"]),
+                        }
+                        for batch in itertools.islice(client, steps)
+                    ]
+                )
+            )
+
+    run_ranks(read, (0, 1))
+    return got
+
+
 def lines(out: pathlib.Path) -> dict[int, list[dict]]:
     return {r: [json.loads(x) for x in open(out / f"rank{r}.jsonl")] for r in (0, 1)}
 
@@ -74,12 +106,8 @@ def test_a_fit_resumed_from_a_lightning_checkpoint_receives_exactly_the_steps_af
     steps = SAMPLES // 8
     to_the_end = ("--max-steps", str(steps)) if epochs == "infinite" else ()  # a finite job: max_epochs=1
 
-    reference_cluster = start_cluster(job("reference"))
-    try:
-        run_trainer(reference_cluster.endpoints_path, tmp_path / "reference", tmp_path / "reference-ckpt", *to_the_end)
-    finally:
-        reference_cluster.stop()
-    reference = lines(tmp_path / "reference")
+    with running_cluster(job("reference")) as reference_cluster:
+        reference = uninterrupted(reference_cluster, steps if epochs == "infinite" else None)
     assert [b["step"] for b in reference[0]] == list(range(steps))
 
     cluster = start_cluster(job("run"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -30,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
+
+from hashes import tensor_hashes
 
 from batchplane.client import Client
 
@@ -44,16 +45,6 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(input_ids.long() % VOCAB))
-
-
-def tensor_hashes(microbatches: list[dict]) -> dict[str, str]:
-    out = {}
-    for i, mb in enumerate(microbatches):
-        for name, value in sorted(mb.items()):
-            if isinstance(value, torch.Tensor):
-                t = value.detach().cpu().contiguous()
-                out[f"{i}.{name}"] = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + t.numpy().tobytes()).hexdigest()[:16]
-    return out
 
 
 def latest_checkpoint(folder: pathlib.Path, fmt: str) -> tuple[int, pathlib.Path] | None:

@@ -11,7 +11,6 @@ microbatch and a hash of every tensor. `--resume CKPT` resumes with `fit(ckpt_pa
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -21,19 +20,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from hashes import tensor_hashes
+
 from batchplane.client.lightning import BatchplaneDataModule
 
 VOCAB = 512  # token ids are hashed into a small vocabulary: a test model
-
-
-def tensor_hashes(microbatches: list[dict]) -> dict[str, str]:
-    out = {}
-    for i, mb in enumerate(microbatches):
-        for name, value in sorted(mb.items()):
-            if isinstance(value, torch.Tensor):
-                t = value.detach().cpu().contiguous()
-                out[f"{i}.{name}"] = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + t.numpy().tobytes()).hexdigest()[:16]
-    return out
 
 
 class TinyLM(L.LightningModule):
