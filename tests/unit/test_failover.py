@@ -5,13 +5,18 @@ becomes the shadow."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent import futures
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchplane.core.config import JobSettings, SourceSettings, LoaderSettings
-from batchplane.planner.failover import FailureDetector
+from batchplane.planner.failover import CONFIRM_S, FailureDetector, probe_due
 from batchplane.planner.membership import Membership, SourceFacts
 
 
@@ -185,3 +190,88 @@ def test_with_shadows_on_a_replica_running_without_one_is_warned_about_once(capl
         assert "--shadow-of 0" in caplog.text
     finally:
         watch.stop()
+
+
+@given(
+    connected=st.booleans(),
+    answered_ago=st.one_of(st.none(), st.floats(min_value=0, max_value=10)),
+    confirm_s=st.floats(min_value=0.01, max_value=5),
+)
+def test_a_replica_is_probed_every_interval_unless_its_connection_is_up_and_it_answered_lately(connected, answered_ago, confirm_s) -> None:
+    now = 100.0
+    answered_at = None if answered_ago is None else now - answered_ago
+    due = probe_due(connected=connected, answered_at=answered_at, now=now, confirm_s=confirm_s)
+    # Skipped only for a live connection whose last answer (since its last failure) is recent.
+    assert due == (not connected or answered_at is None or now - answered_at >= confirm_s)
+    if connected and answered_ago is not None and not due:
+        assert answered_ago < confirm_s + 1e-9
+
+
+def test_a_healthy_replica_is_probed_once_a_confirm_interval_and_a_failure_brings_back_every_interval() -> None:
+    answered, probes = None, []
+    for now in range(40):  # the watch's loop, in probe intervals; a confirm interval is ten
+        if probe_due(connected=True, answered_at=answered, now=now, confirm_s=10):
+            probes.append(now)
+            answered = None if 20 <= now < 23 else now  # hung for a moment
+    assert probes == [0, 10, 20, 21, 22, 23, 33]
+
+
+class _Health(health_pb2_grpc.HealthServicer):
+    """A replica's health service on a real gRPC server that counts its probes and can hang (a
+    stopped process: its connection stays up, nothing answers)."""
+
+    def __init__(self) -> None:
+        self.probes = 0
+        self.hung = threading.Event()
+
+    def Check(self, request, context):  # noqa: N802 - grpc's name
+        self.probes += 1
+        if self.hung.is_set():
+            time.sleep(2)  # past the probe's deadline
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def _replica_server() -> tuple[grpc.Server, _Health, str]:
+    health = _Health()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, health, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("fault", ["hung", "dead"])
+def test_the_watch_probes_a_healthy_replica_rarely_and_replaces_a_hung_or_dead_one(fault: str) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from batchplane.core.config import FailoverSettings
+    from batchplane.planner.metrics import PlannerMetrics
+    from batchplane.planner.watch import ReplicaWatch
+
+    server, health, address = _replica_server()
+    m = _membership()
+    m.register_loader(0, address, FACTS, incarnation="p")
+    m.register_loader(0, "127.0.0.1:1", FACTS, shadow_of="0", incarnation="s")
+    metrics = PlannerMetrics(CollectorRegistry(), source_names=["a"], target_weights=[1.0])
+    watch = ReplicaWatch(m, FailoverSettings(probe_interval_s=0.02, failures=3), metrics, connect=grpc.insecure_channel)
+    try:
+        give_up = time.monotonic() + 10
+        while health.probes < 2 and time.monotonic() < give_up:  # connected, and answered
+            time.sleep(0.01)
+        before, began = health.probes, time.monotonic()
+        time.sleep(0.5)
+        # Its connection is up and it answers: probed once a CONFIRM_S, not every 20 ms.
+        assert health.probes - before <= 1 + (time.monotonic() - began) / CONFIRM_S, health.probes - before
+        assert m.serving(0, "0") == address
+        if fault == "hung":
+            health.hung.set()
+        else:
+            server.stop(grace=None)
+        give_up = time.monotonic() + 15
+        while m.serving(0, "0") == address and time.monotonic() < give_up:
+            time.sleep(0.02)
+        assert m.serving(0, "0") == "127.0.0.1:1", f"the {fault} replica was not replaced"
+        assert metrics.promotions.labels("0")._value.get() == 1
+    finally:
+        watch.stop()
+        server.stop(grace=None)

@@ -268,7 +268,9 @@ class ShuffleSettings:
 class FailoverSettings:
     """How the planner decides that a loader replica with a shadow has failed."""
 
-    #: Seconds between health probes of each replica that has a shadow.
+    #: Seconds between health probes of a replica whose connection is down or that failed its
+    #: last probe or request (one whose connection stays up and that answers is probed once a
+    #: `planner.failover.CONFIRM_S`).
     probe_interval_s: float = 0.1
     #: Consecutive failed observations (health probes or summary requests) that declare a
     #: replica failed and promote its shadow: a dead replica is replaced within about

@@ -1,17 +1,33 @@
 """Deciding that a loader replica has failed. Pure; no I/O, no clock of its own.
 
-The planner watches every replica that has a shadow (a hot standby that reads the same windows,
-see `membership`): its health is probed every `probe_interval_s`, and every summary request to
-it is one more observation. A replica is declared failed after `failures` consecutive failed
+The planner watches every loader replica (one with a shadow is replaced by it, one without is
+adopted, see `membership`): while its connection is not up, or since a failed observation, its
+health is probed every `probe_interval_s`; a replica whose connection stays up and that answered
+its last probe is probed once every CONFIRM_S only (`probe_due`); every summary request to it is
+one more observation. A replica is declared failed after `failures` consecutive failed
 observations (an RPC deadline, a broken stream, a failed health check); one success resets the
-count. So a dead replica is declared failed within about `failures * probe_interval_s` plus one
-probe deadline, and a replica that misses one probe under load is not.
+count. So a dead replica (its connection drops at once) is declared failed within about
+`failures * probe_interval_s`, a hung one (its connection stays up) within CONFIRM_S more plus
+the probes' deadlines, and a replica that misses one probe under load is not. Probing a healthy
+replica ten times a second would cost the planner about a core at 64 loaders.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+
+
+#: Seconds between the probes of a replica whose connection stays up and that answered its last
+#: probe: a hung process keeps its connection, so only a probe (or a failed request) finds it.
+CONFIRM_S = 1.0
+
+
+def probe_due(*, connected: bool, answered_at: float | None, now: float, confirm_s: float = CONFIRM_S) -> bool:
+    """Whether to probe a replica now (the watch asks every `probe_interval_s`): always while its
+    connection is not up or it has not answered a probe since its last failed observation
+    (`answered_at` None), else once its last answer is `confirm_s` old."""
+    return not connected or answered_at is None or now - answered_at >= confirm_s
 
 
 @dataclasses.dataclass

@@ -1,7 +1,10 @@
 """Watching loader replicas and replacing the ones that fail.
 
-Every replica is probed (grpc.health.v1 Check) every `loaders.failover.probe_interval_s`; the
-summary puller reports the outcome of every request too. `failover.FailureDetector` turns the
+Every replica is probed (grpc.health.v1 Check) every `loaders.failover.probe_interval_s` while
+its connection is down or since it failed an observation, and every `failover.CONFIRM_S` while
+its connection stays up and it answers (`failover.probe_due`; the channel's connectivity comes
+from grpc's callbacks, not from polling); the summary puller reports the outcome of every
+request too. `failover.FailureDetector` turns the
 observations into a verdict. A failed replica's shadow is promoted (`Membership.promote`); one
 without a shadow is adopted by a live replica of its group (`Membership.adopt`), or by the next
 to join. From then on plans name the new server, and constructors, whose fetches from the dead
@@ -11,6 +14,7 @@ local launcher's way) serves its windows again as soon as it registers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -20,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchplane.core.config import FailoverSettings
-from batchplane.planner.failover import FailureDetector
+from batchplane.planner.failover import FailureDetector, probe_due
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
 
@@ -63,6 +67,8 @@ class ReplicaWatch:
         self._detector = FailureDetector(failures=settings.failures)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._connected: dict[str, bool] = {}  # address -> its channel is READY (grpc's callbacks)
+        self._answered: dict[str, float] = {}  # address -> when it last answered a probe, since its last failure
         self._lone: dict[tuple[int, str], float] = {}  # shadow without its replica -> since when
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="replica-watch", daemon=True)
@@ -77,6 +83,8 @@ class ReplicaWatch:
         not count."""
         if malformed:
             self._metrics.malformed_responses.labels(str(owner[0])).inc()
+        if not ok:
+            self._answered.pop(address, None)  # probed every interval again until it answers
         with self._lock:
             if self._membership.failed(*owner) or self._membership.serving(*owner) != address:
                 return  # known to have failed, or replaced: nothing more to decide
@@ -124,7 +132,14 @@ class ReplicaWatch:
         while not self._stopped.wait(self._interval):
             watched = self._membership.watched()
             for owner, address in watched:
-                self.observe(owner, address, self._healthy(address))
+                if not probe_due(
+                    connected=self._connected.get(address, False), answered_at=self._answered.get(address), now=time.monotonic()
+                ):
+                    continue
+                healthy = self._healthy(address)
+                if healthy:
+                    self._answered[address] = time.monotonic()
+                self.observe(owner, address, healthy)
             self._promote_lone_shadows(time.monotonic())
             if self._shadows:
                 self._warn_unshadowed([owner for owner, _ in watched], time.monotonic())
@@ -168,12 +183,17 @@ class ReplicaWatch:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self._connect(address)
+            channel.subscribe(functools.partial(self._on_connectivity, address), try_to_connect=True)
         try:
             # A busy replica may answer late; a dead one is refused at once.
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=max(4 * self._interval, 0.5))
         except grpc.RpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _on_connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
+        """grpc's callback: the channel to `address` is now in `state`."""
+        self._connected[address] = state is grpc.ChannelConnectivity.READY
 
     def stop(self) -> None:
         self._stopped.set()
