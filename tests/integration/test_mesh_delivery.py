@@ -23,15 +23,10 @@ CLIENT = os.path.join(os.path.dirname(__file__), "mesh_client.py")
 
 
 def _run_clients(endpoints, world: int, out_dir) -> dict[int, list[dict]]:
-    procs = {}
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "BATCHPLANE_ENDPOINTS": str(endpoints)}
-        procs[rank] = subprocess.Popen(
-            [sys.executable, CLIENT, str(out_dir / f"rank{rank}.pkl")], env=env, stderr=subprocess.PIPE, text=True
-        )
-    for rank, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"client of rank {rank} failed:\n{err}"
+    """Every rank's batches, read by one client process per rank (mesh_client.py forks them)."""
+    env = {**os.environ, "BATCHPLANE_ENDPOINTS": str(endpoints)}
+    proc = subprocess.run([sys.executable, CLIENT, str(out_dir), str(world)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
     return {rank: pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world)}
 
 
