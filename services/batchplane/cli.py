@@ -207,7 +207,7 @@ MAX_FAILED_RESTARTS = 5
 def _up(args: argparse.Namespace) -> int:
     import grpc
 
-    from batchplane.core.process import EXIT_FENCED
+    from batchplane.core.process import EXIT_FENCED, set_from_signal
     from batchplane.launcher.local import LaunchError, LocalCluster
 
     try:
@@ -219,7 +219,7 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
+        set_from_signal(stop)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

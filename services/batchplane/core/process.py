@@ -279,7 +279,7 @@ def run_service(
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
-        stop_event.set()
+        set_from_signal(stop_event)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -338,6 +338,15 @@ def _can_bind(host: str, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def set_from_signal(event: threading.Event) -> None:
+    """Sets `event` from a signal handler, through a new thread. A handler runs in the main thread
+    between two bytecodes, possibly while that thread holds the event's own lock inside
+    `event.wait()` (Condition.wait takes it back before returning); `event.set()` there waits
+    for that lock forever, and the process never stops (an operator was found so, hung after
+    SIGTERM). The thread waits for the lock until the main thread lets it go."""
+    threading.Thread(target=event.set, name="signal", daemon=True).start()
 
 
 def _watch_parent(stop_event: threading.Event) -> None:

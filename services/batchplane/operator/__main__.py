@@ -35,7 +35,7 @@ from prometheus_client import start_http_server
 from batchplane.core import logformat
 from batchplane.core.errors import ConfigError
 from batchplane.core.metrics import build_info, process_registry
-from batchplane.core.process import configure_logging
+from batchplane.core.process import configure_logging, set_from_signal
 from batchplane.operator.election import ElectionSettings
 from batchplane.operator.kubernetes import KubeConfig, KubernetesClient, KubernetesError, in_cluster_config, in_cluster_namespace
 from batchplane.operator.leader import LeaderElection
@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
+        set_from_signal(stop)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
