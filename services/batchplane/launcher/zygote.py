@@ -241,6 +241,8 @@ class Zygote:
 
 
 _shared: Zygote | None = None
+#: A zygote could not be started in this process: every later spawn is a plain subprocess.
+_broken = False
 _shared_lock = threading.Lock()
 
 
@@ -249,8 +251,8 @@ def spawn(module: str, args: Sequence[str], *, log_fd: int) -> ZygoteProcess | N
     again if it died); None where it cannot: the zygote is switched off (BATCHPLANE_FORK_SERVER=0)
     or this process's PYTHON* variables changed since it started, or it cannot start (logged).
     The caller then starts a plain subprocess."""
-    global _shared
-    if not enabled():
+    global _shared, _broken
+    if _broken or not enabled():
         return None
     with _shared_lock:
         if _shared is not None and _shared._process.poll() is not None:
@@ -261,7 +263,7 @@ def spawn(module: str, args: Sequence[str], *, log_fd: int) -> ZygoteProcess | N
                 _shared = Zygote()
             except (OSError, ZygoteError) as exc:
                 log.warning("starting service processes without a zygote: %s", exc)
-                os.environ[ENV_SWITCH] = "0"
+                _broken = True
                 return None
         zygote = _shared
     if not zygote.serves(os.environ) or not zygote.fits(module, args):
@@ -399,7 +401,7 @@ def main(argv: Sequence[str]) -> int:
         __import__(module)
         # What it imported stays; the module itself runs afresh in each child, as __main__.
         del sys.modules[module]
-    _show_cmdline([sys.executable, "-m", __spec__.name if __spec__ else "batchplane.launcher.zygote", *argv[:1], *modules])
+    _show_cmdline([sys.executable, "-m", "batchplane.launcher.zygote", *argv[:1], *modules])
     control.sendall(b"\x01")
     forked = _serve(control)
     if forked is None:

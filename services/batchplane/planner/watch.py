@@ -4,10 +4,9 @@ Every replica is probed (grpc.health.v1 Check) every `loaders.failover.probe_int
 its connection is down or since it failed an observation, and every `failover.CONFIRM_S` while
 its connection stays up and it answers (`failover.probe_due`; the channel's connectivity comes
 from grpc's callbacks, not from polling); the summary puller reports the outcome of every
-request too. `failover.FailureDetector` turns the
-observations into a verdict. A failed replica's shadow is promoted (`Membership.promote`); one
-without a shadow is adopted by a live replica of its group (`Membership.adopt`), or by the next
-to join. From then on plans name the new server, and constructors, whose fetches from the dead
+request too. `failover.FailureDetector` turns the observations into a verdict. A failed
+replica's shadow is promoted (`Membership.promote`); one without a shadow is adopted by a live
+replica of its group (`Membership.adopt`), or by the next to join. From then on plans name the new server, and constructors, whose fetches from the dead
 replica fail, ask for the plan again and fetch from it. A replica restarted under its id (the
 local launcher's way) serves its windows again as soon as it registers.
 """
