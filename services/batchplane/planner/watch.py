@@ -6,9 +6,10 @@ its connection stays up and it answers (`failover.probe_due`; the channel's conn
 from grpc's callbacks, not from polling); the summary puller reports the outcome of every
 request too. `failover.FailureDetector` turns the observations into a verdict. A failed
 replica's shadow is promoted (`Membership.promote`); one without a shadow is adopted by a live
-replica of its group (`Membership.adopt`), or by the next to join. From then on plans name the new server, and constructors, whose fetches from the dead
-replica fail, ask for the plan again and fetch from it. A replica restarted under its id (the
-local launcher's way) serves its windows again as soon as it registers.
+replica of its group (`Membership.adopt`), or by the next to join. From then on plans name the
+new server, and constructors, whose fetches from the dead replica fail, ask for the plan again
+and fetch from it. A replica restarted under its id (the local launcher's way) serves its
+windows again as soon as it registers.
 """
 
 from __future__ import annotations
