@@ -1,10 +1,11 @@
 """Chaos: a seeded harness SIGKILLs a random loader, a constructor and the planner (each at least
 once, one at a time) at random steps of a job of a few hundred steps with two DP ranks and four
-sources, and restarts each on its address as `batchplane up` does; one seed runs the loaders
-with shadows, so a killed loader may be replaced by its shadow or be a shadow. The trainers must not notice
-anything but a wait: compared with an undisturbed run of the same job, the planner plans the same
-sequence of steps (its ledger), every sample is delivered exactly once (I1), every rank takes the
-same steps (I2) and receives byte-identical tensors (I4)."""
+sources (the same job for every seed, so its undisturbed run is made once), and restarts each on
+its address as `batchplane up` does; one seed runs the loaders with shadows, so a killed loader may
+be replaced by its shadow or be a shadow. The trainers must not notice anything but a wait:
+compared with an undisturbed run of the same job, the planner plans the same sequence of steps (its
+ledger), every sample is delivered exactly once (I1), every rank takes the same steps (I2) and
+receives byte-identical tensors (I4)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import random
 import re
 
 import pytest
-from disturbed import Kill, assert_same_run, disturb, undisturbed_run
-from harness import running_cluster, sample_ids, skewed_lengths, write_job, write_source
+from disturbed import Kill, Run, assert_same_run, disturb, undisturbed_run
+from harness import SourceData, running_cluster, sample_ids, skewed_lengths, write_job, write_source
 
 from batchplane.launcher.local import LocalCluster
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.integration
 #: (seed, loaders.shadow); seed 210 kills the planner, then a constructor before it rejoined
 RUNS = ((5, False), (17, False), (23, True), (210, True))
 RANKS = (0, 1)
+DATA_SEED = 5  # the sources' rows and lengths; the seeds of RUNS draw the kills
 
 
 def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False) -> pathlib.Path:
@@ -46,13 +48,22 @@ def _schedule(rng: random.Random, cluster: LocalCluster, steps: int) -> list[Kil
     return [Kill(step, name) for step, name in zip(at, victims)]
 
 
-@pytest.mark.parametrize(("seed", "shadow"), RUNS)
-def test_killing_any_part_at_random_steps_changes_nothing_the_trainers_receive(tmp_path: pathlib.Path, seed: int, shadow: bool) -> None:
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SourceData], Run]:
+    """The job's four sources and its undisturbed run, made once: every seed disturbs the same job."""
+    root = tmp_path_factory.mktemp("undisturbed")
     sources = [
-        write_source(tmp_path / "data", name, skewed_lengths(rows, seed=seed + i), row_group_size=10, seed=seed + i)
+        write_source(root / "data", name, skewed_lengths(rows, seed=DATA_SEED + i), row_group_size=10, seed=DATA_SEED + i)
         for i, (name, rows) in enumerate([("web", 600), ("code", 500), ("books", 400), ("math", 300)])
     ]
-    expected = undisturbed_run(_job(tmp_path, sources, "undisturbed"), RANKS)
+    return sources, undisturbed_run(_job(root, sources, "undisturbed"), RANKS)
+
+
+@pytest.mark.parametrize(("seed", "shadow"), RUNS)
+def test_killing_any_part_at_random_steps_changes_nothing_the_trainers_receive(
+    tmp_path: pathlib.Path, undisturbed: tuple[list[SourceData], Run], seed: int, shadow: bool
+) -> None:
+    sources, expected = undisturbed
     steps = len(expected.batches[0])
     assert steps >= 200, "the job should run a few hundred steps"
 

@@ -88,8 +88,19 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tm
         threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in (0, 1)]
         for t in threads:
             t.start()
-        time.sleep(4 * INTERVAL_S)  # a window of the throughput the trainers reach, measured as the operator will see it
-        throughput = sum(reader.sample_rate(3.0, JOB).values())
+
+        # The throughput the trainers reach, measured as the operator will see it: once they run
+        # (20 steps taken) and Prometheus has scraped them doing so (a loaded machine may take
+        # seconds to start them).
+        def throughput_now() -> float:
+            return sum(reader.sample_rate(3.0, JOB).values())
+
+        wait_until(
+            lambda: min(len(seen[0]), len(seen[1])) >= 20 and throughput_now() > 0,
+            timeout_s=60,
+            what="Prometheus to see the trainers consume",
+        )
+        throughput = throughput_now()
         assert throughput > 0, "the trainers consume nothing"
         # a's group needs 1 replica at weight 1/16 (need 0.27) and 3 at 15/16 (need 4.05, max 3): 3.9x
         # either side of the up threshold (1.05), for a throughput measured low or high on a loaded

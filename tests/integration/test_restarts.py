@@ -11,10 +11,11 @@ import pathlib
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
-from disturbed import Kill, assert_same_run, disturb, kill, undisturbed_run
-from harness import assert_same_batches, collect, running_cluster, scrape, skewed_lengths, wait_until, write_job, write_source
+from disturbed import Kill, Run, assert_same_run, disturb, kill, undisturbed_run
+from harness import SourceData, assert_same_batches, collect, running_cluster, scrape, skewed_lengths, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +39,25 @@ def _job(root: pathlib.Path, sources, run: str, *, windows: bool = False) -> pat
     )
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool], tuple[pathlib.Path, list[SourceData], Run]]:
+    """The sources of a seed and the undisturbed run of their job, made once per (seed, windows)
+    and shared by the tests that kill a different part of the same job: (folder, sources, run)."""
+    made: dict[tuple[int, bool], tuple[pathlib.Path, list[SourceData], Run]] = {}
+
+    def get(seed: int, windows: bool) -> tuple[pathlib.Path, list[SourceData], Run]:
+        if (seed, windows) not in made:
+            root = tmp_path_factory.mktemp(f"seed{seed}-windows{int(windows)}")
+            sources = [
+                write_source(root / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
+                write_source(root / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
+            ]
+            made[seed, windows] = root, sources, undisturbed_run(_job(root, sources, "undisturbed", windows=windows), [0, 1])
+        return made[seed, windows]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("part", "seed", "windows"),
     [
@@ -51,13 +71,13 @@ def _job(root: pathlib.Path, sources, run: str, *, windows: bool = False) -> pat
     ],
 )
 def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(
-    tmp_path: pathlib.Path, part: str, seed: int, windows: bool
+    tmp_path: pathlib.Path,
+    undisturbed: Callable[[int, bool], tuple[pathlib.Path, list[SourceData], Run]],
+    part: str,
+    seed: int,
+    windows: bool,
 ) -> None:
-    sources = [
-        write_source(tmp_path / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
-        write_source(tmp_path / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
-    ]
-    expected = undisturbed_run(_job(tmp_path, sources, "undisturbed", windows=windows), [0, 1])
+    _, sources, expected = undisturbed(seed, windows)
     victim = {"planner": "planner", "constructor": "constructor-1", "loader": "loader-0"}[part]
     with running_cluster(_job(tmp_path, sources, "restarted", windows=windows)) as cluster:
         got = disturb(cluster, [0, 1], [Kill(KILL_AT + seed, victim)], step_s=0.03)

@@ -4,7 +4,8 @@ torchrun (gloo) run torchtitan's own `Trainer.train_step`, `batch_generator`,
 `post_dataloading_process` and `CheckpointManager` with its debug Llama on CPU, fed by
 `BatchplaneDataLoader` built as the Trainer builds its dataloader. A run that dies after step 7
 resumes from torchtitan's latest checkpoint (step 6: model, optimizer, LR schedule, train state
-and the loader's DCP state) and receives the uninterrupted run's microbatches, tensor for tensor,
+and the loader's DCP state) and receives the uninterrupted run's microbatches (the same torchrun
+trained that run, on a data plane of its own, before the one that died), tensor for tensor,
 with the same losses; the job's end of data ends training at a step boundary through torchtitan's
 DataloaderExhaustedError. In-process: a checkpoint taken between the microbatches of a step
 resumes at the next microbatch, on every rank from one rank's state; a loader told another
@@ -95,26 +96,28 @@ def lines(out: pathlib.Path) -> dict[int, list[dict]]:
 
 def test_torchtitan_resumed_from_its_checkpoint_trains_on_the_uninterrupted_runs_microbatches(tmp_path, sources) -> None:
     reference_cluster = start_cluster(job(tmp_path, sources, "reference"))
-    try:
-        done = run_torchtitan(reference_cluster.endpoints_path, tmp_path / "reference-dump", tmp_path / "reference", "--steps", "20")
-    finally:
-        reference_cluster.stop()
-    reference = lines(tmp_path / "reference")
-    for rank in (0, 1):
-        # torchtitan step k trains batchplane step k - 1, two microbatches each (gradient
-        # accumulation 2); the end of data ends training before step 13 without cutting one.
-        assert [(b["step"], b["next_step"], b["microbatch"], len(b["pairs"])) for b in reference[rank]] == [
-            (k, k, 0, 2) for k in range(1, STEPS + 1)
-        ]
-        assert done[rank]["exhausted_at"] == STEPS + 1
-
     cluster = start_cluster(job(tmp_path, sources, "run"))
     try:
+        # The same two ranks train the reference job to its end (uninterrupted), then the run's
+        # job until they leave after step 7, as a job that died there.
         dump = tmp_path / "dump"
-        run_torchtitan(cluster.endpoints_path, dump, tmp_path / "first", "--steps", "20", "--interval", "3", "--stop-after", "7")
+        reference_run = [str(reference_cluster.endpoints_path), str(tmp_path / "reference-dump"), str(tmp_path / "reference")]
+        first_run = ["--steps", "20", "--interval", "3", "--stop-after", "7"]
+        run_torchtitan(cluster.endpoints_path, dump, tmp_path / "first", *first_run, "--reference", *reference_run)
+        reference_cluster.stop()
+        done = {r: json.loads((tmp_path / "reference" / f"done{r}.json").read_text()) for r in (0, 1)}
+        reference = lines(tmp_path / "reference")
+        for rank in (0, 1):
+            # torchtitan step k trains batchplane step k - 1, two microbatches each (gradient
+            # accumulation 2); the end of data ends training before step 13 without cutting one.
+            assert [(b["step"], b["next_step"], b["microbatch"], len(b["pairs"])) for b in reference[rank]] == [
+                (k, k, 0, 2) for k in range(1, STEPS + 1)
+            ]
+            assert done[rank]["exhausted_at"] == STEPS + 1
         assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-6"]
         done = run_torchtitan(cluster.endpoints_path, dump, tmp_path / "resumed", "--steps", "20", "--interval", "3")
     finally:
+        reference_cluster.stop()
         cluster.stop()
     first, resumed = lines(tmp_path / "first"), lines(tmp_path / "resumed")
     for rank in (0, 1):

@@ -62,19 +62,24 @@ def _row_groups(num_rows: int, size: int) -> list[int]:
     return [size] * full + ([rest] if rest else [])
 
 
-def rows_at(order: SampleOrder, seqs: np.ndarray) -> np.ndarray:
-    """The source row at each seq, as a loader would read it."""
+def rows_at(order: SampleOrder, seqs: np.ndarray, windows: dict[tuple[int, int], np.ndarray] | None = None) -> np.ndarray:
+    """The source row at each seq, as a loader would read it (a window's rows made once, kept in
+    `windows` by (epoch, window index) across calls, as a loader keeps the window it reads)."""
+    windows = {} if windows is None else windows
     out = np.empty(len(seqs), np.int64)
     for i, seq in enumerate(seqs.tolist()):
         epoch, position = divmod(seq, order.num_rows)
         window = order.window_at(epoch, position)
-        out[i] = order.window_rows(epoch, window)[position - window.start]
+        if (epoch, window.index) not in windows:
+            windows[epoch, window.index] = order.window_rows(epoch, window)
+        out[i] = windows[epoch, window.index][position - window.start]
     return out
 
 
 def simulate(job: SimJob, *, start_step: int = 0, max_steps: int = 10_000) -> list[StepPlan]:
     """Plans from `start_step` until the data ends (or `max_steps` plans)."""
     orders = job.orders()
+    windows: list[dict[tuple[int, int], np.ndarray]] = [{} for _ in orders]
     mixture = job.mixture()
     cost_fn = make_cost_fn("quadratic")
     state = mixture.fast_forward(MixtureState.initial(len(job.sources)), start_step)
@@ -86,7 +91,7 @@ def simulate(job: SimJob, *, start_step: int = 0, max_steps: int = 10_000) -> li
         tables = []
         for k, (start, count) in enumerate(zip(allocation.starts, allocation.counts)):
             seq = np.arange(start, start + count, dtype=np.int64)
-            rows = rows_at(orders[k], seq)
+            rows = rows_at(orders[k], seq, windows[k])
             tables.append(
                 SampleTable(
                     source=np.full(count, k, np.int32),

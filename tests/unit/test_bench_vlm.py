@@ -106,8 +106,8 @@ def test_dataloader_microbatches_carry_the_transforms_pixels(data: dict[str, pat
 
 def test_records_of_both_systems(data: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     records = [
-        vlm.run_dataloader(tmp_path / "dl", data, ranks=2, workers=1, microbatch=2, step_seconds=0.0, memory_interval_s=0.05),
-        vlm.run_batchplane(tmp_path / "bp", data, ranks=2, batch=8, step_seconds=0.0, memory_interval_s=0.05),
+        vlm.run_dataloader(tmp_path / "dl", data, ranks=2, workers=1, microbatch=2, step_seconds=0.0, memory_interval_s=0.25),
+        vlm.run_batchplane(tmp_path / "bp", data, ranks=2, batch=8, step_seconds=0.0, memory_interval_s=0.25),
     ]
     assert [(r["system"], r["workers"]) for r in records] == [("dataloader", 1), ("batchplane", None)]
     for r in records:

@@ -25,9 +25,12 @@ triton, so an inert module stands in for that one module (the debug Llama has no
 of it runs).
 
 `--stop-after N` leaves after step N with the config unchanged (training.steps drives the LR
-schedule), as a job that died there. Per torchtitan step, rank 0 and 1 each append a JSON line to `<out>/rank<r>.jsonl`: the step,
-the loader's position after it (batchplane's next step), a hash of each (input_dict, labels)
-pair pulled and torchtitan's global loss.
+schedule), as a job that died there. `--reference ENDPOINTS DUMP OUT` first trains, in the same
+ranks, the whole job of another data plane from the same seed, uninterrupted: the run the test
+compares with (one torchrun, one import of torch and torchtitan per rank, for two runs). Per
+torchtitan step, rank 0 and 1 each append a JSON line to `<out>/rank<r>.jsonl`: the step, the
+loader's position after it (batchplane's next step), a hash of each (input_dict, labels) pair
+pulled and torchtitan's global loss.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import pathlib
 import sys
 import types
@@ -127,13 +131,13 @@ def pair_hash(input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_trainer(args: argparse.Namespace, rank: int, world: int) -> Trainer:
+def build_trainer(args: argparse.Namespace, rank: int, world: int, dump: pathlib.Path) -> Trainer:
     spec = model_registry("debugmodel", attn_backend="flex")
     for _, _, parent, attr in spec.model.traverse(FlexAttention.Config):
         setattr(parent, attr, ScaledDotProductAttention.Config())  # FlexAttention has no CPU backward
     config = Trainer.Config(
         model_spec=spec,
-        dump_folder=str(args.dump),
+        dump_folder=str(dump),
         loss=CrossEntropyLoss.Config(),
         optimizer=default_adamw(lr=8e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0),
@@ -188,20 +192,12 @@ def build_trainer(args: argparse.Namespace, rank: int, world: int) -> Trainer:
     return trainer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dump", type=pathlib.Path, required=True)
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--interval", type=int, default=3)
-    parser.add_argument("--load-step", type=int, default=-1)
-    parser.add_argument("--stop-after", type=int, default=None, help="leave after this step, as if the job died")
-    args = parser.parse_args()
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    args.out.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(args, rank, world)
+def train(args: argparse.Namespace, rank: int, world: int, *, dump: pathlib.Path, out: pathlib.Path, stop_after: int | None) -> None:
+    """One run of the job at BATCHPLANE_ENDPOINTS: from `dump`'s latest checkpoint (if any) to the
+    end of data, `args.steps` or `stop_after`; per step a line in `out`/rank<r>.jsonl, at the end
+    `out`/done<r>.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(args, rank, world, dump)
     loader = trainer.dataloader
     pulled: list[str] = []
 
@@ -215,7 +211,7 @@ def main() -> None:
     loaded = {"step": trainer.step, "position": loader.state_dict()[f"dp_rank_{rank}"]}
     exhausted_at = None
     data_iterator = recorded(trainer.batch_generator(trainer.dataloader))
-    with open(args.out / f"rank{rank}.jsonl", "a") as lines:
+    with open(out / f"rank{rank}.jsonl", "a") as lines:
         while trainer.should_continue_training():
             trainer.step += 1
             pulled.clear()
@@ -235,12 +231,40 @@ def main() -> None:
             }
             lines.write(json.dumps(line) + "\n")
             lines.flush()
-            if trainer.step == args.stop_after:
+            if trainer.step == stop_after:
                 break
-    (args.out / f"done{rank}.json").write_text(json.dumps({"loaded": loaded, "exhausted_at": exhausted_at, "step": trainer.step}))
+    (out / f"done{rank}.json").write_text(json.dumps({"loaded": loaded, "exhausted_at": exhausted_at, "step": trainer.step}))
     trainer.checkpointer.close()
     loader.close()
     dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dump", type=pathlib.Path, required=True)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--interval", type=int, default=3)
+    parser.add_argument("--load-step", type=int, default=-1)
+    parser.add_argument("--stop-after", type=int, default=None, help="leave after this step, as if the job died")
+    parser.add_argument(
+        "--reference",
+        nargs=3,
+        metavar=("ENDPOINTS", "DUMP", "OUT"),
+        help="first run, in the same ranks, the whole job of another data plane (its endpoints file) uninterrupted, "
+        "with the same model, optimizer and schedule from the same seed: the reference run",
+    )
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.reference:
+        endpoints, dump, out = args.reference
+        job = os.environ["BATCHPLANE_ENDPOINTS"]
+        os.environ["BATCHPLANE_ENDPOINTS"] = endpoints
+        train(args, rank, world, dump=pathlib.Path(dump), out=pathlib.Path(out), stop_after=None)
+        os.environ["BATCHPLANE_ENDPOINTS"] = job
+    train(args, rank, world, dump=args.dump, out=args.out, stop_after=args.stop_after)
     dist.destroy_process_group()
 
 
