@@ -40,19 +40,19 @@ def _job(root: pathlib.Path, sources, run: str, *, windows: bool = False) -> pat
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool], tuple[pathlib.Path, list[SourceData], Run]]:
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool], tuple[list[SourceData], Run]]:
     """The sources of a seed and the undisturbed run of their job, made once per (seed, windows)
-    and shared by the tests that kill a different part of the same job: (folder, sources, run)."""
-    made: dict[tuple[int, bool], tuple[pathlib.Path, list[SourceData], Run]] = {}
+    and shared by the tests that kill a different part of the same job: (sources, run)."""
+    made: dict[tuple[int, bool], tuple[list[SourceData], Run]] = {}
 
-    def get(seed: int, windows: bool) -> tuple[pathlib.Path, list[SourceData], Run]:
+    def get(seed: int, windows: bool) -> tuple[list[SourceData], Run]:
         if (seed, windows) not in made:
             root = tmp_path_factory.mktemp(f"seed{seed}-windows{int(windows)}")
             sources = [
                 write_source(root / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
                 write_source(root / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
             ]
-            made[seed, windows] = root, sources, undisturbed_run(_job(root, sources, "undisturbed", windows=windows), [0, 1])
+            made[seed, windows] = sources, undisturbed_run(_job(root, sources, "undisturbed", windows=windows), [0, 1])
         return made[seed, windows]
 
     return get
@@ -72,12 +72,12 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool
 )
 def test_a_part_killed_and_restarted_changes_nothing_the_trainers_receive(
     tmp_path: pathlib.Path,
-    undisturbed: Callable[[int, bool], tuple[pathlib.Path, list[SourceData], Run]],
+    undisturbed: Callable[[int, bool], tuple[list[SourceData], Run]],
     part: str,
     seed: int,
     windows: bool,
 ) -> None:
-    _, sources, expected = undisturbed(seed, windows)
+    sources, expected = undisturbed(seed, windows)
     victim = {"planner": "planner", "constructor": "constructor-1", "loader": "loader-0"}[part]
     with running_cluster(_job(tmp_path, sources, "restarted", windows=windows)) as cluster:
         got = disturb(cluster, [0, 1], [Kill(KILL_AT + seed, victim)], step_s=0.03)
