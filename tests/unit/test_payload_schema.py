@@ -52,6 +52,50 @@ def test_normalize_casts_fills_nulls_and_flattens_nested_rows() -> None:
     assert got.type == arrow_type(PIX) and got.to_pylist() == [[1, 2, 3, 4], [], []]
 
 
+BLOB = PayloadColumn("blob", "blob", "int64", ())
+
+
+def _leaves_of(row: object) -> list[int]:
+    """A row's leaf values, depth first; a null list holds none."""
+    if row is None:
+        return []
+    if isinstance(row, list):
+        return [v for item in row for v in _leaves_of(item)]
+    return [row]
+
+
+@st.composite
+def nested_arrays(draw: st.DrawFn) -> tuple[pa.Array, list]:
+    """A list array 1 to 3 levels deep (list, large_list or fixed-size list at each level, nulls
+    at any list level, never among the leaves), sliced or not, with its rows as Python values."""
+    kinds = draw(st.lists(st.sampled_from(["list", "large", "fixed1", "fixed2", "fixed3"]), min_size=1, max_size=3))
+
+    def value(level: int) -> st.SearchStrategy:
+        if level == len(kinds):
+            return st.integers(-5, 5)
+        kind = kinds[level]
+        size = int(kind[-1]) if kind.startswith("fixed") else None
+        inner = st.lists(value(level + 1), min_size=size or 0, max_size=size or 4)
+        return st.one_of(st.none(), inner) if level > 0 else inner
+
+    arrow: pa.DataType = pa.int64()
+    for kind in reversed(kinds):
+        arrow = {"list": pa.list_, "large": pa.large_list}[kind](arrow) if not kind.startswith("fixed") else pa.list_(arrow, int(kind[-1]))
+    rows = draw(st.lists(st.one_of(st.none(), value(0)), max_size=8))
+    array = pa.array(rows, type=arrow)
+    start = draw(st.integers(0, len(rows)))
+    stop = draw(st.integers(start, len(rows)))
+    return array.slice(start, stop - start), rows[start:stop]
+
+
+@settings(max_examples=200, deadline=None)
+@given(nested_arrays())
+def test_normalize_flattens_any_nesting_of_lists_into_each_rows_leaves(case: tuple[pa.Array, list]) -> None:
+    array, rows = case
+    got = normalize(BLOB, array, np.ones(len(rows), np.int64))
+    assert got.to_pylist() == [_leaves_of(row) for row in rows]
+
+
 @pytest.mark.parametrize(
     ("column", "array", "message"),
     [

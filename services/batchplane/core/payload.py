@@ -248,18 +248,21 @@ def _is_list(t: pa.DataType) -> bool:
 
 def _leaves(column: PayloadColumn, array: pa.Array) -> tuple[pa.Array, np.ndarray]:
     """The leaf values of a (possibly nested) list array in order, and how many each row holds
-    (0 for a null row)."""
+    (0 for a null row or list). Work in the number of lists, not of leaf values: each level's list
+    sizes map the rows' boundaries one level down (an image's pixels are never indexed one by one)."""
     if not _is_list(array.type):
         raise PayloadError(
             f"column {column.name!r}: a {column.kind} column of shape {list(column.shape)} holds a list per sample, got {array.type}"
         )
-    flat, rows = array, np.arange(len(array))
+    flat, bounds = array, np.arange(len(array) + 1, dtype=np.int64)  # row i: flat[bounds[i]:bounds[i + 1]]
     while _is_list(flat.type):
-        parents = pc.list_parent_indices(flat).to_numpy(zero_copy_only=False)
-        flat, rows = pc.list_flatten(flat), rows[parents]
+        sizes = pc.fill_null(pc.list_value_length(flat), 0).to_numpy(zero_copy_only=False)
+        below = np.zeros(len(flat) + 1, np.int64)  # where each list starts in the flattened level
+        np.cumsum(sizes, out=below[1:])
+        flat, bounds = pc.list_flatten(flat), below[bounds]  # list_flatten skips null lists
     if flat.null_count:
         raise PayloadError(f"column {column.name!r}: null values inside a sample's list")
-    return flat, np.bincount(rows, minlength=len(array)).astype(np.int64)
+    return flat, np.diff(bounds)
 
 
 # ---- reading a normalized column -----------------------------------------------------------
