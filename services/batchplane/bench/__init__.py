@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pathlib
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -54,6 +55,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def working_folder(text: str) -> pathlib.Path:
+    """An argparse type: a folder for a benchmark's temporary files, made (with its parents)
+    where it is missing."""
+    folder = pathlib.Path(text)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text!r}: {exc.strerror}") from None
+    return folder
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, dp: Sequence[int], pp: int, contexts: Sequence[int]) -> None:

@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import pyarrow.parquet as pq
 
-from batchplane.bench import positive_int
+from batchplane.bench import positive_int, working_folder
 from batchplane.bench.jobs import start_trainer, write_job
 from batchplane.demo.dataset import DemoSource, LogNormal, Pareto, write_demo_dataset
 from batchplane.launcher.local import LocalCluster, ServiceProcess
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at", type=positive_int, default=40, help="step at which the part is killed (default 40)")
     parser.add_argument("--step-seconds", type=float, default=0.05, help="the trainer's compute time per step (default 0.05)")
     parser.add_argument("--rows", type=positive_int, default=4000, help="rows over the four sources (default 4,000)")
-    parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
+    parser.add_argument("--dir", type=working_folder, default=None, help="working folder (default: a temporary one, removed after)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

@@ -71,7 +71,7 @@ from concurrent import futures
 
 import numpy as np
 
-from batchplane.bench import positive_int
+from batchplane.bench import positive_int, working_folder
 from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, lay_out, tensors_of
 from batchplane.wire import CHUNK_BYTES
 
@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5, help="rounds, transports alternating (default 5)")
     parser.add_argument("--skip-transports", action="store_true", help="leave Part A (GB/s) out")
     parser.add_argument("--skip-samples", action="store_true", help="leave Part B (samples/s against the DataLoader) out")
-    parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
+    parser.add_argument("--dir", type=working_folder, default=None, help="working folder (default: a temporary one, removed after)")
     from batchplane.bench import dataloader  # Part B's own flags
 
     dataloader.add_arguments(parser)

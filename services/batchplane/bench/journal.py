@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from batchplane.bench import journal_commit, moto_server, positive_int
+from batchplane.bench import journal_commit, moto_server, positive_int, working_folder
 from batchplane.bench.journal_commit import PAPER_FIGURE7
 from batchplane.bench.journal_steps import Place, synthetic_tgb, write_step
 from batchplane.bench.journal_steps import fill as make_fill
@@ -135,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--state-payload-kb", type=_int_list, default=[100, 1000], help="producer state: KB per TGB (default 100,1000)")
     add("--state-commits", type=positive_int, default=20, help="producer state: commit pairs per size (default 20)")
     add("--seed", type=int, default=0, help="seed of the payloads and DAC's jitter (default 0)")
-    add("--dir", type=pathlib.Path, default=None, help="where the local stores go (default: the system's temp folder)")
+    add("--dir", type=working_folder, default=None, help="where the local stores go (default: the system's temp folder)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

@@ -65,7 +65,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from batchplane.bench import positive_int
+from batchplane.bench import positive_int, working_folder
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.core.storage import LocalStorage
 from batchplane.core.order import SampleOrder, Window
@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="thin segments further than D steps behind the slowest rank (default: keep every sample)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the orders and lengths (default 0)")
-    parser.add_argument("--dir", type=pathlib.Path, default=None, help="where the temporary ledger folders go (default: the system's)")
+    parser.add_argument("--dir", type=working_folder, default=None, help="where the temporary ledger folders go (default: the system's)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

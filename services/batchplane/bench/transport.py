@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import pyarrow.parquet as pq
 
-from batchplane.bench import positive_int
+from batchplane.bench import positive_int, working_folder
 from batchplane.bench.jobs import start_trainer, write_job
 from batchplane.demo.dataset import DemoSource, LogNormal, Pareto, write_demo_dataset
 from batchplane.launcher.local import LocalCluster, ServiceProcess
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=positive_int, default=24000, help="rows over the four sources (default 24,000)")
     parser.add_argument("--batch", type=positive_int, default=64, help="global batch size in samples (default 64)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="pairs of runs, TLS on then off (default 3)")
-    parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
+    parser.add_argument("--dir", type=working_folder, default=None, help="working folder (default: a temporary one, removed after)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

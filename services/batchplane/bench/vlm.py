@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
-from batchplane.bench import positive_int
+from batchplane.bench import positive_int, working_folder
 from batchplane.bench.dataloader import close_ranks, tree_cpu_s
 
 HELP = "samples/s, data wait and memory per rank of the vision-language demo path against a colocated DataLoader doing the same JPEG decode (1 and 2 workers)"
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy", default=str(STRATEGY), help="the vision-language strategy file (default: the repository's examples/strategies/vlm.py)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
-    parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
+    parser.add_argument("--dir", type=working_folder, default=None, help="working folder (default: a temporary one, removed after)")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
