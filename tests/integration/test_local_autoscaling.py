@@ -89,14 +89,14 @@ def test_the_operator_adds_loaders_when_a_weight_rises_and_the_new_one_serves(tm
         for t in threads:
             t.start()
 
-        # The throughput the trainers reach, measured as the operator will see it: once they run
-        # (20 steps taken) and Prometheus has scraped them doing so (a loaded machine may take
-        # seconds to start them).
+        # The throughput the trainers reach, measured as the operator will see it: once they have
+        # run for most of the rate's 3 s window (40 steps of at least 0.05 s) and Prometheus has
+        # scraped them doing so (a loaded machine may take seconds to start them).
         def throughput_now() -> float:
             return sum(reader.sample_rate(3.0, JOB).values())
 
         wait_until(
-            lambda: min(len(seen[0]), len(seen[1])) >= 20 and throughput_now() > 0,
+            lambda: min(len(seen[0]), len(seen[1])) >= 40 and throughput_now() > 0,
             timeout_s=60,
             what="Prometheus to see the trainers consume",
         )
