@@ -883,8 +883,10 @@ def test_two_operators_elect_one_leader_and_the_other_takes_over(emulator: Emula
             "the old leader to forget its groups",
         )
         emulator.put(DATAPLANES, "late", copy.deepcopy(dataplane("late", "uid-late", [group("main", ["m"], 2, 2)])))
-        wait_for(lambda: emulator.get(DEPLOYMENTS, "late-loader-main") is not None, "the new leader to reconcile")
-        assert ("POST", "deployments training/late-loader-main") in second.api.writes
+        # The server stores the Deployment before its answer reaches the client: wait on the
+        # client's record of the write, then check the server has it.
+        wait_for(lambda: ("POST", "deployments training/late-loader-main") in second.api.writes, "the new leader to reconcile")
+        assert emulator.get(DEPLOYMENTS, "late-loader-main") is not None
 
         # Back online, the old leader stands by; the new one stops and releases the Lease, and
         # the old one takes it at once (a released Lease needs no waiting out).
