@@ -15,6 +15,7 @@ from batchplane.constructor.assemble import BuiltBatch, MicrobatchLayout, Tensor
 from batchplane.constructor.journal_slices import CorruptSlice, decode_slice, encode_step, slice_names
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.build import Delivery
+from batchplane.constructor.progress import BuildProgress
 from batchplane.constructor.produce import INFO_KEY, JournalProducer, load_info, store_info
 from batchplane.constructor.service import batch_header
 from batchplane.core.config import job_from_mapping
@@ -251,6 +252,51 @@ def test_a_restarted_producer_resumes_after_its_last_committed_step_with_restart
     assert min(s for _, s, _ in again.asks) == 3  # nothing committed is built again
     with JournalReader(storage, mesh=DataMesh(dp=2), coords=[(0, 0)], depth=0) as reader:
         assert [reader.next(timeout_s=1).step for _ in range(6)] == list(range(6))
+
+
+class ProgressPipeline(FakePipeline):
+    """A pipeline whose batches are ready when the constructor's own build rules
+    (`BuildProgress`) have built them: it builds at once whatever they allow, and a batch not
+    built is Unavailable, as a real pipeline says once `timeout_s` passed."""
+
+    def __init__(self, job, *, end: int, resume_step: int, prefetch_steps: int = 2) -> None:
+        super().__init__(job, end=end)
+        self.progress = BuildProgress(self.ranks, prefetch_steps=prefetch_steps, resume_step=resume_step)
+
+    def batch(self, rank: int, step: int, *, timeout_s: float, resume=None, restart: bool = False) -> Delivery | None:
+        self.progress.ask(rank, step, restart=restart)
+        while (todo := self.progress.to_build()) is not None:
+            self.progress.planned(0)
+            if todo >= self.end:
+                self.progress.ended(todo, epoch=self.progress.epoch)
+            else:
+                self.progress.built(todo, self.ranks, epoch=self.progress.epoch)
+        if not (self.progress.is_ready(rank, step) or self.progress.past_end(step)):
+            raise Unavailable(f"step {step} of rank {rank} is not built")
+        return super().batch(rank, step, timeout_s=timeout_s, resume=resume, restart=restart)
+
+
+@pytest.mark.parametrize("behind", [0, 2, 3, 9])
+def test_a_producer_restarted_far_past_the_pipelines_start_asks_every_rank_before_waiting(behind: int) -> None:
+    """A restarted producer's pipeline starts at the oldest step the planner says its ranks may
+    still ask for, which can lie more than the prefetch depth (2) behind the journal's next
+    step; it builds only so far ahead of its slowest rank, and a rank that has not asked counts
+    as being at the start. A producer that waited on rank 0 before rank 1 asked never got its
+    batch (the journal chaos test hung at the step after a kill)."""
+    job = make_job(dp=2)
+    storage = MemoryStorage()
+    first = FakePipeline(job, end=12)
+    first.lengths = [common_pb2.JobLength(num_steps=16)]
+    produce(job, storage, first)
+    storage.delete("end/p0.json")  # killed before the end marker: the data goes on
+    pipeline = ProgressPipeline(job, end=16, resume_step=12 - behind)
+    producer = JournalProducer(job, pipeline=pipeline, storage=storage, info=info_of(job), metrics=ConstructorMetrics(CollectorRegistry()))
+    producer.start()
+    producer.done.wait(10)
+    producer.stop()
+    assert producer.end_step == 16, f"stuck at step {max(s for _, s, _ in pipeline.asks)}: rank 0 waits on a step never built"
+    with JournalReader(storage, mesh=DataMesh(dp=2), coords=[(0, 0)], depth=0) as reader:
+        assert [reader.next(timeout_s=1).step for _ in range(16)] == list(range(16))
 
 
 def test_a_journal_of_another_job_info_is_refused() -> None:

@@ -290,17 +290,27 @@ class JournalProducer:
             log.info("the job's length (%d steps) is in the journal as %r", steps, key)
 
     def _take(self, step: int, *, restart: bool) -> dict[int, Delivery | None] | None:
-        """Every rank's delivery of `step` (None for a rank past the end of data); None if stopped."""
+        """Every rank's delivery of `step` (None for a rank past the end of data); None if stopped.
+
+        Every rank asks for `step` before any waits for it: the pipeline builds only so far
+        ahead of its slowest rank, and a rank that has not asked yet counts as being at the
+        pipeline's start. Waiting on rank 0 before rank 1 had asked deadlocked a restart whose
+        start (the planner's oldest undelivered step) lay more than the prefetch depth behind
+        the journal's next step: rank 0's step was never built, and rank 1 never asked."""
         out: dict[int, Delivery | None] = {}
-        for rank in self._pipeline.ranks:
-            while True:
+        waiting = list(self._pipeline.ranks)
+        wait_s = 0.0  # the first round only asks
+        while waiting:
+            for rank in list(waiting):
                 if self._stop.is_set():
                     return None
                 try:
-                    out[rank] = self._pipeline.batch(rank, step, timeout_s=TAKE_WAIT_S, restart=restart)
-                    break
+                    out[rank] = self._pipeline.batch(rank, step, timeout_s=wait_s, restart=restart)
+                    waiting.remove(rank)
                 except Unavailable as exc:
-                    log.info("waiting for step %d of rank %d: %s", step, rank, exc)
+                    if wait_s:
+                        log.info("waiting for step %d of rank %d: %s", step, rank, exc)
+            wait_s = TAKE_WAIT_S
         return out
 
     def _count(self, stats: WriterStats) -> None:
