@@ -71,6 +71,37 @@ def test_a_child_runs_its_module_as_main_with_its_arguments_environment_and_log(
     assert second == "to stderr"
 
 
+EXITING = """
+import io, logging, os, sys
+logging.basicConfig(stream=sys.stderr, format="%(message)s")
+sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False))  # block-buffered, whatever PYTHONUNBUFFERED says
+print("buffered on stdout")  # not flushed
+logging.getLogger("probe").warning("logged")
+if sys.argv[1] == "int":
+    sys.exit(4)
+if sys.argv[1] == "message":
+    sys.exit("a message")
+"""
+
+
+@pytest.mark.parametrize(("how", "status", "said"), [("end", 0, None), ("int", 4, None), ("message", 1, "a message")])
+def test_a_child_exits_with_its_status_and_everything_it_wrote_without_tearing_down(
+    small_zygote: zygote.Zygote, probe_dir: pathlib.Path, how: str, status: int, said: str | None
+) -> None:
+    """A child leaves through os._exit (finalization would copy every page it shares with the
+    zygote): the status is what sys.exit or the module's end says, and what it buffered or
+    logged is in its log all the same."""
+    (probe_dir / "zygote_exiting.py").write_text(EXITING)
+    log_path = probe_dir / "child.log"
+    with open(log_path, "ab") as log_file:
+        child = small_zygote.spawn("zygote_exiting", [how], log_fd=log_file.fileno())
+    assert child.wait(timeout=30) == status
+    written = log_path.read_text().splitlines()
+    assert {"buffered on stdout", "logged"} <= set(written)
+    if said:  # sys.exit's message, on stderr
+        assert said in written
+
+
 def test_the_signal_that_ends_a_child_is_its_negative_status_and_wait_times_out_while_it_runs(
     small_zygote: zygote.Zygote, probe_dir: pathlib.Path
 ) -> None:

@@ -5,7 +5,11 @@ own modules before it serves anything; a job of many loaders and constructors, a
 restart, pays that again. The launcher instead starts one zygote process (`python -m
 batchplane.launcher.zygote`) that imports the service modules once and then forks a child per
 service: the child runs the service module as `python -m` would (as `__main__`, with its
-arguments, environment, working directory and log file), so it costs only the fork.
+arguments, environment, working directory and log file), so it costs only the fork. The zygote
+also imports what the services' libraries import only on first use (pyarrow's pandas), and a
+child leaves without finalizing the interpreter it shares with the zygote (finalization would
+copy every shared page). Both together: a planner, two loaders and two constructors cost about
+1.5 CPU-s less over their life (0.7 of pandas, 0.9 at exit), measured on a 2-core machine.
 
 What the launcher holds for such a child is a `ZygoteProcess`, which answers as much of
 `subprocess.Popen` as the launcher uses (pid, poll, wait, send_signal, kill, returncode). The
@@ -24,6 +28,7 @@ PYTHON* variables differ from the zygote's is started as a plain subprocess inst
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -377,7 +382,32 @@ def _become(request: dict, log_fd: int) -> None:
     sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
     sys.argv = [request["module"], *request["args"]]
     _show_cmdline([sys.executable, "-m", request["module"], *request["args"]])
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        _exit_without_teardown(exc.code)
+    _exit_without_teardown(0)
+
+
+def _exit_without_teardown(code: object) -> None:
+    """Exits as `sys.exit(code)` would, but without tearing the interpreter down: finalization
+    drops every object the zygote imported, which writes to each page of the heap the child
+    shares with the zygote and so copies it (about 0.2 s of CPU per child, more than the fork
+    saved). Logs and standard streams are flushed first. A service has stopped gracefully by
+    then (or exits with an error status); what finalization would still do (join worker
+    threads, run atexit hooks) is what a SIGKILL skips too, which every part survives."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status & 0xFF)
 
 
 def _show_cmdline(argv: Sequence[str]) -> None:
@@ -393,6 +423,16 @@ def _show_cmdline(argv: Sequence[str]) -> None:
     ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
 
 
+def _import_lazy_dependencies() -> None:
+    """Imports what the services' libraries import only on first use, so that children inherit
+    it instead of each paying for it: pyarrow imports pandas (about 0.2 s of CPU) the first time
+    it converts Python objects to an array, which every loader and constructor does on its first
+    request. Without pandas installed pyarrow just goes on without it."""
+    import pyarrow
+
+    pyarrow.array([0])
+
+
 def main(argv: Sequence[str]) -> int:
     control = socket.socket(fileno=int(argv[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the launcher's terminal is the launcher's
@@ -401,6 +441,7 @@ def main(argv: Sequence[str]) -> int:
         __import__(module)
         # What it imported stays; the module itself runs afresh in each child, as __main__.
         del sys.modules[module]
+    _import_lazy_dependencies()
     _show_cmdline([sys.executable, "-m", "batchplane.launcher.zygote", *argv[:1], *modules])
     control.sendall(b"\x01")
     forked = _serve(control)
