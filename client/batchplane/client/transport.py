@@ -239,10 +239,15 @@ class ConstructorConnection:
         )
 
     def _call(self, attempt: Callable[[float], T], what: str) -> T:
+        """Runs `attempt(remaining seconds)` until it returns, retrying what RETRYABLE names
+        within `timeout_s`. Giving up on a deadline, the error also carries the constructor's
+        last answer: it says what the constructor waits for (e.g. a loader that is gone), while
+        the last attempt, short by then, may have timed out before its answer came."""
         begin = time.monotonic()
         give_up = begin + self.timeout_s
         backoff = 0.05
         attempts = 0
+        answered = ""  # the constructor's last retryable answer, as "CODE: details"
         while True:
             remaining = give_up - time.monotonic()
             attempts += 1
@@ -256,9 +261,12 @@ class ConstructorConnection:
                     raise errors.DataPlaneUnavailable(f"{what} at constructor {self.address}: the client was closed") from None
                 if code not in RETRYABLE or time.monotonic() + backoff >= give_up:
                     tried = f"gave up after {attempts} attempts in {time.monotonic() - begin:.1f} s: " if code in RETRYABLE else ""
+                    last = f" (its last answer: {answered})" if code == grpc.StatusCode.DEADLINE_EXCEEDED and answered else ""
                     raise ERROR_OF.get(code, errors.DataPlaneError)(
-                        f"{what} at constructor {self.address}: {tried}{code.name}: {exc.details()}"
+                        f"{what} at constructor {self.address}: {tried}{code.name}: {exc.details()}{last}"
                     ) from None
+                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    answered = f"{code.name}: {exc.details()}"
             time.sleep(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
             self._follow_address()
