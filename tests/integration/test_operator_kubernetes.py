@@ -858,6 +858,11 @@ def test_two_operators_elect_one_leader_and_the_other_takes_over(emulator: Emula
         first = next(p for p in pods.values() if p.leader.is_leader())
         second = next(p for p in pods.values() if p is not first)
         wait_for(lambda: emulator.get(DEPLOYMENTS, "demo-loader-code") is not None, "the leader's Deployments")
+        # Its passes repeat the invalid spec; a repeat's count is written at most every 0.3 s.
+        wait_for(
+            lambda: any(e["reason"] == "InvalidSpec" and e["count"] > 1 for e in stored_events(emulator)),
+            "the leader to write a repeat of the invalid spec's Event",
+        )
         time.sleep(0.5)
         lease = emulator.get(LEASES, "batchplane-operator")
         assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"], lease["spec"]["leaseDurationSeconds"]) == (
