@@ -197,6 +197,15 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def start_steps(cluster: LocalCluster, name: str) -> dict[str, float]:
+    """The start-step gauges of cluster process `name` (running): one for a planner or a
+    constructor (0 for a fresh job), one per source a loader joined mid-job (none for a loader
+    that started with the job)."""
+    process = next(p for p in cluster.processes if p.name == name)
+    metrics = scrape(f"http://{cluster.job.network.host}:{process.metrics_port}/metrics")
+    return {key: value for key, value in metrics.items() if key.startswith(f"batchplane_{name.split('-')[0]}_start_step")}
+
+
 def wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
     """Polls `condition` until true; fails the test after `timeout_s`."""
     give_up = time.monotonic() + timeout_s

@@ -22,6 +22,12 @@ class ConstructorMetrics:
             "batchplane_constructor_received_bytes_total", "Sample payload bytes received from loaders.", registry=registry
         )
         self.sent_bytes = Counter("batchplane_constructor_sent_bytes_total", "Batch payload bytes streamed to clients.", registry=registry)
+        self.start_step = Gauge(
+            "batchplane_constructor_start_step",
+            "The step this constructor process started building at: 0 for a fresh job; past 0 when it started mid-job "
+            "(a restart, or trainers resuming from a checkpoint).",
+            registry=registry,
+        )
         self.rewinds = Counter(
             "batchplane_constructor_rewinds_total",
             "Ranks whose trainer restarted at a step they had moved past (a rewind: building went back).",

@@ -145,6 +145,7 @@ class StepPipeline:
             asked = self._steps.ask(rank, step, restart=restart, resume=resume)
             if asked.started:  # a restarted constructor starts where its slowest rank may be
                 log.info("starting at step %d", self._steps.start)
+                self._metrics.start_step.set(self._steps.start)
             elif asked.rewound:
                 log.info("rank %d restarted at step %d: building again from step %d", rank, step, self._steps.next)
                 self._metrics.rewinds.inc()

@@ -30,6 +30,13 @@ class LoaderMetrics:
             ["source"],
             registry=registry,
         )
+        self.start_step = Gauge(
+            "batchplane_loader_start_step",
+            "The step from which this loader process serves a source it joined mid-job (a restart: the planner's "
+            "replay of its ledger), by source (the source's name); absent for a source it served from the job's start.",
+            ["source"],
+            registry=registry,
+        )
         self.samples_sent = Counter(
             "batchplane_loader_samples_sent_total",
             "Samples sent to constructors, by source (the source's name).",

@@ -207,7 +207,7 @@ def start_loader(job: JobSettings, process: ProcessSettings, registry: Collector
                 "serving as the shadow of replica %r: reading what it reads until the planner promotes this one", running.streams_replica
             )
         running.registration.shadow_of = running.streams_replica if registered.shadow else ""
-        restore(streams, registered.restore)
+        restore(streams, registered.restore, metrics)
         info = registered.job
         servicer.join(sources=tuple(info.sources), hook=job_hook(job, "loader_do_plan", info.hooks.loader_do_plan))
         threading.Thread(target=running.keep_registered, name="register", daemon=True).start()
@@ -240,10 +240,11 @@ def _registration(process: ProcessSettings, address: str, streams: dict[int, Sou
     return request
 
 
-def restore(streams: dict[int, SourceStream], sources: Sequence[planner_pb2.SourceRestore]) -> None:
+def restore(streams: dict[int, SourceStream], sources: Sequence[planner_pb2.SourceRestore], metrics: LoaderMetrics) -> None:
     """Rebuilds a loader that (re)starts mid-job from the planner's replay of its ledger: each
     stream reads again at once its windows that constructors may still fetch."""
     for r in sources:
+        metrics.start_step.labels(source=streams[r.source].name).set(r.delivered_below)
         replay = streams[r.source].restore(
             from_seq=r.from_seq,
             through_seq=r.through_seq,

@@ -33,6 +33,12 @@ class PlannerMetrics:
             "The latest planned step of the job (absolute: it continues across planner restarts and resumes).",
             registry=registry,
         )
+        self.start_step = Gauge(
+            "batchplane_planner_start_step",
+            "The step this planner process started planning at: 0 for a fresh job; past 0 when it resumed the job "
+            "(a restart, from the ledger, or a trainer's checkpoint).",
+            registry=registry,
+        )
         self.rewinds = Counter(
             "batchplane_planner_rewinds_total",
             "Times the plan sequence went back to an earlier step because a trainer restarted from an older checkpoint "
