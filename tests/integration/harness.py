@@ -26,6 +26,12 @@ from batchplane.core.storage import LocalStorage
 from batchplane.launcher.local import LocalCluster
 from batchplane.planner.journal import RUNTIME_FIELDS, LedgerReader
 
+#: How long a test waits for a trainer it started (torchrun and its ranks, a framework's fit) to
+#: end before failing it as hung. A hang guard, not a speed check: such a run takes 10 to 50 s on
+#: two idle cores and several times that on two cores shared with a loaded test run (the
+#: torchtitan test's reference-and-first run took 93 s under six workers).
+TRAINER_TIMEOUT_S = 300
+
 
 @dataclasses.dataclass(frozen=True)
 class SourceData:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import SourceData, ledger_records, scrape, start_cluster, wait_until, write_job
+from harness import TRAINER_TIMEOUT_S, SourceData, ledger_records, scrape, start_cluster, wait_until, write_job
 
 from batchplane.client import Client
 
@@ -94,7 +94,7 @@ def start_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str) ->
         log.close()
 
 
-def run_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str, timeout_s: float = 120) -> None:
+def run_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str, timeout_s: float = TRAINER_TIMEOUT_S) -> None:
     proc = start_torchrun(out, endpoints, *options)
     try:
         code = proc.wait(timeout=timeout_s)
@@ -270,7 +270,7 @@ def test_a_killed_trainer_resumes_from_its_hf_checkpoint_on_the_running_data_pla
                 logs = [out / f"first-rank{r}.jsonl" for r in (0, 1)]
                 return all(p.exists() and STALL_AFTER in [line["step"] for line in read_log(p)] for p in logs)
 
-            wait_until(stalled, timeout_s=90, what=f"both ranks to train step {STALL_AFTER}")
+            wait_until(stalled, timeout_s=TRAINER_TIMEOUT_S, what=f"both ranks to train step {STALL_AFTER}")
             time.sleep(0.5)  # rank 1 runs on into step 25, its client fetching ahead
         finally:
             kill_tree(first)

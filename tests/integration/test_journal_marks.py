@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from disturbed import kill_tree
 from harness import (
+    TRAINER_TIMEOUT_S,
     SourceData,
     assert_same_batches,
     collect,
@@ -160,7 +161,7 @@ def test_the_hf_trainer_marks_each_checkpoint_it_saves_and_its_ranks_exit_cleanl
         with open(out / "torchrun.log", "wb") as log:
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = proc.wait(timeout=180)
+            code = proc.wait(timeout=TRAINER_TIMEOUT_S)
         finally:
             if proc.poll() is None:
                 kill_tree(proc)

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 from disturbed import kill_tree
-from harness import start_cluster, wait_until, write_job, write_source
+from harness import TRAINER_TIMEOUT_S, start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,7 @@ def alive(pids: list[int]) -> list[int]:
 
 def run_to_end(proc: subprocess.Popen, out: pathlib.Path) -> None:
     try:
-        code = proc.wait(timeout=100)
+        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
     finally:
         kill_tree(proc)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-4000:]}"

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import run_ranks, running_cluster, start_cluster, write_job, write_source
+from harness import TRAINER_TIMEOUT_S, run_ranks, running_cluster, start_cluster, write_job, write_source
 from trainers.hashes import tensor_hashes
 
 from batchplane.client import Client
@@ -49,7 +49,7 @@ def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Pa
             start_new_session=True,
         )
     try:
-        code = proc.wait(timeout=100)
+        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
     finally:
         kill_tree(proc)
     assert code == 0, f"the Lightning trainer exited with {code}:\n{log.read_text()[-4000:]}"

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import SourceData, start_cluster, write_job
+from harness import TRAINER_TIMEOUT_S, SourceData, start_cluster, write_job
 
 from batchplane.client import Client, InvalidRequestError
 from batchplane.client.torchtitan import BatchplaneDataLoader
@@ -83,7 +83,7 @@ def run_torchtitan(endpoints: pathlib.Path, dump: pathlib.Path, out: pathlib.Pat
             start_new_session=True,
         )
     try:
-        code = proc.wait(timeout=100)
+        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
     finally:
         kill_tree(proc)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-5000:]}"
