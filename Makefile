@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 # The environment's packages, installed by uv with pip's configuration (deploy/venv_install.py:
-# 9 s where pip took 135), or by pip where uv cannot be had.
+# 9 s where pip took 137 on 2 cores), or by pip where uv cannot be had.
 INSTALL := $(PY) deploy/venv_install.py -c constraints.txt
 
 # helm 3 for the chart's checks: the `helm` on PATH when it is a 3.x, otherwise one fetched once
