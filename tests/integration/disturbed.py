@@ -192,7 +192,7 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     proc.kill()  # a no-op once it was reaped: its pid may be another process's by now
     proc.wait(timeout=30)
-    wait_until(lambda: not any(_alive(pid) for pid in pids[1:]), timeout_s=30, what="every process of the killed trainer to be gone")
+    wait_until(lambda: not any(running(pid) for pid in pids[1:]), timeout_s=30, what="every process of the killed trainer to be gone")
     return pids
 
 
@@ -214,7 +214,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether `pid` runs (a zombie waiting to be reaped by another parent does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
-from disturbed import kill_tree
+from disturbed import kill_tree, running
 from harness import collect, running_cluster, sample_ids, skewed_lengths, start_cluster, wait_until, write_job, write_source
 from prometheus_client import CollectorRegistry
 
@@ -180,6 +180,32 @@ def _endpoints(run_dir: pathlib.Path) -> dict:
     return json.loads((run_dir / "endpoints.json").read_text())
 
 
+#: The launcher's warning for a process it started on another port than the one it kept.
+_MOVED = re.compile(
+    r"^(?P<name>[\w-]+): its (?P<what>gRPC|metrics) port (?P<old>\d+) is held by another process; .*?port (?P<new>\d+) instead"
+)
+
+
+def _as_reported(before: dict, caplog: pytest.LogCaptureFixture) -> dict:
+    """`before` (an endpoints table) with the moves the launcher warned of applied. A port a
+    process had can be taken by another process before it starts again (in a parallel test run,
+    the ephemeral port of some other test's server or connection): the launcher then starts it
+    on a free port and warns, naming the process and both ports; nothing else may move."""
+    expected = json.loads(json.dumps(before))
+    for record in caplog.records:
+        if not (m := _MOVED.match(record.getMessage())):
+            continue
+        name, old, new = m["name"], f":{m['old']}", f":{m['new']}"
+        if m["what"] == "metrics":
+            expected["metrics"][name] = expected["metrics"][name].replace(f"{old}/", f"{new}/")
+        elif name == "planner":
+            expected["planner"] = expected["planner"].replace(old, new)
+        else:  # a loader (a constructor serves on the run's socket: it never moves)
+            key = name.removeprefix("loader-")
+            expected["loaders"][key] = expected["loaders"][key].replace(old, new)
+    return expected
+
+
 def _port(address_or_url: str) -> int:
     return urlsplit(address_or_url if "//" in address_or_url else f"//{address_or_url}").port
 
@@ -195,14 +221,18 @@ def _listener(port: int) -> socket.socket:
     return sock
 
 
-def test_up_started_again_on_its_run_folder_keeps_every_address(tmp_path: pathlib.Path) -> None:
+def test_up_started_again_on_its_run_folder_keeps_every_address(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     sources = [write_source(tmp_path / "data", "s", [5] * 30)]
     config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1, "shadow": True})
-    start_cluster(config).stop()
+    first = start_cluster(config)
+    first.stop()
+    assert not any(running(p.pid) for p in first.processes), "the first start's processes are gone: they hold no port"
     before = _endpoints(tmp_path / "run")
     assert set(before["metrics"]) == {"planner", "loader-0", "loader-0-shadow", "constructor-0", "constructor-1"}
+    caplog.set_level(logging.WARNING, logger="batchplane.launcher.local")
     with running_cluster(config) as cluster:
-        assert _endpoints(tmp_path / "run") == before, "every gRPC address and metrics URL is the same"
+        after = _endpoints(tmp_path / "run")
+        assert after == _as_reported(before, caplog), "every gRPC address and metrics URL is the same (but one taken meanwhile)"
         assert cluster.status().job.job_id == "test", "and the processes serve there"
 
 
@@ -231,6 +261,7 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
         "constructor-1 metrics": _port(after["metrics"]["constructor-1"]),
     }
     assert all(moved[k] != taken[k] for k in taken), (taken, moved)
+    assert after == _as_reported(before, caplog), "what moved is what the launcher warned of, to the port it names"
     assert after["constructors"] == before["constructors"], "a constructor's socket is the run's: it never moves"
     assert {k: v for k, v in after["metrics"].items() if k != "constructor-1"} == {
         k: v for k, v in before["metrics"].items() if k != "constructor-1"
@@ -244,7 +275,9 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
         )
 
 
-def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(tmp_path: pathlib.Path) -> None:
+def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sources = [write_source(tmp_path / "data", "s", [5] * 30)]
     config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1})
     up, _ = _start_up(config)
