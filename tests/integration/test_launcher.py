@@ -275,9 +275,7 @@ def test_only_a_process_whose_port_another_program_holds_moves(tmp_path: pathlib
         )
 
 
-def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(
-    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_up_started_again_after_its_launcher_was_killed_keeps_every_address(tmp_path: pathlib.Path) -> None:
     sources = [write_source(tmp_path / "data", "s", [5] * 30)]
     config = write_job(tmp_path / "job.yaml", sources, epochs="infinite", loaders={"count": 1})
     up, _ = _start_up(config)
