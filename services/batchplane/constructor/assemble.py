@@ -49,6 +49,7 @@ new payload; ranks whose variant is the whole batch share the built one (TP peer
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
@@ -75,7 +76,7 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Pieces:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return int(math.prod(self.shape)) * self.dtype.itemsize
 
 
 def _write(view: np.ndarray, value: np.ndarray | Pieces) -> None:
@@ -276,7 +277,7 @@ def assemble(
     buffer = bytearray(offset)
     for m, (layout, (seqs, whole)) in enumerate(zip(layouts, pieces)):
         lo = int(samples.offsets[m])
-        views = {t.name: np.frombuffer(buffer, t.dtype, int(np.prod(t.shape)), t.offset).reshape(t.shape) for t in layout.tensors}
+        views = {t.name: np.frombuffer(buffer, t.dtype, int(math.prod(t.shape)), t.offset).reshape(t.shape) for t in layout.tensors}
         columns = [(views[c.name], samples.columns[c.name], c.fill) for c in token_columns]
         _fill(views, samples, lo, lengths, seqs, pad_id=pad_id, ignore_id=ignore_id, columns=columns)
         for name, value in whole.items():
@@ -424,7 +425,7 @@ def lay_out(
     payload = bytearray(offset)
     for (tensors, _), layout in zip(microbatches, layouts):
         for spec, array in zip(layout.tensors, tensors.values()):
-            size = int(np.prod(spec.shape, dtype=np.int64))
+            size = int(math.prod(spec.shape))
             _write(np.frombuffer(payload, spec.dtype, size, spec.offset).reshape(spec.shape), array)
     return BuiltBatch(step, rank, tuple(layouts), payload, global_loss_tokens, MappingProxyType(dict(token_columns)))
 
@@ -433,7 +434,7 @@ def tensors_of(batch: BuiltBatch) -> list[dict[str, np.ndarray]]:
     """Read-only views of every microbatch's tensors in a built batch."""
     view = memoryview(batch.payload)
     return [
-        {t.name: np.frombuffer(view, t.dtype, int(np.prod(t.shape, dtype=np.int64)), t.offset).reshape(t.shape) for t in mb.tensors}
+        {t.name: np.frombuffer(view, t.dtype, int(math.prod(t.shape)), t.offset).reshape(t.shape) for t in mb.tensors}
         for mb in batch.microbatches
     ]
 

@@ -111,12 +111,23 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
     def __init__(self, metrics: ServerMetrics, security: Security) -> None:
         self._metrics = metrics
         self._security = security
+        # Method -> (its handler, the handler wrapped): grpc asks on every call; wrapping once
+        # per method keeps the wrapper's metric children resolved once.
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         full = handler_call_details.method
+        known = self._wrapped.get(full)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self._wrap(handler, full)
+        self._wrapped[full] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, full: str):
         method = full.rsplit("/", 1)[-1]
         parse = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
@@ -144,6 +155,8 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
         context.abort(code, str(exc) or type(exc).__name__)
 
     def _unary(self, behavior: Callable, full: str, method: str) -> Callable:
+        latency, ok = self._metrics.latency.labels(method), self._metrics.requests.labels(method, "OK")
+
         def wrapper(request, context):
             start = time.perf_counter()
             try:
@@ -154,13 +167,15 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
                     raise
                 self._fail(context, method, exc)
             finally:
-                self._metrics.latency.labels(method).observe(time.perf_counter() - start)
-            self._metrics.requests.labels(method, "OK").inc()
+                latency.observe(time.perf_counter() - start)
+            ok.inc()
             return response
 
         return wrapper
 
     def _stream(self, behavior: Callable, full: str, method: str) -> Callable:
+        latency, ok = self._metrics.latency.labels(method), self._metrics.requests.labels(method, "OK")
+
         def wrapper(request, context):
             start = time.perf_counter()
             try:
@@ -171,8 +186,8 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):
                     raise
                 self._fail(context, method, exc)
             finally:
-                self._metrics.latency.labels(method).observe(time.perf_counter() - start)
-            self._metrics.requests.labels(method, "OK").inc()
+                latency.observe(time.perf_counter() - start)
+            ok.inc()
 
         return wrapper
 

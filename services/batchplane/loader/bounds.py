@@ -126,9 +126,10 @@ def check_fetch(
     if unknown:
         raise InvalidArgument(f"this loader serves sources {sorted(served)}, not {unknown[:5]}")
     if len(seqs) > 1:
-        pairs = np.unique(np.stack([sources.astype(np.int64), seqs]), axis=1)
-        if pairs.shape[1] != len(seqs):
-            raise InvalidArgument(f"samples name {len(seqs) - pairs.shape[1]} (source, seq) pairs more than once")
+        order = np.lexsort((seqs, sources))
+        repeated = int(np.count_nonzero((np.diff(sources[order]) == 0) & (np.diff(seqs[order]) == 0)))
+        if repeated:
+            raise InvalidArgument(f"samples name {repeated} (source, seq) pairs more than once")
     count = limits.constructors or FALLBACK_CONSTRUCTORS
     if not 0 <= constructor < count:
         raise InvalidArgument(f"constructor_index must be in [0, {count}) (the job's constructors), got {constructor}")

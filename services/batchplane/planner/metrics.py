@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -176,6 +177,22 @@ class PlannerMetrics:
             self.target.labels(name).set(weight)  # until the first step is planned
             self.weight.labels(name).set(weight)
             self.exhausted.labels(name)  # exported as 0 until the source runs out
+        # Each source's children of the per-source metrics, resolved once: `labels` takes a lock
+        # and builds a key on every call, nine times per source and step otherwise.
+        self._per_source = [
+            _SourceChildren(
+                samples=self.samples.labels(name),
+                tokens=self.tokens.labels(name),
+                bad_samples=self.bad_samples.labels(name),
+                weight=self.weight.labels(name),
+                realized=self.realized.labels(name),
+                realized_tokens=self.realized_tokens.labels(name),
+                target=self.target.labels(name),
+                drift=self.drift.labels(name),
+                configured_drift=self.configured_drift.labels(name),
+            )
+            for name in self._names
+        ]
 
     def observe_step(
         self,
@@ -199,19 +216,21 @@ class PlannerMetrics:
         tokens = np.bincount(plan.samples.source, weights=plan.samples.length, minlength=len(self._names))
         total = sum(t.samples for t in ledger.sources) or 1
         total_tokens = sum(t.tokens for t in ledger.sources) or 1
-        for k, name in enumerate(self._names):
+        shares = allocation.shares if allocation is not None else None
+        good, tokens = good.tolist(), tokens.tolist()
+        for k, child in enumerate(self._per_source):
             if counts[k]:
-                self.samples.labels(name).inc(counts[k])
-                self.tokens.labels(name).inc(int(tokens[k]))
-                self.bad_samples.labels(name).inc(counts[k] - int(good[k]))
+                child.samples.inc(counts[k])
+                child.tokens.inc(int(tokens[k]))
+                child.bad_samples.inc(counts[k] - good[k])
             totals = ledger.sources[k]
-            if allocation is not None and allocation.shares:
-                self.weight.labels(name).set(allocation.shares[k])
-            self.realized.labels(name).set(totals.samples / total)
-            self.realized_tokens.labels(name).set(totals.tokens / total_tokens)
-            self.target.labels(name).set(totals.target_samples / total)
-            self.drift.labels(name).set((totals.samples - totals.target_samples) / total)
-            self.configured_drift.labels(name).set((totals.samples - totals.configured_samples) / total)
+            if shares:
+                child.weight.set(shares[k])
+            child.realized.set(totals.samples / total)
+            child.realized_tokens.set(totals.tokens / total_tokens)
+            child.target.set(totals.target_samples / total)
+            child.drift.set((totals.samples - totals.target_samples) / total)
+            child.configured_drift.set((totals.samples - totals.configured_samples) / total)
         if allocation is not None:
             self._observe_exhausted(allocation)
         max_over_min, _ = spread(plan.built_rank_costs())
@@ -232,3 +251,18 @@ class PlannerMetrics:
                 allocation.step,
                 allocation.step + 1,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SourceChildren:
+    """One source's children of the planner's per-source metrics."""
+
+    samples: Counter
+    tokens: Counter
+    bad_samples: Counter
+    weight: Gauge
+    realized: Gauge
+    realized_tokens: Gauge
+    target: Gauge
+    drift: Gauge
+    configured_drift: Gauge
