@@ -3,7 +3,8 @@ with real processes: a job written at DP 2 resumes at DP 4 (two written steps pe
 again at DP 2 from the DP 4 checkpoint, where logical and written steps no longer coincide.
 The second resume goes on at the journal position the first stopped at: every sample is
 delivered exactly once over the three runs, and the last run's batches are byte-identical to
-the written run's batches of the same written steps."""
+the written run's batches of the same written steps. In every run each step's
+`global_loss_tokens` is the loss-carrying labels of all its ranks' tensors."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ PODS = {"ranks_per_constructor": 2}
 
 def _identities(batches: dict[int, list[Batch]]) -> list[tuple[int, int]]:
     return [sample for per_rank in batches.values() for step in sample_ids(per_rank) for mb in step for sample in mb]
+
+
+def _assert_loss_tokens_are_the_steps(batches: dict[int, list[Batch]]) -> None:
+    """Every rank's batch of a step carries the step's loss tokens: the labels that carry a loss
+    in the tensors of all its ranks (ground truth no header produced)."""
+    for i in range(len(batches[0])):
+        counted = sum(int((mb["labels"] != -100).sum()) for per_rank in batches.values() for mb in per_rank[i]["microbatches"])
+        assert {per_rank[i]["global_loss_tokens"] for per_rank in batches.values()} == {counted}, batches[0][i]["step"]
 
 
 def _cursors(state: dict) -> dict[int, tuple[int, int]]:
@@ -90,6 +99,8 @@ def test_a_second_resume_after_a_dp_change_reads_on_from_the_checkpoints_journal
     resume_at = first_stop + wide_steps
     for rank in range(4):
         assert [b["step"] for b in wide[rank]] == list(range(first_stop, resume_at)), rank
+    _assert_loss_tokens_are_the_steps(written)
+    _assert_loss_tokens_are_the_steps(wide)  # two written steps' loss tokens, read by two pods
     after_wide = first_stop + 2 * wide_steps  # the written step the next run starts at
     assert {json.dumps(_cursors(s)) for s in wide_states.values()} == {
         json.dumps({resume_at - 1: (after_wide - 2, 0), resume_at: (after_wide, 0)})
@@ -114,6 +125,7 @@ def test_a_second_resume_after_a_dp_change_reads_on_from_the_checkpoints_journal
         assert [b["step"] for b in narrow[rank]] == list(range(resume_at, resume_at + left)), rank
     renumbered = {rank: [{**b, "step": b["step"] - after_wide + resume_at} for b in written[rank][after_wide:]] for rank in range(2)}
     assert_same_batches(narrow, renumbered)
+    _assert_loss_tokens_are_the_steps(narrow)
 
     delivered = collections.Counter(_identities(first) + _identities(wide) + _identities(narrow))
     repeated = sorted(sample for sample, n in delivered.items() if n > 1)

@@ -11,7 +11,7 @@ import collections
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_journal_produce import FakePipeline, info_of, make_job, produce, streamed
+from test_journal_produce import FakePipeline, info_of, loss_of, make_job, produce, streamed
 
 from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer
 from batchplane.constructor.metrics import ConstructorMetrics
@@ -135,6 +135,7 @@ def test_dp_2_to_4_at_resume_reads_each_written_slice_once() -> None:
     wider = make_job(dp=4, ranks_per_constructor=2)  # two pods of two ranks
     by_payload = {bytes(pipeline.delivery(dp, s).batch.payload): (s, dp) for s in range(8) for dp in range(2)}
     seen = collections.Counter()
+    headers: dict[int, list] = collections.defaultdict(list)
     for pod in (0, 1):
         servicer = serve(wider, storage, pod)
         for step in range(2, 5):  # resumed at step 2 (a checkpoint taken at dp=2)
@@ -142,9 +143,16 @@ def test_dp_2_to_4_at_resume_reads_each_written_slice_once() -> None:
                 header, payload = get(servicer, rank, step)
                 assert (header.step, header.rank, header.dp_rank) == (step, rank, rank)
                 seen[by_payload[payload]] += 1
+                headers[step].append(header)
         assert get(servicer, wider.pod_ranks(pod)[0], 5)[0].end_of_data  # written steps 8, 9 do not exist
         assert servicer.GetLength(constructor_pb2.GetLengthRequest(), Context()).length.num_steps == 5
     assert seen == {(s, dp): 1 for s in range(2, 8) for dp in range(2)}
+    for step, got in headers.items():  # logical step t = written steps 2t-2 and 2t-1, on both pods
+        assert len(got) == 4
+        loss = sum(mb.loss_tokens for h in got for mb in h.microbatches)
+        assert loss == sum(loss_of(s, dp * 10) for s in (2 * step - 2, 2 * step - 1) for dp in range(2))
+        assert {h.global_loss_tokens for h in got} == {loss}, "the logical step's loss tokens, not a written step's"
+        assert sum(mb.loss_weight for h in got for mb in h.microbatches) == pytest.approx(1.0)
 
 
 def test_each_header_carries_where_the_next_step_starts_in_the_journal(written) -> None:

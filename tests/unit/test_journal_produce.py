@@ -49,13 +49,21 @@ def mesh_of(job) -> ClientPlaceTree:
     return ClientPlaceTree(pp=m.pp, dp=m.dp, cp=m.cp, tp=m.tp, order=m.order)
 
 
-def built(step: int, bucket: int, *, tensors: bool = True, extra: bytes = b"") -> BuiltBatch:
-    """A rank batch whose bytes say its step and bucket (`tensors` False: a TP peer's empty batch)."""
+def loss_of(step: int, bucket: int) -> int:
+    """The loss tokens of a test batch: they differ between steps and buckets."""
+    return 1 + (step * 7 + bucket) % 11
+
+
+def built(step: int, bucket: int, *, tensors: bool = True, extra: bytes = b"", total: int | None = None) -> BuiltBatch:
+    """A rank batch whose bytes say its step and bucket (`tensors` False: a TP peer's empty batch),
+    of `loss_of` loss tokens in a step of `total` (default: its own), weighed as a constructor does."""
     if not tensors:
         return BuiltBatch(step, 0, (MicrobatchLayout((), 0, 0, False),), bytearray(), 0)
     ids = (np.arange(12, dtype=np.int64) + step * 100_000 + bucket * 100).reshape(2, 6)
     layout = TensorLayout("input_ids", "int64", (2, 6), 0)
-    return BuiltBatch(step, 0, (MicrobatchLayout((layout,), 12, 10, False, 0.5),), bytearray(ids.tobytes()), 40)
+    loss = loss_of(step, bucket)
+    total = loss if total is None else total
+    return BuiltBatch(step, 0, (MicrobatchLayout((layout,), 12, loss, False, loss / total),), bytearray(ids.tobytes()), total)
 
 
 class FakePipeline:
@@ -78,7 +86,9 @@ class FakePipeline:
         variant = self.rules.variant(rank)
         key = (step, variant)
         if key not in self._cache:
-            self._cache[key] = built(step, variant.bucket * 10 + (variant.cp_rank or 0), tensors=variant.tensors)
+            sizes = self.mesh.sizes
+            total = sum(loss_of(step, dp * 10 + cp) for dp in range(sizes["dp"]) for cp in range(sizes["cp"]))
+            self._cache[key] = built(step, variant.bucket * 10 + (variant.cp_rank or 0), tensors=variant.tensors, total=total)
         return Delivery(self._cache[key], rank, variant, extra=self.extra if variant.tensors else b"")
 
     def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:

@@ -33,6 +33,11 @@ TOKENS = ("input_ids",)
 FAST = ManifestSettings(checkpoint_every=4, confirm_after_s=0.01)
 
 
+def loss_tokens(step: int, dp: int, cp: int) -> int:
+    """The meta figure each test slice carries: distinct per slice, so a sum names its slices."""
+    return 1 + step * 7 + dp * 3 + cp
+
+
 def batch(step: int, dp: int, cp: int) -> dict[str, np.ndarray]:
     tag = step * 1000 + dp * 10 + cp
     return {"input_ids": np.arange(64, dtype=np.int64).reshape(2, 32) + tag * 100, "tag": np.array([tag], dtype=np.int64)}
@@ -74,7 +79,8 @@ def write(
     )
     w.resume()
     for step in steps:
-        w.write(step, {(d, c): batch(step, d, c) for d in range(mesh.dp) for c in range(mesh.cp)})
+        coords = [(d, c) for d in range(mesh.dp) for c in range(mesh.cp)]
+        w.write(step, {k: batch(step, *k) for k in coords}, {k: {"loss_tokens": loss_tokens(step, *k)} for k in coords})
     w.flush()
     return w
 
@@ -115,11 +121,14 @@ def test_dp_changed_at_resume_delivers_every_written_slice_exactly_once(storage:
         for _ in range(n):
             s = r.next(timeout_s=5)
             assert sorted(s.batches) == [(d, 0) for d in range(r.mesh.dp)]
+            read = 0
             for b in s.batches.values():
                 (tag,) = b["tag"].tolist()
                 step, dp = divmod(tag, 1000)
                 np.testing.assert_array_equal(b["input_ids"], batch(step, dp // 10, 0)["input_ids"])
                 delivered[tag] += 1
+                read += loss_tokens(step, dp // 10, 0)
+            assert s.totals == {"loss_tokens": read}, "the figures of exactly the slices the logical step reads"
             cursor = s.cursor
         return cursor
 
@@ -134,6 +143,33 @@ def test_dp_changed_at_resume_delivers_every_written_slice_exactly_once(storage:
             r.next(timeout_s=0.05)
     assert set(delivered) == {s * 1000 + d * 10 for s in range(total) for d in range(written)}
     assert set(delivered.values()) == {1}, "each written slice once"
+
+
+@pytest.mark.parametrize(("written", "after"), [(2, 4), (4, 2), (2, 8)])
+def test_a_reader_of_one_coordinate_sums_the_figures_of_every_slice_of_the_logical_step(written: int, after: int) -> None:
+    storage = CountingStorage()
+    write(storage, range(8), mesh=DataMesh(written))
+    with reader(storage, DataMesh(after)) as everyone, reader(storage, DataMesh(after), coords=[(after - 1, 0)]) as one:
+        steps = 8 * written // after
+        for _ in range(steps):
+            whole, mine = everyone.next(timeout_s=5), one.next(timeout_s=5)
+            assert mine.totals == whole.totals and whole.totals["loss_tokens"] > 0
+            assert sorted(mine.batches) == [(after - 1, 0)]
+    # the single-coordinate reader read every written step's footer (8), and only its own slices
+    assert one.stats.footer_reads == 8
+    assert one.stats.slices_read == steps, "one written slice per logical step"
+
+
+def test_a_journal_without_slice_figures_has_no_totals() -> None:
+    storage = MemoryStorage()
+    w = JournalWriter(
+        storage, prefix=PREFIX, producer_id="p0", mesh=DataMesh(2), token_names=TOKENS, manifest_settings=FAST, sleep=lambda s: None
+    )
+    w.resume()
+    w.write(0, {(d, 0): batch(0, d, 0) for d in range(2)})
+    w.flush()
+    with reader(storage, DataMesh(1)) as r:
+        assert r.next(timeout_s=5).totals == {}
 
 
 def test_a_reader_waiting_for_an_uncommitted_step_says_so(storage: Storage, caplog: pytest.LogCaptureFixture) -> None:

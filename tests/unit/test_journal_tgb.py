@@ -257,6 +257,14 @@ def _set(path, value):
         (_set(["slices", 0, "columns", 1, "name"], "input_ids"), "footer.slices[0].columns"),
         (_set(["slices", 0, "columns", 0, "name"], ""), "footer.slices[0].columns[0].name"),
         (_set(["slices"], {}), "footer.slices"),
+        (_set(["slices", 0, "meta"], {"loss_tokens": -1}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], {"loss_tokens": 2**63}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], {"loss_tokens": 1.5}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], {"loss_tokens": True}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], {"": 1}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], {f"m{i}": 1 for i in range(17)}), "footer.slices[0].meta"),
+        (_set(["slices", 0, "meta"], [1]), "footer.slices[0].meta"),
+        (_set(["slices", 0, "figures"], {}), "footer.slices[0]"),
     ],
 )
 def test_crafted_footers_are_refused_naming_the_field(edit, field) -> None:
@@ -290,6 +298,35 @@ def test_garbage_and_tiny_objects_are_refused() -> None:
     for data in (b"", b"x" * 31, b"\0" * 32, b"\0" * 4096):
         with pytest.raises(CorruptTGB):
             tgb.decode_tgb(data)
+
+
+def test_slice_meta_round_trips_and_is_absent_where_none_was_given() -> None:
+    slices = {(d, c): {"x": np.full(3, d * 10 + c, np.int64)} for d in range(2) for c in range(2)}
+    plain = tgb.encode_tgb(slices, step=1, dp=2, cp=2)
+    with_meta = tgb.encode_tgb(slices, step=1, dp=2, cp=2, meta={(1, 0): {"loss_tokens": np.int64(7), "rows": 2}, (0, 1): {}})
+    assert b"meta" not in bytes(plain), "an object without figures is written as before they existed"
+    footer = tgb.load_footer(_Fetcher(bytes(with_meta)), object_size=len(with_meta))
+    assert {(e.dp, e.cp): dict(e.meta) for e in footer.slices} == {
+        (0, 0): {},
+        (0, 1): {},
+        (1, 0): {"loss_tokens": 7, "rows": 2},
+        (1, 1): {},
+    }
+    for e in footer.slices:  # the data are laid out alike
+        np.testing.assert_array_equal(tgb.load_slice(_Fetcher(bytes(with_meta)), footer, dp=e.dp, cp=e.cp)["x"], slices[(e.dp, e.cp)]["x"])
+
+
+def test_encode_refuses_bad_meta() -> None:
+    ok = {(0, 0): {"x": np.zeros(1)}}
+    for meta, match in (
+        ({(1, 0): {"a": 1}}, "outside"),
+        ({(0, 0): {"a": -1}}, "'a'"),
+        ({(0, 0): {"a": 1.0}}, "'a'"),
+        ({(0, 0): {"": 1}}, "name"),
+        ({(0, 0): {f"m{i}": 1 for i in range(17)}}, "at most 16"),
+    ):
+        with pytest.raises(InvalidArgument, match=match):
+            tgb.encode_tgb(ok, step=0, dp=1, cp=1, meta=meta)
 
 
 def test_encode_refuses_bad_input() -> None:

@@ -35,9 +35,11 @@ or a checkpoint of stream delivery) the first step asked for, s0, is taken to st
 step s0; with an anchor at its own written step and the same DP, logical step s is written step
 s, before the anchor too. Otherwise a restart without a cursor before s0 cannot be mapped and is
 refused. A CP change is refused (FAILED_PRECONDITION naming both meshes): the slices are opaque
-headers and payloads, which cannot be re-cut. Under a DP change each header still carries its
-written step's `global_loss_tokens` and `loss_weight`s (not yet the logical step's: that needs
-the loss tokens of slices other pods read).
+headers and payloads, which cannot be re-cut. Every header carries its logical step's
+`global_loss_tokens` and loss weights: the loss tokens of every slice the logical step reads, on
+all pods, summed from the TGB footers' slice meta (`JournalStep.totals`; under a DP change the
+reader reads the footers of written steps its own ranks do not read for it). A journal written
+before slices carried the figure keeps the written step's.
 
 Marks: the consumer records the progress mark `pod-I` (`JournalReader.record_watermark`) at
 the step below which all its ranks took every step, every `MARK_EVERY` steps, so
@@ -64,7 +66,7 @@ from typing import Any
 import grpc
 
 from batchplane.constructor.bounds import check_batch_request, check_checkpoint_request
-from batchplane.constructor.journal_slices import decode_slice
+from batchplane.constructor.journal_slices import LOSS_TOKENS, decode_slice, with_global_loss_tokens
 from batchplane.constructor.mark_recorder import MarkRecorder
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.produce import data_mesh, load_info
@@ -181,6 +183,8 @@ class JournalConsumer:
             return None
         coords = self.mesh.coords(rank)
         header, payload = decode_slice(item.batches[(coords.dp, coords.cp)], rank=rank, step=step, mesh=self.mesh)
+        if LOSS_TOKENS in item.totals:
+            with_global_loss_tokens(header, item.totals[LOSS_TOKENS])
         after = item.cursor
         header.journal_cursor.manifest_version = after.manifest_version
         header.journal_cursor.step, header.journal_cursor.offset = after.position.step, after.position.offset

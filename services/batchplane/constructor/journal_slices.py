@@ -14,6 +14,11 @@ and, only when the tensor-parallel peers (tp > 0) of that stage receive other by
 (the trainer broadcasts over TP, `broadcast_at("TP")`), `pp{k}.peer.header` and
 `pp{k}.peer.payload` for them (every tp > 0 rank of a stage gets the same bytes, I3).
 
+Each slice's footer entry carries the meta figure `loss_tokens` (`slice_meta`): the loss tokens
+of its (dp, cp) coordinates' microbatches, so that a reader on another data mesh can sum those of
+every slice its logical step reads (`JournalStep.totals`) and give its ranks that step's
+`global_loss_tokens` and loss weights (`with_global_loss_tokens`), not the written step's.
+
 Decoding checks every field a hostile or corrupt object could get wrong (names, dtypes, a
 header that parses, its payload size, every tensor inside the payload) and raises
 `CorruptSlice` naming it; the header it returns carries the reading rank's coordinates and the
@@ -34,6 +39,8 @@ from batchplane.core.mesh import ClientPlaceTree
 from batchplane.v1 import constructor_pb2
 
 _RANK_FIELDS = ("step", "rank", "dp_rank", "cp_rank", "tp_rank", "pp_rank")
+#: The meta figure of a slice's loss tokens (`slice_meta`).
+LOSS_TOKENS = "loss_tokens"
 
 
 class CorruptSlice(FailedPrecondition):
@@ -86,6 +93,32 @@ def encode_step(deliveries: Mapping[int, Delivery], mesh: ClientPlaceTree) -> di
                             arrays[names[0]], arrays[names[1]] = peer_header, peer_payload
             out[(dp, cp)] = arrays
     return out
+
+
+def slice_meta(deliveries: Mapping[int, Delivery], mesh: ClientPlaceTree) -> dict[tuple[int, int], dict[str, int]]:
+    """Each slice's meta figures: (dp, cp) -> {LOSS_TOKENS: the loss tokens of the
+    microbatches of rank (pp=0, dp, cp, tp=0)}. Over a step's slices they sum to its
+    `global_loss_tokens` (each CP slice counts the loss tokens of its share).
+
+    Args:
+        deliveries: As `encode_step` takes them.
+        mesh: The job's mesh.
+    """
+    sizes = mesh.sizes
+    return {
+        (dp, cp): {LOSS_TOKENS: sum(int(mb.loss_tokens) for mb in deliveries[mesh.rank(pp=0, dp=dp, cp=cp, tp=0)].batch.microbatches)}
+        for dp in range(sizes["dp"])
+        for cp in range(sizes["cp"])
+    }
+
+
+def with_global_loss_tokens(header: constructor_pb2.BatchHeader, global_loss_tokens: int) -> None:
+    """Makes `header` (a decoded slice's) that of a logical step of `global_loss_tokens` loss
+    tokens over all its ranks: the step's figure and each microbatch's loss weight, its loss
+    tokens over that figure (0 when it is 0), as a constructor computes them."""
+    header.global_loss_tokens = global_loss_tokens
+    for mb in header.microbatches:
+        mb.loss_weight = mb.loss_tokens / global_loss_tokens if global_loss_tokens > 0 else 0.0
 
 
 def decode_slice(

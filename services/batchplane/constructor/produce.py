@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from batchplane.constructor.checkpoint_marks import counts_for_lag
-from batchplane.constructor.journal_slices import encode_step
+from batchplane.constructor.journal_slices import encode_step, slice_meta
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.build import Delivery
 from batchplane.constructor.reclaim_loop import ReclaimLoop
@@ -240,7 +240,8 @@ class JournalProducer:
                 self._count(writer.stats)
                 self.end_step = step
                 return True
-            writer.write(step, encode_step({r: d for r, d in deliveries.items() if d is not None}, self._pipeline.mesh))
+            delivered = {r: d for r, d in deliveries.items() if d is not None}
+            writer.write(step, encode_step(delivered, self._pipeline.mesh), slice_meta(delivered, self._pipeline.mesh))
             self._count(writer.stats)
             step += self._stride
         return False

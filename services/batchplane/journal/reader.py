@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -37,13 +37,14 @@ from batchplane.core.errors import ConfigError, FailedPrecondition, InvalidArgum
 from batchplane.core.storage import Storage
 from batchplane.journal.commit import ManifestSettings, ManifestStore
 from batchplane.journal.manifest import CommittedStep, ManifestState, Mark, Unmark
-from batchplane.journal.slices import DataMesh, SliceCursor, advance, assemble, reads_for, written_steps
+from batchplane.journal.slices import DataMesh, SliceCursor, advance, assemble, dp_slices, reads_for, written_steps
 from batchplane.journal.tgb import CorruptTGB, Footer, load_footer, load_slice
 from batchplane.journal.writer import JournalHeader, read_end, read_header
 
 log = logging.getLogger(__name__)
 
 _PUT_TRIES = 100
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,15 @@ class JournalStep(NamedTuple):
             this step records.
         batches: (dp, cp) -> that rank's batch (column name -> array, read-only views of the
             fetched bytes where no CP remapping copied them), for every served coordinate.
+        totals: Each slice meta figure (`tgb.SliceEntry.meta`) summed over every written slice
+            the logical step reads, over all the reader mesh's ranks (not only the served ones;
+            their footers are read for it): the names every one of those slices has.
     """
 
     step: int
     cursor: ReaderCursor
     batches: dict[tuple[int, int], dict[str, np.ndarray]]
+    totals: dict[str, int]
 
 
 class _Coord(NamedTuple):
@@ -384,9 +389,21 @@ class JournalReader:
                 if read.key not in fetched:
                     fetched[read.key] = self._load(state, read.step, read.dp, read.cp)
         batches = {c: assemble(reads, fetched, token_names=self.header.token_names) for c, reads in plan.items()}
+        totals = self._totals(state, position)
         self.stats.steps += 1
         cursor = ReaderCursor(state.version, advance(position, written=written, reader=self.mesh))
-        return JournalStep(step, cursor, batches)
+        return JournalStep(step, cursor, batches, totals)
+
+    def _totals(self, state: ManifestState, position: SliceCursor) -> dict[str, int]:
+        """`JournalStep.totals` of the logical step starting at `position`."""
+        written = self.header.mesh
+        sums: dict[str, int] | None = None
+        for step, dp in dp_slices(position, written=written, reader=self.mesh):
+            footer = self._checked(state, step, functools.partial(self._footer_of, step))
+            for cp in range(written.cp):
+                meta = footer.slice(dp, cp).meta
+                sums = dict(meta) if sums is None else {name: total + meta[name] for name, total in sums.items() if name in meta}
+        return sums or {}
 
     def _wait_visible(self, written_step: int, *, deadline: float | None) -> ManifestState:
         """The manifest once `written_step` and every step before it are committed."""
@@ -418,21 +435,21 @@ class JournalReader:
                 raise Unavailable("the journal reader was closed")
 
     def _load(self, state: ManifestState, step: int, dp: int, cp: int) -> dict[str, np.ndarray]:
+        batch = self._checked(
+            state, step, lambda key, size, fetch: load_slice(fetch, self._footer_of(step, key, size, fetch), dp=dp, cp=cp)
+        )
+        self.stats.slices_read += 1
+        return batch
+
+    def _checked(self, state: ManifestState, step: int, read: Callable[[str, int, Callable[[int, int], bytes]], _T]) -> _T:
+        """`read(key, size, fetch)` of written step `step`'s object as `state` lists it, its errors
+        naming the step and the object."""
         committed = state.step(step)
         if committed is None:  # cannot happen below visible_through, above the watermark
             raise FailedPrecondition(f"journal step {step} is not listed in manifest version {state.version}")
         key, size = _the_object(committed)
-        fetch = functools.partial(self._get_range, key)
         try:
-            footer = self._footer(step, key, size, fetch)
-            written = self.header.mesh
-            if (footer.dp, footer.cp) != (written.dp, written.cp):
-                raise CorruptTGB(
-                    "footer.dp",
-                    f"the object holds dp={footer.dp} x cp={footer.cp} slices, the journal is "
-                    f"written for dp={written.dp} x cp={written.cp}",
-                )
-            batch = load_slice(fetch, footer, dp=dp, cp=cp)
+            return read(key, size, functools.partial(self._get_range, key))
         except CorruptTGB as exc:
             raise CorruptTGB(exc.field, f"{exc.problem} (journal step {step}, object {key!r} in {self.storage.describe()})") from exc
         except NotFound as exc:
@@ -440,8 +457,18 @@ class JournalReader:
                 f"journal step {step}: its object {key!r} is gone from {self.storage.describe()} although manifest "
                 f"version {state.version} lists it (deleted by hand, or a reclaimer that broke the rules)"
             ) from exc
-        self.stats.slices_read += 1
-        return batch
+
+    def _footer_of(self, step: int, key: str, size: int, fetch: Callable[[int, int], bytes]) -> Footer:
+        """The footer of written step `step`'s object `key` of `size` bytes, checked against
+        the written mesh."""
+        footer = self._footer(step, key, size, fetch)
+        written = self.header.mesh
+        if (footer.dp, footer.cp) != (written.dp, written.cp):
+            raise CorruptTGB(
+                "footer.dp",
+                f"the object holds dp={footer.dp} x cp={footer.cp} slices, the journal is written for dp={written.dp} x cp={written.cp}",
+            )
+        return footer
 
     def _footer(self, step: int, key: str, size: int, fetch: Callable[[int, int], bytes]) -> Footer:
         footer = self._footers.get(key)

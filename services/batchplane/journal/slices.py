@@ -198,6 +198,17 @@ def written_steps(cursor: SliceCursor, *, written: DataMesh, reader: DataMesh) -
     return range(f0 // written.dp, (f0 + reader.dp - 1) // written.dp + 1)
 
 
+def dp_slices(cursor: SliceCursor, *, written: DataMesh, reader: DataMesh) -> list[tuple[int, int]]:
+    """The written DP slices, as (written step, dp), that the logical step starting at `cursor`
+    reads over all its ranks: reader DP rank r reads the r-th (each with every CP slice of it).
+
+    Raises:
+        TopologyError: a bad cursor.
+    """
+    f0 = flat_index(cursor, written=written)
+    return [divmod(f, written.dp) for f in range(f0, f0 + reader.dp)]
+
+
 def logical_steps(cursor: SliceCursor, committed_end: int, *, written: DataMesh, reader: DataMesh) -> int:
     """How many whole logical steps, from `cursor`, the written steps below `committed_end` hold.
 

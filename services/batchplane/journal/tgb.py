@@ -18,7 +18,11 @@ the slice of their (dp, cp) coordinates. The object is laid out as
   "dp": d, "length": N, "offset": S}, ...], "step": s, "version": 1}, one entry per slice;
   a column's offset is relative to its slice's start, its bytes are the array in C order,
   little-endian, of `dtype` (a name of DTYPES); a slice's crc32 (zlib) covers its whole range,
-  padding included;
+  padding included. A slice entry may also hold "meta": {name: int >= 0, ...} (at most
+  MAX_META names), small figures about the slice that a reader of other slices needs without
+  fetching this one (journal delivery records each slice's loss tokens there, so a reader on
+  another data mesh can sum the loss tokens of the slices its logical step reads); an entry
+  without meta is written without the key, as before it existed;
 - the trailer is TRAILER_BYTES (32) bytes, little-endian: magic b"BPTG", format version (u16),
   flags (u16, 0), footer offset (u64), footer length (u64), crc32 of the footer (u32), and
   b"GTPB". footer offset + footer length + 32 is the object's size.
@@ -93,14 +97,18 @@ MAX_COLUMNS = 1 << 12
 MAX_STEP = 1 << 62
 #: Largest size of one dimension.
 MAX_DIM = 1 << 48
-#: Longest column name, in characters.
+#: Longest column name (and meta name), in characters.
 MAX_NAME = 256
+#: Most meta names of one slice, and the largest meta value.
+MAX_META = 16
+MAX_META_VALUE = 1 << 62
 
 _TRAILER = struct.Struct("<4sHHQQI4s")
 #: Size of the trailer, in bytes.
 TRAILER_BYTES = _TRAILER.size
 _FOOTER_KEYS = frozenset({"format", "version", "step", "dp", "cp", "slices"})
 _SLICE_KEYS = frozenset({"dp", "cp", "offset", "length", "crc32", "columns"})
+_SLICE_KEYS_WITH_META = _SLICE_KEYS | {"meta"}
 _COLUMN_KEYS = frozenset({"name", "dtype", "shape", "offset", "length"})
 
 
@@ -160,6 +168,8 @@ class SliceEntry:
     length: int
     crc32: int
     columns: tuple[ColumnEntry, ...]
+    #: The slice's meta figures (name -> int >= 0); empty when the writer recorded none.
+    meta: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def range(self) -> tuple[int, int]:
@@ -191,7 +201,14 @@ class Footer:
 # --- encoding ----------------------------------------------------------------------------
 
 
-def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, step: int, dp: int, cp: int) -> bytearray:
+def encode_tgb(
+    slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]],
+    *,
+    step: int,
+    dp: int,
+    cp: int,
+    meta: Mapping[tuple[int, int], Mapping[str, int]] | None = None,
+) -> bytearray:
     """Lays out one step's TGB.
 
     Args:
@@ -200,6 +217,8 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
         step: The step the TGB is, in [0, MAX_STEP] (recorded in the footer, checked by readers).
         dp: The data-parallel size of the mesh it was built for, >= 1.
         cp: The context-parallel size, >= 1.
+        meta: (dp, cp) -> that slice's meta figures (name -> int in [0, MAX_META_VALUE], at
+            most MAX_META names), recorded in its footer entry; coordinates left out have none.
 
     Returns:
         The object's bytes (one buffer, written once; the arrays are copied into it).
@@ -222,6 +241,14 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
         missing = sorted(expected - got)[:5]
         extra = sorted(got - expected, key=repr)[:5]
         raise InvalidArgument(f"slices: must hold exactly the coordinates of dp={dp} x cp={cp}; missing {missing}, unexpected {extra}")
+    meta = dict(meta or {})
+    unknown = sorted(set(meta) - expected, key=repr)[:5]
+    if unknown:
+        raise InvalidArgument(f"meta: coordinates {unknown} are outside dp={dp} x cp={cp}")
+    for coords, figures in meta.items():
+        problem = _meta_problem(figures)
+        if problem:
+            raise InvalidArgument(f"meta[{coords}]: {problem}")
 
     plans = []  # (d, c, [(name, dtype name, shape, little-endian contiguous array, offset)], length)
     offset = 0
@@ -261,6 +288,8 @@ def encode_tgb(slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]], *, st
                 "columns": [{"name": n, "dtype": t, "shape": list(s), "offset": o, "length": a.nbytes} for n, t, s, a, o in columns],
             }
         )
+        if meta.get((d, c)):
+            entries[-1]["meta"] = {name: int(value) for name, value in meta[(d, c)].items()}
     # The footer's length depends on the crc32s' digits, so the data are laid out first.
     out = bytearray(footer_offset)
     view = memoryview(out)
@@ -529,7 +558,7 @@ def _check_keys(doc: object, keys: frozenset[str], field: str) -> None:
 
 
 def _slice_entry(item: Any, field: str, data_end: int) -> SliceEntry:
-    _check_keys(item, _SLICE_KEYS, field)
+    _check_keys(item, _SLICE_KEYS_WITH_META if isinstance(item, dict) and "meta" in item else _SLICE_KEYS, field)
     d = _int(item["dp"], f"{field}.dp", 0, MAX_SLICES)
     c = _int(item["cp"], f"{field}.cp", 0, MAX_SLICES)
     offset = _int(item["offset"], f"{field}.offset", 0, data_end)
@@ -545,7 +574,25 @@ def _slice_entry(item: Any, field: str, data_end: int) -> SliceEntry:
     if len(set(names)) != len(names):
         raise CorruptTGB(f"{field}.columns", "duplicate column names")
     _check_disjoint(((col.offset, col.length) for col in columns), f"{field}.columns")
-    return SliceEntry(d, c, offset, length, crc, columns)
+    meta = item.get("meta", {})
+    problem = _meta_problem(meta)
+    if problem:
+        raise CorruptTGB(f"{field}.meta", problem[:300])
+    return SliceEntry(d, c, offset, length, crc, columns, dict(meta))
+
+
+def _meta_problem(meta: object) -> str | None:
+    """What is wrong with a slice's meta figures, or None."""
+    if not isinstance(meta, Mapping):
+        return f"expected an object of names to ints, got {type(meta).__name__}"
+    if len(meta) > MAX_META:
+        return f"at most {MAX_META} names, got {len(meta)}"
+    for name, value in meta.items():
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            return f"a name must be a non-empty string of at most {MAX_NAME} characters, got {name!r}"
+        if not _is_int(value) or not 0 <= value <= MAX_META_VALUE:
+            return f"{name!r}: expected an int in [0, {MAX_META_VALUE}], got {value!r}"
+    return None
 
 
 def _column_entry(item: Any, field: str, slice_length: int) -> ColumnEntry:

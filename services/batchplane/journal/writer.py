@@ -473,7 +473,12 @@ class JournalWriter:
             self._sleep(self.poll_s)
         return False
 
-    def write(self, step: int, slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> Attempt | None:
+    def write(
+        self,
+        step: int,
+        slices: Mapping[tuple[int, int], Mapping[str, np.ndarray]],
+        meta: Mapping[tuple[int, int], Mapping[str, int]] | None = None,
+    ) -> Attempt | None:
         """Encodes and writes step `step`'s TGB, adds it to the pending steps and commits when
         the policy says so.
 
@@ -481,6 +486,8 @@ class JournalWriter:
             step: The step, after every step this producer committed or holds pending.
             slices: (dp, cp) -> the batch of the rank with those coordinates (tp = pp = 0), for
                 every coordinate of the written mesh.
+            meta: (dp, cp) -> the slice's meta figures for readers of other slices
+                (`tgb.encode_tgb`); None: none.
 
         Returns:
             The commit attempt made, or None if none was due.
@@ -497,7 +504,7 @@ class JournalWriter:
         if step <= after:
             raise FailedPrecondition(f"producer {self.producer_id!r} writes step {step} after step {after}: steps must increase")
         mesh = self.header.mesh
-        data = encode_tgb(slices, step=step, dp=mesh.dp, cp=mesh.cp)
+        data = encode_tgb(slices, step=step, dp=mesh.dp, cp=mesh.cp, meta=meta)
         key = object_key(self.prefix, step=step, producer=self.producer_id, epoch=producer.epoch)
         if not self.storage.put_if_absent(key, cast(bytes, data)):  # any bytes-like is accepted
             try:
