@@ -25,6 +25,7 @@ COMMIT_FIELDS = {
     "attempts",
     "conflicts",
     "reprepared",
+    "deferred",
     "commit_success_rate_counting_reprepares",
     "errors",
     "commits",
@@ -178,6 +179,7 @@ def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_pat
             "attempts": [
                 (0.5, 0.4, 1, 0.1, 0.0, ((3, 9_000_000, 0.2),), 5),
                 (1.5, 1.0, 0, 0.2, 1.0, (), 0),
+                (2.0, 1.0, journal_commit._NO_PUT, 0.0, 9.0, (), 1),  # deferred after catching up: no put
                 (2.5, 1.0, 1, 0.4, 3.0, ((7, 2_000_000, 1.2),), 2),
                 (4.5, 4.0, -1, 0.1, 0.0, (), 0),
             ],
@@ -188,7 +190,7 @@ def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_pat
     r = journal_commit._record("local", "dac", 1, args, results, final=state, version_start=1, start=0.0, window=(1.0, 3.0), cycle_s=1.0)
     assert (r["attempts"], r["conflicts"], r["errors"], r["commits"]) == (2, 1, 0, 1)
     assert r["commit_success_rate"] == 0.5 and r["steps_committed"] == 1 and r["exactly_once"]
-    assert r["reprepared"] == 2 and r["commit_success_rate_counting_reprepares"] == 0.25
+    assert r["reprepared"] == 3 and r["deferred"] == 1 and r["commit_success_rate_counting_reprepares"] == 0.2
     assert r["committed_mb_per_s"] == pytest.approx(1.0) and r["offered_mb_per_s"] == pytest.approx(1.0)
     assert r["fragile_window_s"] == pytest.approx(0.3) and r["gap_s"] == pytest.approx(2.0)
     assert r["commit_latency_s"] == pytest.approx(1.5) and r["step_visible_latency_s"] == pytest.approx(1.3)

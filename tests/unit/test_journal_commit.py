@@ -7,13 +7,14 @@ the latest version without a hint, checkpoints, and refusing a store without con
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchplane.core.errors import FailedPrecondition, Unavailable
+from batchplane.core.errors import FailedPrecondition, NotFound, Unavailable
 from batchplane.core.storage import MemoryStorage
 from batchplane.journal import commit as commit_module
 from batchplane.journal.commit import ManifestSettings, ManifestStore, PreparedVersion, Producer, version_key
@@ -27,7 +28,7 @@ from batchplane.journal.manifest import (
     apply,
     decode_record,
 )
-from batchplane.journal.policy import DacPolicy, DacSettings
+from batchplane.journal.policy import DacPolicy, DacSettings, NaivePolicy
 
 
 class Crash(Exception):
@@ -37,12 +38,25 @@ class Crash(Exception):
 class ScheduledStorage(MemoryStorage):
     """A MemoryStorage whose next manifest put the test can interrupt: `before_put` runs first
     (another producer's whole attempt: a race), `after_put` is raised after the write (the
-    process crashes, or loses the answer, after the version is in)."""
+    process crashes, or loses the answer, after the version is in); and whose next probe that
+    finds nothing `after_miss` follows (a race the prober catches up on)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.before_put: Callable[[], None] | None = None
         self.after_put: BaseException | None = None
+        self.after_miss: Callable[[], None] | None = None
+
+    def get(self, key: str) -> bytes:
+        """`after_miss` runs after the next manifest read that finds nothing (a probe): another
+        producer's attempt lands right after it, so the prober's preparation is overtaken."""
+        try:
+            return super().get(key)
+        except NotFound:
+            if key.startswith("manifest/") and self.after_miss is not None:
+                hook, self.after_miss = self.after_miss, None
+                hook()
+            raise
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         manifest = key.startswith("manifest/")
@@ -61,12 +75,14 @@ class Process:
 
     counter = 0
 
-    def __init__(self, storage: ScheduledStorage, slot: int, slots: int, total: int, k: int) -> None:
+    def __init__(self, storage: ScheduledStorage, slot: int, slots: int, total: int, k: int, *, dac: bool = False) -> None:
         Process.counter += 1
         self.nonce = Process.counter
         self.storage, self.slot, self.slots, self.total = storage, slot, slots, total
         store = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=k), check_writes=False)
-        self.producer = Producer(store, f"p{slot}", sleep=lambda s: None)
+        # DAC defers an attempt that caught up (no put); the naive policy prepares again and puts
+        policy = DacPolicy(random=random.Random(self.nonce).random) if dac else NaivePolicy()
+        self.producer = Producer(store, f"p{slot}", policy=policy, sleep=lambda s: None)
         self.fenced = False
 
     def build(self) -> None:
@@ -103,6 +119,7 @@ operations = st.lists(
         st.tuples(st.just("build"), st.integers(0, 5)),
         st.tuples(st.just("attempt"), st.integers(0, 5), st.none() | st.integers(0, 5), st.sampled_from([None, None, "crash", "unknown"])),
         st.tuples(st.just("attempt"), st.integers(0, 5), st.integers(0, 5), st.just(None)),
+        st.tuples(st.just("attempt"), st.integers(0, 5), st.integers(0, 5), st.just("probe")),
         st.tuples(st.just("crash"), st.integers(0, 5)),
     ),
     max_size=40,
@@ -110,14 +127,14 @@ operations = st.lists(
 
 
 @settings(max_examples=100, deadline=None)
-@given(slots=st.integers(1, 3), total=st.integers(1, 12), k=st.sampled_from([1, 3, 64]), ops=operations)
-def test_any_interleaving_commits_the_plan_exactly_once(slots: int, total: int, k: int, ops: list) -> None:
+@given(slots=st.integers(1, 3), total=st.integers(1, 12), k=st.sampled_from([1, 3, 64]), ops=operations, dac=st.booleans())
+def test_any_interleaving_commits_the_plan_exactly_once(slots: int, total: int, k: int, ops: list, dac: bool) -> None:
     storage = ScheduledStorage()
     alive: list[Process] = []
     everyone: list[Process] = []
 
     def start(slot: int) -> Process:
-        proc = Process(storage, slot, slots, total, k)
+        proc = Process(storage, slot, slots, total, k, dac=dac)
         proc.producer.register()
         alive.append(proc)
         everyone.append(proc)
@@ -138,11 +155,16 @@ def test_any_interleaving_commits_the_plan_exactly_once(slots: int, total: int, 
         else:
             _, who, racer, after = op
             proc = live[who % len(live)]
+            if not proc.producer.pending and after == "probe":
+                proc.build()
             if not proc.producer.pending:
                 continue
             if racer is not None and live[racer % len(live)] is not proc:
                 other = live[racer % len(live)]
-                storage.before_put = other.race
+                if after == "probe":
+                    storage.after_miss = other.race
+                else:
+                    storage.before_put = other.race
             if after == "crash":
                 storage.after_put = Crash()
             elif after == "unknown":
@@ -151,7 +173,7 @@ def test_any_interleaving_commits_the_plan_exactly_once(slots: int, total: int, 
                 proc.attempt()
             except Crash:
                 alive.remove(proc)
-            storage.before_put, storage.after_put = None, None
+            storage.before_put, storage.after_put, storage.after_miss = None, None, None
 
     # Drain: each slot's current process (or a restarted one) builds and commits the rest.
     reader = ManifestStore(storage, check_writes=False)
@@ -415,24 +437,26 @@ class CountingStorage(MemoryStorage):
         return super().put_if_absent(key, data)
 
 
-def test_a_version_committed_between_prepare_and_the_final_probe_is_caught_up_on_without_a_put() -> None:
-    """The probe after preparing finds the other producer's version: the attempt reads it,
-    rebases (the step it took is dropped) and prepares again, and puts once; no lost race."""
+class _Recording(NaivePolicy):
+    """The naive policy (which never defers a caught-up attempt), recording outcomes."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[bool] = []
+
+    def on_attempt(self, *, success: bool, fragile_window_s: float, producers: int) -> None:
+        self.outcomes.append(success)
+
+
+def _racing(policy) -> tuple[MemoryStorage, CountingStorage, Producer, list[PreparedVersion]]:
+    """Producer p0 with steps 0..2 pending, whose first preparation producer p1's commit of
+    step 1 overtakes (after the prepare, before its final probe)."""
     shared = MemoryStorage()
     other = Producer(ManifestStore(shared, check_writes=False), "p1")
     other.register()
     counting = CountingStorage(shared)
     store = ManifestStore(counting, check_writes=False)
-    outcomes: list[bool] = []
-
-    class Recording(DacPolicy):
-        def on_attempt(self, *, success: bool, fragile_window_s: float, producers: int) -> None:
-            outcomes.append(success)
-            super().on_attempt(success=success, fragile_window_s=fragile_window_s, producers=producers)
-
-    p = Producer(store, "p0", policy=Recording(random=lambda: 0.0), sleep=lambda s: None)
+    p = Producer(store, "p0", policy=policy, sleep=lambda s: None)
     p.register()
-    outcomes.clear()
     for s in range(3):
         p.add(obj(s))
     prepared: list[PreparedVersion] = []
@@ -446,19 +470,47 @@ def test_a_version_committed_between_prepare_and_the_final_probe_is_caught_up_on
         return out
 
     store.prepare = racing_prepare  # type: ignore[method-assign]
+    return shared, counting, p, prepared
+
+
+def test_a_version_committed_between_prepare_and_the_final_probe_is_caught_up_on_without_a_put() -> None:
+    """The probe after preparing finds the other producer's version: the attempt reads it,
+    rebases (the step it took is dropped) and prepares again, and puts once; no lost race."""
+    policy = _Recording()
+    shared, counting, p, prepared = _racing(policy)
+    policy.outcomes.clear()
     puts_before = counting.manifest_puts
     attempt = p.attempt()
     assert len(prepared) == 2 and prepared[1].base_version == prepared[0].base_version + 1
     assert counting.manifest_puts - puts_before == 1  # the stale preparation was never put
     assert attempt.success and attempt.wrote and attempt.caught_up == 1
     assert attempt.committed == (0, 2) and attempt.taken == (1,)
-    assert outcomes == [True]  # one attempt reported to the policy, and no conflict
+    assert policy.outcomes == [True]  # one attempt reported to the policy, and no conflict
     final = ManifestStore(shared, check_writes=False).latest()
     assert final.version == attempt.version == prepared[1].base_version + 1
     assert [(c.step, c.producer) for c in final.steps] == [(0, "p0"), (1, "p1"), (2, "p0")]
     versions = [decode_record(shared.get(k)).change for k in shared.list("manifest/")]
     commits = [s.step for c in versions if isinstance(c, Commit) for s in c.steps]
     assert sorted(commits) == [0, 1, 2]  # each step committed once
+    assert [o.key for o in p.orphans] == ["tgb/1"]
+
+
+def test_dac_defers_an_attempt_that_caught_up_and_commits_it_after_a_spread_gap() -> None:
+    """Under DAC the caught-up attempt puts nothing: its steps stay pending and the policy sets
+    a gap anywhere in a whole cycle, as after a conflict; the next attempt commits them."""
+    policy = DacPolicy(DacSettings(jitter=0.0, conflict_jitter=1.0), random=lambda: 0.75)
+    shared, counting, p, prepared = _racing(policy)
+    assert policy.fragile_window_s is not None  # the registration measured a window
+    puts_before = counting.manifest_puts
+    deferred = p.attempt()
+    assert not deferred.success and not deferred.wrote and deferred.caught_up == 1 and deferred.committed == ()
+    assert counting.manifest_puts == puts_before and len(prepared) == 1  # no put, no second preparation
+    assert [e.step for e in p.pending] == [0, 1, 2]
+    assert policy.gap_s() == pytest.approx(policy.optimal_gap_s * 1.75)  # spread like a conflict's retry
+    committed = p.attempt()
+    assert committed.success and committed.wrote and committed.committed == (0, 2) and committed.taken == (1,)
+    final = ManifestStore(shared, check_writes=False).latest()
+    assert [(c.step, c.producer) for c in final.steps] == [(0, "p0"), (1, "p1"), (2, "p0")]
     assert [o.key for o in p.orphans] == ["tgb/1"]
 
 

@@ -59,18 +59,52 @@ def test_dac_gap_meets_both_budgets_and_is_the_smallest_that_does(w: float, n: i
     seed=st.integers(0, 2**32 - 1),
 )
 def test_dac_policy_uses_the_moving_average_and_its_jitter_only_lengthens_the_gap(windows, n, seed) -> None:
-    s = DacSettings(conflict_budget=0.05, duty_budget=0.2, ema_alpha=0.3, jitter=0.25, max_gap_s=1e9)
+    s = DacSettings(conflict_budget=0.05, duty_budget=0.2, ema_alpha=0.3, window_deviations=1.5, jitter=0.25, max_gap_s=1e9)
     policy = DacPolicy(s, random=random.Random(seed).random)
     assert policy.gap_s() == 0.0 and policy.min_steps() == 1  # the first attempt goes at once
-    ema = None
+    seen: list[float] = []
     for w in windows:
         policy.on_attempt(success=True, fragile_window_s=w, producers=n)
-        ema = w if ema is None else 0.3 * w + 0.7 * ema
+        seen.append(w)
+        # the exponentially weighted mean and variance, from their definitions
+        weights = [0.3 * 0.7 ** (len(seen) - 1 - i) for i in range(len(seen))]
+        weights[0] = 0.7 ** (len(seen) - 1)  # the first window starts the average
+        ema = sum(wt * x for wt, x in zip(weights, seen))
+        var = sum(wt * (x - ema) ** 2 for wt, x in zip(weights, seen))
         assert policy.fragile_window_s == pytest.approx(ema)
-        optimal = smallest_feasible_gap_s(ema, n, conflict_budget=0.05, duty_budget=0.2)
+        estimate = policy.window_estimate_s
+        assert estimate == pytest.approx(ema + 1.5 * math.sqrt(var), rel=1e-6, abs=1e-9)
+        optimal = smallest_feasible_gap_s(estimate, n, conflict_budget=0.05, duty_budget=0.2)
         assert policy.optimal_gap_s == pytest.approx(optimal)
         assert optimal <= policy.gap_s() <= optimal * 1.25 + 1e-12
-        assert feasible(policy.gap_s(), ema, n, 0.05, 0.2)
+        assert feasible(policy.gap_s(), estimate, n, 0.05, 0.2) and feasible(policy.gap_s(), ema, n, 0.05, 0.2)
+
+
+def test_dac_with_no_deviations_is_the_papers_moving_average() -> None:
+    policy = DacPolicy(DacSettings(window_deviations=0.0, ema_alpha=0.5, jitter=0.0), random=lambda: 0.0)
+    for w in (0.01, 0.05, 0.02):
+        policy.on_attempt(success=True, fragile_window_s=w, producers=16)
+    assert policy.window_estimate_s == policy.fragile_window_s == pytest.approx(0.5 * 0.02 + 0.25 * 0.05 + 0.25 * 0.01)
+
+
+def test_the_margin_keeps_the_average_conflict_rate_within_the_budget_when_windows_are_noisy() -> None:
+    """Many producers, each with a few heavy-tailed windows (20 ms x lognormal, sigma 1): under
+    the paper's average alone the conflict probability at each producer's gap, against the
+    windows' true mean, averages above the budget; with one deviation of margin it stays within."""
+    rng = random.Random(7)
+    true_mean = 0.02 * math.exp(0.5)  # of 0.02 x lognormal(0, 1)
+
+    def average_conflict(deviations: float) -> float:
+        total = 0.0
+        for producer in range(2000):
+            policy = DacPolicy(DacSettings(window_deviations=deviations, jitter=0.0), random=lambda: 0.0)
+            for _ in range(6):
+                policy.on_attempt(success=True, fragile_window_s=0.02 * rng.lognormvariate(0.0, 1.0), producers=32)
+            total += conflict_probability(policy.gap_s(), true_mean, 32)
+        return total / 2000
+
+    assert average_conflict(0.0) > 0.05 * 1.2  # 6.4 %
+    assert average_conflict(1.0) <= 0.05  # 3.8 %
 
 
 @settings(max_examples=60, deadline=None)
@@ -87,7 +121,7 @@ def test_dac_gap_meets_both_budgets_after_any_outcomes_and_a_conflict_spreads_th
     policy = DacPolicy(s, random=random.Random(seed).random)
     for success, w, n in outcomes:
         policy.on_attempt(success=success, fragile_window_s=w, producers=n)
-        ema = policy.fragile_window_s
+        ema = policy.window_estimate_s
         assert ema is not None
         optimal = smallest_feasible_gap_s(ema, n, conflict_budget=eps_c, duty_budget=eps_d)
         assert feasible(policy.gap_s(), ema, n, eps_c, eps_d)  # both budgets, whatever the jitter
@@ -167,6 +201,8 @@ def test_the_registry_names_every_policy_of_the_benchmark() -> None:
         ("duty_budget", 0.0),
         ("duty_budget", 1.5),
         ("ema_alpha", 0.0),
+        ("window_deviations", -1.0),
+        ("window_deviations", math.inf),
         ("jitter", -0.1),
         ("conflict_jitter", math.nan),
         ("max_gap_s", 0.0),

@@ -28,6 +28,8 @@ to the end of the attempt that committed it, retries and gaps included), step_vi
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
 as failed attempts), reprepared (versions another producer committed between an attempt's
 prepare and its final probe: each a race lost before any put, so not in the success rate),
+deferred (attempts DAC put off after catching up on such a version, without a put: not in
+attempts nor in the success rate),
 commit_success_rate_counting_reprepares (commits / (attempts + reprepared): the success rate had
 each of those been a lost put, as in the paper's protocol, which has no final probe), commits, steps_committed, offered_mb_per_s (what the producers wrote),
 fragile_window_s (mean, from the start of the final probe, the GET that found no version after
@@ -72,6 +74,8 @@ PAPER_FIGURE7 = {
 }
 COMMIT_WORLD = 32
 _MB = 1e6
+#: The outcome of an attempt that tried no put (DAC deferred it after catching up).
+_NO_PUT = 2
 _START_TIMEOUT_S = 300.0
 # The clock slots shared with the producers (monotonic seconds; 0 or inf until set).
 _START, _WINDOW_START, _WINDOW_END = 0, 1, 2
@@ -235,7 +239,7 @@ def _record(
     """The commit record from the producers' raw attempts, counting what ends in `window`."""
     lo, hi = window
     measured = hi - lo
-    attempts = conflicts = errors = commits = committed_bytes = written = reprepared = 0
+    attempts = conflicts = errors = commits = committed_bytes = written = reprepared = deferred = 0
     latencies, visible, windows, gaps = [], [], [], []
     steps: list[tuple[int, int]] = []  # (step, producer index)
     for index, r in enumerate(results):
@@ -243,8 +247,11 @@ def _record(
         for end, batch_start, outcome, fragile, gap, committed, caught_up in r["attempts"]:
             if not lo <= end < hi:
                 continue
-            attempts += 1
             reprepared += caught_up
+            if outcome == _NO_PUT:  # deferred after catching up: no put, not in the success rate
+                deferred += 1
+                continue
+            attempts += 1
             windows.append(fragile)
             gaps.append(gap)
             conflicts += outcome == 0
@@ -274,6 +281,7 @@ def _record(
         "attempts": attempts,
         "conflicts": conflicts,
         "reprepared": reprepared,
+        "deferred": deferred,
         "commit_success_rate_counting_reprepares": commits / (attempts + reprepared) if attempts else 0.0,
         "errors": errors,
         "commits": commits,
@@ -357,7 +365,7 @@ def _producer_process(job: _Job, shared: _Shared, conn: Connection) -> None:
 def _produce(job: _Job, shared: _Shared) -> dict:
     """Registers, waits for the start, then builds, writes and adds a step every `build_s` and
     attempts while due, until the window closes. Returns {"attempts": [(end, batch start,
-    outcome 1 won / 0 lost / -1 storage error, fragile window, gap after, ((step, bytes,
+    outcome 1 won / 0 lost / -1 storage error / 2 no put, fragile window, gap after, ((step, bytes,
     built at), ...), versions caught up on before the put)], "built": [(built at, bytes)],
     "cpu_s"}."""
     storage = job.place.open()
@@ -392,7 +400,7 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             batch_start = begin if batch_start is None else batch_start
             try:
                 attempt = producer.attempt()
-                outcome = 1 if attempt.success and attempt.wrote else 0
+                outcome = (1 if attempt.success else 0) if attempt.wrote else _NO_PUT
                 fragile, caught_up = attempt.fragile_window_s, attempt.caught_up
                 committed = tuple((s, built_at[s][1], built_at[s][0]) for s in attempt.committed)
             except Unavailable:

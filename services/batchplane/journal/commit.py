@@ -36,7 +36,9 @@ A commit attempt does its CPU work before the read it races from: it reads the n
 rebases its pending steps onto it and prepares the next version (`ManifestStore.prepare`: the
 change applied, the record encoded), and only then probes for the version after its base (one
 GET). If one appeared, it catches up and prepares again, without a put (that is not a lost
-race); if none did, it puts. The fragile window W, in which another producer's commit makes the
+race), unless its policy defers the attempt (`CommitPolicy.on_caught_up`: DAC waits a gap, as
+after a conflict, since every producer that was preparing then caught up on the same version and
+would race the others for the next); if none did, it puts. The fragile window W, in which another producer's commit makes the
 put lose, runs from the start of that final probe to the end of the put: one GET and one put,
 with no CPU work per pending step in between (the commit policy's gap grows with W, and the
 steps pending at an attempt with the gap).
@@ -460,7 +462,8 @@ class Attempt:
     Attributes:
         success: Whether every pending step is now committed (this attempt's put won, or
             nothing was left to put after the rebase).
-        wrote: Whether a put was tried.
+        wrote: Whether a put was tried (not when the policy deferred the attempt after
+            catching up: success is then False and the steps stay pending).
         version: The version committed (success) or the newest seen.
         committed: Steps this attempt made visible.
         already: Steps found committed by an earlier attempt of this producer.
@@ -655,7 +658,12 @@ class Producer:
                 commits.append(rebased.commit)
             return rebased.commit
 
-        base, prepared, start, caught_up = self._prepare_on_newest(rebased_commit)
+        base, prepared, start, caught_up = self._prepare_on_newest(rebased_commit, defer=self._defer)
+        if prepared is None and caught_up and self._pending:  # deferred by the policy: no put now
+            self._last_end = self._clock()
+            return Attempt(
+                success=False, wrote=False, version=base.version + 1, already=tuple(already), taken=tuple(taken), caught_up=caught_up
+            )
         if prepared is None:
             return Attempt(success=True, wrote=False, version=base.version, already=tuple(already), taken=tuple(taken), caught_up=caught_up)
         try:
@@ -728,15 +736,17 @@ class Producer:
         return self.flush()
 
     def _prepare_on_newest(
-        self, change_for: Callable[[ManifestState], Change | None]
+        self, change_for: Callable[[ManifestState], Change | None], *, defer: Callable[[ManifestState], bool] = lambda base: False
     ) -> tuple[ManifestState, PreparedVersion | None, float, int]:
         """Reads the newest version, prepares `change_for(base)` on it, and probes for a version
         after the base; while one appeared, does it all again on the newer version (each turn
-        means another producer committed, so the manifest progresses).
+        means another producer committed, so the manifest progresses) unless `defer(base)` says
+        to stop there.
 
         Returns:
-            (base, the version prepared on it or None if `change_for` gave no change, the start
-            of the final probe on the producer's clock, versions caught up on after preparing).
+            (base, the version prepared on it or None if `change_for` gave no change or the
+            attempt was deferred after catching up, the start of the final probe on the
+            producer's clock, versions caught up on after preparing).
         """
         caught_up = 0
         while True:
@@ -749,6 +759,12 @@ class Producer:
             if self.store.still_newest(base):
                 return base, prepared, start, caught_up
             caught_up += 1
+            if defer(base):
+                return base, None, 0.0, caught_up
+
+    def _defer(self, base: ManifestState) -> bool:
+        """Whether the policy defers an attempt that caught up on a version committed after `base`."""
+        return self.policy.on_caught_up(producers=base.active_producers(self.store.settings.active_within_versions))
 
     def _wait_gap(self) -> None:
         remaining = self.policy.gap_s() - (self._clock() - self._last_end)
