@@ -7,6 +7,7 @@ memory otherwise. Each tensor is a typed view of its slice of that buffer.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterable
@@ -26,6 +27,8 @@ TORCH_DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+#: Bytes per element of each dtype.
+_ITEM_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
 
 class ReceiveBuffers:
@@ -73,11 +76,7 @@ def unpack(storage: torch.Tensor, specs: Iterable[Any]) -> dict[str, torch.Tenso
     """The tensors `specs` (name, dtype, shape, offset) lay out in `storage`, as views."""
     out = {}
     for spec in specs:
-        dtype = TORCH_DTYPES[spec.dtype]
         shape = tuple(spec.shape)
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        out[spec.name] = storage[spec.offset : spec.offset + nbytes].view(dtype).view(shape)
+        nbytes = math.prod(shape) * _ITEM_BYTES[spec.dtype]
+        out[spec.name] = storage[spec.offset : spec.offset + nbytes].view(TORCH_DTYPES[spec.dtype]).view(shape)
     return out

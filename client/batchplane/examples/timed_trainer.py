@@ -7,7 +7,9 @@ batch and which samples it received: what `batchplane bench chaos` measures a fa
 Ranks run as threads in lockstep (data-parallel ranks all-reduce every step), each spending
 `--step-seconds` on its "forward and backward" after receiving its batch. Each line of `--out` is
 one rank's step: {"rank", "step", "wait_s", "received" (Unix time), "samples" [[source, row,
-epoch], ...]}, written as it happens so a harness can follow the run.
+epoch], ...]}, written as it happens so a harness can follow the run. With `--counts`, "samples"
+is the step's number of samples instead (the bookkeeping of `bench delivery`'s DataLoader ranks,
+which it is compared with).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.05, help="compute time per step (default 0.05)")
     parser.add_argument("--timeout", type=float, default=120.0, help="the client's deadline per batch, seconds (default 120)")
     parser.add_argument("--out", required=True, help="file to write one JSON line per rank and step to")
+    parser.add_argument("--counts", action="store_true", help="write each step's sample count, not its samples")
     args = parser.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")]
     lockstep = threading.Barrier(len(ranks))
@@ -44,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
                         waited = time.perf_counter() - begin
                         if batch is None:
                             return
-                        samples = [
-                            [int(k), int(r), int(e)]
-                            for mb in batch["microbatches"]
-                            for k, r, e in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())
-                        ]
+                        samples: int | list[list[int]]
+                        if args.counts:
+                            samples = sum(len(mb["sample_row"]) for mb in batch["microbatches"])
+                        else:
+                            samples = [
+                                [int(k), int(r), int(e)]
+                                for mb in batch["microbatches"]
+                                for k, r, e in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist(), mb["sample_epoch"].tolist())
+                            ]
                         line = {"rank": rank, "step": batch["step"], "wait_s": waited, "received": time.time(), "samples": samples}
                         with lock:
                             out.write(json.dumps(line) + "\n")

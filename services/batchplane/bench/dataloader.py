@@ -9,8 +9,9 @@ count, default 2); each record is one run, `summarize_samples` gives the medians
 
 - batchplane: a job run by `LocalCluster` (planner, `--loaders` loader groups (default 2) and
   one constructor per `--ranks-per-constructor` ranks (default 8: one pod), plaintext, since
-  `bench transport` measures TLS) and the stand-in trainer (`batchplane.examples.timed_trainer`,
-  one process, its ranks as threads in lockstep), mesh dp = ranks.
+  `bench transport` measures TLS) and the stand-in trainer (`batchplane.examples.timed_trainer
+  --counts`, one process, its ranks as threads in lockstep, writing each step's sample count as
+  the DataLoader ranks do), mesh dp = ranks.
 - dataloader: one process per rank, as torchrun starts them (`batchplane.examples.dataloader_rank`, in the client package: services never import torch), each with a
   `torch.utils.data.DataLoader(num_workers=1, prefetch_factor=2, persistent_workers=True)` over
   its `ParquetTokens` (the same Parquet files read with pyarrow, all of them loaded by the worker on
@@ -210,7 +211,7 @@ def run_batchplane(
     _set_microbatches(config, microbatches, delivery=delivery)
     steps_path = folder / "steps.jsonl"
     with LocalCluster(config) as cluster:
-        trainer = start_trainer(cluster, range(ranks), step_seconds=0, out=steps_path)
+        trainer = start_trainer(cluster, range(ranks), step_seconds=0, out=steps_path, counts=True)
         while not (steps_path.exists() and steps_path.stat().st_size) and trainer.poll() is None:
             time.sleep(0.001)
         services = [p.pid for p in cluster.processes]
@@ -229,7 +230,7 @@ def run_batchplane(
         first.setdefault(s["rank"], s)
     start = min(s["received"] for s in first.values())
     end = max(s["received"] for s in steps)
-    samples = sum(len(s["samples"]) for s in steps) - sum(len(s["samples"]) for s in first.values())
+    samples = sum(s["samples"] for s in steps) - sum(s["samples"] for s in first.values())
     return _record(
         "batchplane" if delivery == "stream" else f"batchplane-{delivery}", ranks, samples, end - start, cpu_at_last, cpu_at_first
     )

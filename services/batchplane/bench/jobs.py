@@ -39,9 +39,12 @@ def write_job(
     return config
 
 
-def start_trainer(cluster: LocalCluster, ranks: Sequence[int], *, step_seconds: float, out: pathlib.Path) -> subprocess.Popen:
+def start_trainer(
+    cluster: LocalCluster, ranks: Sequence[int], *, step_seconds: float, out: pathlib.Path, counts: bool = False
+) -> subprocess.Popen:
     """The stand-in trainer for `ranks` of `cluster`'s job, spending `step_seconds` a step and
-    writing one JSON line per rank and step to `out`."""
+    writing one JSON line per rank and step to `out` (`counts`: each step's sample count, not
+    its samples)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -53,6 +56,7 @@ def start_trainer(cluster: LocalCluster, ranks: Sequence[int], *, step_seconds: 
             str(step_seconds),
             "--out",
             str(out),
+            *(["--counts"] if counts else []),
         ],
         env={**os.environ, "BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)},
         stdout=subprocess.PIPE,
