@@ -19,6 +19,7 @@ COMMIT_FIELDS = {
     "producers",
     "payload_kb",
     "commit_success_rate",
+    "commit_success_rate_ci95",
     "committed_mb_per_s",
     "commit_latency_s",
     "step_visible_latency_s",
@@ -225,3 +226,12 @@ def test_the_benchmark_is_registered_and_refuses_bad_flags(tmp_path) -> None:
         bench.run(_args(tmp_path, ["--max-lag", "10"]), print)
     with pytest.raises(SystemExit):
         _args(tmp_path, ["--policies", "naive,nope"])
+
+
+def test_the_success_rate_comes_with_its_wilson_interval() -> None:
+    assert journal_commit.wilson_interval(0, 0) == [0.0, 1.0]
+    assert journal_commit.wilson_interval(150, 151) == pytest.approx([0.9634, 0.9988], abs=1e-4)
+    assert journal_commit.wilson_interval(49, 52) == pytest.approx([0.8436, 0.9802], abs=1e-4)
+    for wins, n in ((0, 10), (10, 10), (3, 7), (500, 1000)):
+        lo, hi = journal_commit.wilson_interval(wins, n)
+        assert 0.0 <= lo <= wins / n <= hi <= 1.0

@@ -17,12 +17,14 @@ growth, and grows over the run.
 Steady state, measured in attempt cycles rather than fixed seconds: the warm-up lasts until
 every producer has completed `--warmup-attempts` attempts (default 2; at least `--warmup-s`,
 default 1, at most `--max-warmup-s`, default 40), so each policy has adapted; the measured
-window then lasts until the median producer has completed `--cycles` attempts in it (default 5),
-within [`--duration-s`, `--max-duration-s`] (default 4, 60), so a policy with long gaps is
-measured over several of its cycles. Counted are the attempts that end in the window; the steps
+window then lasts until the median producer has completed `--cycles` attempts in it (default 20),
+within [`--duration-s`, `--max-duration-s`] (default 4, 400), so a policy with long gaps is
+measured over enough puts to tell 95 % from 99 % (each record carries the 95 % interval of its
+success rate). Counted are the attempts that end in the window; the steps
 they commit are its throughput (the backlog carried in balances the one left out).
 
 Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won / puts tried),
+commit_success_rate_ci95 (its Wilson score interval, [low, high]),
 committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first attempt of a batch
 to the end of the attempt that committed it, retries and gaps included), step_visible_latency_s
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import multiprocessing
 import os
 import random
@@ -85,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the commit part's flags (see the module docstring)."""
     add = parser.add_argument
     add("--duration-s", type=float, default=4.0, help="least measured seconds per commit point (default 4)")
-    add("--cycles", type=float, default=5.0, help="attempts the median producer completes in the measured window (default 5)")
-    add("--max-duration-s", type=float, default=60.0, help="most measured seconds per commit point (default 60)")
+    add("--cycles", type=float, default=20.0, help="attempts the median producer completes in the measured window (default 20)")
+    add("--max-duration-s", type=float, default=400.0, help="most measured seconds per commit point (default 400)")
     add("--warmup-s", type=float, default=1.0, help="least unmeasured seconds before the window (default 1)")
     add(
         "--warmup-attempts",
@@ -275,6 +278,7 @@ def _record(
         "producers": producers,
         "payload_kb": args.payload_kb,
         "commit_success_rate": commits / attempts if attempts else 0.0,
+        "commit_success_rate_ci95": wilson_interval(commits, attempts),
         "committed_mb_per_s": committed_bytes / _MB / measured,
         "commit_latency_s": _mean(latencies),
         "step_visible_latency_s": _mean(visible),
@@ -302,6 +306,17 @@ def _record(
         "paper_commit_success_rate": paper[0] if paper else None,
         "paper_committed_mb_per_s": paper[1] if paper else None,
     }
+
+
+def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> list[float]:
+    """The Wilson score interval of a success rate (95 % for z = 1.96): [0, 1] without trials.
+    A policy with long gaps makes few puts in a window, so its rate comes with its uncertainty."""
+    if trials <= 0:
+        return [0.0, 1.0]
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
 
 
 def _context() -> Any:
