@@ -20,8 +20,8 @@ default 1, at most `--max-warmup-s`, default 40), so each policy has adapted; th
 window then lasts until the median producer has completed `--cycles` attempts in it (default 20),
 within [`--duration-s`, `--max-duration-s`] (default 4, 400), so a policy with long gaps is
 measured over enough puts to tell 95 % from 99 % (each record carries the 95 % interval of its
-success rate). Counted are the attempts that end in the window; the steps
-they commit are its throughput (the backlog carried in balances the one left out).
+success rate). Counted are the attempts that end in the window; the steps they commit are its
+throughput (the backlog carried in balances the one left out).
 
 Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won / puts tried),
 commit_success_rate_ci95 (its Wilson score interval, [low, high]),
@@ -380,9 +380,9 @@ def _producer_process(job: _Job, shared: _Shared, conn: Connection) -> None:
 def _produce(job: _Job, shared: _Shared) -> dict:
     """Registers, waits for the start, then builds, writes and adds a step every `build_s` and
     attempts while due, until the window closes. Returns {"attempts": [(end, batch start,
-    outcome 1 won / 0 lost / -1 storage error / 2 no put, fragile window, gap after, ((step, bytes,
-    built at), ...), versions caught up on before the put)], "built": [(built at, bytes)],
-    "cpu_s"}."""
+    outcome 1 won / 0 lost / -1 storage error / 2 no put, fragile window, gap after,
+    ((step, bytes, built at), ...), versions caught up on before the put)],
+    "built": [(built at, bytes)], "cpu_s"}."""
     storage = job.place.open()
     while job.index > 0 and not shared.ready[job.index - 1]:
         time.sleep(0.005)  # register in turn (see the module docstring)
