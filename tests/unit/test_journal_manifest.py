@@ -38,6 +38,7 @@ from batchplane.journal.manifest import (
     encode_record,
     rebase,
     state_doc,
+    state_text,
 )
 
 PRODUCERS = ("p0", "p1", "p2")
@@ -315,9 +316,17 @@ def test_decode_next_applies_a_change_and_compares_a_checkpoint() -> None:
         data = encode_record(VersionRecord(2, change, 0.0, state=checkpoint))
         record, got = decode_next(data, state)
         assert got == new and record.change == change and record.state is None
+        # A checkpoint written with sorted top-level keys (state before version), or with
+        # spaces, is parsed whole and compared as a document.
+        doc = json.loads(data)
+        for other in (json.dumps(doc, sort_keys=True, separators=(",", ":")), json.dumps(doc)):
+            record, got = decode_next(other.encode("ascii"), state)
+            assert got == new and record.change == change and record.state is None
     wrong = dataclasses.replace(new, watermark=0, steps=())
     with pytest.raises(CheckpointMismatch):
         decode_next(encode_record(VersionRecord(2, change, 0.0, state=wrong)), state)
+    with pytest.raises(ManifestFormatError, match="not JSON"):  # a cut tail
+        decode_next(encode_record(VersionRecord(2, change, 0.0, state=new))[:-1], state)
     with pytest.raises(ManifestFormatError, match="version"):
         decode_next(encode_record(VersionRecord(3, change, 0.0)), state)
 
@@ -443,17 +452,23 @@ changes = st.one_of(
 @settings(max_examples=100, deadline=None)
 @given(changes, st.floats(0, 2e9), histories(), st.booleans())
 def test_a_record_is_the_json_of_its_whole_document(change, written_at_s: float, history, checkpoint: bool) -> None:
-    """The record joins cached step texts, yet its bytes are one sorted, compact ASCII dump."""
+    """The record joins cached step texts, yet its bytes are a compact ASCII dump of its whole
+    document: every value with sorted keys, the top level sorted but for "state", last."""
     state = history[0]
     record = VersionRecord(version=state.version, change=change, written_at_s=written_at_s, state=state if checkpoint else None)
     doc = {
+        "change": _change_reference(change),
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "version": record.version,
         "written_at_s": written_at_s,
-        "change": _change_reference(change),
         "state": state_doc(state) if checkpoint else None,
     }
-    want = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+    def dump(value) -> str:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+    want = ("{" + ",".join(f"{dump(key)}:{dump(value)}" for key, value in doc.items()) + "}").encode("ascii")
     assert encode_record(record) == want
     assert encode_record(record) == want  # again, from the cached step texts
+    assert state_text(state) == dump(state_doc(state))

@@ -28,10 +28,14 @@ publishes built steps and its new last step together), `Retain` (the watermark a
 Version 0 is the empty state. `apply` is deterministic, so any reader that applies the same
 changes to the same state gets the same state.
 
-Encoding (`encode_record` / `decode_record`): one JSON object per version, keys sorted, no
-spaces, ASCII; `format` and `format_version` first among the checks. A version record holds its
-change and, in checkpoint versions, the whole state after it. Unknown fields, unknown kinds,
-wrong types and out-of-range values are refused with `ManifestFormatError`, which names the field.
+Encoding (`encode_record` / `decode_record`): one JSON object per version, no spaces, ASCII,
+keys sorted within every value and at the top level but for "state", which comes last;
+`format` and `format_version` first among the checks. A version record holds its change and,
+in checkpoint versions, the whole state after it, last: a reader probing forward, which holds
+the state the change leads to, checks a checkpoint by comparing the record's tail with that
+state's text (`state_text`, joined from texts each step builds once) instead of parsing what
+may be tens of MB of JSON per reader. Unknown fields, unknown kinds, wrong types and
+out-of-range values are refused with `ManifestFormatError`, which names the field.
 """
 
 from __future__ import annotations
@@ -180,11 +184,17 @@ class CommittedStep:
     def step(self) -> int:
         return self.entry.step
 
-    @functools.cached_property
-    def _doc(self) -> dict[str, Any]:
-        """Its JSON document in `state_doc`, built once per object: the steps of a state are
-        shared by every later state of the same reader, so a checkpoint costs the new steps."""
+    @property
+    def doc(self) -> dict[str, Any]:
+        """Its JSON document in `state_doc`."""
         return {"step": self.entry.step, "producer": self.producer, "version": self.version, "objects": _objects_doc(self.entry.objects)}
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Its JSON text in `state_text`, built once per object: the steps of a state are shared
+        by every later state of the same reader, so a checkpoint's text costs its new steps and
+        a join."""
+        return _dumps(self.doc)
 
 
 @dataclass(frozen=True)
@@ -630,25 +640,18 @@ def encode_record(record: VersionRecord) -> bytes:
         record: The version's content.
 
     Returns:
-        Compact ASCII JSON with sorted keys.
+        Compact ASCII JSON: {"change":..,"format":..,"format_version":..,"version":..,
+        "written_at_s":..,"state":..} (see the module docstring), every value with sorted keys.
 
     Raises:
         ValueError: `written_at_s` is not finite.
     """
     if not math.isfinite(record.written_at_s):
         raise ValueError(f"written_at_s must be finite, got {record.written_at_s}")
-    rest = _dumps(
-        {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "version": record.version,
-            "written_at_s": record.written_at_s,
-            "state": None if record.state is None else state_doc(record.state),
-        }
-    )
-    # "change" sorts before every other key: the document is {"change":<change>,<rest>}, as one
-    # json.dumps of it all would write, with a Commit's steps joined from their cached texts.
-    return f'{{"change":{_change_text(record.change)},{rest[1:]}'.encode("ascii")
+    head = _dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "version": record.version, "written_at_s": record.written_at_s})
+    # A Commit's steps and a checkpoint's state are joined from their cached texts.
+    state = "null" if record.state is None else state_text(record.state)
+    return f'{{"change":{_change_text(record.change)},{head[1:-1]},"state":{state}}}'.encode("ascii")
 
 
 def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
@@ -677,7 +680,8 @@ def decode_record(data: bytes, *, version: int | None = None) -> VersionRecord:
 def decode_next(data: bytes, base: ManifestState) -> tuple[VersionRecord, ManifestState]:
     """Reads the object of version base.version + 1 and applies its change to `base`: what a
     reader probing forward does, at the cost of the change alone. A checkpoint's whole state
-    is compared with the result as a JSON document (`state_doc`) rather than decoded.
+    is compared with the result rather than decoded: by its text (`state_text`) when the
+    record holds it last, as `encode_record` writes it, else as a JSON document (`state_doc`).
 
     Args:
         data: The bytes of version base.version + 1.
@@ -692,10 +696,37 @@ def decode_next(data: bytes, base: ManifestState) -> tuple[VersionRecord, Manife
         CommitRefused: `base` does not allow the change.
         CheckpointMismatch: The record's checkpoint state is not the state its change leads to.
     """
+    checked = _next_checkpoint_by_text(data, base)
+    if checked is not None:
+        return checked
     r, doc, record = _decode_head(data, base.version + 1)
     new = apply(base, record.change)
     if doc["state"] is not None and doc["state"] != state_doc(new):
         raise CheckpointMismatch(record.version)
+    return record, new
+
+
+#: The top-level keys a record's tail is found by: no nested object has such a key, and a JSON
+#: string cannot hold them unescaped.
+_STATE_KEY = b',"state":'
+_WRITTEN_KEY = b',"written_at_s":'
+
+
+def _next_checkpoint_by_text(data: bytes, base: ManifestState) -> tuple[VersionRecord, ManifestState] | None:
+    """`decode_next` of a checkpoint written with the state last: everything but the state is
+    parsed, the change applied, and the state's text compared with the record's tail. None if
+    the record is not such a checkpoint, or does not match (the caller parses it whole, to
+    accept an equal state written otherwise or name what is wrong)."""
+    at = data.find(_STATE_KEY)
+    if at < 0 or data.rfind(_WRITTEN_KEY) > at or data.endswith(b'"state":null}'):
+        return None  # no state key, an older layout (state before written_at_s), or no checkpoint
+    try:
+        _, _, record = _decode_head(data[:at] + b',"state":null}', base.version + 1)
+    except ManifestFormatError:
+        return None
+    new = apply(base, record.change)
+    if data[at + len(_STATE_KEY) :] != f"{state_text(new)}}}".encode("ascii"):
+        return None
     return record, new
 
 
@@ -743,13 +774,28 @@ def _decode_head(data: bytes, version: int | None) -> tuple[_Reader, dict[str, A
 
 def state_doc(state: ManifestState) -> dict[str, Any]:
     """The JSON document of a state (as a checkpoint version holds it); "marks" only when
-    there are live marks. The step documents are shared with the state's steps (built once
-    each): read them, do not change them."""
+    there are live marks."""
+    doc = _state_head_doc(state)
+    doc["steps"] = [s.doc for s in state.steps]
+    return doc
+
+
+def state_text(state: ManifestState) -> str:
+    """The JSON text of `state_doc(state)` as `encode_record` writes it (keys sorted, compact,
+    ASCII), with the steps joined from their cached texts (`CommittedStep.text`): a reader
+    that keeps its states pays for each step once, and then a join per checkpoint."""
+    head = _dumps(_state_head_doc(state))
+    # "steps" sorts after "marks" and "producers" and before "version" and "watermark".
+    split = head.rindex(',"version":')
+    return f'{head[:split]},"steps":[{",".join(s.text for s in state.steps)}]{head[split:]}'
+
+
+def _state_head_doc(state: ManifestState) -> dict[str, Any]:
+    """`state_doc` without its steps."""
     doc: dict[str, Any] = {
         "version": state.version,
         "watermark": state.watermark,
         "producers": [{"id": p.producer, "epoch": p.epoch, "last_step": p.last_step, "version": p.version} for p in state.producers],
-        "steps": [s._doc for s in state.steps],
     }
     if state.marks:
         doc["marks"] = [{"id": m.mark, "manifest_version": m.manifest_version, "step": m.step, "version": m.version} for m in state.marks]
