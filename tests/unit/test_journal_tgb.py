@@ -30,7 +30,11 @@ def _array(draw) -> np.ndarray:
     if dtype.itemsize > 1 and draw(_order) == ">":
         dtype = dtype.newbyteorder(">")
     shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
-    return draw(hnp.arrays(dtype, shape, elements={"allow_nan": True} if dtype.kind in "fc" else None))
+    array = draw(hnp.arrays(dtype, shape, elements={"allow_nan": True} if dtype.kind in "fc" else None))
+    layout = draw(st.sampled_from(["c", "fortran", "reversed"]))  # the encoder copies only what is not C-contiguous
+    if layout == "fortran":
+        return np.asfortranarray(array)
+    return array[::-1] if layout == "reversed" and array.ndim else array
 
 
 _names = st.text(alphabet="abcxyz_", min_size=1, max_size=6)

@@ -46,9 +46,11 @@ when given a bytearray.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -264,12 +266,13 @@ def encode_tgb(
                 if not isinstance(name, str) or not name or len(name) > MAX_NAME:
                     raise InvalidArgument(f"{where}: a column name must be a non-empty string of at most {MAX_NAME} characters")
                 array = np.asarray(array)
-                if array.dtype.name not in DTYPES:
-                    raise InvalidArgument(f"{where}: dtype {array.dtype.name!r} cannot be stored; use one of {sorted(DTYPES)}")
+                dtype = _dtype_name(array.dtype)
+                if dtype not in DTYPES:
+                    raise InvalidArgument(f"{where}: dtype {dtype!r} cannot be stored; use one of {sorted(DTYPES)}")
                 if array.ndim > MAX_DIMS:
                     raise InvalidArgument(f"{where}: at most {MAX_DIMS} dimensions, got {array.ndim}")
-                little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-                columns.append((name, array.dtype.name, tuple(int(n) for n in array.shape), little, at))
+                little = array if _is_little_contiguous(array) else np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+                columns.append((name, dtype, tuple(int(n) for n in array.shape), little, at))
                 at = _align(at + little.nbytes)
             length = at
             plans.append((d, c, columns, offset, length))
@@ -527,6 +530,18 @@ def load_slice(fetch: Callable[[int, int], bytes], footer: Footer, *, dp: int, c
 
 
 # --- helpers -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: np.dtype) -> str:
+    """numpy's name of a dtype (a property that costs microseconds per call, once per dtype)."""
+    return dtype.name
+
+
+def _is_little_contiguous(array: np.ndarray) -> bool:
+    """Whether the array's bytes already lie as a TGB stores them: C-contiguous, little-endian."""
+    order = array.dtype.byteorder
+    return array.flags.c_contiguous and (order in "<|" or (order == "=" and sys.byteorder == "little"))
 
 
 def _align(n: int) -> int:
