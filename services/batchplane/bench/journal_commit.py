@@ -12,15 +12,17 @@ CPU here), writes the object (`tgb/<step>.tgb`), adds it and attempts commits wh
 at once; every attempt carries every pending step). Producer i builds steps first + i,
 first + i + P, ... (disjoint). The manifest starts pre-grown with `--pregrown-steps` (default
 2,000) committed steps in one checkpoint version, standing in for the paper's five hours of
-growth, and grows over the run.
+growth, and grows over the run. Nothing reads the objects, so a producer deletes those of the
+steps it committed (an unlink each, the same for every policy): a long point at 64 producers
+would otherwise fill tens of GB.
 
 Steady state, measured in attempt cycles rather than fixed seconds: the warm-up lasts until
 every producer has completed `--warmup-attempts` attempts (default 2; at least `--warmup-s`,
-default 1, at most `--max-warmup-s`, default 40), so each policy has adapted; the measured
-window then lasts until the median producer has completed `--cycles` attempts in it (default 20),
-within [`--duration-s`, `--max-duration-s`] (default 4, 400), so a policy with long gaps is
-measured over enough puts to tell 95 % from 99 % (each record carries the 95 % interval of its
-success rate). Counted are the attempts that end in the window; the steps they commit are its
+default 1, at most `--max-warmup-s`, default 400: DAC at 64 producers waits minutes between
+attempts on 2 cores), so each policy has adapted; the measured window then lasts until the
+median producer has completed `--cycles` attempts in it (default 20), within [`--duration-s`,
+`--max-duration-s`] (default 4, 400), so a policy with long gaps is measured over enough puts
+to tell 95 % from 99 % (each record carries the 95 % interval of its success rate). Counted are the attempts that end in the window; the steps they commit are its
 throughput (the backlog carried in balances the one left out).
 
 Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won / puts tried),
@@ -60,7 +62,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from batchplane.bench import positive_int
-from batchplane.bench.journal_steps import Place, fill, pregrow, synthetic_tgb, write_step
+from batchplane.bench.journal_steps import Place, fill, pregrow, step_key, synthetic_tgb, write_step
 from batchplane.core.errors import Unavailable
 from batchplane.core.object_storage import check_conditional_puts
 from batchplane.journal.commit import ManifestSettings, ManifestStore, Producer
@@ -97,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="attempts every producer completes before the window opens (default 2: the policy has adapted)",
     )
-    add("--max-warmup-s", type=float, default=40.0, help="most unmeasured seconds before the window (default 40)")
+    add("--max-warmup-s", type=float, default=400.0, help="most unmeasured seconds before the window (default 400)")
     add("--build-ms", type=float, default=20.0, help="ms each producer spends building a TGB, slept (default 20)")
     add("--pregrown-steps", type=int, default=2000, help="committed steps the manifest starts with (default 2,000)")
 
@@ -427,6 +429,7 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             shared.attempts[job.index] += 1
             for s, _, _ in committed:
                 built_at.pop(s, None)
+                storage.delete(step_key(s))  # nothing reads it: the disk a long point fills stays bounded
             if outcome > 0:
                 batch_start = None
     return {"attempts": attempts, "built": built, "cpu_s": time.process_time() - cpu}

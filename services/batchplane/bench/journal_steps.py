@@ -57,9 +57,14 @@ def fill(nbytes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes + 65536, dtype=np.uint8)
 
 
+def step_key(step: int) -> str:
+    """The key of a step's object: `tgb/<step>.tgb`."""
+    return f"tgb/{step:012d}.tgb"
+
+
 def write_step(storage: Storage, step: int, data: bytearray) -> StepEntry:
-    """Writes a step's object `tgb/<step>.tgb`; returns its manifest entry."""
-    key = f"tgb/{step:012d}.tgb"
+    """Writes a step's object (`step_key`); returns its manifest entry."""
+    key = step_key(step)
     storage.put_if_absent(key, data)
     return StepEntry(step, (StepObject(key, len(data), f"crc32:{zlib.crc32(data):08x}"),))
 
@@ -70,7 +75,7 @@ def pregrow(storage: Storage, steps: int, settings: ManifestSettings, *, tgb_byt
     if steps == 0:
         return 0
     state = apply(ManifestState(), Register("pregrown"))
-    entries = tuple(StepEntry(s, (StepObject(f"tgb/{s:012d}.tgb", tgb_bytes, "crc32:00000000"),)) for s in range(steps))
+    entries = tuple(StepEntry(s, (StepObject(step_key(s), tgb_bytes, "crc32:00000000"),)) for s in range(steps))
     state = apply(state, Commit("pregrown", 1, entries))
     k = settings.checkpoint_every
     version = k * -(-3 // k)  # the first checkpoint version above the two changes it stands for
