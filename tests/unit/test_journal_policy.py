@@ -140,6 +140,27 @@ def test_dac_retries_a_conflict_anywhere_in_a_whole_cycle() -> None:
     assert policy.gap_s() == pytest.approx(policy.optimal_gap_s * 1.198)
 
 
+def test_dac_defers_a_caught_up_attempt_by_the_gap_for_the_producers_that_were_preparing_with_it() -> None:
+    """64 producers, W 0.1 s: g* is about two minutes. A producer that caught up after a 2 s
+    preparation races only the others that were preparing then, about 63 * 2 / (g* + 2.1) of
+    them, so its deferral is Eq. 9 for those, seconds; when preparing takes most of a cycle,
+    every other producer was, and the deferral is g* itself."""
+    s = DacSettings(window_deviations=0.0, jitter=0.0, conflict_jitter=1.0)
+    policy = DacPolicy(s, random=lambda: 0.5)
+    assert not policy.on_caught_up(producers=64, prepare_s=2.0)  # nothing measured yet: no deferral
+    policy.on_attempt(success=True, fragile_window_s=0.1, producers=64)
+    g = policy.optimal_gap_s
+    assert g == pytest.approx(smallest_feasible_gap_s(0.1, 64, conflict_budget=0.05, duty_budget=0.25))
+    assert policy.on_caught_up(producers=64, prepare_s=2.0)
+    others = max(1.0, 63 * 2.0 / (g + 2.0 + 0.1))
+    want = smallest_feasible_gap_s(0.1, 1 + others, conflict_budget=0.05, duty_budget=0.25)
+    assert policy.gap_s() == pytest.approx(want * 1.5)  # spread as after a conflict
+    assert policy.gap_s() < g / 20
+    assert policy.optimal_gap_s == g  # the cycle's gap is unchanged
+    assert policy.on_caught_up(producers=64, prepare_s=1e6)
+    assert policy.gap_s() == pytest.approx(g * 1.5, rel=1e-3)
+
+
 def test_dac_gap_grows_with_producers_and_with_the_fragile_window() -> None:
     gaps = [smallest_feasible_gap_s(0.1, n, conflict_budget=0.05, duty_budget=0.5) for n in (1, 8, 32, 64)]
     assert gaps[0] == pytest.approx(0.1)  # alone: only the duty budget binds

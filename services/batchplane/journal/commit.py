@@ -36,9 +36,9 @@ A commit attempt does its CPU work before the read it races from: it reads the n
 rebases its pending steps onto it and prepares the next version (`ManifestStore.prepare`: the
 change applied, the record encoded), and only then probes for the version after its base (one
 GET). If one appeared, it catches up and prepares again, without a put (that is not a lost
-race), unless its policy defers the attempt (`CommitPolicy.on_caught_up`: DAC waits a gap, as
-after a conflict, since every producer that was preparing then caught up on the same version and
-would race the others for the next); if none did, it puts. The fragile window W, in which
+race), unless its policy defers the attempt (`CommitPolicy.on_caught_up`: DAC waits a gap,
+spread as after a conflict, since every producer that was preparing then caught up on the same
+version and would race the others for the next); if none did, it puts. The fragile window W, in which
 another producer's commit makes the put lose, runs from the start of that final probe to the
 end of the put: one GET and one put, with no CPU work per pending step in between (the commit
 policy's gap grows with W, and the steps pending at an attempt with the gap).
@@ -736,12 +736,12 @@ class Producer:
         return self.flush()
 
     def _prepare_on_newest(
-        self, change_for: Callable[[ManifestState], Change | None], *, defer: Callable[[ManifestState], bool] = lambda base: False
+        self, change_for: Callable[[ManifestState], Change | None], *, defer: Callable[[ManifestState, float], bool] = lambda base, s: False
     ) -> tuple[ManifestState, PreparedVersion | None, float, int]:
         """Reads the newest version, prepares `change_for(base)` on it, and probes for a version
         after the base; while one appeared, does it all again on the newer version (each turn
-        means another producer committed, so the manifest progresses) unless `defer(base)` says
-        to stop there.
+        means another producer committed, so the manifest progresses) unless `defer(base,
+        seconds spent reading and preparing)` says to stop there.
 
         Returns:
             (base, the version prepared on it or None if `change_for` gave no change or the
@@ -750,6 +750,7 @@ class Producer:
         """
         caught_up = 0
         while True:
+            began = self._clock()
             base = self.store.latest()
             change = change_for(base)
             if change is None:
@@ -759,12 +760,14 @@ class Producer:
             if self.store.still_newest(base):
                 return base, prepared, start, caught_up
             caught_up += 1
-            if defer(base):
+            if defer(base, start - began):
                 return base, None, 0.0, caught_up
 
-    def _defer(self, base: ManifestState) -> bool:
-        """Whether the policy defers an attempt that caught up on a version committed after `base`."""
-        return self.policy.on_caught_up(producers=base.active_producers(self.store.settings.active_within_versions))
+    def _defer(self, base: ManifestState, prepare_s: float) -> bool:
+        """Whether the policy defers an attempt that caught up on a version committed after
+        `base`, which it read and prepared on in `prepare_s`."""
+        producers = base.active_producers(self.store.settings.active_within_versions)
+        return self.policy.on_caught_up(producers=producers, prepare_s=prepare_s)
 
     def _wait_gap(self) -> None:
         remaining = self.policy.gap_s() - (self._clock() - self._last_end)

@@ -46,12 +46,15 @@ The policies (`POLICIES`):
   and would otherwise stay within delta g* of each other for many cycles, against Eq. 2's
   independent starts; spreading the retry over a whole cycle desynchronizes them at once.
   An attempt that caught up (its final probe found a version committed while it prepared:
-  `on_caught_up`) is deferred the same way, without a put: every producer that was preparing
-  when that version landed caught up on it too, and putting at once they would race each other
-  for the next version. On this machine, 32 producer processes on 2 cores (`batchplane bench
-  journal --stores local --policies dac --cycles 20`), the paper's DAC let 8.2 % of puts
-  conflict under a 5 % budget (91.8 % success); the margin alone 6.8 %, the deferral alone
-  4.8 %, both 0.7 % (99.3 %, 151 puts).
+  `on_caught_up`) is deferred without a put: every producer that was preparing when that
+  version landed caught up on it too, and putting at once they would race each other for the
+  next version. The deferral is Eq. 9's gap for those contenders, about
+  (N - 1) P / (g* + P + W) others for a preparation of P seconds (at least one), spread as
+  after a conflict: seconds where a whole cycle's gap would be minutes. On this machine, 32
+  producer processes on 2 cores (`batchplane bench journal --stores local --policies dac`), the
+  paper's DAC let 8.2 % of puts conflict under a 5 % budget (91.8 % success); the margin alone
+  6.8 %, a deferral by a whole cycle's gap alone 4.8 %, both 0.7 % (99.3 %, 151 puts); with
+  the deferral for the contenders, 0.9 % (99.1 %, 229 puts), and 0 of 47 at 64 producers.
 """
 
 from __future__ import annotations
@@ -91,13 +94,15 @@ class CommitPolicy(Protocol):
         """
         ...
 
-    def on_caught_up(self, *, producers: int) -> bool:
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
         """Takes in an attempt whose final probe found a version another producer committed
         while it prepared. True: put nothing now and wait the gap this sets (the attempt is
         deferred); False: prepare again on the newer version and put.
 
         Args:
             producers: The producer count read from the committed state (>= 1, self included).
+            prepare_s: Seconds from the read of the version it prepared on to the final probe
+                (the read, the rebase and the encoding), in which that version landed.
         """
         ...
 
@@ -130,7 +135,7 @@ class NaivePolicy:
     def on_attempt(self, *, success: bool, fragile_window_s: float, producers: int) -> None:
         pass
 
-    def on_caught_up(self, *, producers: int) -> bool:
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
         return False
 
 
@@ -155,7 +160,7 @@ class FixedPolicy:
     def on_attempt(self, *, success: bool, fragile_window_s: float, producers: int) -> None:
         pass
 
-    def on_caught_up(self, *, producers: int) -> bool:
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
         return False
 
 
@@ -186,7 +191,7 @@ class IncrPolicy:
         if not success:
             self.interval += self.increment
 
-    def on_caught_up(self, *, producers: int) -> bool:
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
         return False
 
 
@@ -222,7 +227,7 @@ class AimdPolicy:
         else:
             self.interval = min(self.max_interval, self.interval * 2)
 
-    def on_caught_up(self, *, producers: int) -> bool:
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
         return False
 
 
@@ -295,7 +300,7 @@ def duty(gap_s: float, fragile_window_s: float) -> float:
     return fragile_window_s / cycle if cycle > 0 else 0.0
 
 
-def conflict_gap_s(fragile_window_s: float, producers: int, conflict_budget: float) -> float:
+def conflict_gap_s(fragile_window_s: float, producers: float, conflict_budget: float) -> float:
     """Eq. 7: the least gap with conflict_probability <= conflict_budget (may be negative:
     every gap >= 0 then meets it): (N - 1) W / -ln(1 - eps_c) - W."""
     return (producers - 1) * fragile_window_s / -math.log1p(-conflict_budget) - fragile_window_s
@@ -306,12 +311,12 @@ def duty_gap_s(fragile_window_s: float, duty_budget: float) -> float:
     return fragile_window_s * (1.0 - duty_budget) / duty_budget
 
 
-def smallest_feasible_gap_s(fragile_window_s: float, producers: int, *, conflict_budget: float, duty_budget: float) -> float:
+def smallest_feasible_gap_s(fragile_window_s: float, producers: float, *, conflict_budget: float, duty_budget: float) -> float:
     """Eq. 9: the smallest gap >= 0 that meets both budgets.
 
     Args:
         fragile_window_s: W (>= 0).
-        producers: N, self included (>= 1).
+        producers: N, self included (>= 1; an expected count may be fractional).
         conflict_budget: eps_c in (0, 1).
         duty_budget: eps_d in (0, 1].
 
@@ -379,14 +384,26 @@ class DacPolicy:
             self._window_var = (1.0 - s.ema_alpha) * (self._window_var + s.ema_alpha * diff * diff)
         self._set_gap(producers, spread=not success)
 
-    def on_caught_up(self, *, producers: int) -> bool:
-        """Defers the attempt as after a conflict (a gap anywhere in a whole cycle): every
-        producer that was preparing when a version landed catches up on that same version, and
-        putting at once they would race each other for the next one, against Eq. 2's independent
-        starts. Before the first attempt (no window measured) nothing is deferred."""
+    def on_caught_up(self, *, producers: int, prepare_s: float) -> bool:
+        """Defers the attempt by Eq. 9's gap for the producers it would race, spread as after a
+        conflict: every producer that was preparing when a version landed caught up on that same
+        version, and putting at once they would race each other for the next one, against
+        Eq. 2's independent starts. Each of the other N - 1 spends prepare_s of its cycle
+        g* + prepare_s + W preparing, so about (N - 1) prepare_s / (g* + prepare_s + W) others
+        (at least one) caught up with it; the gap is g* for them and this producer (short
+        while preparing takes a small part of a cycle, g* itself when it takes most). Before
+        the first attempt (no window measured) nothing is deferred."""
         if self._window_s is None:
             return False
-        self._set_gap(producers, spread=True)
+        s = self.settings
+        window = self.window_estimate_s
+        assert window is not None
+        prepare = max(0.0, prepare_s)
+        cycle = self._optimal_s + prepare + window
+        others = max(1.0, (max(1, producers) - 1) * prepare / cycle) if cycle > 0 else 1.0
+        optimal = smallest_feasible_gap_s(window, 1 + others, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget)
+        xi = s.conflict_jitter * min(max(self._random(), 0.0), 1.0)
+        self._gap_s = min(optimal * (1.0 + xi), s.max_gap_s)
         return True
 
     def _set_gap(self, producers: int, *, spread: bool) -> None:
