@@ -22,8 +22,9 @@ default 1, at most `--max-warmup-s`, default 400: DAC at 64 producers waits minu
 attempts on 2 cores), so each policy has adapted; the measured window then lasts until the
 median producer has completed `--cycles` attempts in it (default 20), within [`--duration-s`,
 `--max-duration-s`] (default 4, 400), so a policy with long gaps is measured over enough puts
-to tell 95 % from 99 % (each record carries the 95 % interval of its success rate). Counted are the attempts that end in the window; the steps they commit are its
-throughput (the backlog carried in balances the one left out).
+to tell 95 % from 99 % (each record carries the 95 % interval of its success rate). Counted
+are the attempts that end in the window; the steps they commit are its throughput (the backlog
+carried in balances the one left out).
 
 Fields: store, policy, producers, payload_kb, commit_success_rate (puts that won / puts tried),
 commit_success_rate_ci95 (its Wilson score interval, [low, high]),

@@ -38,10 +38,10 @@ change applied, the record encoded), and only then probes for the version after 
 GET). If one appeared, it catches up and prepares again, without a put (that is not a lost
 race), unless its policy defers the attempt (`CommitPolicy.on_caught_up`: DAC waits a gap,
 spread as after a conflict, since every producer that was preparing then caught up on the same
-version and would race the others for the next); if none did, it puts. The fragile window W, in which
-another producer's commit makes the put lose, runs from the start of that final probe to the
-end of the put: one GET and one put, with no CPU work per pending step in between (the commit
-policy's gap grows with W, and the steps pending at an attempt with the gap).
+version and would race the others for the next); if none did, it puts. The fragile window W,
+in which another producer's commit makes the put lose, runs from the start of that final probe
+to the end of the put: one GET and one put, with no CPU work per pending step in between (the
+commit policy's gap grows with W, and the steps pending at an attempt with the gap).
 
 Exactly once across producer failures: a producer id registers (a Register change: the next
 fencing epoch) before it commits; its state (epoch, last committed step) is committed in the
