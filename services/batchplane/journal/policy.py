@@ -55,9 +55,10 @@ The policies (`POLICIES`):
   --stores local --policies dac`), the paper's DAC let 8.2 % of puts conflict under a 5 %
   budget (91.8 % success); the margin alone 6.8 %, a deferral by a whole cycle's gap alone
   4.8 %, both 0.7 % (99.3 %, 151 puts; 97.4 %, 234 puts in another run). With the deferral for
-  the contenders, 2.8 % over two runs (97.2 %, 492 puts) and 0 of 47 at 64 producers: there,
-  P was 15 s at the median (reading and applying the versions of the cycle, on a manifest of
-  about 250,000 steps, under a load of 20), 12 contenders, and the deferral 0.6 g*.
+  the contenders, 2.8 % over two runs (97.2 %, 492 puts), where P was 15 s at the median
+  (reading and applying the versions of the cycle, on a manifest of about 250,000 steps, under
+  a load of 20), so about 12 producers contended and the deferral was 0.6 g*; and 0 of 47 puts
+  conflicted at 64 producers.
 """
 
 from __future__ import annotations
