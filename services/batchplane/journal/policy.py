@@ -406,8 +406,7 @@ class DacPolicy:
         cycle = self._optimal_s + prepare + window
         others = max(1.0, (max(1, producers) - 1) * prepare / cycle) if cycle > 0 else 1.0
         optimal = smallest_feasible_gap_s(window, 1 + others, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget)
-        xi = s.conflict_jitter * min(max(self._random(), 0.0), 1.0)
-        self._gap_s = min(optimal * (1.0 + xi), s.max_gap_s)
+        self._gap_s = self._jittered(optimal, spread=True)
         return True
 
     def _set_gap(self, producers: int, *, spread: bool) -> None:
@@ -419,8 +418,14 @@ class DacPolicy:
         assert estimate is not None
         optimal = smallest_feasible_gap_s(estimate, self._producers, conflict_budget=s.conflict_budget, duty_budget=s.duty_budget)
         self._optimal_s = min(optimal, s.max_gap_s)
+        self._gap_s = self._jittered(self._optimal_s, spread=spread)
+
+    def _jittered(self, optimal_s: float, *, spread: bool) -> float:
+        """Eq. 10: optimal_s (1 + xi), xi up to `conflict_jitter` when `spread`, else up to
+        `jitter`, capped at max_gap_s."""
+        s = self.settings
         xi = (s.conflict_jitter if spread else s.jitter) * min(max(self._random(), 0.0), 1.0)
-        self._gap_s = min(self._optimal_s * (1.0 + xi), s.max_gap_s)
+        return min(optimal_s * (1.0 + xi), s.max_gap_s)
 
 
 def make_policy(name: str, *, random: RandomSource | None = None, dac: DacSettings = DacSettings()) -> CommitPolicy:
