@@ -4,6 +4,8 @@ and that the plan, the ledger's figures and the planner's imbalance gauge use it
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis
 import numpy as np
 import pytest
@@ -102,6 +104,32 @@ def test_grouping_puts_similar_lengths_together() -> None:
     rows = rows_of(QUADRATIC, lengths, {}, QUADRATIC(lengths))
     groups = group(np.arange(8), 4, rows)
     assert [sorted(lengths[g].tolist()) for g in groups] == [[4000], [3900], [300, 310], [9, 10, 11, 12]]
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(1, 4)), min_size=3, max_size=14).map(sorted), st.integers(2, 4)
+)
+def test_the_cuts_are_those_of_least_padded_cost_the_lowest_on_ties(samples: list[tuple[int, int]], parts: int) -> None:
+    """`_cuts` (with its one-cut shortcut for two groups) against every way to cut, on integer
+    costs (exact sums, so ties are real): the least sum of rows x the widest's row cost, and of
+    those the lexicographically lowest cuts (the DP's lowest previous cut, cut by cut)."""
+    from batchplane.planner.padded import _cuts
+
+    hypothesis.assume(len(samples) > parts)
+    unit = np.array([float(u) for u, _ in samples])  # sorted by width: row costs ascend
+    rows = np.array([r for _, r in samples], np.int64)
+    cum_rows = np.concatenate([[0], np.cumsum(rows)])
+    n = len(samples)
+
+    def cost(cuts: tuple[int, ...]) -> float:
+        return sum(float(cum_rows[hi] - cum_rows[lo]) * unit[hi - 1] for lo, hi in zip(cuts, cuts[1:]))
+
+    every = [(0, *inner, n) for inner in itertools.combinations(range(1, n), parts - 1)]
+    least = min(cost(c) for c in every)
+    got = tuple(_cuts(cum_rows, unit, parts).tolist())
+    assert cost(got) == least
+    assert got == min((c for c in every if cost(c) == least), key=lambda c: tuple(reversed(c)))
 
 
 @hypothesis.settings(max_examples=100, deadline=None)

@@ -262,6 +262,10 @@ def _cuts(cum_rows: np.ndarray, unit: np.ndarray, parts: int) -> np.ndarray:
     last = np.empty(k)
     last[0] = 0.0
     last[1:] = unit if every else unit[points[1:] - 1]
+    if parts == 2:  # one cut: the k-vector of the table's last row, not the k x k table
+        total = cum * last + (cum[k - 1] - cum) * last[k - 1]
+        total[0] = total[k - 1] = np.inf  # the first group would be empty, or the second
+        return points[np.array([0, int(np.argmin(total)), k - 1], dtype=np.int64)]
     seg = np.subtract.outer(cum, cum)
     seg *= last[:, None]
     seg += _not_after(k)
