@@ -1,6 +1,6 @@
-"""Shared-memory delivery from a constructor to its trainers (TLS on: the trainer's Unix socket and
-the slab socket beside it): byte-identical to the gRPC stream, and nothing leaks when either side
-is killed with SIGKILL."""
+"""Shared-memory delivery from a constructor to its trainers (the trainer's Unix socket, which
+every local constructor serves with TLS on or off, and the slab socket beside it):
+byte-identical to the gRPC stream, and nothing leaks when either side is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -101,8 +101,9 @@ def test_shm_delivers_the_same_bytes_as_grpc(tmp_path, sources, monkeypatch) -> 
     assert_same_batches(batches["shm"], batches["grpc"])
 
 
-def test_the_client_says_which_transport_it_uses(tmp_path, sources, monkeypatch) -> None:
-    cluster = start_cluster(_job(tmp_path, sources, "job"))
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plaintext"])
+def test_the_client_says_which_transport_it_uses(tmp_path, sources, monkeypatch, tls: bool) -> None:
+    cluster = start_cluster(_job(tmp_path, sources, "job", network={"tls": tls}))
     try:
         monkeypatch.setenv("BATCHPLANE_ENDPOINTS", str(cluster.endpoints_path))
         with Client(rank=0, timeout_s=30) as client:

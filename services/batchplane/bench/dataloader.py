@@ -9,7 +9,8 @@ count, default 2); each record is one run, `summarize_samples` gives the medians
 
 - batchplane: a job run by `LocalCluster` (planner, `--loaders` loader groups (default 2) and
   one constructor per `--ranks-per-constructor` ranks (default 8: one pod), plaintext, since
-  `bench transport` measures TLS) and the stand-in trainer (`batchplane.examples.timed_trainer
+  `bench transport` measures TLS; the trainer takes its batches through shared memory beside
+  its constructor's Unix socket, as in a pod) and the stand-in trainer (`batchplane.examples.timed_trainer
   --counts`, one process, its ranks as threads in lockstep, writing each step's sample count as
   the DataLoader ranks do), mesh dp = ranks.
 - dataloader: one process per rank, as torchrun starts them (`batchplane.examples.dataloader_rank`, in the client package: services never import torch), each with a

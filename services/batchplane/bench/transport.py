@@ -12,7 +12,8 @@ both alike.
 Record fields (one per run):
 
 - tls: true (mutual TLS between the parts, local credentials on the trainers' sockets) or false
-  (plaintext TCP everywhere);
+  (plaintext TCP between the parts, plaintext on the trainers' sockets); either way the
+  trainers take their batches through shared memory beside their constructor's Unix socket;
 - steps, tokens: what the trainer received (tokens: the samples' lengths, from the Parquet rows);
 - seconds: from the trainer's first batch to its last;
 - tokens_per_s: tokens / seconds;

@@ -222,11 +222,10 @@ class LocalCluster:
         self.rpc = RpcSettings.of(self.job.network, Security(CertificateFolder(own)))
 
     def _trainer_socket(self, index: int) -> list[str]:
-        """With TLS on, a constructor serves its trainers on a Unix socket with local credentials,
-        as in a pod: in a folder of this run under the temporary directory (a socket path must
-        stay under 108 bytes, which a run folder's may not)."""
-        if not self.job.network.tls:
-            return []
+        """A constructor serves its trainers on a Unix socket, as the chart's sidecar does in a
+        pod (with local credentials when TLS is on, plaintext when off), and so offers
+        shared-memory delivery beside it: in a folder of this run under the temporary directory
+        (a socket path must stay under 108 bytes, which a run folder's may not)."""
         return ["--listen", f"unix://{self._socket_folder}/constructor-{index}.sock"]
 
     @property
