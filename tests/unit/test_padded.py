@@ -107,9 +107,7 @@ def test_grouping_puts_similar_lengths_together() -> None:
 
 
 @hypothesis.settings(max_examples=200, deadline=None)
-@hypothesis.given(
-    st.lists(st.tuples(st.integers(0, 50), st.integers(1, 4)), min_size=3, max_size=14).map(sorted), st.integers(2, 4)
-)
+@hypothesis.given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 4)), min_size=3, max_size=14).map(sorted), st.integers(2, 4))
 def test_the_cuts_are_those_of_least_padded_cost_the_lowest_on_ties(samples: list[tuple[int, int]], parts: int) -> None:
     """`_cuts` (with its one-cut shortcut for two groups) against every way to cut, on integer
     costs (exact sums, so ties are real): the least sum of rows x the widest's row cost, and of
