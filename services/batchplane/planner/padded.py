@@ -67,6 +67,16 @@ class Rows:
     _widths: np.ndarray
     _row_costs: np.ndarray
 
+    @functools.cached_property
+    def single(self) -> bool:
+        """Every sample is one row (nothing split): a run of samples' rows, cumulated, is a range."""
+        return bool(np.all(self.rows == 1))
+
+    @functools.cached_property
+    def featured(self) -> bool:
+        """Some sample's features add to its cost (`extra` is not all 0)."""
+        return bool(self.extra.any())
+
     def row_cost(self, width: np.ndarray) -> np.ndarray:
         """float64: the cost of one featureless row of each given width (one of the step's
         sample widths)."""
@@ -201,9 +211,12 @@ class _Layout:
             unit = own[order]
         else:
             unit = rows.row_cost(width) if n else np.zeros(0)
-        cum_rows = np.empty(n + 1, np.int64)
-        cum_rows[0] = 0
-        np.cumsum(rows.rows[order], out=cum_rows[1:])
+        if rows.single:
+            cum_rows = _range(n + 1)
+        else:
+            cum_rows = np.empty(n + 1, np.int64)
+            cum_rows[0] = 0
+            np.cumsum(rows.rows[order], out=cum_rows[1:])
         groups = np.zeros((3, parts))
         if n <= parts:
             cuts = np.minimum(np.arange(parts + 1, dtype=np.int64), n)
@@ -218,8 +231,7 @@ class _Layout:
         # As `Rows.microbatch_cost` adds them up: features (summed over ascending indices),
         # plus rows x the row cost of the widest.
         costs = counts * groups[1]
-        extra = rows.extra[order]
-        if extra.any():
+        if rows.featured:
             costs = np.array([rows.extra[np.sort(order[lo:hi])].sum() for lo, hi in zip(cuts[:-1], cuts[1:])]) + costs
         costs = costs.tolist()
         if n <= parts:
@@ -298,6 +310,14 @@ def _points(n: int, parts: int) -> np.ndarray:
         points = np.arange(n + 1, dtype=np.int64)
     points.flags.writeable = False
     return points
+
+
+@functools.lru_cache(maxsize=256)
+def _range(n: int) -> np.ndarray:
+    """int64 [n]: 0 .. n - 1, read-only."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 @functools.lru_cache(maxsize=256)
