@@ -16,6 +16,7 @@ stays a sample's identity and every row is taken exactly r times per job epoch.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import threading
@@ -82,6 +83,7 @@ class SampleOrder:
         self.window_row_groups = window_row_groups
         self.shuffle = shuffle
         self._windows: dict[int, tuple[Window, ...]] = {}  # the latest epochs' windows
+        self._starts: dict[int, list[int]] = {}  # and their first positions, for `window_at`
         self._lock = threading.Lock()
 
     def _rng(self, *parts: int) -> np.random.Generator:
@@ -89,12 +91,19 @@ class SampleOrder:
 
     def windows(self, epoch: int) -> tuple[Window, ...]:
         """The windows of `epoch`, in consumption order (kept for the two latest epochs)."""
+        return self._epoch(epoch)[0]
+
+    def _epoch(self, epoch: int) -> tuple[tuple[Window, ...], list[int]]:
+        """The windows of `epoch` and their first positions (ascending), made once per epoch."""
         with self._lock:
             if epoch not in self._windows:
                 if len(self._windows) >= 2:
-                    del self._windows[min(self._windows)]
-                self._windows[epoch] = self._make_windows(epoch)
-            return self._windows[epoch]
+                    oldest = min(self._windows)
+                    del self._windows[oldest], self._starts[oldest]
+                windows = self._make_windows(epoch)
+                self._windows[epoch] = windows
+                self._starts[epoch] = [w.start for w in windows]
+            return self._windows[epoch], self._starts[epoch]
 
     def _make_windows(self, epoch: int) -> tuple[Window, ...]:
         groups = np.arange(len(self.row_group_sizes))
@@ -113,9 +122,8 @@ class SampleOrder:
         """The window of `epoch` holding `position`."""
         if not 0 <= position < self.num_rows:
             raise ValueError(f"position {position} outside [0, {self.num_rows})")
-        windows = self.windows(epoch)
-        starts = [w.start for w in windows]
-        return windows[int(np.searchsorted(starts, position, side="right")) - 1]
+        windows, starts = self._epoch(epoch)
+        return windows[bisect.bisect_right(starts, position) - 1]
 
     def permutation(self, epoch: int, window: Window) -> np.ndarray:
         """int64 [window.size]: position window.start + j holds the row at index perm[j] of the
