@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchplane.journal import manifest
 from batchplane.journal.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -242,6 +244,11 @@ _DELETE = object()
         (_set(("state", "producers", 0, "epoch"), 0), "state.producers[0].epoch"),
         (_set(("state", "watermark"), 5), "state.steps"),
         (_set(("state", "steps"), "none"), "state.steps"),
+        (_set(("state", "steps", 0, "producer"), "bad id!"), "state.steps[0].producer"),
+        (_set(("state", "steps", 0, "version"), 0), "state.steps[0].version"),
+        (_set(("state", "steps", 0, "objects", 0, "key"), "k" * 1025), "state.steps[0].objects[0].key"),
+        (_set(("change", "steps", 0, "step"), True), "change.steps[0].step"),
+        (_set(("change", "steps", 0, "objects", 0, "size"), 1.0), "change.steps[0].objects[0].size"),
     ],
 )
 def test_decoding_refuses_unknown_or_invalid_content_naming_the_field(mutate, field: str) -> None:
@@ -251,6 +258,66 @@ def test_decoding_refuses_unknown_or_invalid_content_naming_the_field(mutate, fi
         decode_record(json.dumps(doc).encode(), version=2)
     assert info.value.field == field
     assert repr(field) in str(info.value) and "manifest version 2" in str(info.value)
+
+
+#: Values at and beside each kind of field's rules: integers around 0 and 1 and what JSON holds
+#: as numbers besides them; empty, valid, malformed and overlong strings; other types.
+_ODD_INTEGERS = st.sampled_from([-1, 0, 1, 2, True, 1.0, None, "1"])
+_ODD_TEXTS = st.sampled_from(["", "k", "p0", "bad id!", "x" * 1025, "c" * 257, 1, None, []])
+_ODD_LISTS = st.sampled_from([[], [{}], [1], {}, "objects", None])
+
+
+@st.composite
+def near_steps(draw, *, committed: bool) -> dict:
+    """A step as a Commit (or, `committed`, a checkpoint) lists it, with up to two of its fields
+    or its object's replaced by an odd value, removed, or joined by an unknown field."""
+    item: dict = {"step": 3, "objects": [{"key": "tgb/3", "size": 5, "checksum": "crc32:1"}]}
+    fields = {("step",): _ODD_INTEGERS, ("objects",): _ODD_LISTS}
+    fields.update({("objects", 0, "key"): _ODD_TEXTS, ("objects", 0, "size"): _ODD_INTEGERS, ("objects", 0, "checksum"): _ODD_TEXTS})
+    if committed:
+        item.update(producer="p0", version=2)
+        fields.update({("producer",): _ODD_TEXTS, ("version",): _ODD_INTEGERS})
+    for _ in range(draw(st.integers(0, 2))):
+        path = draw(st.sampled_from(sorted(fields)))
+        objects = item.get("objects")
+        parent = item if len(path) == 1 else objects[0] if isinstance(objects, list) and objects else None
+        if not isinstance(parent, dict):
+            continue  # an earlier change took the object away
+        how = draw(st.sampled_from(["replace", "replace", "replace", "remove", "add"]))
+        if how == "add":
+            parent["colour"] = "red"
+        elif how == "remove":
+            parent.pop(path[-1], None)
+        else:
+            parent[path[-1]] = draw(fields[path])
+    return item
+
+
+def _field_by_field(read):
+    """What `read()` decodes with the quick paths off (None when it refuses)."""
+    off = lambda _: None  # noqa: E731
+    with mock.patch.object(manifest, "_well_formed_entry", off), mock.patch.object(manifest, "_well_formed_objects", off):
+        with mock.patch.object(manifest, "_well_formed_committed", off):
+            try:
+                return read()
+            except ManifestFormatError:
+                return None
+
+
+@settings(max_examples=500, deadline=None)
+@given(near_steps(committed=False))
+def test_the_quick_decoding_of_a_commit_step_agrees_with_the_field_by_field_reader(item: dict) -> None:
+    change = {"kind": "commit", "producer": "p0", "epoch": 1, "steps": [item]}
+    slow = _field_by_field(lambda: manifest._Reader("test").change(copy.deepcopy(change), "change").steps[0])
+    assert manifest._well_formed_entry(item) == slow
+
+
+@settings(max_examples=500, deadline=None)
+@given(near_steps(committed=True))
+def test_the_quick_decoding_of_a_checkpoint_step_agrees_with_the_field_by_field_reader(item: dict) -> None:
+    doc = {"version": 2, "watermark": 0, "producers": [], "steps": [item]}
+    slow = _field_by_field(lambda: manifest._Reader("test").state(copy.deepcopy(doc), "state").steps[0])
+    assert manifest._well_formed_committed(item) == slow
 
 
 def test_decoding_refuses_what_is_not_a_json_object() -> None:

@@ -883,6 +883,9 @@ class _Reader:
         return value
 
     def objects(self, doc: Mapping[str, Any], path: str) -> tuple[StepObject, ...]:
+        quick = _well_formed_objects(doc["objects"]) if type(doc) is dict and "objects" in doc else None
+        if quick is not None:
+            return quick
         out = []
         items = self.array(doc, "objects", path=path)
         if not items:
@@ -923,6 +926,10 @@ class _Reader:
             self.fields(doc, path, {"kind", "producer", "epoch", "steps"})
             entries = []
             for i, item in enumerate(self.array(doc, "steps", path=path)):
+                quick = _well_formed_entry(item)
+                if quick is not None:
+                    entries.append(quick)
+                    continue
                 p = f"{_join(path, 'steps')}[{i}]"
                 self.fields(item, p, {"step", "objects"})
                 entries.append(StepEntry(self.integer(item, "step", path=p), self.objects(item, p)))
@@ -956,6 +963,10 @@ class _Reader:
             raise self.fail(_join(path, "producers"), "must be sorted by id without repeats")
         steps = []
         for i, item in enumerate(self.array(doc, "steps", path=path)):
+            quick = _well_formed_committed(item)
+            if quick is not None:
+                steps.append(quick)
+                continue
             p = f"{_join(path, 'steps')}[{i}]"
             self.fields(item, p, {"step", "producer", "version", "objects"})
             steps.append(
@@ -989,6 +1000,59 @@ class _Reader:
         if "marks" in doc and not marks:
             raise self.fail(_join(path, "marks"), "is written only when it lists a mark")
         return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers), marks=tuple(marks))
+
+
+def _well_formed_entry(item: Any) -> StepEntry | None:
+    """A Commit's step entry decoded when it meets every rule `_Reader` checks (plain JSON
+    types, exactly its fields, a step >= 0, objects as `_well_formed_objects`); None for
+    anything else, which `_Reader` then checks field by field to name what is wrong. Every
+    step of every version a producer catches up on comes through here."""
+    if type(item) is not dict or len(item) != 2 or "step" not in item or "objects" not in item:
+        return None
+    step = item["step"]
+    if type(step) is not int or step < 0:
+        return None
+    objects = _well_formed_objects(item["objects"])
+    return None if objects is None else StepEntry(step, objects)
+
+
+def _well_formed_committed(item: Any) -> CommittedStep | None:
+    """A checkpoint's step decoded when it meets every rule `_Reader.state` checks of one (its
+    four fields; step >= 0, a producer id, version >= 1, objects as `_well_formed_objects`);
+    else None, for `_Reader` to name what is wrong."""
+    if type(item) is not dict or len(item) != 4 or "producer" not in item or "version" not in item:
+        return None
+    producer, version = item["producer"], item["version"]
+    if type(producer) is not str or not 0 < len(producer) <= _MAX_KEY_CHARS or not _PRODUCER_ID.fullmatch(producer):
+        return None
+    if type(version) is not int or version < 1:
+        return None
+    entry = _well_formed_entry({"step": item.get("step"), "objects": item.get("objects")})
+    return None if entry is None else CommittedStep(entry, producer, version)
+
+
+def _well_formed_objects(items: Any) -> tuple[StepObject, ...] | None:
+    """A step's objects when the list meets every rule of `_Reader.objects` (at least one; each
+    exactly key, size, checksum: a key of 1 to `_MAX_KEY_CHARS` characters, a size >= 0, a
+    checksum of 1 to `_MAX_CHECKSUM_CHARS`); else None."""
+    if type(items) is not list or not items:
+        return None
+    out = []
+    for o in items:
+        if type(o) is not dict or len(o) != 3 or "key" not in o or "size" not in o or "checksum" not in o:
+            return None
+        key, size, checksum = o["key"], o["size"], o["checksum"]
+        if (
+            type(key) is not str
+            or not 0 < len(key) <= _MAX_KEY_CHARS
+            or type(size) is not int
+            or size < 0
+            or type(checksum) is not str
+            or not 0 < len(checksum) <= _MAX_CHECKSUM_CHARS
+        ):
+            return None
+        out.append(StepObject(key, size, checksum))
+    return tuple(out)
 
 
 def _join(path: str, name: str) -> str:
