@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from batchplane.core.errors import FailedPrecondition
+from batchplane.journal.steplist import ChunkedList
 
 #: The `format` field of every manifest version object.
 FORMAT = "batchplane.journal.manifest"
@@ -297,16 +298,21 @@ class ManifestState:
     Attributes:
         version: The version number; 0 is the empty state.
         watermark: The first retained step; every step below it is committed and unlisted.
-        steps: The committed steps at or above the watermark, by step.
+        steps: The committed steps at or above the watermark, by step (given as any sequence;
+            held as a `steplist.ChunkedList`, which the states of later versions share).
         producers: The producers' state, by id.
         marks: The live checkpoints' marks, by id.
     """
 
     version: int = 0
     watermark: int = 0
-    steps: tuple[CommittedStep, ...] = ()
+    steps: Sequence[CommittedStep] = ()
     producers: tuple[ProducerState, ...] = ()
     marks: tuple[MarkState, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, ChunkedList):
+            object.__setattr__(self, "steps", ChunkedList(self.steps, key=_STEP))
 
     @functools.cached_property
     def _producers_by_id(self) -> dict[str, ProducerState]:
@@ -331,7 +337,7 @@ class ManifestState:
 
     def _index(self, step: int) -> int:
         """The position of `step` in `steps`, or where it would go (binary search)."""
-        return bisect.bisect_left(self.steps, step, key=_STEP)
+        return self.steps.bisect_left(step)
 
     def step(self, step: int) -> CommittedStep | None:
         """The committed step `step`, or None (not committed, or below the watermark)."""
@@ -439,7 +445,7 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
                 Refusal.WATERMARK_PAST_MARK,
                 f"watermark {change.watermark} is past step {lowest}, which a live checkpoint's mark still needs",
             )
-        kept = state.steps[state._index(change.watermark) :]
+        kept = state.steps.from_position(state._index(change.watermark))
         return dataclasses.replace(state, version=version, watermark=change.watermark, steps=kept)
     if isinstance(change, Mark):
         _check_producer_id(change.mark, what="mark id")
@@ -467,7 +473,7 @@ def apply(state: ManifestState, change: Change) -> ManifestState:
     if isinstance(change, Commit):
         producer, positions = _check_commit(state, change)
         added = [CommittedStep(entry, change.producer, version) for entry in change.steps]
-        steps = _merged(state.steps, added, positions)
+        steps = state.steps.merged(added, positions)
         new = dataclasses.replace(producer, last_step=change.steps[-1].step, version=version)
         return dataclasses.replace(state, version=version, steps=steps, producers=_with_producer(state.producers, new))
     raise TypeError(f"not a manifest change: {type(change).__name__}")
@@ -572,11 +578,10 @@ def _check_commit(state: ManifestState, commit: Commit) -> tuple[ProducerState, 
     return current, positions
 
 
-def _positions(steps: tuple[CommittedStep, ...], numbers: Sequence[int]) -> list[int] | None:
+def _positions(steps: ChunkedList[CommittedStep], numbers: Sequence[int]) -> list[int] | None:
     """Where each step number of `numbers` is, or would be inserted, in `steps` (sorted by
-    step): `bisect_left` for each, a search starting where the previous one ended while the
-    numbers increase, so the k increasing steps of a commit cost k searches in C over shrinking
-    ranges, and no Python call per listed step.
+    step): `ChunkedList.bisect_left` for each (two searches in C), from where the previous one
+    ended while the numbers increase.
 
     Returns:
         The positions, or None when nothing is listed or every number is past the last listed
@@ -589,26 +594,10 @@ def _positions(steps: tuple[CommittedStep, ...], numbers: Sequence[int]) -> list
     for s in numbers:
         if s < prev:  # not increasing (a rebase of any commit): search from the start
             lo = 0
-        lo = bisect.bisect_left(steps, s, lo=lo, key=_STEP)
+        lo = steps.bisect_left(s, lo)
         out.append(lo)
         prev = s
     return out
-
-
-def _merged(steps: tuple[CommittedStep, ...], added: Sequence[CommittedStep], positions: list[int] | None) -> tuple[CommittedStep, ...]:
-    """`steps` with `added` (strictly increasing, none of them in `steps`) inserted at their
-    `positions` (`_positions`; None: appended): one pass, O(n + k) for k added steps, the
-    listed steps between two insertions copied as one slice in C."""
-    if positions is None:
-        return steps + tuple(added)
-    out: list[CommittedStep] = []
-    prev = 0
-    for c, i in zip(added, positions):
-        out += steps[prev:i]
-        out.append(c)
-        prev = i
-    out += steps[prev:]
-    return tuple(out)
 
 
 def _with_producer(producers: tuple[ProducerState, ...], new: ProducerState) -> tuple[ProducerState, ...]:
