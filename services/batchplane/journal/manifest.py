@@ -872,9 +872,6 @@ class _Reader:
         return value
 
     def objects(self, doc: Mapping[str, Any], path: str) -> tuple[StepObject, ...]:
-        quick = _well_formed_objects(doc["objects"]) if type(doc) is dict and "objects" in doc else None
-        if quick is not None:
-            return quick
         out = []
         items = self.array(doc, "objects", path=path)
         if not items:
@@ -1014,10 +1011,10 @@ def _well_formed_committed(item: Any) -> CommittedStep | None:
     producer, version = item["producer"], item["version"]
     if type(producer) is not str or not 0 < len(producer) <= _MAX_KEY_CHARS or not _PRODUCER_ID.fullmatch(producer):
         return None
-    if type(version) is not int or version < 1:
+    step, objects = item.get("step"), _well_formed_objects(item.get("objects"))
+    if type(version) is not int or version < 1 or type(step) is not int or step < 0 or objects is None:
         return None
-    entry = _well_formed_entry({"step": item.get("step"), "objects": item.get("objects")})
-    return None if entry is None else CommittedStep(entry, producer, version)
+    return CommittedStep(StepEntry(step, objects), producer, version)
 
 
 def _well_formed_objects(items: Any) -> tuple[StepObject, ...] | None:

@@ -78,9 +78,7 @@ class ChunkedList(Sequence[T], Generic[T]):
         return itertools.chain.from_iterable(self._chunks)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, ChunkedList):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-        if isinstance(other, (tuple, list)):
+        if isinstance(other, (ChunkedList, tuple, list)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
