@@ -111,7 +111,8 @@ def test_grouping_puts_similar_lengths_together() -> None:
 def test_the_cuts_are_those_of_least_padded_cost_the_lowest_on_ties(samples: list[tuple[int, int]], parts: int) -> None:
     """`_cuts` (with its one-cut shortcut for two groups) against every way to cut, on integer
     costs (exact sums, so ties are real): the least sum of rows x the widest's row cost, and of
-    those the lexicographically lowest cuts (the DP's lowest previous cut, cut by cut)."""
+    those the one the DP backtracks to: the lowest last cut, then the lowest cut before it, and
+    so on."""
     from batchplane.planner.padded import _cuts
 
     hypothesis.assume(len(samples) > parts)
