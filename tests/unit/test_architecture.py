@@ -115,6 +115,7 @@ PURE = (
     "batchplane.constructor.bounds",
     "batchplane.constructor.checkpoint_marks",
     "batchplane.journal.manifest",
+    "batchplane.journal.steplist",
     "batchplane.journal.policy",
     "batchplane.journal.tgb",
     "batchplane.journal.slices",
