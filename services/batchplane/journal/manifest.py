@@ -298,15 +298,15 @@ class ManifestState:
     Attributes:
         version: The version number; 0 is the empty state.
         watermark: The first retained step; every step below it is committed and unlisted.
-        steps: The committed steps at or above the watermark, by step (given as any sequence;
-            held as a `steplist.ChunkedList`, which the states of later versions share).
+        steps: The committed steps at or above the watermark, by step: a `steplist.ChunkedList`,
+            whose chunks the states of later versions share (a tuple or list given is made one).
         producers: The producers' state, by id.
         marks: The live checkpoints' marks, by id.
     """
 
     version: int = 0
     watermark: int = 0
-    steps: Sequence[CommittedStep] = ()
+    steps: ChunkedList[CommittedStep] = dataclasses.field(default_factory=lambda: ChunkedList((), key=_STEP))
     producers: tuple[ProducerState, ...] = ()
     marks: tuple[MarkState, ...] = ()
 
@@ -985,7 +985,9 @@ class _Reader:
             raise self.fail(_join(path, "marks"), "must be sorted by id without repeats")
         if "marks" in doc and not marks:
             raise self.fail(_join(path, "marks"), "is written only when it lists a mark")
-        return ManifestState(version=version, watermark=watermark, steps=tuple(steps), producers=tuple(producers), marks=tuple(marks))
+        return ManifestState(
+            version=version, watermark=watermark, steps=ChunkedList(steps, key=_STEP), producers=tuple(producers), marks=tuple(marks)
+        )
 
 
 def _well_formed_entry(item: Any) -> StepEntry | None:
