@@ -39,8 +39,7 @@ class ChunkedList(Sequence[T], Generic[T]):
     __slots__ = ("_chunks", "_ends", "_lasts", "_key")
 
     def __init__(self, items: Iterable[T] = (), *, key: Callable[[T], int]) -> None:
-        items = tuple(items)
-        self._set(tuple(items[i : i + CHUNK] for i in range(0, len(items), CHUNK)), key)
+        self._set(_cut(tuple(items)), key)
 
     @classmethod
     def _of(cls, chunks: tuple[tuple[T, ...], ...], key: Callable[[T], int]) -> ChunkedList[T]:
