@@ -10,6 +10,7 @@ import pytest
 
 from batchplane.bench import BENCHMARKS, journal_commit, load
 from batchplane.bench import journal as bench
+from batchplane.core.errors import Unavailable
 from batchplane.journal.manifest import Commit, ManifestState, Register, StepEntry, StepObject, apply
 
 COMMIT_FIELDS = {
@@ -27,6 +28,8 @@ COMMIT_FIELDS = {
     "conflicts",
     "reprepared",
     "deferred",
+    "stale",
+    "object_errors",
     "commit_success_rate_counting_reprepares",
     "errors",
     "commits",
@@ -181,17 +184,20 @@ def test_a_commit_record_counts_only_the_attempts_that_end_in_the_window(tmp_pat
                 (0.5, 0.4, 1, 0.1, 0.0, ((3, 9_000_000, 0.2),), 5),
                 (1.5, 1.0, 0, 0.2, 1.0, (), 0),
                 (2.0, 1.0, journal_commit._NO_PUT, 0.0, 9.0, (), 1),  # deferred after catching up: no put
+                (2.2, 1.0, journal_commit._STALE, 0.0, 9.0, (), 0),  # grown too old to put: no put
                 (2.5, 1.0, 1, 0.4, 3.0, ((7, 2_000_000, 1.2),), 2),
                 (4.5, 4.0, -1, 0.1, 0.0, (), 0),
             ],
             "built": [(0.2, 9_000_000), (1.2, 2_000_000), (4.2, 5_000_000)],
             "cpu_s": 1.5,
+            "object_errors": 2,
         }
     ]
     r = journal_commit._record("local", "dac", 1, args, results, final=state, version_start=1, start=0.0, window=(1.0, 3.0), cycle_s=1.0)
     assert (r["attempts"], r["conflicts"], r["errors"], r["commits"]) == (2, 1, 0, 1)
     assert r["commit_success_rate"] == 0.5 and r["steps_committed"] == 1 and r["exactly_once"]
     assert r["reprepared"] == 3 and r["deferred"] == 1 and r["commit_success_rate_counting_reprepares"] == 0.2
+    assert r["stale"] == 1 and r["object_errors"] == 2
     assert r["committed_mb_per_s"] == pytest.approx(1.0) and r["offered_mb_per_s"] == pytest.approx(1.0)
     assert r["fragile_window_s"] == pytest.approx(0.3) and r["gap_s"] == pytest.approx(2.0)
     assert r["commit_latency_s"] == pytest.approx(1.5) and r["step_visible_latency_s"] == pytest.approx(1.3)
@@ -235,3 +241,24 @@ def test_the_success_rate_comes_with_its_wilson_interval() -> None:
     for wins, n in ((0, 10), (10, 10), (3, 7), (500, 1000)):
         lo, hi = journal_commit.wilson_interval(wins, n)
         assert 0.0 <= lo <= wins / n <= hi <= 1.0
+
+
+def test_a_step_object_the_store_fails_to_write_is_retried_and_counted(monkeypatch) -> None:
+    monkeypatch.setattr(journal_commit.time, "sleep", lambda s: None)
+    outcomes = iter([Unavailable("500 from the server"), Unavailable("again"), "written"])
+
+    def flaky() -> str:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    failures = [0]
+    assert journal_commit._retrying(flaky, failures) == "written" and failures == [2]
+
+    def down() -> None:
+        raise Unavailable("down")
+
+    with pytest.raises(Unavailable, match="down"):
+        journal_commit._retrying(down, failures)
+    assert failures == [2 + journal_commit._OBJECT_TRIES - 1]

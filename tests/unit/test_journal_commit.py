@@ -27,6 +27,7 @@ from batchplane.journal.manifest import (
     StepObject,
     apply,
     decode_record,
+    encode_record,
 )
 from batchplane.journal.policy import DacPolicy, DacSettings, NaivePolicy
 
@@ -574,3 +575,128 @@ def test_a_stale_preparation_is_not_put() -> None:
     assert not store.still_newest(base) and store.cached is not None and store.cached.version == 2
     assert store.put(again) is None  # its base is no longer the newest seen
     assert store.put(store.prepare(store.cached, Commit("p0", 1, (obj(0),)))) is not None
+
+
+def _slowed(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, name: str, seconds: float, *, then: Callable[[], None] = lambda: None
+) -> None:
+    """Makes the commit module's `name` (apply, state_text or encode_record) take `seconds` on `clock`, once,
+    running `then` (what others do meanwhile) before it returns."""
+    fn, calls = getattr(commit_module, name), []
+
+    def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            calls.append(1)
+            clock.now += seconds
+            then()
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, name, wrapped)
+
+
+def test_a_base_seen_long_ago_by_a_slow_attempt_is_looked_up_again_and_the_put_goes_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preparing (here apply) took longer than confirm_after_s and nobody committed meanwhile: the
+    producer looks its base up again (one ranged read) before its final probe, and puts, where
+    the store alone would refuse the put for the base's age and the policy be told a conflict."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, settings=ManifestSettings(confirm_after_s=5), clock=clock, check_writes=False)
+    policy = DacPolicy(DacSettings(jitter=0.0), random=lambda: 0.0)
+    p = Producer(store, "p0", policy=policy, clock=clock, sleep=clock.sleep)
+    p.register()
+    p.add(obj(0))
+    clock.now += 100
+    ranged: list[str] = []
+    get_range = storage.get_range
+
+    def counted(key: str, start: int, end: int) -> bytes:
+        ranged.append(key)
+        return get_range(key, start, end)
+
+    storage.get_range = counted  # type: ignore[method-assign]
+    _slowed(monkeypatch, clock, "apply", 6.0)
+    attempt = p.attempt()
+    assert attempt.success and attempt.wrote and not attempt.stale and attempt.committed == (0,)
+    assert ranged == [version_key(1), version_key(1)]  # latest's own look-up (seen 100 s ago), then the producer's
+    assert store.latest().version == 2
+
+
+def test_a_base_looked_up_fresh_enough_costs_no_read() -> None:
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, settings=ManifestSettings(confirm_after_s=10), clock=clock, check_writes=False)
+    Producer(store, "p0", clock=clock, sleep=clock.sleep).register()
+    base = store.latest()
+    storage.get_range = lambda *a: pytest.fail("looked up")  # type: ignore[method-assign]
+    clock.now += 5
+    assert store.reconfirm(base)
+    assert store.reconfirm(ManifestState())  # version 0 has no object to look up
+
+
+def test_a_preparation_grown_too_old_is_no_put_and_no_conflict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding took longer than confirm_after_s: the record's written_at_s is too old to put. The
+    attempt is stale, not a lost race: no put, the steps stay pending, the policy learns no
+    window and no conflict; the next attempt commits them."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, settings=ManifestSettings(confirm_after_s=5), clock=clock, check_writes=False)
+    policy = DacPolicy(DacSettings(jitter=0.0, conflict_jitter=0.0), random=lambda: 0.0)
+    p = Producer(store, "p0", policy=policy, clock=clock, sleep=clock.sleep)
+    p.register()
+    window, gap = policy.fragile_window_s, policy.gap_s()
+    p.add(obj(0))
+    clock.now += 100
+    _slowed(monkeypatch, clock, "encode_record", 6.0)
+    stale = p.attempt()
+    assert stale.stale and not stale.wrote and not stale.success and stale.committed == ()
+    assert storage.list("manifest/") == [version_key(1)]
+    assert [e.step for e in p.pending] == [0]
+    assert (policy.fragile_window_s, policy.gap_s()) == (window, gap)
+    assert p.flush()[-1].committed == (0,)
+
+
+def test_a_base_reclaimed_while_a_slow_attempt_prepared_sends_it_back_to_a_listing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While p0 prepared on version 3 for 6 s, p1 committed up to a checkpoint (version 8) and the
+    reclaimer deleted everything below it, versions 3 and 4 included: p0's final probe would find
+    no version 4, and the store alone would refuse the put for its base's age. p0 reads the
+    manifest afresh from a listing and commits on the newest version, without a lost put."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    settings = ManifestSettings(checkpoint_every=4, confirm_after_s=5)
+    p0 = Producer(ManifestStore(storage, settings=settings, clock=clock, check_writes=False), "p0", clock=clock, sleep=clock.sleep)
+    p1 = Producer(ManifestStore(storage, settings=settings, clock=clock, check_writes=False), "p1", clock=clock, sleep=clock.sleep)
+    p0.register()
+    p1.register()
+    p1.commit([obj(1)])  # version 3
+    p0.add(obj(0))
+    clock.now += 1
+
+    def others() -> None:
+        for step in (3, 5, 7, 9, 11):
+            p1.commit([obj(step)])  # versions 4 to 8 (a checkpoint)
+        for v in range(1, 8):  # the final probe's version 4 too: it would find nothing newer
+            storage.delete(version_key(v))
+
+    _slowed(monkeypatch, clock, "apply", 6.0, then=others)
+    attempt = p0.attempt()
+    assert attempt.success and attempt.wrote and attempt.committed == (0,) and attempt.version == 9
+    final = ManifestStore(storage, settings=settings, check_writes=False).latest()
+    assert [(c.step, c.producer) for c in final.steps] == [(0, "p0")] + [(s, "p1") for s in (1, 3, 5, 7, 9, 11)]
+
+
+def test_a_checkpoint_slow_to_encode_is_still_put(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a checkpoint's state text took longer than confirm_after_s (a large state on a
+    loaded machine): the record is stamped after it, so the put goes ahead, and its bytes are
+    what `encode_record` alone writes."""
+    clock = FakeClock()
+    storage = MemoryStorage()
+    store = ManifestStore(storage, settings=ManifestSettings(checkpoint_every=2, confirm_after_s=5), clock=clock, check_writes=False)
+    p = Producer(store, "p0", clock=clock, sleep=clock.sleep)
+    p.register()
+    p.add(obj(0))
+    _slowed(monkeypatch, clock, "state_text", 6.0)
+    attempt = p.attempt()
+    assert attempt.success and attempt.wrote and attempt.version == 2
+    record = decode_record(storage.get(version_key(2)))
+    assert record.state is not None and [c.step for c in record.state.steps] == [0]
+    assert storage.get(version_key(2)) == encode_record(record)

@@ -31,10 +31,12 @@ commit_success_rate_ci95 (its Wilson score interval, [low, high]),
 committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first attempt of a batch
 to the end of the attempt that committed it, retries and gaps included), step_visible_latency_s
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
-as failed attempts), reprepared (versions another producer committed between an attempt's
+as failed attempts), object_errors (step objects' writes and deletes the store failed, each
+retried with backoff: moto's server answers 500 when the machine is overloaded), reprepared (versions another producer committed between an attempt's
 prepare and its final probe: each a race lost before any put, so not in the success rate),
 deferred (attempts DAC put off after catching up on such a version, without a put: not in
-attempts nor in the success rate),
+attempts nor in the success rate), stale (attempts whose prepared version grew too old to put,
+`Attempt.stale`: no put, not in attempts nor in the success rate),
 commit_success_rate_counting_reprepares (commits / (attempts + reprepared): the success rate had
 each of those been a lost put, as in the paper's protocol, which has no final probe), commits, steps_committed, offered_mb_per_s (what the producers wrote),
 fragile_window_s (mean, from the start of the final probe, the GET that found no version after
@@ -60,7 +62,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from batchplane.bench import positive_int
 from batchplane.bench.journal_steps import Place, fill, pregrow, step_key, synthetic_tgb, write_step
@@ -82,7 +84,12 @@ COMMIT_WORLD = 32
 _MB = 1e6
 #: The outcome of an attempt that tried no put (DAC deferred it after catching up).
 _NO_PUT = 2
+#: The outcome of an attempt that tried no put because its prepared version grew too old.
+_STALE = 3
+T = TypeVar("T")
 _START_TIMEOUT_S = 300.0
+#: Tries of a step object's write or delete before a producer gives up.
+_OBJECT_TRIES = 10
 # The clock slots shared with the producers (monotonic seconds; 0 or inf until set).
 _START, _WINDOW_START, _WINDOW_END = 0, 1, 2
 
@@ -245,7 +252,7 @@ def _record(
     """The commit record from the producers' raw attempts, counting what ends in `window`."""
     lo, hi = window
     measured = hi - lo
-    attempts = conflicts = errors = commits = committed_bytes = written = reprepared = deferred = 0
+    attempts = conflicts = errors = commits = committed_bytes = written = reprepared = deferred = stale = 0
     latencies, visible, windows, gaps = [], [], [], []
     steps: list[tuple[int, int]] = []  # (step, producer index)
     for index, r in enumerate(results):
@@ -256,6 +263,9 @@ def _record(
             reprepared += caught_up
             if outcome == _NO_PUT:  # deferred after catching up: no put, not in the success rate
                 deferred += 1
+                continue
+            if outcome == _STALE:  # too old to put: no put, not in the success rate
+                stale += 1
                 continue
             attempts += 1
             windows.append(fragile)
@@ -289,8 +299,10 @@ def _record(
         "conflicts": conflicts,
         "reprepared": reprepared,
         "deferred": deferred,
+        "stale": stale,
         "commit_success_rate_counting_reprepares": commits / (attempts + reprepared) if attempts else 0.0,
         "errors": errors,
+        "object_errors": sum(r["object_errors"] for r in results),
         "commits": commits,
         "steps_committed": len(steps),
         "offered_mb_per_s": written / _MB / measured,
@@ -403,6 +415,7 @@ def _produce(job: _Job, shared: _Shared) -> dict:
     attempts: list[tuple] = []
     built: list[tuple[float, int]] = []
     built_at: dict[int, tuple[float, int]] = {}
+    failures = [0]  # object writes and deletes the store failed, each retried
     step, next_at, batch_start = job.first, start, None
     while (now := time.monotonic()) < shared.clock[_WINDOW_END]:
         if next_at > now:
@@ -410,7 +423,7 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             continue
         next_at = max(next_at, now) + job.build_s
         data = synthetic_tgb(step, world=COMMIT_WORLD, slice_bytes=job.slice_bytes, fill=data_fill)
-        producer.add(write_step(storage, step, data))
+        producer.add(_retrying(lambda: write_step(storage, step, data), failures))
         built_at[step] = (time.monotonic(), len(data))
         built.append(built_at[step])
         step += job.stride
@@ -418,7 +431,7 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             batch_start = begin if batch_start is None else batch_start
             try:
                 attempt = producer.attempt()
-                outcome = (1 if attempt.success else 0) if attempt.wrote else _NO_PUT
+                outcome = (1 if attempt.success else 0) if attempt.wrote else _STALE if attempt.stale else _NO_PUT
                 fragile, caught_up = attempt.fragile_window_s, attempt.caught_up
                 committed = tuple((s, built_at[s][1], built_at[s][0]) for s in attempt.committed)
             except Unavailable:
@@ -430,10 +443,25 @@ def _produce(job: _Job, shared: _Shared) -> dict:
             shared.attempts[job.index] += 1
             for s, _, _ in committed:
                 built_at.pop(s, None)
-                storage.delete(step_key(s))  # nothing reads it: the disk a long point fills stays bounded
+                _retrying(lambda: storage.delete(step_key(s)), failures)  # nothing reads it: the disk a long point fills stays bounded
             if outcome > 0:
                 batch_start = None
-    return {"attempts": attempts, "built": built, "cpu_s": time.process_time() - cpu}
+    return {"attempts": attempts, "built": built, "cpu_s": time.process_time() - cpu, "object_errors": failures[0]}
+
+
+def _retrying(call: Callable[[], T], failures: list[int]) -> T:
+    """`call()`, retried with backoff while the store is unavailable (moto's server answers 500
+    when the machine is overloaded), each failure counted in failures[0]; the last failure of
+    `_OBJECT_TRIES` is raised."""
+    for attempt in range(_OBJECT_TRIES):
+        try:
+            return call()
+        except Unavailable:
+            if attempt == _OBJECT_TRIES - 1:
+                raise
+            failures[0] += 1
+            time.sleep(min(0.1 * 2**attempt, 5.0))
+    raise AssertionError("unreachable")
 
 
 def _mean(values: list[float]) -> float:

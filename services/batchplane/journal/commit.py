@@ -30,7 +30,10 @@ version, and only once older than a minimum age (by the record's `written_at_s`)
 `confirm_after_s`. Then "N exists and N+1 does not" means N+1 was never committed, and a
 writer never re-creates a deleted version: it puts N+1 only on a base N it saw within
 `confirm_after_s`, and only a record prepared within `confirm_after_s` (so its `written_at_s`
-is no older than that when it is put).
+is no older than that when it is put). A writer that prepared slowly (under load) looks its
+base up again before the final probe (`reconfirm`, once half of `confirm_after_s` has passed),
+so its put is not refused for the base's age; a put refused for its age is no lost race
+(`Attempt.stale`), and the policy is not told of a conflict.
 
 A commit attempt does its CPU work before the read it races from: it reads the newest version,
 rebases its pending steps onto it and prepares the next version (`ManifestStore.prepare`: the
@@ -84,6 +87,7 @@ from batchplane.journal.manifest import (
     decode_record,
     encode_record,
     rebase,
+    state_text,
 )
 from batchplane.journal.policy import CommitPolicy, NaivePolicy, is_due
 
@@ -270,11 +274,14 @@ class ManifestStore:
         """
         new = apply(base, change)
         checkpoint = new.version % self.settings.checkpoint_every == 0
+        # A checkpoint's text first: it can take seconds of a loaded machine, and the record's
+        # written_at_s must be no older than confirm_after_s when it is put.
+        text = state_text(new) if checkpoint else None
         prepared_at = self._clock()  # with the record's written_at_s
         record = VersionRecord(
             version=new.version, change=change, written_at_s=float(self._wall_clock()), state=new if checkpoint else None
         )
-        return PreparedVersion(base_version=base.version, state=new, data=encode_record(record), prepared_at_s=prepared_at)
+        return PreparedVersion(base_version=base.version, state=new, data=encode_record(record, state=text), prepared_at_s=prepared_at)
 
     def still_newest(self, state: ManifestState) -> bool:
         """Whether `state` is still the newest version: one GET of the version after it (the
@@ -316,10 +323,7 @@ class ManifestStore:
         Raises:
             Unavailable: The storage failed; whether the version was written is unknown.
         """
-        if self._state is None or prepared.base_version != self._state.version:
-            return None
-        now = self._clock()
-        if now - self._seen_at > self.settings.confirm_after_s or now - prepared.prepared_at_s > self.settings.confirm_after_s:
+        if self._state is None or prepared.base_version != self._state.version or self.stale(prepared):
             return None
         new = prepared.state
         if not self.storage.put_if_absent(self.key(new.version), prepared.data):
@@ -327,6 +331,41 @@ class ManifestStore:
         self._state = new
         self._seen_at = self._clock()
         return new
+
+    def stale(self, prepared: PreparedVersion) -> str | None:
+        """Why `put` would refuse `prepared` without trying, for its age: its base was last seen
+        to exist, or it was prepared, more than `confirm_after_s` ago (see `put`); None if
+        neither."""
+        now = self._clock()
+        if now - self._seen_at > self.settings.confirm_after_s:
+            return f"its base, version {prepared.base_version}, was last seen {now - self._seen_at:.1f} s ago"
+        if now - prepared.prepared_at_s > self.settings.confirm_after_s:
+            return f"it was prepared {now - prepared.prepared_at_s:.1f} s ago"
+        return None
+
+    def reconfirm(self, state: ManifestState) -> bool:
+        """Looks version `state.version` up again if it was last seen more than half of
+        `confirm_after_s` ago, so that a put prepared on it slowly (under load) is not refused
+        for the age of its base: one ranged GET, only then.
+
+        Args:
+            state: The newest state this store has seen.
+
+        Returns:
+            False if the version is gone (reclaimed under a slow writer): the next `latest`
+            reads the manifest afresh. Else True.
+        """
+        if self._state is None or state.version != self._state.version or state.version == 0:
+            return True
+        if self._clock() - self._seen_at <= self.settings.confirm_after_s / 2:
+            return True
+        asked = self._clock()
+        if not self._exists(state.version):
+            log.info("manifest version %d was reclaimed under this writer; reading the manifest afresh", state.version)
+            self._state = None  # the next `latest` starts cold
+            return False
+        self._seen_at = asked
+        return True
 
     def _probe(self, state: ManifestState) -> ManifestState:
         """Applies the versions after `state` until one is missing; caches the result."""
@@ -473,6 +512,9 @@ class Attempt:
             and encoding before it are outside. 0 when no put was tried.
         caught_up: Versions that appeared between preparing and the final probe (each read,
             and the commit rebased and prepared again, without a put: no lost race).
+        stale: No put was tried because the prepared version had grown too old to put
+            (`ManifestStore.stale`: preparing took longer than `confirm_after_s`, under load);
+            the steps stay pending and the policy is not told of a conflict.
     """
 
     success: bool
@@ -483,6 +525,7 @@ class Attempt:
     taken: tuple[int, ...] = ()
     fragile_window_s: float = 0.0
     caught_up: int = 0
+    stale: bool = False
 
 
 class Producer:
@@ -565,6 +608,9 @@ class Producer:
             base, prepared, start, _ = self._prepare_on_newest(lambda _: Register(self.producer_id))
             if prepared is None:  # cannot happen: a Register is always prepared
                 raise FailedPrecondition(f"producer {self.producer_id!r} prepared no registration")
+            if self._too_old(prepared):
+                self._last_end = self._clock()
+                continue
             try:
                 new = self.store.put(prepared)
             except Unavailable:
@@ -666,6 +712,17 @@ class Producer:
             )
         if prepared is None:
             return Attempt(success=True, wrote=False, version=base.version, already=tuple(already), taken=tuple(taken), caught_up=caught_up)
+        if self._too_old(prepared):
+            self._last_end = self._clock()
+            return Attempt(
+                success=False,
+                wrote=False,
+                version=base.version + 1,
+                already=tuple(already),
+                taken=tuple(taken),
+                caught_up=caught_up,
+                stale=True,
+            )
         try:
             new = self.store.put(prepared)
         except Unavailable as exc:
@@ -756,12 +813,22 @@ class Producer:
             if change is None:
                 return base, None, 0.0, caught_up
             prepared = self.store.prepare(base, change)
+            if not self.store.reconfirm(base):
+                continue  # reclaimed while this attempt prepared: read the manifest again
             start = self._clock()
             if self.store.still_newest(base):
                 return base, prepared, start, caught_up
             caught_up += 1
             if defer(base, start - began):
                 return base, None, 0.0, caught_up
+
+    def _too_old(self, prepared: PreparedVersion) -> bool:
+        """Whether `prepared` grew too old to put (`ManifestStore.stale`), logged: not a lost
+        race, so the policy is not told of one."""
+        why = self.store.stale(prepared)
+        if why is not None:
+            log.warning("producer %s: version %d not put: %s; trying again", self.producer_id, prepared.base_version + 1, why)
+        return why is not None
 
     def _defer(self, base: ManifestState, prepare_s: float) -> bool:
         """Whether the policy defers an attempt that caught up on a version committed after

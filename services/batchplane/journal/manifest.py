@@ -622,11 +622,13 @@ def _check_producer_id(producer: str, *, what: str = "producer id") -> None:
 # --- encoding ---------------------------------------------------------------------------------
 
 
-def encode_record(record: VersionRecord) -> bytes:
+def encode_record(record: VersionRecord, *, state: str | None = None) -> bytes:
     """The bytes of a manifest version object (deterministic: equal records, equal bytes).
 
     Args:
         record: The version's content.
+        state: `state_text(record.state)` if the caller built it already (a writer builds a
+            checkpoint's text, the slow part, before it stamps the record's `written_at_s`).
 
     Returns:
         Compact ASCII JSON: {"change":..,"format":..,"format_version":..,"version":..,
@@ -639,7 +641,10 @@ def encode_record(record: VersionRecord) -> bytes:
         raise ValueError(f"written_at_s must be finite, got {record.written_at_s}")
     head = _dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "version": record.version, "written_at_s": record.written_at_s})
     # A Commit's steps and a checkpoint's state are joined from their cached texts.
-    state = "null" if record.state is None else state_text(record.state)
+    if record.state is None:
+        state = "null"
+    elif state is None:
+        state = state_text(record.state)
     return f'{{"change":{_change_text(record.change)},{head[1:-1]},"state":{state}}}'.encode("ascii")
 
 
