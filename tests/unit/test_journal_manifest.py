@@ -539,3 +539,26 @@ def test_a_record_is_the_json_of_its_whole_document(change, written_at_s: float,
     assert encode_record(record) == want
     assert encode_record(record) == want  # again, from the cached step texts
     assert state_text(state) == dump(state_doc(state))
+
+
+_ANY_TEXT = st.one_of(st.text(max_size=12), st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=12))
+_NUMBER = st.one_of(st.integers(-(2**70), 2**70), st.booleans(), st.floats(allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    objects=st.lists(st.tuples(_ANY_TEXT, _NUMBER, _ANY_TEXT), max_size=3),
+    step=_NUMBER,
+    producer=_ANY_TEXT,
+    version=_NUMBER,
+)
+def test_step_texts_are_what_the_encoder_writes(objects: list, step: object, producer: str, version: object) -> None:
+    """A step's texts, formatted directly when its strings need no escaping and its numbers are
+    ints, are byte for byte the encoder's: on any strings (quotes, backslashes, control and
+    non-ASCII characters) and numbers (bools and floats fall back to the encoder)."""
+    entry = StepEntry(step, tuple(StepObject(key, size, checksum) for key, size, checksum in objects))  # type: ignore[arg-type]
+    committed = CommittedStep(entry, producer, version)  # type: ignore[arg-type]
+    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    objects_doc = [{"key": k, "size": n, "checksum": c} for k, n, c in objects]
+    assert entry.encoded == encoder.encode({"step": step, "objects": objects_doc})
+    assert committed.text == encoder.encode({"step": step, "producer": producer, "version": version, "objects": objects_doc})

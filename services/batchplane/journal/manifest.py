@@ -164,6 +164,8 @@ class StepEntry:
         a producer's pending steps ride along every attempt until one commits them, so each
         record's encoding costs joining the texts (`Producer.add` builds it when the step is
         added)."""
+        if type(self.step) is int:
+            return f'{{"objects":{_objects_text(self.objects)},"step":{self.step}}}'
         return _dumps({"step": self.step, "objects": _objects_doc(self.objects)})
 
 
@@ -195,6 +197,9 @@ class CommittedStep:
         """Its JSON text in `state_text`, built once per object: the steps of a state are shared
         by every later state of the same reader, so a checkpoint's text costs its new steps and
         a join."""
+        entry = self.entry
+        if type(entry.step) is int and type(self.version) is int and _PLAIN.fullmatch(self.producer):
+            return f'{{"objects":{_objects_text(entry.objects)},"producer":"{self.producer}","step":{entry.step},"version":{self.version}}}'
         return _dumps(self.doc)
 
 
@@ -833,6 +838,23 @@ def _dumps(doc: Any) -> str:
 
 def _objects_doc(objects: Iterable[StepObject]) -> list[dict[str, Any]]:
     return [{"key": o.key, "size": o.size, "checksum": o.checksum} for o in objects]
+
+
+#: A string `_dumps` writes as it is between quotes: printable ASCII but '"' and '\\'.
+_PLAIN = re.compile(r"[ !#-\[\]-~]*")
+
+
+def _objects_text(objects: Iterable[StepObject]) -> str:
+    """`_dumps(_objects_doc(objects))`, formatted directly where an object's strings need no
+    escaping and its size is an int (a step's text is built for every step of every
+    checkpoint a reader writes or checks; formatting costs about a tenth of the encoder)."""
+    parts = [
+        f'{{"checksum":"{o.checksum}","key":"{o.key}","size":{o.size}}}'
+        if type(o.size) is int and _PLAIN.fullmatch(o.key) and _PLAIN.fullmatch(o.checksum)
+        else _dumps({"key": o.key, "size": o.size, "checksum": o.checksum})
+        for o in objects
+    ]
+    return f"[{','.join(parts)}]"
 
 
 class _Reader:
