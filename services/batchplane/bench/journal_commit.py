@@ -71,6 +71,8 @@ from batchplane.core.object_storage import check_conditional_puts
 from batchplane.journal.commit import ManifestSettings, ManifestStore, Producer
 from batchplane.journal.policy import make_policy
 
+T = TypeVar("T")
+
 #: The paper's Figure 7 at 32 producers: policy -> (commit success rate, MB/s).
 PAPER_FIGURE7 = {
     "dac": (0.963, 431.9),
@@ -86,7 +88,6 @@ _MB = 1e6
 _NO_PUT = 2
 #: The outcome of an attempt that tried no put because its prepared version grew too old.
 _STALE = 3
-T = TypeVar("T")
 _START_TIMEOUT_S = 300.0
 #: Tries of a step object's write or delete before a producer gives up.
 _OBJECT_TRIES = 10

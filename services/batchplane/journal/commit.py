@@ -705,14 +705,8 @@ class Producer:
             return rebased.commit
 
         base, prepared, start, caught_up = self._prepare_on_newest(rebased_commit, defer=self._defer)
-        if prepared is None and caught_up and self._pending:  # deferred by the policy: no put now
-            self._last_end = self._clock()
-            return Attempt(
-                success=False, wrote=False, version=base.version + 1, already=tuple(already), taken=tuple(taken), caught_up=caught_up
-            )
-        if prepared is None:
-            return Attempt(success=True, wrote=False, version=base.version, already=tuple(already), taken=tuple(taken), caught_up=caught_up)
-        if self._too_old(prepared):
+        stale = prepared is not None and self._too_old(prepared)
+        if stale or (prepared is None and caught_up and self._pending):  # too old, or deferred by the policy: no put now
             self._last_end = self._clock()
             return Attempt(
                 success=False,
@@ -721,8 +715,10 @@ class Producer:
                 already=tuple(already),
                 taken=tuple(taken),
                 caught_up=caught_up,
-                stale=True,
+                stale=stale,
             )
+        if prepared is None:
+            return Attempt(success=True, wrote=False, version=base.version, already=tuple(already), taken=tuple(taken), caught_up=caught_up)
         try:
             new = self.store.put(prepared)
         except Unavailable as exc:

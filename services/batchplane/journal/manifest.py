@@ -846,8 +846,8 @@ _PLAIN = re.compile(r"[ !#-\[\]-~]*")
 
 def _objects_text(objects: Iterable[StepObject]) -> str:
     """`_dumps(_objects_doc(objects))`, formatted directly where an object's strings need no
-    escaping and its size is an int (a step's text is built for every step of every
-    checkpoint a reader writes or checks; formatting costs about a tenth of the encoder)."""
+    escaping and its size is an int: a step's text is built for every step of every
+    checkpoint a reader writes or checks, and this way costs about 0.6 of the encoder's time."""
     parts = [
         f'{{"checksum":"{o.checksum}","key":"{o.key}","size":{o.size}}}'
         if type(o.size) is int and _PLAIN.fullmatch(o.key) and _PLAIN.fullmatch(o.checksum)
