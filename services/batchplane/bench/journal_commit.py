@@ -32,8 +32,9 @@ committed_mb_per_s (MB = 1e6 bytes), commit_latency_s (mean, from the first atte
 to the end of the attempt that committed it, retries and gaps included), step_visible_latency_s
 (mean, object written to step committed), attempts, conflicts, errors (storage failures, counted
 as failed attempts), object_errors (step objects' writes and deletes the store failed, each
-retried with backoff: moto's server answers 500 when the machine is overloaded), reprepared (versions another producer committed between an attempt's
-prepare and its final probe: each a race lost before any put, so not in the success rate),
+retried with backoff: moto's server answers 500 when the machine is overloaded), reprepared
+(versions another producer committed between an attempt's prepare and its final probe: each a
+race lost before any put, so not in the success rate),
 deferred (attempts DAC put off after catching up on such a version, without a put: not in
 attempts nor in the success rate), stale (attempts whose prepared version grew too old to put,
 `Attempt.stale`: no put, not in attempts nor in the success rate),
@@ -454,15 +455,13 @@ def _retrying(call: Callable[[], T], failures: list[int]) -> T:
     """`call()`, retried with backoff while the store is unavailable (moto's server answers 500
     when the machine is overloaded), each failure counted in failures[0]; the last failure of
     `_OBJECT_TRIES` is raised."""
-    for attempt in range(_OBJECT_TRIES):
+    for attempt in range(_OBJECT_TRIES - 1):
         try:
             return call()
         except Unavailable:
-            if attempt == _OBJECT_TRIES - 1:
-                raise
             failures[0] += 1
             time.sleep(min(0.1 * 2**attempt, 5.0))
-    raise AssertionError("unreachable")
+    return call()
 
 
 def _mean(values: list[float]) -> float:
