@@ -48,6 +48,7 @@ import json
 import math
 import operator
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -136,7 +137,7 @@ class Fenced(CommitRefused):
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepObject:
     """One immutable object of a step's transactional global batch.
 
@@ -151,25 +152,30 @@ class StepObject:
     checksum: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepEntry:
     """A built step: its index in the plan and its objects."""
 
     step: int
     objects: tuple[StepObject, ...]
+    _encoded: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @functools.cached_property
+    @property
     def encoded(self) -> str:
         """Its JSON text in a Commit record (keys sorted, compact, ASCII), built once per object:
         a producer's pending steps ride along every attempt until one commits them, so each
         record's encoding costs joining the texts (`Producer.add` builds it when the step is
         added)."""
-        if type(self.step) is int:
-            return f'{{"objects":{_objects_text(self.objects)},"step":{self.step}}}'
-        return _dumps({"step": self.step, "objects": _objects_doc(self.objects)})
+        if self._encoded is None:
+            if type(self.step) is int:
+                text = f'{{"objects":{_objects_text(self.objects)},"step":{self.step}}}'
+            else:
+                text = _dumps({"step": self.step, "objects": _objects_doc(self.objects)})
+            object.__setattr__(self, "_encoded", text)
+        return self._encoded  # type: ignore[return-value]  # set above
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CommittedStep:
     """A step as the manifest lists it.
 
@@ -182,6 +188,7 @@ class CommittedStep:
     entry: StepEntry
     producer: str
     version: int
+    _text: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def step(self) -> int:
@@ -192,15 +199,19 @@ class CommittedStep:
         """Its JSON document in `state_doc`."""
         return {"step": self.entry.step, "producer": self.producer, "version": self.version, "objects": _objects_doc(self.entry.objects)}
 
-    @functools.cached_property
+    @property
     def text(self) -> str:
         """Its JSON text in `state_text`, built once per object: the steps of a state are shared
         by every later state of the same reader, so a checkpoint's text costs its new steps and
         a join."""
-        entry = self.entry
-        if type(entry.step) is int and type(self.version) is int and _PLAIN.fullmatch(self.producer):
-            return f'{{"objects":{_objects_text(entry.objects)},"producer":"{self.producer}","step":{entry.step},"version":{self.version}}}'
-        return _dumps(self.doc)
+        if self._text is None:
+            entry = self.entry
+            if type(entry.step) is int and type(self.version) is int and _PLAIN.fullmatch(self.producer):
+                text = f'{{"objects":{_objects_text(entry.objects)},"producer":"{self.producer}","step":{entry.step},"version":{self.version}}}'
+            else:
+                text = _dumps(self.doc)
+            object.__setattr__(self, "_text", text)
+        return self._text  # type: ignore[return-value]  # set above
 
 
 @dataclass(frozen=True)
@@ -985,7 +996,7 @@ class _Reader:
             steps.append(
                 CommittedStep(
                     entry=StepEntry(self.integer(item, "step", path=p), self.objects(item, p)),
-                    producer=self.text(item, "producer", path=p, pattern=_PRODUCER_ID),
+                    producer=sys.intern(self.text(item, "producer", path=p, pattern=_PRODUCER_ID)),
                     version=self.integer(item, "version", path=p, low=1),
                 )
             )
@@ -1043,7 +1054,7 @@ def _well_formed_committed(item: Any) -> CommittedStep | None:
     step, objects = item.get("step"), _well_formed_objects(item.get("objects"))
     if type(version) is not int or version < 1 or type(step) is not int or step < 0 or objects is None:
         return None
-    return CommittedStep(StepEntry(step, objects), producer, version)
+    return CommittedStep(StepEntry(step, objects), sys.intern(producer), version)
 
 
 def _well_formed_objects(items: Any) -> tuple[StepObject, ...] | None:
