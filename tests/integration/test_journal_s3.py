@@ -6,6 +6,7 @@ that ignores conditional puts (a proxy dropping If-None-Match) is refused."""
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import uuid
@@ -18,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from s3_proxy import S3Proxy  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
+from batchplane.bench import journal as bench  # noqa: E402
 from batchplane.core.errors import FailedPrecondition  # noqa: E402
 from batchplane.core.object_storage import ObjectStorage  # noqa: E402
 from batchplane.journal.commit import ManifestStore  # noqa: E402
@@ -129,3 +131,33 @@ def test_a_store_that_ignores_conditional_puts_is_refused(s3: S3Server, monkeypa
         assert "the journal's manifest cannot be committed" in str(caught.value)
         assert proxy.dropped >= 1
         assert storage.list("") == [], "nothing was written"
+
+
+def test_bench_journal_runs_on_an_existing_bucket_and_leaves_it_as_it_found_it(s3: S3Server, tmp_path: pathlib.Path) -> None:
+    """`bench journal --s3-url` (for a real object store: moto on this machine's cores bounds
+    the s3 figures) runs every part on the bucket the AWS variables reach, starting no server of
+    its own, and deletes what each point wrote; the bucket's other objects stay."""
+    s3.create_bucket("figures")
+    s3.client().put_object(Bucket="figures", Key="runs-of-others/keep.txt", Body=b"theirs")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    small = ["--producers", "2", "--policies", "dac", "--duration-s", "1", "--warmup-s", "0.2", "--cycles", "1"]
+    small += ["--max-duration-s", "15", "--max-warmup-s", "10", "--payload-kb", "10", "--build-ms", "5", "--pregrown-steps", "10"]
+    small += ["--worlds", "4", "--slice-kb", "4", "--read-steps", "1", "--read-ranks", "2", "--trace-steps", "30"]
+    small += ["--checkpoint-every", "5", "--max-lag", "20", "--trace-points", "2", "--state-payload-kb", "10", "--state-commits", "1"]
+    args = parser.parse_args(["--dir", str(tmp_path), "--stores", "s3", "--s3-url", "s3://figures/runs/", *small])
+    messages: list[str] = []
+    out = bench.run(args, messages.append)
+
+    assert not any("moto's S3 server" in m for m in messages), "no server of its own"
+    assert any(m.startswith("journal: s3 store s3://figures/runs/") and s3.endpoint in m for m in messages)
+    kinds = {r["kind"] for r in out["records"]}
+    assert kinds == {"commit", "read", "storage", "producer_state"} and {r["store"] for r in out["records"]} == {"s3"}
+    commit = next(r for r in out["records"] if r["kind"] == "commit")
+    assert commit["commits"] > 0 and commit["exactly_once"]
+    deleted = sum(int(m.split()[2]) for m in messages if m.startswith("journal: deleted "))
+    assert deleted > 0, "each point's objects were there to delete"
+    assert s3.keys("figures") == ["runs-of-others/keep.txt"]
+    for bad in ("http://figures/runs", "s3:///runs", "figures/runs"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--s3-url", bad])

@@ -11,6 +11,12 @@ why), opened with `open_storage("s3://bench/<point>")` while the AWS variables p
 process (and the producer processes) at it; moto's state is reset between points. Every point
 starts on an empty store.
 
+With `--s3-url s3://<bucket>/<prefix>`, the s3 store is that bucket instead, on the endpoint and
+with the credentials the standard AWS variables of this process name (a real object store: moto
+sharing this machine's cores is what bounds the s3 figures here). Each point writes under
+`<prefix>/<run>/<point>/` (`<run>` new per run) and the objects a point left are deleted before
+the next point starts and at the end (the bucket's other objects are not touched).
+
 Kinds of record (field `kind`):
 
 - `commit`, per store, policy (`--policies`, default every one of `journal.policy.POLICIES`)
@@ -56,6 +62,8 @@ import pathlib
 import shutil
 import tempfile
 import time
+import urllib.parse
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -136,6 +144,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--state-commits", type=positive_int, default=20, help="producer state: commit pairs per size (default 20)")
     add("--seed", type=int, default=0, help="seed of the payloads and DAC's jitter (default 0)")
     add("--dir", type=working_folder, default=None, help="where the local stores go (default: the system's temp folder)")
+    add(
+        "--s3-url",
+        type=_s3_url,
+        default=None,
+        help="the s3 store: this bucket and prefix (s3://bucket/prefix) on the endpoint the AWS_* variables name, "
+        "instead of moto's server here",
+    )
+
+
+def _s3_url(text: str) -> str:
+    """An argparse type: "s3://<bucket>[/<prefix>]", returned without a trailing '/'."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"want s3://<bucket>[/<prefix>], got {text!r}")
+    return text.rstrip("/")
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -166,7 +189,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     summary: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="batchplane-bench-journal-", dir=args.dir) as folder:
         for store in args.stores:
-            with _open_stores(store, pathlib.Path(folder), progress) as fresh:
+            with _open_stores(store, pathlib.Path(folder), progress, s3_url=args.s3_url) as fresh:
                 if fresh is None:
                     skipped[store] = "moto is not installed (pip install 'moto[server]'): the s3 store needs its server"
                     progress(f"journal: skipping {store}: {skipped[store]}")
@@ -200,9 +223,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
 
 @contextlib.contextmanager
-def _open_stores(store: str, folder: pathlib.Path, progress: Callable[[str], None]) -> Iterator[Callable[[str], Place] | None]:
+def _open_stores(
+    store: str, folder: pathlib.Path, progress: Callable[[str], None], *, s3_url: str | None = None
+) -> Iterator[Callable[[str], Place] | None]:
     """Yields `fresh(name)`, an empty store per point (None: the store cannot run here); it
-    drops the stores of the earlier points (a commit point writes gigabytes)."""
+    drops the stores of the earlier points (a commit point writes gigabytes). `s3_url`: the s3
+    store is that bucket and prefix (`_bucket_points`) instead of moto's server."""
+    if store == "s3" and s3_url is not None:
+        with _bucket_points(s3_url, progress) as fresh:
+            yield fresh
+        return
     if store == "local":
 
         def fresh_local(name: str) -> Place:
@@ -226,6 +256,35 @@ def _open_stores(store: str, folder: pathlib.Path, progress: Callable[[str], Non
             return Place(f"s3://{BUCKET}/{name}", server.env())
 
         yield fresh_s3
+
+
+@contextlib.contextmanager
+def _bucket_points(url: str, progress: Callable[[str], None]) -> Iterator[Callable[[str], Place]]:
+    """Yields `fresh(name)` over an existing bucket: each point under `<url>/<run>/<name>`, the
+    objects of the point before deleted first (and those of the last one at the end)."""
+    run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+    environ = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}  # for the producer processes
+    progress(f"journal: s3 store {url}/{run}/ ({os.environ.get('AWS_ENDPOINT_URL', 'the default AWS endpoint')})")
+    last: list[Place] = []
+
+    def empty(place: Place) -> None:
+        storage = place.open()
+        keys = storage.list()
+        for key in keys:
+            storage.delete(key)
+        progress(f"journal: deleted {len(keys)} objects under {place.location}/")
+
+    def fresh(name: str) -> Place:
+        if last:
+            empty(last.pop())
+        last.append(Place(f"{url}/{run}/{name}", environ))
+        return last[0]
+
+    try:
+        yield fresh
+    finally:
+        if last:
+            empty(last.pop())
 
 
 @contextlib.contextmanager
