@@ -265,7 +265,7 @@ def _bucket_points(url: str, progress: Callable[[str], None]) -> Iterator[Callab
     run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
     environ = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}  # for the producer processes
     progress(f"journal: s3 store {url}/{run}/ ({os.environ.get('AWS_ENDPOINT_URL', 'the default AWS endpoint')})")
-    last: list[Place] = []
+    current: Place | None = None
 
     def empty(place: Place) -> None:
         storage = place.open()
@@ -275,16 +275,17 @@ def _bucket_points(url: str, progress: Callable[[str], None]) -> Iterator[Callab
         progress(f"journal: deleted {len(keys)} objects under {place.location}/")
 
     def fresh(name: str) -> Place:
-        if last:
-            empty(last.pop())
-        last.append(Place(f"{url}/{run}/{name}", environ))
-        return last[0]
+        nonlocal current
+        if current is not None:
+            empty(current)
+        current = Place(f"{url}/{run}/{name}", environ)
+        return current
 
     try:
         yield fresh
     finally:
-        if last:
-            empty(last.pop())
+        if current is not None:
+            empty(current)
 
 
 @contextlib.contextmanager
