@@ -32,7 +32,7 @@ TRANSPORT_FIELDS = {
     "bytes_per_batch",
     "batches",
 }
-SAMPLE_FIELDS = {"system", "ranks", "samples_per_s", "cpu_s_per_1k_samples"}
+SAMPLE_FIELDS = {"system", "ranks", "global_batch", "dp_microbatches", "samples_per_s", "cpu_s_per_1k_samples"}
 
 
 def test_delivery_is_a_registered_benchmark() -> None:
@@ -40,7 +40,20 @@ def test_delivery_is_a_registered_benchmark() -> None:
     parser = argparse.ArgumentParser()
     delivery.add_arguments(parser)
     args = parser.parse_args([])
-    assert (args.repeats, args.ranks, args.skip_samples) == (5, None, False)
+    assert (args.repeats, args.ranks, args.skip_samples, args.shape) == (5, None, False, None)
+    assert parser.parse_args(["--shape", "64x2", "--shape", "256X16"]).shape == [(64, 2), (256, 16)]
+    for bad in ("64", "64x", "x2", "64x0", "0x2", "64x2x1", "-64x2", "sixty-four x 2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--shape", bad])
+
+
+def test_a_shape_that_does_not_split_into_whole_microbatches_is_refused_before_any_run(tmp_path: pathlib.Path) -> None:
+    parser = argparse.ArgumentParser()
+    delivery.add_arguments(parser)
+    args = parser.parse_args(["--ranks", "2", "--ranks", "8", "--shape", "64x2", "--shape", "80x4"])
+    with pytest.raises(ValueError, match=r"--shape 80x4: 80 samples a step are not 8 ranks x 4 whole microbatches"):
+        dataloader.run_samples(args, tmp_path / "samples", progress=lambda line: None)
+    assert not (tmp_path / "samples").exists(), "refused before writing data or starting a run"
 
 
 def test_payloads_are_seeded_and_shaped_as_documented() -> None:
@@ -158,12 +171,19 @@ def test_sample_records_of_both_systems(data: dict[str, pathlib.Path], tmp_path:
     records = [
         dataloader.run_dataloader(tmp_path / "dl", data, ranks=2, batch=16, microbatches=2),
         dataloader.run_batchplane(tmp_path / "bp", data, ranks=2, batch=16, microbatches=2, loaders=2, ranks_per_constructor=2),
+        dataloader.run_dataloader(tmp_path / "dl4", data, ranks=2, batch=16, microbatches=4),
     ]
-    assert [r["system"] for r in records] == ["dataloader", "batchplane"]
+    assert [r["system"] for r in records] == ["dataloader", "batchplane", "dataloader"]
     for r in records:
-        assert SAMPLE_FIELDS <= r.keys() and r["ranks"] == 2
+        assert SAMPLE_FIELDS <= r.keys() and r["ranks"] == 2 and r["global_batch"] == 16
         assert r["samples_per_s"] > 0 and r["cpu_s_per_1k_samples"] > 0
         assert 0 < r["samples"] <= 400
+    assert [r["dp_microbatches"] for r in records] == [2, 2, 4]
     assert records[0]["processes"] == 4  # two ranks and their DataLoader workers
     summary = dataloader.summarize_samples(records)
-    assert set(summary["2"]) == {"batchplane", "dataloader", "batchplane_over_dataloader"}
+    assert [(s["ranks"], s["global_batch"], s["dp_microbatches"]) for s in summary] == [(2, 16, 2), (2, 16, 4)]
+    assert set(summary[0]) == {"ranks", "global_batch", "dp_microbatches", "batchplane", "dataloader", "batchplane_over_dataloader"}
+    assert summary[0]["dataloader"]["samples_per_s"] == records[0]["samples_per_s"]
+    ratio = summary[0]["batchplane_over_dataloader"]["cpu_s_per_1k_samples"]
+    assert ratio == round(records[1]["cpu_s_per_1k_samples"] / records[0]["cpu_s_per_1k_samples"], 4)
+    assert "batchplane" not in summary[1] and "batchplane_over_dataloader" not in summary[1]

@@ -1,11 +1,20 @@
 """Part B of `batchplane bench delivery`: samples/s and CPU per 1,000 samples of batchplane
 against a colocated torch DataLoader, on the same Parquet data and microbatch shapes.
 
-Data: four synthetic text sources of equal size (`demo.dataset` length distributions, `--rows`
-rows over the four, default 12,000), one epoch, `--global-batch` samples a step (default 64) in
-`--dp-microbatches` padded microbatches per rank (default 2), no compute, at `--ranks` ranks
-(repeatable; default 2 and 8). Runs alternate the two systems (`--sample-repeats` pairs per rank
-count, default 2); each record is one run, `summarize_samples` gives the medians and ratios.
+Data: four synthetic text sources of equal size (`demo.dataset` length distributions,
+`--sample-rows` rows over the four, default 12,000), one epoch, no compute, at `--ranks` ranks
+(repeatable; default 2 and 8), in each step shape `--shape GxM` (repeatable): G samples a step
+over all ranks in M padded microbatches per rank. The default shapes are 64x2 (few, large
+microbatches: each step's fixed costs weigh most) and 256x16 (gradient accumulation, as
+trainers run it: 8 samples a microbatch at 2 ranks, 2 at 8). Runs alternate the two systems
+(`--sample-repeats` pairs per rank count and shape, default 2); each record is one run,
+`summarize_samples` gives the medians and ratios.
+
+What each system pays per step and per microbatch differs, so the shape decides which is
+cheaper: batchplane plans, balances and records each step once for the whole mesh (planner,
+constructor, one fetch per loader), and builds every microbatch of a rank into one delivery;
+the DataLoader's costs come per microbatch of each rank (a worker's `collate`, and its
+tensors' trip to the rank through shared memory).
 
 - batchplane: a job run by `LocalCluster` (planner, `--loaders` loader groups (default 2) and
   one constructor per `--ranks-per-constructor` ranks (default 8: one pod), plaintext, since
@@ -25,8 +34,8 @@ With `--journal`, a third system, batchplane-journal: the same job with `batch.d
 journal` (a producer commits every step to the journal in the run folder; each pod's constructor
 reads its ranks' slices from there), its producer's CPU counted with the rest.
 
-Record fields: system (batchplane | dataloader | batchplane-journal), ranks, samples, seconds, samples_per_s,
-cpu_s_per_1k_samples, processes. Times run from the first batch to the last: batchplane's
+Record fields: system (batchplane | dataloader | batchplane-journal), ranks, global_batch,
+dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, processes. Times run from the first batch to the last: batchplane's
 ranks are in lockstep, so from the step 0 the first rank received; the DataLoader's ranks each
 wait after their first step until all have one (start-up behind them, the workers prefetching).
 Samples count what arrived after each rank's first step. CPU (user + system, from /proc)
@@ -51,8 +60,14 @@ from batchplane.bench.transport import text_sources
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-rows", type=positive_int, default=12000, help="Part B: rows over the four sources (default 12,000)")
-    parser.add_argument("--global-batch", type=positive_int, default=64, help="Part B: samples a step over all ranks (default 64)")
-    parser.add_argument("--dp-microbatches", type=positive_int, default=2, help="Part B: microbatches per rank and step (default 2)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        type=step_shape,
+        default=None,
+        metavar="GxM",
+        help="Part B: G samples a step over all ranks in M microbatches per rank (repeatable; default 64x2 and 256x16)",
+    )
     parser.add_argument(
         "--ranks", action="append", type=positive_int, default=None, metavar="N", help="Part B: ranks (repeatable; default 2 and 8)"
     )
@@ -68,60 +83,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def step_shape(text: str) -> tuple[int, int]:
+    """An argparse type: "GxM", G samples a step over all ranks in M microbatches per rank."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"a step shape is GxM with G, M >= 1 (e.g. 64x2), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+DEFAULT_SHAPES = ((64, 2), (256, 16))
+
+
 def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callable[[str], None]) -> list[dict]:
     """Part B: the records, runs alternating batchplane and the DataLoader."""
     from batchplane.demo.dataset import write_demo_dataset
 
+    grid = [(ranks, batch, microbatches) for ranks in args.ranks or (2, 8) for batch, microbatches in args.shape or DEFAULT_SHAPES]
+    for ranks, batch, microbatches in grid:
+        if batch % (ranks * microbatches):
+            raise ValueError(
+                f"--shape {batch}x{microbatches}: {batch} samples a step are not {ranks} ranks x {microbatches} whole microbatches"
+            )
     data = write_demo_dataset(folder / "data", sources=text_sources(args.sample_rows), vocab_size=4096, seed=0)
     records = []
-    for ranks in args.ranks or (2, 8):
-        if args.global_batch % (ranks * args.dp_microbatches):
-            raise ValueError(
-                f"--global-batch {args.global_batch} must be a multiple of ranks x --dp-microbatches = {ranks * args.dp_microbatches}"
-            )
+    for ranks, batch, microbatches in grid:
         for repeat in range(args.sample_repeats):
             for system in ("batchplane", "dataloader", *(["batchplane-journal"] if getattr(args, "journal", False) else [])):
-                progress(f"{system}, {ranks} ranks, run {repeat + 1} of {args.sample_repeats}")
-                where = folder / f"{system}-{ranks}-{repeat}"
+                progress(f"{system}, {ranks} ranks, {batch}x{microbatches}, run {repeat + 1} of {args.sample_repeats}")
+                where = folder / f"{system}-{ranks}-{batch}x{microbatches}-{repeat}"
                 if system.startswith("batchplane"):
                     record = run_batchplane(
                         where,
                         data,
                         ranks=ranks,
-                        batch=args.global_batch,
-                        microbatches=args.dp_microbatches,
+                        batch=batch,
+                        microbatches=microbatches,
                         loaders=args.loaders,
                         ranks_per_constructor=min(args.ranks_per_constructor, ranks),
                         delivery="journal" if system == "batchplane-journal" else "stream",
                     )
                 else:
-                    record = run_dataloader(where, data, ranks=ranks, batch=args.global_batch, microbatches=args.dp_microbatches)
+                    record = run_dataloader(where, data, ranks=ranks, batch=batch, microbatches=microbatches)
                 records.append(record)
                 progress(f"  {record['samples_per_s']:,.0f} samples/s, {record['cpu_s_per_1k_samples']:.3f} CPU s per 1,000 samples")
     return records
 
 
-def summarize_samples(records: list[dict]) -> dict:
-    """Per rank count: each system's median samples/s and CPU s per 1,000 samples, and
-    batchplane's over the DataLoader's."""
+def summarize_samples(records: list[dict]) -> list[dict]:
+    """Per rank count and step shape (in the records' order): each system's median samples/s
+    and CPU s per 1,000 samples, and batchplane's over the DataLoader's."""
     import statistics
 
-    out = {}
-    for ranks in sorted({r["ranks"] for r in records if "system" in r}):
-        medians = {
-            system: {
-                key: round(statistics.median(r[key] for r in records if r.get("system") == system and r["ranks"] == ranks), 5)
-                for key in ("samples_per_s", "cpu_s_per_1k_samples")
-            }
-            for system in ("batchplane", "dataloader", "batchplane-journal")
-            if any(r.get("system") == system and r["ranks"] == ranks for r in records)
-        }
-        for system in ("batchplane", "batchplane-journal"):
-            if system in medians and "dataloader" in medians:
-                medians[f"{system.replace('-', '_')}_over_dataloader"] = {
-                    key: round(medians[system][key] / medians["dataloader"][key], 4) for key in ("samples_per_s", "cpu_s_per_1k_samples")
+    out = []
+    points = dict.fromkeys((r["ranks"], r["global_batch"], r["dp_microbatches"]) for r in records if "system" in r)
+    for ranks, batch, microbatches in points:
+        runs = [
+            r for r in records if "system" in r and (r["ranks"], r["global_batch"], r["dp_microbatches"]) == (ranks, batch, microbatches)
+        ]
+        summary: dict = {"ranks": ranks, "global_batch": batch, "dp_microbatches": microbatches}
+        for system in ("batchplane", "dataloader", "batchplane-journal"):
+            mine = [r for r in runs if r["system"] == system]
+            if mine:
+                summary[system] = {
+                    key: round(statistics.median(r[key] for r in mine), 5) for key in ("samples_per_s", "cpu_s_per_1k_samples")
                 }
-        out[str(ranks)] = medians
+        for system in ("batchplane", "batchplane-journal"):
+            if system in summary and "dataloader" in summary:
+                summary[f"{system.replace('-', '_')}_over_dataloader"] = {
+                    key: round(summary[system][key] / summary["dataloader"][key], 4) for key in ("samples_per_s", "cpu_s_per_1k_samples")
+                }
+        out.append(summary)
     return out
 
 
@@ -177,7 +208,7 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
         close_ranks(procs)
     end = max(line["received"] for mine in lines for line in mine)
     samples = sum(line["samples"] for mine in lines for line in mine)
-    return _record("dataloader", ranks, samples, end - start, cpu_at_last, cpu_at_first)
+    return _record("dataloader", (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first)
 
 
 # ---- the batchplane side -------------------------------------------------------------------
@@ -232,9 +263,8 @@ def run_batchplane(
     start = min(s["received"] for s in first.values())
     end = max(s["received"] for s in steps)
     samples = sum(s["samples"] for s in steps) - sum(s["samples"] for s in first.values())
-    return _record(
-        "batchplane" if delivery == "stream" else f"batchplane-{delivery}", ranks, samples, end - start, cpu_at_last, cpu_at_first
-    )
+    system = "batchplane" if delivery == "stream" else f"batchplane-{delivery}"
+    return _record(system, (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first)
 
 
 def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str = "stream") -> None:
@@ -246,11 +276,17 @@ def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str 
     config.write_text(yaml.safe_dump(job))
 
 
-def _record(system: str, ranks: int, samples: int, seconds: float, cpu_at_last: dict[int, float], cpu_at_first: dict[int, float]) -> dict:
+def _record(
+    system: str, shape: tuple[int, int, int], samples: int, seconds: float, cpu_at_last: dict[int, float], cpu_at_first: dict[int, float]
+) -> dict:
+    """One run's record; `shape`: (ranks, samples a step, microbatches per rank)."""
     cpu = sum(value - cpu_at_first.get(pid, 0.0) for pid, value in cpu_at_last.items())
+    ranks, batch, microbatches = shape
     return {
         "system": system,
         "ranks": ranks,
+        "global_batch": batch,
+        "dp_microbatches": microbatches,
         "samples": samples,
         "seconds": round(seconds, 4),
         "samples_per_s": round(samples / seconds, 1),
