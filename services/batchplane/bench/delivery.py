@@ -45,7 +45,8 @@ round, median), repeats, verified. `summary` holds, per payload, each transport'
 and over grpc_stream's.
 
 Part B, samples: `batchplane.bench.dataloader` (records with fields system, ranks,
-samples_per_s, cpu_s_per_1k_samples, ...; medians and ratios in `samples_summary`).
+global_batch, dp_microbatches, samples_per_s, cpu_s_per_1k_samples, ...; `samples_summary`
+lists the medians and ratios per rank count and step shape).
 `--skip-samples` or `--skip-transports` leave one part out.
 
 The vision-language demo path (JPEG decode and patchify) against a colocated DataLoader doing the
