@@ -35,12 +35,13 @@ journal` (a producer commits every step to the journal in the run folder; each p
 reads its ranks' slices from there), its producer's CPU counted with the rest.
 
 Record fields: system (batchplane | dataloader | batchplane-journal), ranks, global_batch,
-dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, processes. Times run from the first batch to the last: batchplane's
-ranks are in lockstep, so from the step 0 the first rank received; the DataLoader's ranks each
-wait after their first step until all have one (start-up behind them, the workers prefetching).
-Samples count what arrived after each rank's first step. CPU (user + system, from /proc)
-is that of every process involved over the same window: the planner, loaders, constructors and
-the trainer (batchplane); the rank processes and their DataLoader workers (dataloader).
+dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, processes. Times run
+from the first batch to the last: batchplane's ranks are in lockstep, so from the step 0 the
+first rank received; the DataLoader's ranks each wait after their first step until all have one
+(start-up behind them, the workers prefetching). Samples count what arrived after each rank's
+first step. CPU (user + system, from /proc) is that of every process involved over the same
+window: the planner, loaders, constructors and the trainer (batchplane); the rank processes and
+their DataLoader workers (dataloader).
 """
 
 from __future__ import annotations
@@ -134,12 +135,12 @@ def summarize_samples(records: list[dict]) -> list[dict]:
     and CPU s per 1,000 samples, and batchplane's over the DataLoader's."""
     import statistics
 
+    points: dict[tuple[int, int, int], list[dict]] = {}
+    for r in records:
+        if "system" in r:
+            points.setdefault((r["ranks"], r["global_batch"], r["dp_microbatches"]), []).append(r)
     out = []
-    points = dict.fromkeys((r["ranks"], r["global_batch"], r["dp_microbatches"]) for r in records if "system" in r)
-    for ranks, batch, microbatches in points:
-        runs = [
-            r for r in records if "system" in r and (r["ranks"], r["global_batch"], r["dp_microbatches"]) == (ranks, batch, microbatches)
-        ]
+    for (ranks, batch, microbatches), runs in points.items():
         summary: dict = {"ranks": ranks, "global_batch": batch, "dp_microbatches": microbatches}
         for system in ("batchplane", "dataloader", "batchplane-journal"):
             mine = [r for r in runs if r["system"] == system]
