@@ -187,3 +187,21 @@ def test_sample_records_of_both_systems(data: dict[str, pathlib.Path], tmp_path:
     ratio = summary[0]["batchplane_over_dataloader"]["cpu_s_per_1k_samples"]
     assert ratio == round(records[1]["cpu_s_per_1k_samples"] / records[0]["cpu_s_per_1k_samples"], 4)
     assert "batchplane" not in summary[1] and "batchplane_over_dataloader" not in summary[1]
+    # CPU per step by part: every process of each system is in one, and they add up to its total
+    assert set(records[0]["cpu_ms_per_step"]) == set(records[2]["cpu_ms_per_step"]) == {"rank", "worker"}
+    assert set(records[1]["cpu_ms_per_step"]) == {"planner", "loader", "constructor", "trainer"}
+    for r in records:
+        assert all(ms >= 0 for ms in r["cpu_ms_per_step"].values())
+        per_step_ms = r["cpu_s_per_1k_samples"] * r["global_batch"]
+        assert sum(r["cpu_ms_per_step"].values()) == pytest.approx(per_step_ms, rel=1e-3, abs=0.01)
+    assert summary[0]["batchplane"]["cpu_ms_per_step"] == records[1]["cpu_ms_per_step"]
+
+
+def test_the_summary_takes_each_parts_median_counting_a_missing_part_as_zero() -> None:
+    def record(cpu_ms: dict[str, float]) -> dict:
+        shape = {"ranks": 2, "global_batch": 64, "dp_microbatches": 2}
+        return {"system": "batchplane", **shape, "samples_per_s": 1.0, "cpu_s_per_1k_samples": 1.0, "cpu_ms_per_step": cpu_ms}
+
+    runs = [record({"planner": 4.0, "loader": 2.0}), record({"planner": 1.0, "loader": 6.0, "other": 3.0}), record({"planner": 2.0})]
+    (summary,) = dataloader.summarize_samples(runs)
+    assert summary["batchplane"]["cpu_ms_per_step"] == {"loader": 2.0, "other": 0.0, "planner": 2.0}

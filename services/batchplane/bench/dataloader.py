@@ -35,7 +35,10 @@ journal` (a producer commits every step to the journal in the run folder; each p
 reads its ranks' slices from there), its producer's CPU counted with the rest.
 
 Record fields: system (batchplane | dataloader | batchplane-journal), ranks, global_batch,
-dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, processes. Times run
+dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, cpu_ms_per_step,
+processes. cpu_ms_per_step splits the CPU per step (global_batch samples) by part: planner,
+loader (all loader groups), constructor, producer (journal delivery) and trainer for batchplane;
+rank (the rank processes) and worker (their DataLoader workers) for the DataLoader. Times run
 from the first batch to the last: batchplane's ranks are in lockstep, so from the step 0 the
 first rank received; the DataLoader's ranks each wait after their first step until all have one
 (start-up behind them, the workers prefetching). Samples count what arrived after each rank's
@@ -131,8 +134,9 @@ def run_samples(args: argparse.Namespace, folder: pathlib.Path, progress: Callab
 
 
 def summarize_samples(records: list[dict]) -> list[dict]:
-    """Per rank count and step shape (in the records' order): each system's median samples/s
-    and CPU s per 1,000 samples, and batchplane's over the DataLoader's."""
+    """Per rank count and step shape (in the records' order): each system's median samples/s,
+    CPU s per 1,000 samples and CPU ms per step of each part, and batchplane's over the
+    DataLoader's."""
     import statistics
 
     points: dict[tuple[int, int, int], list[dict]] = {}
@@ -148,6 +152,11 @@ def summarize_samples(records: list[dict]) -> list[dict]:
                 summary[system] = {
                     key: round(statistics.median(r[key] for r in mine), 5) for key in ("samples_per_s", "cpu_s_per_1k_samples")
                 }
+                parts = sorted({part for r in mine for part in r.get("cpu_ms_per_step", {})})
+                if parts:
+                    summary[system]["cpu_ms_per_step"] = {
+                        part: round(statistics.median(r["cpu_ms_per_step"].get(part, 0.0) for r in mine), 3) for part in parts
+                    }
         for system in ("batchplane", "batchplane-journal"):
             if system in summary and "dataloader" in summary:
                 summary[f"{system.replace('-', '_')}_over_dataloader"] = {
@@ -209,7 +218,10 @@ def run_dataloader(folder: pathlib.Path, data: dict[str, pathlib.Path], *, ranks
         close_ranks(procs)
     end = max(line["received"] for mine in lines for line in mine)
     samples = sum(line["samples"] for mine in lines for line in mine)
-    return _record("dataloader", (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first)
+    ranks_of = {p.pid: "rank" for p in procs}
+    return _record(
+        "dataloader", (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first, lambda pid: ranks_of.get(pid, "worker")
+    )
 
 
 # ---- the batchplane side -------------------------------------------------------------------
@@ -248,6 +260,8 @@ def run_batchplane(
         while not (steps_path.exists() and steps_path.stat().st_size) and trainer.poll() is None:
             time.sleep(0.001)
         services = [p.pid for p in cluster.processes]
+        part_of = {p.pid: p.name.split("-")[0] for p in cluster.processes}
+        part_of[trainer.pid] = "trainer"
         cpu_at_first = tree_cpu_s([*services, trainer.pid])
         trainer_at_first = cpu_at_first.get(trainer.pid, 0.0)
         _, status, usage = os.wait4(trainer.pid, 0)
@@ -265,7 +279,9 @@ def run_batchplane(
     end = max(s["received"] for s in steps)
     samples = sum(s["samples"] for s in steps) - sum(s["samples"] for s in first.values())
     system = "batchplane" if delivery == "stream" else f"batchplane-{delivery}"
-    return _record(system, (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first)
+    return _record(
+        system, (ranks, batch, microbatches), samples, end - start, cpu_at_last, cpu_at_first, lambda pid: part_of.get(pid, "other")
+    )
 
 
 def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str = "stream") -> None:
@@ -278,11 +294,23 @@ def _set_microbatches(config: pathlib.Path, microbatches: int, *, delivery: str 
 
 
 def _record(
-    system: str, shape: tuple[int, int, int], samples: int, seconds: float, cpu_at_last: dict[int, float], cpu_at_first: dict[int, float]
+    system: str,
+    shape: tuple[int, int, int],
+    samples: int,
+    seconds: float,
+    cpu_at_last: dict[int, float],
+    cpu_at_first: dict[int, float],
+    part_of: Callable[[int], str],
 ) -> dict:
-    """One run's record; `shape`: (ranks, samples a step, microbatches per rank)."""
-    cpu = sum(value - cpu_at_first.get(pid, 0.0) for pid, value in cpu_at_last.items())
+    """One run's record; `shape`: (ranks, samples a step, microbatches per rank); `part_of`
+    names the part each process is (planner, loader, ...), for `cpu_ms_per_step`."""
     ranks, batch, microbatches = shape
+    steps = samples / batch
+    by_part: dict[str, float] = {}
+    for pid, value in cpu_at_last.items():
+        part = part_of(pid)
+        by_part[part] = by_part.get(part, 0.0) + value - cpu_at_first.get(pid, 0.0)
+    cpu = sum(by_part.values())
     return {
         "system": system,
         "ranks": ranks,
@@ -292,6 +320,7 @@ def _record(
         "seconds": round(seconds, 4),
         "samples_per_s": round(samples / seconds, 1),
         "cpu_s_per_1k_samples": round(cpu / samples * 1000, 5),
+        "cpu_ms_per_step": {part: round(value / steps * 1000, 3) for part, value in sorted(by_part.items())},
         "processes": len(cpu_at_last),
     }
 

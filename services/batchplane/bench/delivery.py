@@ -45,8 +45,9 @@ round, median), repeats, verified. `summary` holds, per payload, each transport'
 and over grpc_stream's.
 
 Part B, samples: `batchplane.bench.dataloader` (records with fields system, ranks,
-global_batch, dp_microbatches, samples_per_s, cpu_s_per_1k_samples, ...; `samples_summary`
-lists the medians and ratios per rank count and step shape).
+global_batch, dp_microbatches, samples_per_s, cpu_s_per_1k_samples, cpu_ms_per_step (by
+part: planner, loader, constructor, trainer; rank, worker), ...; `samples_summary` lists the
+medians and ratios per rank count and step shape).
 `--skip-samples` or `--skip-transports` leave one part out.
 
 The vision-language demo path (JPEG decode and patchify) against a colocated DataLoader doing the
