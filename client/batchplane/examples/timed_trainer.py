@@ -9,17 +9,17 @@ Ranks run as threads in lockstep (data-parallel ranks all-reduce every step), ea
 one rank's step: {"rank", "step", "wait_s", "received" (Unix time), "samples" [[source, row,
 epoch], ...]}, written as it happens so a harness can follow the run. With `--counts`, "samples"
 is the step's number of samples instead (the bookkeeping of `bench delivery`'s DataLoader ranks,
-which it is compared with).
+which it is compared with). With `--parent PID` (the harness's pid) it exits as soon as that
+process is gone (a harness killed mid-run), instead of retrying until its deadline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
-
-from batchplane.client import Client
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="the client's deadline per batch, seconds (default 120)")
     parser.add_argument("--out", required=True, help="file to write one JSON line per rank and step to")
     parser.add_argument("--counts", action="store_true", help="write each step's sample count, not its samples")
+    parser.add_argument("--parent", type=int, help="the pid of the process that starts it: exit once that process is gone")
     args = parser.parse_args(argv)
+    if args.parent is not None:
+        _exit_with_parent(args.parent)
+    from batchplane.client import Client  # after the watch: importing torch takes seconds
+
     ranks = [int(r) for r in args.ranks.split(",")]
     lockstep = threading.Barrier(len(ranks))
     lock = threading.Lock()
@@ -76,6 +81,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timed_trainer: {real[0]}", flush=True)
         return 1
     return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exits the process (status 1) once `parent` is not its parent (at once if it already is
+    not): the harness that started it died, and its ranks would otherwise retry a data plane
+    that is gone until their deadline, taking CPU from whatever runs next."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        try:
+            print(f"timed_trainer: the process that started it (pid {parent}) is gone; exiting", flush=True)
+        except OSError:  # its output went to that process, whose end of the pipe is closed
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def start_trainer(
 ) -> subprocess.Popen:
     """The stand-in trainer for `ranks` of `cluster`'s job, spending `step_seconds` a step and
     writing one JSON line per rank and step to `out` (`counts`: each step's sample count, not
-    its samples)."""
+    its samples). It exits with the process that starts it (a bench killed mid-run)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -57,6 +57,8 @@ def start_trainer(
             "--out",
             str(out),
             *(["--counts"] if counts else []),
+            "--parent",
+            str(os.getpid()),
         ],
         env={**os.environ, "BATCHPLANE_ENDPOINTS": str(cluster.endpoints_path)},
         stdout=subprocess.PIPE,
