@@ -37,8 +37,9 @@ reads its ranks' slices from there), its producer's CPU counted with the rest.
 Record fields: system (batchplane | dataloader | batchplane-journal), ranks, global_batch,
 dp_microbatches, samples, seconds, samples_per_s, cpu_s_per_1k_samples, cpu_ms_per_step,
 processes. cpu_ms_per_step splits the CPU per step (global_batch samples) by part: planner,
-loader (all loader groups), constructor, producer (journal delivery) and trainer for batchplane;
-rank (the rank processes) and worker (their DataLoader workers) for the DataLoader. Times run
+loader (all loader groups), constructor, producer (journal delivery) and trainer for batchplane
+(other: any process one of them started); rank (the rank processes) and worker (their DataLoader
+workers) for the DataLoader. Times run
 from the first batch to the last: batchplane's ranks are in lockstep, so from the step 0 the
 first rank received; the DataLoader's ranks each wait after their first step until all have one
 (start-up behind them, the workers prefetching). Samples count what arrived after each rank's
