@@ -147,9 +147,14 @@ def test_the_group_of_a_rising_source_wants_more_loaders(tmp_path: pathlib.Path)
     before_a = max(r["plain:a"]["desired"] for r in pre)
     assert post[-1]["plain:a"]["desired"] > before_a
     assert post[-1]["plain:b"]["desired"] < max(r["plain:b"]["desired"] for r in pre)
-    # Scaling ahead raised a's loaders while the planner still planned the old stage, to the
-    # level the plain policy reaches only after the change.
-    assert max(r["ahead:a"]["desired"] for r in pre) >= post[-1]["plain:a"]["desired"]
+    # Scaling ahead raised a's loaders while the planner still planned the old stage (above what
+    # the plain policy wanted then), from an estimate of a's need that reached the one the plain
+    # policy makes only after the change. The needs are compared, not the replica counts: those
+    # round the needs up and wait out a cooldown, so an ahead step to 4 whose next step the
+    # cooldown held until the change, against a plain need of 4.1 (5 replicas) after it, would
+    # fail on a rounding of measured rates (seen on a loaded CI machine), not on the policy.
+    assert max(r["ahead:a"]["desired"] for r in pre) > before_a
+    assert max(r["ahead:a"]["need"] for r in pre) >= post[-1]["plain:a"]["need"]
     assert all(r["ahead:b"]["desired"] >= r["plain:b"]["desired"] for r in trace)  # no early scale-down
 
 
