@@ -16,6 +16,7 @@ import time
 
 import grpc
 import numpy as np
+import pyarrow as pa
 import pytest
 from harness import collect, peer_channel, scrape, skewed_lengths, start_cluster, wait_until, write_job, write_source
 from prometheus_client import CollectorRegistry
@@ -138,6 +139,91 @@ def test_with_the_jobs_limits_a_fetch_names_a_constructor_and_at_most_a_step_of_
     with pytest.raises(ResourceExhausted, match="more than loaders.buffer_bytes"):
         fetch(0, range(12))
     assert metrics.fetches_refused.labels("too_big")._value.get() == 1
+
+
+def _steps_request(steps, *, constructor: int = 0) -> loader_pb2.FetchSamplesRequest:
+    """A FetchSamples request for [(step, seqs)] of source 0: the first step, then following ones."""
+
+    def samples(seqs) -> common_pb2.SampleSet:
+        return common_pb2.SampleSet(source=encode_array(np.zeros(len(seqs), np.int32)), seq=encode_array(np.asarray(seqs, np.int64)))
+
+    (step, seqs), rest = steps[0], steps[1:]
+    return loader_pb2.FetchSamplesRequest(
+        constructor_index=constructor,
+        step=step,
+        samples=samples(seqs),
+        following=[loader_pb2.StepSamples(step=t, samples=samples(q)) for t, q in rest],
+    )
+
+
+def _served(servicer: LoaderServicer, request: loader_pb2.FetchSamplesRequest) -> tuple[loader_pb2.FetchHeader, list]:
+    """The header and the record batches of a FetchSamples answer."""
+    messages = [loader_pb2.FetchSamplesResponse.FromString(m) for m in servicer.FetchSamples(request, None)]
+    data = b"".join(m.chunk.data for m in messages[1:])
+    return messages[0].header, list(pa.ipc.open_stream(data))
+
+
+def test_a_fetch_of_several_steps_serves_each_as_its_own_fetch_would_and_cuts_at_the_budget(open_stream) -> None:
+    """constructors.fetch_steps: one call for steps 4, 5 and 7 answers one record batch per step,
+    equal to what a fetch of that step alone returns, each recorded as that step's hold; with a
+    budget that the third step would overrun, the loader serves the first two (a prefix), holds
+    nothing for the third, and counts the cut."""
+    stream, metrics = open_stream(budget=1 << 30)
+    _ask(stream, 0, 60)
+    steps = [(4, [1, 2, 3]), (5, [20, 11]), (7, [40, 41, 42, 43])]
+    reference = FetchBook({0: stream})
+    expected = [reference.fetch(constructor=1, step=t, sources=np.zeros(len(q), np.int32), seqs=np.asarray(q)) for t, q in steps]
+    servicer = LoaderServicer({0: stream}, FetchBook({0: stream}), metrics, limits=FetchLimits(constructors=2, max_samples=12, max_steps=4))
+    servicer.join(sources=("a",), hook=None)
+    header, batches = _served(servicer, _steps_request(steps))
+    assert header.following_served == 2 and header.num_samples == 9
+    assert [b.num_rows for b in batches] == [3, 2, 4]
+    assert all(got.equals(want) for got, want in zip(batches, expected))
+    assert servicer._book.held_steps == 3
+    assert metrics.fetch_steps._sum.get() == 3
+
+    book = FetchBook({0: stream}, max_payload_bytes=expected[0].nbytes + expected[1].nbytes + expected[2].nbytes // 2)
+    servicer = LoaderServicer({0: stream}, book, metrics, limits=FetchLimits(constructors=2, max_samples=12, max_steps=4))
+    servicer.join(sources=("a",), hook=None)
+    header, batches = _served(servicer, _steps_request(steps))
+    assert header.following_served == 1 and [b.num_rows for b in batches] == [3, 2]
+    assert book.held_steps == 2, "the step cut is not held"
+    assert metrics.following_cut.labels("too_big")._value.get() == 1
+
+
+def test_a_following_step_the_planner_has_not_told_of_is_left_for_a_later_fetch(open_stream) -> None:
+    """A following step at positions this replica was not asked about (the planner planned them
+    a moment ago, or nobody did): the first step is served, the rest cut as not ready."""
+    stream, metrics = open_stream(budget=1 << 30)
+    _ask(stream, 0, 30)
+    servicer = LoaderServicer({0: stream}, FetchBook({0: stream}), metrics, limits=FetchLimits(constructors=2, max_samples=12, max_steps=4))
+    servicer.join(sources=("a",), hook=None)
+    header, batches = _served(servicer, _steps_request([(0, [1, 2]), (1, [3]), (2, [10**6])]))
+    assert header.following_served == 1 and [b.num_rows for b in batches] == [2, 1]
+    assert metrics.following_cut.labels("not_ready")._value.get() == 1
+
+
+@pytest.mark.parametrize(
+    ("steps", "names"),
+    [
+        ([(0, [1]), (1, [2]), (2, [3]), (3, [4]), (4, [5])], r"following: at most 3 steps \(constructors.fetch_steps 4"),
+        ([(3, [1]), (3, [2])], r"following\[0\].step must be in \(3, "),
+        ([(3, [1]), (5, [2]), (4, [3])], r"following\[1\].step must be in \(5, "),
+        ([(3, [1, 2]), (4, [2])], r"the steps of one call name 1 \(source, seq\) pairs more than once"),
+        ([(3, [1]), (4, [2]), (5, [-1])], r"following\[1\]\. ?samples.seq must be >= 0"),
+        ([(3, [1]), (4, list(range(13)))], r"following\[0\]\. ?samples: at most 12 samples"),
+    ],
+    ids=["too-many", "not-rising", "falling", "repeated-across-steps", "bad-field", "too-many-samples"],
+)
+def test_a_fetch_of_several_steps_outside_what_the_job_allows_is_refused_naming_the_field(open_stream, steps, names) -> None:
+    stream, metrics = open_stream(budget=1 << 30)
+    _ask(stream, 0, 30)
+    book = FetchBook({0: stream})
+    servicer = LoaderServicer({0: stream}, book, metrics, limits=FetchLimits(constructors=2, max_samples=12, max_steps=4))
+    servicer.join(sources=("a",), hook=None)
+    with pytest.raises(InvalidArgument, match=names):
+        _served(servicer, _steps_request(steps))
+    assert book.held_steps == 0, "a refused call holds nothing"
 
 
 def test_over_its_budget_a_fetch_reads_what_it_needs_and_the_buffer_does_not_grow(open_stream) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
@@ -44,7 +45,9 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     assert abs(realized - target) * total < 12
     assert 0 < planner['batchplane_planner_mixture_realized_ratio{source="y"}'] < 1
     assert planner["batchplane_planner_plan_duration_seconds_count"] == steps
-    assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * steps
+    # each constructor asks at least every constructors.fetch_steps-th step (4: the steps between
+    # come with its plans, when the planner has planned them)
+    assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * math.ceil(steps / 4)
     # Both loaders registered; they register again every network.heartbeat_s.
     assert planner['batchplane_planner_requests_total{code="OK",method="RegisterLoader"}'] >= 2
     for name, source in (("loader-0", "x"), ("loader-1", "y")):
@@ -52,12 +55,15 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
         assert loader[f'batchplane_loader_samples_read_total{{source="{source}"}}'] == 90
         assert loader[f'batchplane_loader_samples_sent_total{{source="{source}"}}'] == 90
         assert loader["batchplane_loader_sent_bytes_total"] > 0
+        assert loader["batchplane_loader_fetch_steps_sum"] >= loader["batchplane_loader_fetch_steps_count"] >= 1
         assert loader[f'batchplane_loader_read_seconds_total{{source="{source}"}}'] > 0
         assert f'batchplane_loader_buffer_samples{{source="{source}"}}' in loader
         assert "batchplane_loader_buffer_bytes" in loader
     for name in ("constructor-0", "constructor-1"):
         constructor = pages[name]
         assert constructor["batchplane_constructor_batches_built_total"] == steps
+        assert constructor["batchplane_constructor_fetch_steps_sum"] >= steps  # every step's samples fetched
+        assert constructor["batchplane_constructor_fetch_steps_count"] <= steps
         assert constructor["batchplane_constructor_batches_sent_total"] >= steps
         assert constructor["batchplane_constructor_sent_bytes_total"] > 0
         assert constructor["batchplane_constructor_batch_wait_seconds_count"] >= steps

@@ -17,13 +17,14 @@ from batchplane.constructor.bounds import (
     MalformedResponse,
     check_batch_request,
     check_bucket,
+    check_following,
     check_plan_step,
     check_report,
     fetch_payload_limit,
 )
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import StepPipeline
-from batchplane.constructor.responses import FETCH_SCHEMA, plan_buckets, receive_samples
+from batchplane.constructor.responses import FETCH_SCHEMA, Wanted, plan_buckets, receive_samples
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import InvalidArgument, Unavailable
 from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
@@ -101,7 +102,8 @@ SOURCES, SEQS, LENGTHS = np.array([0, 0, 1], np.int32), np.array([5, 9, 5], np.i
 
 
 def receive(messages):
-    return receive_samples(messages, address="10.0.0.7:5000", sources=SOURCES, seqs=SEQS, lengths=LENGTHS)
+    tables, nbytes = receive_samples(messages, address="10.0.0.7:5000", wanted=[Wanted(SOURCES, SEQS, LENGTHS)])
+    return tables[0], nbytes
 
 
 def test_a_well_formed_fetch_is_received_in_any_row_order() -> None:
@@ -151,6 +153,83 @@ def test_a_malformed_fetch_stream_is_an_error_of_the_call(messages, names) -> No
     good = payload([0, 0, 1], [5, 9, 5], [3, 40, 7])
     with pytest.raises(MalformedResponse, match=names):
         receive(messages(good))
+
+
+def steps_payload(*steps) -> bytes:
+    """One record batch per step, each (sources, seqs, lengths)."""
+    batches = [pa.ipc.open_stream(payload(*step)).read_next_batch() for step in steps]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, FETCH_SCHEMA) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+STEPS = [
+    Wanted(np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32)),  # the step built: none here
+    Wanted(np.array([0, 0], np.int32), np.array([20, 21], np.int64), np.array([3, 4], np.int32)),
+    Wanted(np.array([1], np.int32), np.array([8], np.int64), np.array([5], np.int32)),
+]
+
+
+def steps_stream(data: bytes, *, served: int, num_samples: int):
+    header = loader_pb2.FetchHeader(num_samples=num_samples, payload_bytes=len(data), following_served=served)
+    yield loader_pb2.FetchSamplesResponse(header=header)
+    for piece in iter_chunks(data, 100):
+        yield loader_pb2.FetchSamplesResponse(chunk=common_pb2.Chunk(data=piece))
+
+
+def test_a_fetch_of_several_steps_is_received_per_step_and_may_serve_a_prefix() -> None:
+    """constructors.fetch_steps: one record batch per step served, each that step's samples in
+    any order; a loader that served only the first following step says so."""
+    every = steps_payload(([], [], []), ([0, 0], [21, 20], [4, 3]), ([1], [8], [5]))
+    tables, nbytes = receive_samples(steps_stream(every, served=2, num_samples=3), address="10.0.0.7:5000", wanted=STEPS)
+    assert [t.num_rows for t in tables] == [0, 2, 1] and nbytes == len(every)
+    assert tables[1].column("seq").to_pylist() == [21, 20] and tables[2].column("source").to_pylist() == [1]
+    prefix = steps_payload(([], [], []), ([0, 0], [20, 21], [3, 4]))
+    tables, _ = receive_samples(steps_stream(prefix, served=1, num_samples=2), address="10.0.0.7:5000", wanted=STEPS)
+    assert [t.num_rows for t in tables] == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("data", "served", "num_samples", "names"),
+    [
+        (steps_payload(([], [], []), ([0, 0], [20, 21], [3, 4]), ([1], [8], [5])), 3, 3, "following_served 3 outside"),
+        (steps_payload(([], [], []), ([0, 0], [20, 21], [3, 4]), ([1], [8], [5])), -1, 3, "following_served -1 outside"),
+        (steps_payload(([], [], []), ([0, 0, 1], [20, 21, 8], [3, 4, 5])), 2, 3, "2 record batches for 3 steps"),
+        (steps_payload(([], [], []), ([0, 1], [20, 8], [3, 5]), ([0], [21], [4])), 2, 3, "other than those requested"),
+        (steps_payload(([], [], []), ([0, 0], [20, 21], [3, 4]), ([1], [8], [5])), 2, 2, "num_samples 2"),
+    ],
+    ids=["served-past-asked", "served-negative", "batches-merged", "rows-swapped-between-steps", "count"],
+)
+def test_a_fetch_of_several_steps_that_mixes_them_up_is_malformed(data, served, num_samples, names) -> None:
+    with pytest.raises(MalformedResponse, match=names):
+        receive_samples(steps_stream(data, served=served, num_samples=num_samples), address="10.0.0.7:5000", wanted=STEPS)
+
+
+@pytest.mark.parametrize(
+    ("following", "names"),
+    [
+        (dict(steps=[5, 6, 7, 8]), "4 following plans for at most 3"),
+        (dict(steps=[5, 7]), "following plan 1 is of step 7, not 6"),
+        (dict(steps=[4]), "following plan 0 is of step 4, not 5"),
+        (dict(steps=[5, 6], ends=[False, True]), "step 6.*end of data"),
+        (dict(steps=[5], nested=[1]), "carries plans itself"),
+    ],
+)
+def test_following_plans_other_than_the_next_steps_are_malformed(following, names) -> None:
+    n = len(following["steps"])
+    args = {"ends": [False] * n, "nested": [0] * n, **following}
+    with pytest.raises(MalformedResponse, match=names):
+        check_following(asked=4, stride=1, max_steps=4, address="planner:1", **args)
+
+
+def test_following_plans_are_the_next_steps_of_the_constructor() -> None:
+    check_following(asked=4, steps=[5, 6, 7], stride=1, max_steps=4, ends=[False] * 3, nested=[0] * 3, address="planner:1")
+    check_following(asked=4, steps=[], stride=1, max_steps=1, ends=[], nested=[], address="planner:1")
+    check_following(asked=5, steps=[8, 11], stride=3, max_steps=3, ends=[False, False], nested=[0, 0], address="planner:1")
+    with pytest.raises(MalformedResponse, match="step 6, not 8"):
+        check_following(asked=5, steps=[6], stride=3, max_steps=3, ends=[False], nested=[0], address="planner:1")
 
 
 # ---- from the planner ------------------------------------------------------------------------------

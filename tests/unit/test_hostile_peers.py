@@ -240,8 +240,9 @@ def test_f_the_watch_counts_malformed_answers_and_replaces_a_replica_that_keeps_
 # ---- bounds ---------------------------------------------------------------------------------------------
 
 
-def test_the_window_follows_the_constructors_prefetch() -> None:
+def test_the_window_follows_the_constructors_prefetch_and_fetch_steps() -> None:
     assert plan_lead(2) == 4 and plan_lead(0) == 2
+    assert plan_lead(2, 4) == 10  # the 3 steps after a request's, and the 4 after them
 
 
 def test_report_refusals_say_why() -> None:

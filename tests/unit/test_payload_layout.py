@@ -21,7 +21,7 @@ from batchplane.constructor.hooks import apply_constructor_hook
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.parallel import CP_MODES, cp_columns, cp_slice, cp_width
 from batchplane.constructor.pipeline import StepPipeline
-from batchplane.constructor.responses import fetch_schema, receive_samples, sample_columns
+from batchplane.constructor.responses import Wanted, fetch_schema, receive_samples, sample_columns
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import Unavailable
 from batchplane.core.payload import BLOB, SAMPLE, TOKEN, PayloadColumn, arrow_type
@@ -339,15 +339,12 @@ def _stream(data: bytes):
         yield loader_pb2.FetchSamplesResponse(chunk=common_pb2.Chunk(data=piece))
 
 
+WANTED = Wanted(np.zeros(2, np.int32), np.arange(2, dtype=np.int64), LENGTHS)
+
+
 def _receive(arrays: dict[str, pa.Array]):
-    return receive_samples(
-        _stream(_ipc(arrays)),
-        address=ADDRESS,
-        sources=np.zeros(2, np.int32),
-        seqs=np.arange(2, dtype=np.int64),
-        lengths=LENGTHS,
-        columns=COLUMNS,
-    )
+    tables, nbytes = receive_samples(_stream(_ipc(arrays)), address=ADDRESS, wanted=[WANTED], columns=COLUMNS)
+    return tables[0], nbytes
 
 
 def test_a_well_formed_payload_with_declared_columns_is_received_as_views() -> None:
@@ -383,9 +380,7 @@ def test_a_payload_too_big_for_its_declared_columns_is_refused_before_allocation
     messages = iter([loader_pb2.FetchSamplesResponse(header=loader_pb2.FetchHeader(num_samples=2, payload_bytes=2**40))])
     token_only = [COLUMNS[0], COLUMNS[1]]
     with pytest.raises(MalformedResponse, match=r"payload_bytes 1099511627776 outside .*'weight'"):
-        receive_samples(
-            messages, address=ADDRESS, sources=np.zeros(2, np.int32), seqs=np.arange(2, dtype=np.int64), lengths=LENGTHS, columns=token_only
-        )
+        receive_samples(messages, address=ADDRESS, wanted=[WANTED], columns=token_only)
 
 
 # ---- a StepPipeline fetching and building a declared payload ---------------------------------

@@ -298,7 +298,7 @@ def test_a_fetch_sends_every_declared_column_as_the_transform_made_it(data: path
         assert batch.column("input_ids")[i].as_py() == _tokens(row)
         for column in PAYLOAD:
             assert batch.column(column.name)[i].as_py() == _expected(row, column), (column.name, seq, row)
-    decoded = pa.ipc.open_stream(encode_payload(batch)).read_all()
+    decoded = pa.ipc.open_stream(encode_payload([batch])).read_all()
     assert decoded.equals(pa.Table.from_batches([batch]))
 
 

@@ -14,15 +14,16 @@ import pytest
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import InvalidArgument, NotFound, Unavailable
 from batchplane.core.storage import MemoryStorage
-from batchplane.planner.bounds import MAX_ADDRESS_CHARS, MAX_NAME_CHARS
+from batchplane.planner.bounds import MAX_ADDRESS_CHARS, MAX_NAME_CHARS, plan_lead
 from batchplane.v1 import common_pb2, planner_pb2
 
 import planner_plane
 
-ROWS = 48  # one source, 48 rows in 4 row groups: 12 steps of 4 samples
-GROUPS = (12, 12, 12, 12)
+ROWS = 96  # one source, 96 rows in 4 row groups: 24 steps of 4 samples (more than the window)
+GROUPS = (24, 24, 24, 24)
 STEPS = ROWS // 4
 RULE = {"initial": {"a": 1}, "delay_steps": 2}
+LEAD = plan_lead(2, 4)  # the window of the default constructors.prefetch_steps and fetch_steps
 
 
 def _job(**settings):
@@ -89,8 +90,8 @@ def test_a_far_step_with_a_far_delivered_below_is_refused_and_ends_nothing(plane
     assert not plane.book.finished and plane.book.end_step is None, "nothing was planned for the far step"
     # A request told to wait counts its claim of delivery once, believed up to the planning
     # cursor when it came (at most one step past the 3 asked for); the window then reaches the
-    # lead (4) past the slower claim, and the planner plans up to one step past the window.
-    assert plane.book.steps_planned <= 3 + 1 + 4 + 2
+    # lead past the slower claim, and the planner plans up to one step past the window.
+    assert plane.book.steps_planned <= 3 + 1 + LEAD + 2 < STEPS
     rest = plane.run(first=3)
     _assert_exactly_once(first | rest)
     assert plane.book.finished
@@ -137,7 +138,7 @@ def test_c_a_far_step_on_an_infinite_job_is_refused_without_planning_up_to_it() 
         finished, outcome = _threaded(lambda: plane.plan(0, 10**15, wait_ms=100), timeout_s=5)
         assert finished, "the planner kept planning (or fast-forwarding) towards step 1e15"
         assert isinstance(outcome, Unavailable)
-        assert plane.book.start_step == 0 and plane.book.steps_planned <= 2 + 4
+        assert plane.book.start_step == 0 and plane.book.steps_planned <= 2 + LEAD
         assert [plane.plan(c, 0).step for c in (0, 1)] == [0, 0], "the job runs on"
     finally:
         plane.stop()
@@ -166,7 +167,7 @@ def test_g_reports_only_for_steps_planned_and_not_past_at_most_one_each() -> Non
         plane.join()
         for c in (0, 1):
             plane.plan(c, 0)
-        flood = [_report(plane, step) for step in range(5, 400)] + [_report(plane, 10**9)]
+        flood = [_report(plane, step) for step in range(LEAD + 1, 400)] + [_report(plane, 10**9)]
         assert not any(r.accepted for r in flood)
         assert all("not planned yet" in r.reason for r in flood)
         assert not [k for k in plane.ledger.list("gen-") if "/reports/" in k], "no report of a future step is stored"
@@ -204,7 +205,7 @@ def test_e_a_false_registration_after_a_restart_does_not_lock_the_real_loader_ou
             loader_index=0,
             address="evil:1",
             incarnation="x",
-            sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS + 1, row_group_sizes=(13, 12, 12, 12))],
+            sources=[common_pb2.SourceInfo(name="a", num_rows=ROWS + 1, row_group_sizes=(GROUPS[0] + 1, *GROUPS[1:]))],
         )
         restarted.service.RegisterLoader(false, None)  # wins the race
         restarted.join()  # the real loader, heartbeating: taken
@@ -261,6 +262,53 @@ def test_every_other_field_is_bounded(plane: Plane) -> None:
     service.GetJob(planner_pb2.GetJobRequest(wait_ms=2**31 - 1), None)  # ready: answers at once; capped anyway
     assert time.monotonic() - began < 5
     _assert_exactly_once(plane.run())
+
+
+# ---- plans of following steps (constructors.fetch_steps) ------------------------------------------
+
+
+def test_a_plan_comes_with_the_next_steps_plans_planned_already_each_as_a_request_for_it_gets(plane: Plane) -> None:
+    """GetPlanRequest.max_steps: the answer carries the plans of the constructor's next steps
+    that are planned (never waiting for one), each the very answer a request for that step
+    alone gets, none with plans of its own; more than constructors.fetch_steps is refused."""
+    for bad in (5, -1):
+        with pytest.raises(InvalidArgument, match=r"max_steps must be in \[0, 4\] \(constructors.fetch_steps\)"):
+            plane.plan(0, 0, max_steps=bad)
+    deadline = time.monotonic() + 30
+    while len(plane.plan(0, 0, delivered_below=0, max_steps=4).following) < 3:  # planned meanwhile
+        assert time.monotonic() < deadline, "the planner plans the steps after the one asked for"
+        time.sleep(0.01)
+    got = plane.plan(0, 0, delivered_below=0, max_steps=4)
+    assert [f.step for f in got.following] == [1, 2, 3] and not any(f.following for f in got.following)
+    for following in got.following:
+        assert following == plane.plan(0, following.step, delivered_below=0)
+    assert not plane.plan(0, 0, delivered_below=0, max_steps=1).following
+    assert not plane.plan(0, 0, delivered_below=0).following
+
+
+def test_constructors_that_take_the_following_plans_are_planned_every_sample_exactly_once(plane: Plane) -> None:
+    """Each constructor asks for the step after the last plan it holds, taking the plans that
+    come with it, as a constructor with constructors.fetch_steps 4 does."""
+    held: dict[int, dict[int, planner_pb2.GetPlanResponse]] = {0: {}, 1: {}}
+    ended, asked = set(), 0
+    while len(ended) < 2:
+        for c in (0, 1):
+            if c in ended:
+                continue
+            step = max(held[c], default=-1) + 1
+            deadline = time.monotonic() + 30
+            while plane.book.steps_planned < min(step + 4, STEPS) and time.monotonic() < deadline:  # as a constructor
+                time.sleep(0.005)  # that asks while its ranks train finds the next steps planned
+            answer = plane.plan(c, step, max_steps=4)
+            asked += 1
+            if answer.end_of_data:
+                ended.add(c)
+                continue
+            for plan in (answer, *answer.following):
+                held[c][plan.step] = plan
+    assert sorted(held[0]) == sorted(held[1])
+    assert asked < 2 * STEPS, "plans came with others"
+    _assert_exactly_once({step: planner_plane.step_samples([held[0][step], held[1][step]]) for step in held[0]})
 
 
 # ---- journal producers: each is planned only its own steps ---------------------------------------

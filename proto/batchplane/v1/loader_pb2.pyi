@@ -52,26 +52,40 @@ class GetSummaryResponse(_message.Message):
     def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: bool = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ..., bad_reason: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class FetchSamplesRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "samples", "release_below_step", "copies")
+    __slots__ = ("constructor_index", "step", "samples", "release_below_step", "copies", "following")
     CONSTRUCTOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_BELOW_STEP_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     samples: _common_pb2.SampleSet
     release_below_step: int
     copies: _common_pb2.Array
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., release_below_step: _Optional[int] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    following: _containers.RepeatedCompositeFieldContainer[StepSamples]
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., release_below_step: _Optional[int] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., following: _Optional[_Iterable[_Union[StepSamples, _Mapping]]] = ...) -> None: ...
+
+class StepSamples(_message.Message):
+    __slots__ = ("step", "samples", "copies")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    samples: _common_pb2.SampleSet
+    copies: _common_pb2.Array
+    def __init__(self, step: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("num_samples", "payload_bytes")
+    __slots__ = ("num_samples", "payload_bytes", "following_served")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_SERVED_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     payload_bytes: int
-    def __init__(self, num_samples: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    following_served: int
+    def __init__(self, num_samples: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., following_served: _Optional[int] = ...) -> None: ...
 
 class FetchSamplesResponse(_message.Message):
     __slots__ = ("header", "chunk")

@@ -45,10 +45,10 @@ class LoaderServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def FetchSamples(self, request, context):
-        """The payloads of planned samples, for one constructor and one step. The first message is a
-        FetchHeader; then Chunks follow until `FetchHeader.payload_bytes` bytes have arrived, and
-        the stream ends. The payload is an Arrow IPC stream of one record batch, one row per
-        requested sample, with columns `source` (int32), `seq` (int64), `input_ids` (list of
+        """The payloads of planned samples, for one constructor and one step (and the following steps
+        it names). The first message is a FetchHeader; then Chunks follow until
+        `FetchHeader.payload_bytes` bytes have arrived, and the stream ends. The payload is an Arrow
+        IPC stream of one record batch per step served, one row per requested sample, with columns `source` (int32), `seq` (int64), `input_ids` (list of
         int32), then each column the job declares in `batch.payload`, in declaration order and
         named as declared: a "token" column as a list of its dtype with len(input_ids) *
         prod(shape) values per sample, a "sample" column as its dtype (shape []) or a fixed-size

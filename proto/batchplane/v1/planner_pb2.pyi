@@ -105,7 +105,7 @@ class GetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: bool = ..., length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind")
+    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind", "max_steps")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,13 +119,15 @@ class GetPlanRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     wait_ms: int
     resume: _containers.ScalarMap[str, str]
     delivered_below: int
     rewind: bool
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ...) -> None: ...
+    max_steps: int
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ..., max_steps: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders", "copies")
@@ -166,7 +168,7 @@ class SubPlanPart(_message.Message):
     def __init__(self, name: _Optional[str] = ..., axis: _Optional[str] = ..., metadata: _Optional[str] = ..., bucket: _Optional[int] = ..., samples: _Optional[_Union[_common_pb2.SampleSet, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., columns: _Optional[_Iterable[str]] = ..., loaders: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., copies: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses", "oldest_step")
+    __slots__ = ("step", "end_of_data", "ranks", "global_loss_tokens", "axis", "subplans", "loader_addresses", "oldest_step", "following")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +177,7 @@ class GetPlanResponse(_message.Message):
     SUBPLANS_FIELD_NUMBER: _ClassVar[int]
     LOADER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     OLDEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
@@ -183,7 +186,8 @@ class GetPlanResponse(_message.Message):
     subplans: _containers.RepeatedCompositeFieldContainer[SubPlanPart]
     loader_addresses: _containers.RepeatedScalarFieldContainer[str]
     oldest_step: int
-    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ..., oldest_step: _Optional[int] = ...) -> None: ...
+    following: _containers.RepeatedCompositeFieldContainer[GetPlanResponse]
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., global_loss_tokens: _Optional[int] = ..., axis: _Optional[str] = ..., subplans: _Optional[_Iterable[_Union[SubPlanPart, _Mapping]]] = ..., loader_addresses: _Optional[_Iterable[str]] = ..., oldest_step: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetPlanResponse, _Mapping]]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

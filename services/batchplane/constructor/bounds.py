@@ -32,6 +32,9 @@ never ends the build thread or the process.
   `fetch_payload_limit(samples, tokens)` bytes, the most the Arrow payload of the samples asked
   for can take with the lengths the plan gives them, checked before the buffer is allocated;
   then exactly the samples asked for with their planned lengths (`responses.receive_samples`).
+  A fetch of several steps (`constructors.fetch_steps`): `following_served` in [0, following
+  steps asked for], one record batch per step served, each exactly that step's samples; the
+  sizes are bounded as above by the samples of the steps served.
   With declared payload columns the announced size is bounded by the columns' declared shapes
   (token and sample columns, from the planned lengths) and, for everything together, by
   `fetch_bytes_cap`: the job's `loaders.buffer_bytes` plus the IPC stream's own bytes. A loader
@@ -48,6 +51,9 @@ never ends the build thread or the process.
   tensor's, no sample listed twice in the graph's parts; a part that delivers `columns` names
   each once, each a declared payload column of kind "sample" or "blob", with `loaders` of
   length n indexing `loader_addresses` and `copies` of length n in [1, constructors].
+  The plans of following steps that come with it (`check_following`): fewer than the steps
+  asked for, each the constructor's next step after the one before it, none the end of data
+  and none with following plans of its own; each then checked as a plan.
 """
 
 from __future__ import annotations
@@ -148,6 +154,26 @@ def check_plan_step(*, asked: int, step: int, oldest_step: int, peer: str, addre
         raise MalformedResponse(peer, address, f"the plan of step {step} for step {asked}")
     if not 0 <= oldest_step <= step:
         raise MalformedResponse(peer, address, f"oldest_step {oldest_step} outside [0, {step}]")
+
+
+def check_following(
+    *, asked: int, steps: Sequence[int], stride: int, max_steps: int, ends: Sequence[bool], nested: Sequence[int], address: str
+) -> None:
+    """Checks the plans of following steps that a GetPlan answer to a request for step `asked`
+    (of at most `max_steps` steps' plans) carries: their `steps`, whether each says the end of
+    data (`ends`) and how many following plans each carries itself (`nested`).
+
+    Raises:
+        MalformedResponse: more than `max_steps` - 1 of them, a step other than the next one
+            (`stride` apart), an end of data, or plans nested in one.
+    """
+    if len(steps) > max_steps - 1:
+        raise MalformedResponse("planner", address, f"{len(steps)} following plans for at most {max_steps - 1} asked for")
+    for i, (step, end, inner) in enumerate(zip(steps, ends, nested)):
+        if step != asked + (i + 1) * stride:
+            raise MalformedResponse("planner", address, f"following plan {i} is of step {step}, not {asked + (i + 1) * stride}")
+        if end or inner:
+            raise MalformedResponse("planner", address, f"following plan {i} (step {step}) says the end of data or carries plans itself")
 
 
 def check_bucket(

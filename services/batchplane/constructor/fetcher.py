@@ -1,14 +1,16 @@
-"""The constructor's calls to its loaders: a step's samples fetched in parallel from the loader
-replicas that hold them, and releases at loaders that served earlier steps (which ones, and
-when one is let go: the pure `releases.LoaderReleases`, driven here under a lock).
+"""The constructor's calls to its loaders: a step's samples (with those of following steps,
+`constructors.fetch_steps`) fetched in parallel from the loader replicas that hold them, one
+call per loader, and releases at loaders that served earlier steps (which ones, and when one
+is let go: the pure `releases.LoaderReleases`, driven here under a lock).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -18,7 +20,7 @@ import pyarrow as pa
 from batchplane.constructor.build import Fetched
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.releases import LoaderReleases
-from batchplane.constructor.responses import fetched_samples, receive_samples
+from batchplane.constructor.responses import Wanted, fetched_samples, receive_samples
 from batchplane.constructor.subbatch import FetchGroup
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, Unavailable
@@ -31,6 +33,72 @@ log = logging.getLogger(__name__)
 #: How long a fetch retries an unreachable loader before the step is built again from a fresh
 #: plan, which names the loader's shadow once the planner has promoted it.
 FETCH_RETRY_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFetch:
+    """One step's samples to fetch.
+
+    Attributes:
+        step: The step.
+        group: Its samples (`build.to_fetch`), whose `holders` index `addresses`.
+        addresses: The plan's loader addresses.
+    """
+
+    step: int
+    group: FetchGroup
+    addresses: Sequence[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One step's samples at one loader ([n] each)."""
+
+    step: int
+    sources: np.ndarray
+    seqs: np.ndarray
+    copies: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, step: int, group: FetchGroup, mask: np.ndarray) -> _Part:
+        return cls(step, group.source[mask], group.seq[mask], group.copies[mask], group.length[mask])
+
+    @classmethod
+    def none(cls, step: int) -> _Part:
+        """No samples of `step` (a call that leads with a step the loader holds none of)."""
+        empty = np.zeros(0, np.int32)
+        return cls(step, empty, np.zeros(0, np.int64), empty, empty)
+
+    def sample_set(self) -> common_pb2.SampleSet:
+        return common_pb2.SampleSet(source=encode_array(self.sources), seq=encode_array(self.seqs))
+
+    def copies_array(self) -> common_pb2.Array | None:
+        return encode_array(self.copies) if np.any(self.copies != 1) else None
+
+
+def _by_loader(wanted: StepFetch) -> list[tuple[str, np.ndarray]]:
+    """The loaders holding samples of `wanted`, each with the mask of its samples.
+
+    Raises:
+        FailedPrecondition: holders outside the plan's loader addresses.
+        Unavailable: a loader without an address.
+    """
+    holders, addresses = wanted.group.holders, wanted.addresses
+    if not len(holders):
+        return []
+    if not 0 <= holders.min() <= holders.max() < len(addresses):
+        raise FailedPrecondition(f"the plan of step {wanted.step} names loaders outside its {len(addresses)} loader addresses")
+    out = []
+    for i in np.unique(holders):
+        address = addresses[int(i)]
+        mask = holders == i
+        if not address:
+            raise Unavailable(
+                f"the plan of step {wanted.step} has no address for a loader of sources {sorted(set(wanted.group.source[mask].tolist()))}"
+            )
+        out.append((address, mask))
+    return out
 
 
 class Fetcher:
@@ -67,40 +135,49 @@ class Fetcher:
         self._releases = LoaderReleases()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
 
-    def fetch(self, step: int, group: FetchGroup, addresses: list[str]) -> Fetched:
-        """The samples of `group` (its `holders` index `addresses`, the plan's loader addresses),
-        fetched in parallel; loaders that served earlier steps but not this one are released
-        (nothing to fetch: nothing is called, nothing released).
+    def fetch(self, steps: Sequence[StepFetch]) -> dict[int, Fetched]:
+        """The samples of `steps` (the step being built, then following ones in rising order),
+        fetched in parallel with one call per loader for all of them; loaders that served
+        earlier steps but none of these are released (nothing to fetch: nothing is called).
 
+        Every call leads with the first step (with no samples where that loader holds none of
+        them): a loader serves it and a prefix of the rest (`FetchHeader.following_served`), so
+        the first step is always served, and a following step is returned only when every
+        loader that holds its samples served it (the others are fetched again later).
+
+        Returns:
+            Fetched samples by step: the first step's, and those of the following steps served.
         Raises:
-            FailedPrecondition: holders outside `addresses`; a loader that does not hold what
-                the plan says it does.
+            FailedPrecondition: holders outside a plan's loader addresses; a loader that does
+                not hold what the plan says it does.
             Unavailable: a loader without an address or out of reach; retry from a fresh plan.
         """
-        holders = group.holders
-        if not len(holders):
-            return fetched_samples([], self._job.batch.payload)
-        if not 0 <= holders.min() <= holders.max() < len(addresses):
-            raise FailedPrecondition(f"the plan of step {step} names loaders outside its {len(addresses)} loader addresses")
-        by_loader: dict[str, np.ndarray] = {}
-        for i in np.unique(holders):
-            address = addresses[int(i)]
-            if not address:
-                raise Unavailable(
-                    f"the plan of step {step} has no address for a loader of sources {sorted(set(group.source[holders == i].tolist()))}"
-                )
-            by_loader[address] = holders == i
+        first = steps[0].step
+        parts: dict[str, list[_Part]] = {}
+        for wanted in steps:
+            for address, mask in _by_loader(wanted):
+                parts.setdefault(address, []).append(_Part.of(wanted.step, wanted.group, mask))
+        for address, mine in parts.items():
+            if mine[0].step != first:
+                mine.insert(0, _Part.none(first))
+        if not parts:
+            return {wanted.step: fetched_samples([], self._job.batch.payload) for wanted in steps}
         begin = time.perf_counter()
-        jobs = {
-            address: self._pool.submit(self._fetch_from, address, step, group.source[m], group.seq[m], group.copies[m], group.length[m])
-            for address, m in by_loader.items()
-        }
+        jobs = {address: self._pool.submit(self._fetch_from, address, mine) for address, mine in parts.items()}
         with self._lock:
-            release = self._releases.fetching(jobs, step)
+            release = self._releases.fetching({address: mine[-1].step for address, mine in parts.items()})
         for address in release:
-            self._pool.submit(self._release_at, address, step)
-        fetched = fetched_samples([job.result() for job in jobs.values()], self._job.batch.payload)
+            self._pool.submit(self._release_at, address, first)
+        tables: dict[int, list[pa.Table]] = {wanted.step: [] for wanted in steps}
+        missing = set()
+        for address, job in jobs.items():
+            served = job.result()
+            for part, table in zip(parts[address], served):
+                tables[part.step].append(table)
+            missing.update(part.step for part in parts[address][len(served) :])  # fetched again later
+        fetched = {step: fetched_samples(got, self._job.batch.payload) for step, got in tables.items() if step not in missing}
         self._metrics.fetch_latency.observe(time.perf_counter() - begin)
+        self._metrics.fetch_steps.observe(len(fetched))
         return fetched
 
     def release_everywhere(self, step: int) -> None:
@@ -138,38 +215,35 @@ class Fetcher:
                 channel = self._channels[address] = self._connect(address, "loader")
         return loader_pb2_grpc.LoaderStub(channel)
 
-    def _fetch_from(
-        self, address: str, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray, lengths: np.ndarray
-    ) -> pa.Table:
+    def _fetch_from(self, address: str, parts: Sequence[_Part]) -> list[pa.Table]:
+        """One call to the loader at `address` for the samples of `parts` (one per step, the
+        first step's first); returns a table per step it served, a prefix of `parts`."""
+        lead, rest = parts[0], parts[1:]
         request = loader_pb2.FetchSamplesRequest(
             constructor_index=self._index,
-            step=step,
-            samples=common_pb2.SampleSet(source=encode_array(sources), seq=encode_array(seqs)),
+            step=lead.step,
+            samples=lead.sample_set(),
             # only what every rank was handed: a restarted constructor fetches the rest again
             release_below_step=self._delivered(),
-            copies=encode_array(copies) if np.any(copies != 1) else None,
+            copies=lead.copies_array(),
+            following=[loader_pb2.StepSamples(step=p.step, samples=p.sample_set(), copies=p.copies_array()) for p in rest],
         )
         stub = self._loader(address)
+        wanted = [Wanted(p.sources, p.seqs, p.lengths) for p in parts]
 
-        def attempt() -> pa.Table:
+        def attempt() -> list[pa.Table]:
             stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
-            table, nbytes = receive_samples(
-                stream,
-                address=address,
-                sources=sources,
-                seqs=seqs,
-                lengths=lengths,
-                columns=self._job.batch.payload,
-                max_bytes=self._job.loaders.buffer_bytes,
+            tables, nbytes = receive_samples(
+                stream, address=address, wanted=wanted, columns=self._job.batch.payload, max_bytes=self._job.loaders.buffer_bytes
             )
             self._metrics.received_bytes.inc(nbytes)
-            self._metrics.samples_received.inc(table.num_rows)
-            return table
+            self._metrics.samples_received.inc(sum(t.num_rows for t in tables))
+            return tables
 
         try:
             return call_with_retry(
                 attempt,
-                what=f"FetchSamples(step {step}) from loader at {address}",
+                what=f"FetchSamples(step {lead.step}) from loader at {address}",
                 deadline_s=min(self._job.network.rpc_timeout_s, FETCH_RETRY_S),
                 should_stop=self._stopped,
             )

@@ -40,9 +40,16 @@ class ConstructorMetrics:
         )
         self.fetch_latency = Histogram(
             "batchplane_constructor_fetch_duration_seconds",
-            "Time to fetch one step's samples from all loaders.",
+            "Time to fetch the samples of one step (and of the following steps fetched with it) from all loaders.",
             registry=registry,
             buckets=_LATENCY_BUCKETS,
+        )
+        self.fetch_steps = Histogram(
+            "batchplane_constructor_fetch_steps",
+            "Steps each fetch took from its loaders: the step being built and the following ones fetched with it "
+            "(constructors.fetch_steps at most).",
+            registry=registry,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
         )
         self.build_latency = Histogram(
             "batchplane_constructor_build_duration_seconds",

@@ -12,12 +12,16 @@ asks for is where it starts (a resumed trainer asks for the step after its check
 for step s tells the pipeline the rank is done with earlier steps; their batches are dropped,
 and asking for them again is refused unless the trainer restarted (a rewind: building goes
 back). These rules live in the pure `progress.BuildProgress`, a step's deliveries come from the
-pure `build.build_step`, and the loader calls from `fetcher.Fetcher`; this class is the driver:
-the build thread, the planner's calls, the trainers' waits and the metrics.
+pure `build.build_step`, and the loader calls from `fetcher.Fetcher`. With
+`constructors.fetch_steps` > 1 the planner's answer carries the plans of the following steps
+it has planned, and one call per loader fetches their samples with the step's; what the pure
+`lookahead.Lookahead` keeps of them is used in their turn. This class is the driver: the build
+thread, the planner's calls, the trainers' waits and the metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,10 +30,11 @@ from typing import TypeVar
 
 import grpc
 
-from batchplane.constructor.bounds import MalformedResponse, check_plan_step
-from batchplane.constructor.build import Delivery, Served, build_step, to_fetch
-from batchplane.constructor.fetcher import Fetcher
+from batchplane.constructor.bounds import MalformedResponse, check_following, check_plan_step
+from batchplane.constructor.build import Delivery, Fetched, Served, StepPlan, build_step, to_fetch
+from batchplane.constructor.fetcher import Fetcher, StepFetch
 from batchplane.constructor.hooks import HookError
+from batchplane.constructor.lookahead import Lookahead
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.progress import BuildProgress, PlanRequest
 from batchplane.constructor.responses import step_plan
@@ -48,6 +53,16 @@ PLANNER_RETRY_BACKOFF_S = 0.25
 
 #: How long building waits before it asks again a peer that answered a malformed response.
 MALFORMED_BACKOFF_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A step's plan as the constructor uses it: decoded, with the samples to fetch for it, and
+    the oldest step the planner said a rewind can go back to."""
+
+    plan: StepPlan
+    fetch: StepFetch
+    oldest_step: int
 
 
 class StepPipeline:
@@ -108,6 +123,7 @@ class StepPipeline:
             stride=job.build_stride,
             offset=index % job.build_stride,
         )
+        self._ahead: Lookahead[_Planned, Fetched] = Lookahead(job.constructors.fetch_steps)  # the build thread's
         self._fetcher = Fetcher(
             job, index=index, metrics=metrics, connect=connect, delivered=self._delivered, stopped=lambda: self._stopped
         )
@@ -202,8 +218,9 @@ class StepPipeline:
                 request = self._steps.plan_request(step)
             began = time.monotonic()
             try:
-                built = self._build(request, abandoned=lambda: self._steps.epoch != epoch)
+                built = self._build(request, epoch=epoch, abandoned=lambda: self._steps.epoch != epoch)
             except Unavailable as exc:  # a peer is slow or restarting: keep trying
+                self._ahead.failed()
                 if self._stopped:
                     return
                 log.warning("step %d: %s; retrying", step, exc)
@@ -239,27 +256,53 @@ class StepPipeline:
                     self._metrics.batches_built.inc(len(built))
                 self._cond.notify_all()
 
-    def _build(self, request: PlanRequest, *, abandoned: Callable[[], bool]) -> list[Delivery] | None:
-        """The deliveries of the step `request` asks the plan of; None past the end of data.
-        Retrying the planner stops once `abandoned()` (a rank rewound: the steps to build
-        changed), so a rewind waits for one planner call at most, not for the retries of a
-        step built ahead that the planner cannot plan yet."""
+    def _build(self, request: PlanRequest, *, epoch: int, abandoned: Callable[[], bool]) -> list[Delivery] | None:
+        """The deliveries of the step `request` asks the plan of, in build epoch `epoch`; None
+        past the end of data. Its plan and samples come from what was got with an earlier
+        step's where `lookahead` kept them, else from the planner and the loaders (with those
+        of the following steps, kept for their turn). Retrying the planner stops once
+        `abandoned()` (a rank rewound: the steps to build changed), so a rewind waits for one
+        planner call at most, not for the retries of a step built ahead that the planner
+        cannot plan yet."""
         self._peer = "planner"
-        answer = self._get_plan(request, abandoned=abandoned)
+        planned = self._ahead.plan(request.step, epoch=epoch, plain=not request.rewind and not request.resume)
+        if planned is None:
+            answer = self._get_plan(request, abandoned=abandoned)
+            if answer.end_of_data:
+                return None
+            planned = self._planned(answer, asked=request.step)
+            self._ahead.keep_plans({f.step: self._planned(f, asked=f.step) for f in answer.following}, epoch=epoch)
+        else:
+            with self._cond:
+                self._steps.planned(planned.oldest_step)
         self._peer = "loader"
-        if answer.end_of_data:
-            return None
-        address = self._planner_address
-        plan = step_plan(answer, asked=request.step, address=address, job=self._job, consumes=self._served.consumes)
-        fetched = self._fetcher.fetch(request.step, to_fetch(plan, self._served, address=address), list(answer.loader_addresses))
+        fetched = self._ahead.fetched(request.step, epoch=epoch)
+        if fetched is None:
+            following = self._ahead.following(request.step, epoch=epoch)
+            got = self._fetcher.fetch([planned.fetch, *(p.fetch for _, p in following)])
+            fetched = got.pop(request.step)
+            self._ahead.keep_fetched(got, epoch=epoch)
         begin = time.perf_counter()
         try:
-            deliveries = build_step(plan, fetched, self._served)
+            deliveries = build_step(planned.plan, fetched, self._served)
         except HookError:
             self._metrics.hook_failures.inc()
             raise
         self._metrics.build_latency.observe(time.perf_counter() - begin)
         return deliveries
+
+    def _planned(self, answer: planner_pb2.GetPlanResponse, *, asked: int) -> _Planned:
+        """A GetPlan answer to a request for step `asked` (or one of the following plans that
+        came with it), decoded and checked, with the samples to fetch for it.
+
+        Raises:
+            MalformedResponse: see `responses.step_plan`.
+            FailedPrecondition: the plan lacks a bucket a served rank consumes.
+        """
+        address = self._planner_address
+        plan = step_plan(answer, asked=asked, address=address, job=self._job, consumes=self._served.consumes)
+        fetch = StepFetch(plan.step, to_fetch(plan, self._served, address=address), tuple(answer.loader_addresses))
+        return _Planned(plan, fetch, answer.oldest_step)
 
     def report(self, request: common_pb2.ReportRequest) -> common_pb2.ReportResponse:
         """Forwards a trainer's training report to the planner, for a step built here
@@ -285,6 +328,7 @@ class StepPipeline:
         request = planner_pb2.GetPlanRequest(
             constructor_index=self._index,
             step=ask.step,
+            max_steps=self._ahead.steps,
             wait_ms=5000,
             resume=ask.resume,
             delivered_below=ask.delivered_below,
@@ -307,6 +351,15 @@ class StepPipeline:
 
         plan = self._call_planner(get_plan, f"GetPlan(step {ask.step}) from", abandoned=abandoned)
         check_plan_step(asked=ask.step, step=plan.step, oldest_step=plan.oldest_step, peer="planner", address=self._planner_address)
+        check_following(
+            asked=ask.step,
+            steps=[f.step for f in plan.following],
+            stride=self._steps.stride,
+            max_steps=self._ahead.steps,
+            ends=[f.end_of_data for f in plan.following],
+            nested=[len(f.following) for f in plan.following],
+            address=self._planner_address,
+        )
         with self._cond:
             self._steps.planned(plan.oldest_step)
         return plan

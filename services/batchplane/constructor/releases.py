@@ -4,7 +4,9 @@ and makes the calls.
 
 Rules (each a test in tests/unit/test_loader_releases.py):
 - A loader that served a step is held until it is told every step it served was handed (a
-  release below a step past the last one it served succeeded); then it is dropped.
+  release below a step past the last one it served succeeded); then it is dropped. A fetch of
+  several steps (`constructors.fetch_steps`) holds each loader through the furthest step
+  fetched there.
 - A loader that served earlier steps but is not fetched from for the step being built is
   released at once (a replica that left its group waits for that before it exits), once per
   step built, until it is dropped.
@@ -16,7 +18,7 @@ Rules (each a test in tests/unit/test_loader_releases.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 #: Failed releases in a row at a loader that served earlier steps after which it counts as gone.
 RELEASE_GIVE_UP = 20
@@ -34,12 +36,11 @@ class LoaderReleases:
         self._holding: dict[str, int] = {}  # loader replica -> the last step fetched there, until released
         self._failures: dict[str, int] = {}  # loader replica -> releases there that failed in a row
 
-    def fetching(self, addresses: Iterable[str], step: int) -> list[str]:
-        """`step` is fetched from the loaders at `addresses`; returns those to release at (they
-        served earlier steps, not this one)."""
-        fetched = set(addresses)
-        release = sorted(set(self._holding) - fetched)
-        self._holding.update((a, step) for a in fetched)
+    def fetching(self, last: Mapping[str, int]) -> list[str]:
+        """A fetch from the loaders `last` names, each with the furthest step fetched there;
+        returns those to release at (they served earlier steps, not these)."""
+        release = sorted(set(self._holding) - set(last))
+        self._holding.update(last)
         return release
 
     def held(self) -> list[str]:

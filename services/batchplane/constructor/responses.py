@@ -13,6 +13,7 @@ blob's a multiple of prod(shape). `sample_columns` turns them into per-sample vi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -64,18 +65,33 @@ def columns_payload_limit(columns: Sequence[PayloadColumn], *, samples: int, tok
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """One step's samples asked of a loader.
+
+    Attributes:
+        sources: int32 [n], their sources.
+        seqs: int64 [n], their positions.
+        lengths: int32 [n], their planned token counts.
+    """
+
+    sources: np.ndarray
+    seqs: np.ndarray
+    lengths: np.ndarray
+
+
 def receive_samples(
     messages: Iterator[loader_pb2.FetchSamplesResponse],
     *,
     address: str,
-    sources: np.ndarray,
-    seqs: np.ndarray,
-    lengths: np.ndarray,
+    wanted: Sequence[Wanted],
     columns: Sequence[PayloadColumn] = (),
     max_bytes: int | None = None,
-) -> tuple[pa.Table, int]:
-    """The samples a loader streams for a fetch of (`sources`, `seqs`) with planned `lengths`,
-    and the payload's bytes.
+) -> tuple[list[pa.Table], int]:
+    """The samples a loader streams for a fetch of `wanted` (a step's, then those of the
+    following steps asked for in the same call), one table per step it served, and the
+    payload's bytes. A loader serves the first step and a prefix of the others
+    (`FetchHeader.following_served`), one record batch each.
 
     Args:
         columns: The job's declared payload columns (`batch.payload`), which the payload must
@@ -83,31 +99,37 @@ def receive_samples(
         max_bytes: The job's `loaders.buffer_bytes`: with declared columns the payload may take
             at most `bounds.fetch_bytes_cap` of it (None: no such cap).
     Raises:
-        MalformedResponse: no header first, a size announced past what those samples can take
-            (before anything is allocated), a payload that overflows, falls short or does not
-            parse, rows other than the samples asked for with their planned lengths, or a
-            declared column missing, of another type, with nulls, or of lengths that break its
-            kind's rule (named in the text).
+        MalformedResponse: no header first, following steps served that were not asked for, a
+            size announced past what those samples can take (before anything is allocated), a
+            payload that overflows, falls short or does not parse, a record batch per step
+            missing, rows of a step other than its samples asked for with their planned
+            lengths, or a declared column missing, of another type, with nulls, or of lengths
+            that break its kind's rule (named in the text).
         grpc.RpcError: the call failed (the caller's retry handles it).
     """
     first = next(messages, None)
     if first is None or first.WhichOneof("part") != "header":
         raise MalformedResponse("loader", address, "the stream did not start with a header")
-    tokens = int(lengths.astype(np.int64).sum())
+    header = first.header
+    if not 0 <= header.following_served < len(wanted):
+        raise MalformedResponse("loader", address, f"following_served {header.following_served} outside [0, {len(wanted) - 1}]")
+    served = wanted[: header.following_served + 1]
+    samples = sum(len(w.seqs) for w in served)
+    tokens = sum(int(w.lengths.astype(np.int64).sum()) for w in served)
     if columns:
-        limit = fetch_payload_limit(samples=len(seqs), tokens=tokens) + columns_payload_limit(columns, samples=len(seqs), tokens=tokens)
+        limit = fetch_payload_limit(samples=samples, tokens=tokens) + columns_payload_limit(columns, samples=samples, tokens=tokens)
         if max_bytes is not None:
-            limit = min(limit, fetch_bytes_cap(buffer_bytes=max_bytes, samples=len(seqs), columns=len(columns)))
-        if not 0 <= first.header.payload_bytes <= limit:
+            limit = min(limit, fetch_bytes_cap(buffer_bytes=max_bytes, samples=samples, columns=len(columns)))
+        if not 0 <= header.payload_bytes <= limit:
             raise MalformedResponse(
                 "loader",
                 address,
-                f"payload_bytes {first.header.payload_bytes} outside [0, {limit}] for {len(seqs)} samples of {tokens} tokens and columns {[c.name for c in columns]}",
+                f"payload_bytes {header.payload_bytes} outside [0, {limit}] for {samples} samples of {tokens} tokens and columns {[c.name for c in columns]}",
             )
     # with declared columns, the size was checked just above against the larger limit
-    size = 0 if columns else first.header.payload_bytes
-    check_fetch_header(size, first.header.num_samples, samples=len(seqs), tokens=tokens, peer="loader", address=address)
-    buffer = bytearray(first.header.payload_bytes)
+    size = 0 if columns else header.payload_bytes
+    check_fetch_header(size, header.num_samples, samples=samples, tokens=tokens, peer="loader", address=address)
+    buffer = bytearray(header.payload_bytes)
     receiver = PayloadReceiver(buffer)
     try:
         for message in messages:
@@ -115,27 +137,40 @@ def receive_samples(
                 raise WireFormatError("a message other than a chunk after the header")
             receiver.add(message.chunk.data)
         receiver.check_complete()
-        table = pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
+        reader = pa.ipc.open_stream(pa.py_buffer(buffer))
+        batches = list(reader)
     except (WireFormatError, pa.ArrowException) as exc:
         raise MalformedResponse("loader", address, str(exc)) from None
     expected = fetch_schema(columns)
-    if not table.schema.equals(expected):
-        raise MalformedResponse("loader", address, _schema_problem(table.schema, expected, columns))
-    if table.num_rows != len(seqs):
-        raise MalformedResponse("loader", address, f"{table.num_rows} samples for {len(seqs)} requested")
+    if not reader.schema.equals(expected):
+        raise MalformedResponse("loader", address, _schema_problem(reader.schema, expected, columns))
+    if len(batches) != len(served):
+        raise MalformedResponse("loader", address, f"{len(batches)} record batches for {len(served)} steps (one per step)")
+    tables = []
+    for batch, step in zip(batches, served):
+        table = pa.Table.from_batches([batch])
+        _check_rows(table, step, address=address, columns=columns)
+        tables.append(table)
+    return tables, len(buffer)
+
+
+def _check_rows(table: pa.Table, wanted: Wanted, *, address: str, columns: Sequence[PayloadColumn]) -> None:
+    """Raises MalformedResponse unless `table` holds exactly the samples `wanted` with their
+    planned lengths, and every declared column keeps its kind's rule."""
+    if table.num_rows != len(wanted.seqs):
+        raise MalformedResponse("loader", address, f"{table.num_rows} samples for {len(wanted.seqs)} requested")
     got_source = table.column("source").to_numpy()
     got_seq = table.column("seq").to_numpy()
     got_length = pc.list_value_length(table.column("input_ids")).fill_null(-1).to_numpy()
-    mine, theirs = np.lexsort((seqs, sources)), np.lexsort((got_seq, got_source))
-    if not (np.array_equal(got_source[theirs], sources[mine]) and np.array_equal(got_seq[theirs], seqs[mine])):
+    mine, theirs = np.lexsort((wanted.seqs, wanted.sources)), np.lexsort((got_seq, got_source))
+    if not (np.array_equal(got_source[theirs], wanted.sources[mine]) and np.array_equal(got_seq[theirs], wanted.seqs[mine])):
         raise MalformedResponse("loader", address, "samples other than those requested")
-    if not np.array_equal(got_length[theirs], lengths[mine]):
+    if not np.array_equal(got_length[theirs], wanted.lengths[mine]):
         raise MalformedResponse("loader", address, "samples of other lengths than planned")
     for c in columns:
         problem = _column_problem(c, table.column(c.name).combine_chunks(), got_length)
         if problem:
             raise MalformedResponse("loader", address, f"column {c.name!r} ({c.kind} {c.dtype}{list(c.shape)}): {problem}")
-    return table, len(buffer)
 
 
 def _schema_problem(got: pa.Schema, expected: pa.Schema, columns: Sequence[PayloadColumn]) -> str:

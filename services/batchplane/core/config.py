@@ -34,6 +34,8 @@ DEFAULT_LOADER_GROUPS = 8
 CP_SLICING = ("zigzag", "contiguous")
 LENGTH_POLICIES = ("split", "truncate", "reject")
 PULLING_RANKS = ("all", "megatron")
+#: The most steps one fetch may take (`constructors.fetch_steps`).
+MAX_FETCH_STEPS = 16
 #: URL schemes of `ledger.location`: object stores with conditional writes, and file://.
 LEDGER_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "file")
 TOKEN_DTYPES = ("int32", "int64")
@@ -317,6 +319,11 @@ class ConstructorSettings:
     ranks_per_constructor: int = 1
     #: Steps built ahead of the slowest rank it serves.
     prefetch_steps: int = 2
+    #: Steps whose samples one call to a loader fetches: the step being built and up to
+    #: fetch_steps - 1 following ones the planner has planned already (their plans come with
+    #: its plan). It costs what they hold, kept from their fetch until they are built, and the
+    #: planner plans that much further ahead; it saves the calls' fixed cost. 1: one step per call.
+    fetch_steps: int = 4
     #: How a sequence is cut over context-parallel ranks: "zigzag" (2*cp chunks, rank i gets
     #: chunks i and 2*cp-1-i: balanced causal attention) or "contiguous".
     cp_slicing: str = "zigzag"
@@ -591,6 +598,7 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
         "loaders.failover.failures",
         "constructors.ranks_per_constructor",
         "constructors.prefetch_steps",
+        "constructors.fetch_steps",
         "constructors.pulling_ranks",
         "constructors.shm_bytes",
         "network.host",
@@ -941,7 +949,7 @@ def _check_loaders(job: JobSettings) -> None:
 
 
 def _check_constructors(job: JobSettings) -> None:
-    """`constructors`: CP slicing, pulling ranks, ranks, prefetch and shared memory."""
+    """`constructors`: CP slicing, pulling ranks, ranks, prefetch, fetch steps and shared memory."""
     constructors = job.constructors
     if constructors.cp_slicing not in CP_SLICING:
         raise ConfigError("constructors.cp_slicing", f"must be one of {CP_SLICING}", constructors.cp_slicing)
@@ -949,6 +957,8 @@ def _check_constructors(job: JobSettings) -> None:
         raise ConfigError("constructors.pulling_ranks", f"must be one of {PULLING_RANKS}", constructors.pulling_ranks)
     _positive("constructors.ranks_per_constructor", constructors.ranks_per_constructor)
     _positive("constructors.prefetch_steps", constructors.prefetch_steps)
+    if not 1 <= constructors.fetch_steps <= MAX_FETCH_STEPS:
+        raise ConfigError("constructors.fetch_steps", f"must be in [1, {MAX_FETCH_STEPS}]", constructors.fetch_steps)
     if constructors.shm_bytes < 0:
         raise ConfigError("constructors.shm_bytes", "must be >= 0 (0 turns shared memory off)", constructors.shm_bytes)
 

@@ -9,7 +9,13 @@ Rules (each a test in tests/unit/test_loader_bounds.py):
 - FetchSamples names a constructor the job has (`FetchLimits.constructors`), a step and a release
   point >= 0, at most one step's samples (`batch.global_batch_size`), each (source, position)
   once, positions >= 0 of sources this loader serves, and `copies` in [1, constructors].
-  Anything else is INVALID_ARGUMENT: the request names what the job does not have.
+  Following steps fetched in the same call (`check_fetch_steps`): each is checked as the first,
+  at most `constructors.fetch_steps` steps in all, rising, and no (source, position) twice in the
+  call. Anything else is INVALID_ARGUMENT: the request names what the job does not have.
+  A following step is served only while the payload stays within the buffer budget and only
+  when the planner has told this replica of its positions; the loader stops before the first
+  that is not (a prefix, `FetchHeader.following_served`), and the constructor fetches the rest
+  again later: what a call makes the loader read, hold and send stays one budget's worth.
 - A fetch reads only positions the planner may have planned from this replica's group
   (`FetchFrontier`): windows the planner asked this replica about (summary requests, the follows
   of a shadow, the restore of a restarted replica) and everything before them, plus the windows
@@ -44,7 +50,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from batchplane.core.config import JobSettings
+from batchplane.core.config import MAX_FETCH_STEPS, JobSettings
 from batchplane.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Route, Routing, window_of, window_span
@@ -71,20 +77,41 @@ class NotPlanned(Unavailable):
 
 @dataclasses.dataclass(frozen=True)
 class FetchLimits:
-    """What the job allows a fetch: its constructors and the samples of one step.
+    """What the job allows a fetch: its constructors, the samples of one step and the steps of
+    one call.
 
     Attributes:
         constructors: Constructors in the job (None: not known; FALLBACK_CONSTRUCTORS).
         max_samples: Samples one step plans, `batch.global_batch_size` (None: not known).
+        max_steps: Steps one call may fetch, `constructors.fetch_steps` (the request's and its
+            following ones).
     """
 
     constructors: int | None = None
     max_samples: int | None = None
+    max_steps: int = MAX_FETCH_STEPS
 
     @classmethod
     def of(cls, job: JobSettings) -> FetchLimits:
         """The limits of `job`."""
-        return cls(constructors=job.constructor_count, max_samples=job.batch.global_batch_size)
+        return cls(constructors=job.constructor_count, max_samples=job.batch.global_batch_size, max_steps=job.constructors.fetch_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFetch:
+    """One step's samples of a FetchSamples request, decoded.
+
+    Attributes:
+        step: The step.
+        sources: int32 [n], the samples' sources.
+        seqs: int64 [n], their positions.
+        copies: int32 [n] or None (1 each).
+    """
+
+    step: int
+    sources: np.ndarray
+    seqs: np.ndarray
+    copies: np.ndarray | None
 
 
 def check_fetch(
@@ -125,11 +152,9 @@ def check_fetch(
     unknown = sorted(set(np.unique(sources).tolist()) - set(served))
     if unknown:
         raise InvalidArgument(f"this loader serves sources {sorted(served)}, not {unknown[:5]}")
-    if len(seqs) > 1:
-        order = np.lexsort((seqs, sources))
-        repeated = int(np.count_nonzero((np.diff(sources[order]) == 0) & (np.diff(seqs[order]) == 0)))
-        if repeated:
-            raise InvalidArgument(f"samples name {repeated} (source, seq) pairs more than once")
+    repeated = _repeated(sources, seqs)
+    if repeated:
+        raise InvalidArgument(f"samples name {repeated} (source, seq) pairs more than once")
     count = limits.constructors or FALLBACK_CONSTRUCTORS
     if not 0 <= constructor < count:
         raise InvalidArgument(f"constructor_index must be in [0, {count}) (the job's constructors), got {constructor}")
@@ -142,6 +167,37 @@ def check_fetch(
             raise InvalidArgument(f"copies must hold one value per sample ({len(seqs)}), got {len(copies)} values")
         if copies.min() < 1 or copies.max() > count:
             raise InvalidArgument(f"copies must lie in [1, {count}] (the job's constructors), got {int(copies.min())}..{int(copies.max())}")
+
+
+def check_fetch_steps(step: int, following: Sequence[int], *, sources: np.ndarray, seqs: np.ndarray, limits: FetchLimits) -> None:
+    """Checks the steps of a FetchSamples request that fetches following steps too (each step's
+    own fields are `check_fetch`'s): at most `limits.max_steps` steps in all, rising, and no
+    sample named twice in the call (`sources`, `seqs`: every step's samples together).
+
+    Raises:
+        InvalidArgument: the field at fault named, with its value.
+    """
+    if len(following) > limits.max_steps - 1:
+        raise InvalidArgument(
+            f"following: at most {limits.max_steps - 1} steps (constructors.fetch_steps {limits.max_steps}: steps one call fetches), "
+            f"got {len(following)}"
+        )
+    previous = step
+    for i, later in enumerate(following):
+        if not previous < later <= MAX_POSITION:
+            raise InvalidArgument(f"following[{i}].step must be in ({previous}, {MAX_POSITION}] (steps rising past step), got {later}")
+        previous = later
+    repeated = _repeated(sources, seqs)
+    if repeated:
+        raise InvalidArgument(f"the steps of one call name {repeated} (source, seq) pairs more than once")
+
+
+def _repeated(sources: np.ndarray, seqs: np.ndarray) -> int:
+    """How many (source, seq) pairs repeat an earlier one."""
+    if len(seqs) < 2:
+        return 0
+    order = np.lexsort((seqs, sources))
+    return int(np.count_nonzero((np.diff(sources[order]) == 0) & (np.diff(seqs[order]) == 0)))
 
 
 def check_summary(

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -90,18 +90,27 @@ class FetchBook:
         self._lock = threading.Lock()
 
     def fetch(
-        self, *, constructor: int, step: int, sources: np.ndarray, seqs: np.ndarray, copies: np.ndarray | None = None
+        self,
+        *,
+        constructor: int,
+        step: int,
+        sources: np.ndarray,
+        seqs: np.ndarray,
+        copies: np.ndarray | None = None,
+        max_bytes: int | None = None,
     ) -> pa.RecordBatch:
         """The requested samples as one record batch (rows grouped by source and window).
 
         Args:
             copies: How many constructors fetch each sample (None: 1 each).
+            max_bytes: The most payload bytes it may take, if less than `max_payload_bytes`
+                (what a call's earlier steps left of it); refused before anything is recorded.
 
         Raises:
             InvalidArgument: a source this loader does not serve, or mismatched arrays.
             NotFound: a position past the end of its stream, or a bad sample.
             NotPlanned: a position the planner cannot have planned from this replica.
-            ResourceExhausted: a payload larger than `max_payload_bytes`.
+            ResourceExhausted: a payload larger than `max_payload_bytes` (or `max_bytes`).
             Unavailable: samples the loader is still reading again (retry).
         """
         if len(sources) != len(seqs):
@@ -121,6 +130,7 @@ class FetchBook:
         holds: list[Hold] = []
         shared: list[Shared] = []
         payload = 0
+        limit = self.max_payload_bytes if max_bytes is None else min(max_bytes, self.max_payload_bytes)
         for source in np.unique(sources):
             stream = self._streams[int(source)]
             mine = sources == source
@@ -128,7 +138,7 @@ class FetchBook:
             for window, in_window, index in stream.locate(wanted, wait_s=REREAD_WAIT_S):
                 payload += 4 * int(window.lengths[index].astype(np.int64).sum()) + SAMPLE_OVERHEAD_BYTES * len(index)
                 payload += sum(rows_nbytes(array, index) for array in window.columns.values())
-                check_payload(payload, samples=len(seqs), limit=self.max_payload_bytes)
+                check_payload(payload, samples=len(seqs), limit=limit)
                 stream.check_good(window, index)
                 which_parts.append(np.full(len(index), len(pieces), np.int64))
                 if window.transient:  # read for this fetch alone: keep only the rows asked for
@@ -220,9 +230,10 @@ def _rows_of(window: BufferedWindow, index: np.ndarray) -> BufferedWindow:
     )
 
 
-def encode_payload(batch: pa.RecordBatch) -> pa.Buffer:
-    """One record batch as an Arrow IPC stream."""
+def encode_payload(batches: Sequence[pa.RecordBatch]) -> pa.Buffer:
+    """Record batches of one schema (one per step a call fetches) as one Arrow IPC stream."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
+    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
     return sink.getvalue()

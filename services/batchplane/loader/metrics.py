@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class LoaderMetrics:
@@ -93,6 +93,21 @@ class LoaderMetrics:
             "planned from this replica yet, answered UNAVAILABLE), too_big (a payload larger than loaders.buffer_bytes, "
             "answered RESOURCE_EXHAUSTED).",
             ["reason"],
+            registry=registry,
+        )
+        self.following_cut = Counter(
+            "batchplane_loader_following_cut_total",
+            "Fetches that served fewer of the following steps they asked for (constructors.fetch_steps) than asked, by the "
+            "reason of the first one left out: too_big (it would take the payload past loaders.buffer_bytes), not_ready "
+            "(positions the planner has not told this replica of yet, or windows it reads again). The constructor fetches "
+            "them in a later call.",
+            ["reason"],
+            registry=registry,
+        )
+        self.fetch_steps = Histogram(
+            "batchplane_loader_fetch_steps",
+            "Steps each FetchSamples call served (its own and the following ones; constructors.fetch_steps at most).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=registry,
         )
         self.hook_failures = Counter(

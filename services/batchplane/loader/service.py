@@ -8,11 +8,13 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
+import numpy as np
+import pyarrow as pa
 
-from batchplane.core.errors import ResourceExhausted, Unavailable
+from batchplane.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from batchplane.core.routing import Routing
 from batchplane.core.rpc import stream_payload, wait_seconds
-from batchplane.loader.bounds import FetchLimits, NotPlanned, check_fetch, check_summary, routing_from
+from batchplane.loader.bounds import FetchLimits, NotPlanned, StepFetch, check_fetch, check_fetch_steps, check_summary, routing_from
 from batchplane.loader.fetch import FetchBook, encode_payload
 from batchplane.loader.hooks import HookError, LoaderPlan, apply_loader_hook
 from batchplane.loader.metrics import LoaderMetrics
@@ -108,40 +110,98 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
     def FetchSamples(
         self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext
     ) -> Iterator[loader_pb2.FetchSamplesResponse]:
-        sources = decode_array(request.samples.source, field="samples.source", dtype="int32", ndim=1)
-        seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
-        copies = decode_array(request.copies, field="copies", dtype="int32", ndim=1) if request.HasField("copies") else None
-        check_fetch(
-            constructor=request.constructor_index,
-            step=request.step,
-            release_below_step=request.release_below_step,
-            sources=sources,
-            seqs=seqs,
-            copies=copies,
-            served=self._streams,
-            limits=self._limits,
-        )
-        self._book.release(constructor=request.constructor_index, below_step=request.release_below_step)
+        constructor = request.constructor_index
+        first = self._wanted(request, constructor=constructor, release_below_step=request.release_below_step)
+        following = [
+            self._wanted(f, constructor=constructor, release_below_step=request.release_below_step, field=f"following[{i}].")
+            for i, f in enumerate(request.following)
+        ]
+        if following:
+            every = [first, *following]
+            check_fetch_steps(
+                first.step,
+                [f.step for f in following],
+                sources=np.concatenate([w.sources for w in every]),
+                seqs=np.concatenate([w.seqs for w in every]),
+                limits=self._limits,
+            )
+        self._book.release(constructor=constructor, below_step=request.release_below_step)
         if not self._joined.wait(JOIN_WAIT_S):
             raise Unavailable("this loader has not joined the planner's job yet")
         try:
-            batch = self._book.fetch(constructor=request.constructor_index, step=request.step, sources=sources, seqs=seqs, copies=copies)
+            batches = [self._fetch(constructor, first)]
         except NotPlanned:
             self._metrics.fetches_refused.labels("not_planned").inc()
             raise
         except ResourceExhausted:
             self._metrics.fetches_refused.labels("too_big").inc()
             raise
+        budget = self._book.max_payload_bytes - batches[0].nbytes
+        for wanted in following:  # a prefix of them: the rest come in a later call
+            try:
+                batch = self._fetch(constructor, wanted, max_bytes=budget)
+            except ResourceExhausted:
+                self._metrics.following_cut.labels("too_big").inc()
+                break
+            except Unavailable:
+                self._metrics.following_cut.labels("not_ready").inc()
+                break
+            budget -= batch.nbytes
+            batches.append(batch)
+        payload = encode_payload(batches)
+        for wanted, batch in zip([first, *following], batches):
+            for source in set(wanted.sources.tolist()):
+                self._metrics.samples_sent.labels(self._streams[source].name).inc(int((wanted.sources == source).sum()))
+        self._metrics.bytes_sent.inc(payload.size)
+        self._metrics.fetch_steps.observe(len(batches))
+        header = loader_pb2.FetchHeader(
+            num_samples=sum(b.num_rows for b in batches), payload_bytes=payload.size, following_served=len(batches) - 1
+        )
+        yield from stream_payload(loader_pb2.FetchSamplesResponse, header, memoryview(payload), serialized=True)
+
+    def _wanted(
+        self,
+        request: loader_pb2.FetchSamplesRequest | loader_pb2.StepSamples,
+        *,
+        constructor: int,
+        release_below_step: int,
+        field: str = "",
+    ) -> StepFetch:
+        """One step's samples of a FetchSamples request, decoded and checked (`check_fetch`).
+
+        Raises:
+            InvalidArgument: a field outside what the job has (named, after `field`).
+        """
+        try:
+            sources = decode_array(request.samples.source, field="samples.source", dtype="int32", ndim=1)
+            seqs = decode_array(request.samples.seq, field="samples.seq", dtype="int64", ndim=1)
+            copies = decode_array(request.copies, field="copies", dtype="int32", ndim=1) if request.HasField("copies") else None
+            check_fetch(
+                constructor=constructor,
+                step=request.step,
+                release_below_step=release_below_step,
+                sources=sources,
+                seqs=seqs,
+                copies=copies,
+                served=self._streams,
+                limits=self._limits,
+            )
+        except InvalidArgument as exc:
+            if not field:
+                raise
+            raise InvalidArgument(f"{field}{exc}") from None
+        return StepFetch(request.step, sources, seqs, copies)
+
+    def _fetch(self, constructor: int, wanted: StepFetch, *, max_bytes: int | None = None) -> pa.RecordBatch:
+        """One step's samples from the fetch book, through the strategy's loader hook."""
+        batch = self._book.fetch(
+            constructor=constructor, step=wanted.step, sources=wanted.sources, seqs=wanted.seqs, copies=wanted.copies, max_bytes=max_bytes
+        )
         if self._hook is not None and batch.num_rows:
             try:
-                batch = apply_loader_hook(self._hook, batch, LoaderPlan(request.step, request.constructor_index, self._source_names))
+                batch = apply_loader_hook(self._hook, batch, LoaderPlan(wanted.step, constructor, self._source_names))
             except HookError:
                 self._metrics.hook_failures.inc()
-                log.exception("fetch of step %d by constructor %d refused", request.step, request.constructor_index)
+                log.exception("fetch of step %d by constructor %d refused", wanted.step, constructor)
                 raise
-        payload = encode_payload(batch)
-        for source in set(sources.tolist()):
-            self._metrics.samples_sent.labels(self._streams[source].name).inc(int((sources == source).sum()))
-        self._metrics.bytes_sent.inc(payload.size)
-        header = loader_pb2.FetchHeader(num_samples=batch.num_rows, payload_bytes=payload.size)
-        yield from stream_payload(loader_pb2.FetchSamplesResponse, header, memoryview(payload), serialized=True)
+        return batch

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, Unavailable
@@ -200,6 +200,12 @@ class PlanBook:
         if answer is None:
             raise Unavailable(f"plan of step {step} not ready after {timeout_s:.1f} s: {self._waiting_on}")
         return END_OF_DATA if isinstance(answer, EndOfData) else answer
+
+    def following(self, steps: Sequence[int]) -> list[StepPlan]:
+        """The plans of `steps`, a constructor's steps after one it was just answered, that are
+        planned already, up to the first that is not (`Planning.following`); never waits."""
+        with self._cond:
+            return self._planning.following(steps)
 
     def _start(self, step: int, *, timeout_s: float, resume: Mapping[str, str]) -> None:
         """Starts the job where `planning.where_to_start` says: waits for every loader (and, for a

@@ -14,10 +14,16 @@ Each bound and why it holds for every correct peer:
   was handed every step (`PlanProgress.consumed_below`). A request further ahead is not refused
   for good (a constructor whose peers' hand-overs are late is correct): it waits for the window
   to reach it, then gets UNAVAILABLE, and nothing is planned for it. The planner never plans past
-  the window, so a request for step 10^15 costs nothing.
+  the window, so a request for step 10^15 costs nothing. With `constructors.fetch_steps` k > 1 a
+  plan comes with those of the constructor's next k - 1 steps where they are planned already, and
+  the planner plans the next k after them too, so that they are when the constructor asks next:
+  the window is 2 (k - 1) steps longer, `prefetch_steps + 2k` (the requests themselves stay
+  within `prefetch_steps + 2`).
 - **Delivered steps**. `delivered_below` and a rejoining constructor's `next_step` claim that
   ranks were handed steps: never more than the planner planned (`PlanProgress` clamps them to its
   planning cursor), never more than the step asked for (the servicer clamps `delivered_below`).
+- **Steps per answer** (`check_max_steps`): a GetPlan asks for at most `constructors.fetch_steps`
+  steps' plans, what the job lets a constructor fetch at once.
 - **Names and addresses** (`check_name`, `check_address`): replica ids and incarnations are pod
   names or uuids (a Kubernetes name has at most 253 characters); an address is a DNS name (253)
   with a scheme and a port, or a Unix socket path (at most 107 bytes): 512 characters leave room.
@@ -63,14 +69,15 @@ class MalformedSummary(ValueError):
     """A loader's summary response is not what was asked; the text says what is wrong."""
 
 
-def plan_lead(prefetch_steps: int) -> int:
-    """How many steps past `consumed_below` a plan request may ask for (see the module
-    docstring): `prefetch_steps + 2`.
+def plan_lead(prefetch_steps: int, fetch_steps: int = 1) -> int:
+    """How many steps past `consumed_below` a plan request may ask for, and the planner plan
+    (see the module docstring): `prefetch_steps + 2 * fetch_steps`.
 
     Args:
         prefetch_steps: `constructors.prefetch_steps`.
+        fetch_steps: `constructors.fetch_steps`.
     """
-    return prefetch_steps + 2
+    return prefetch_steps + 2 * fetch_steps
 
 
 def report_delay_warning(rule: AdaptiveRule | None, *, prefetch_steps: int) -> str | None:
@@ -101,6 +108,18 @@ def check_step(field: str, value: int) -> int:
     if value < 0:
         raise InvalidArgument(f"{field} must be >= 0, got {value}")
     return value
+
+
+def check_max_steps(value: int, fetch_steps: int) -> int:
+    """How many steps' plans a GetPlan answer carries for `max_steps` = `value` (0 or 1: the
+    step's own), at most the job's `constructors.fetch_steps`.
+
+    Raises:
+        InvalidArgument: a negative value, or more than `fetch_steps` (the message names the field).
+    """
+    if not 0 <= value <= fetch_steps:
+        raise InvalidArgument(f"max_steps must be in [0, {fetch_steps}] (constructors.fetch_steps), got {value}")
+    return max(value, 1)
 
 
 def check_name(field: str, value: str) -> str:

@@ -174,11 +174,14 @@ class Planning:
     Args:
         progress: The request rules (where constructors stand, which plans are kept).
         adaptive: The mixture's adaptive rule; None: the mixture does not adapt.
+        ahead: How far past the furthest step asked for to plan (1: the next step; a
+            constructor that takes several steps' plans at once wants more, `job_planning`).
     """
 
-    def __init__(self, progress: PlanProgress, *, adaptive: AdaptiveRule | None = None) -> None:
+    def __init__(self, progress: PlanProgress, *, adaptive: AdaptiveRule | None = None, ahead: int = 1) -> None:
         self.progress = progress
         self._rule = adaptive
+        self._ahead = ahead
         self.plans: dict[int, StepPlan] = {}
         self._cursors_before: dict[int, tuple[int, ...]] = {}  # step -> cursors before it, for kept plans
         #: The state after the last planned step (None before the job starts).
@@ -222,7 +225,7 @@ class Planning:
             self.plans.clear()
             self._cursors_before.clear()
         self.forget_consumed()
-        self.wanted = max(self.wanted, step + 1)  # plan one step ahead of the fastest rank
+        self.wanted = max(self.wanted, step + self._ahead)  # plan ahead of the fastest rank
         return decision
 
     def answer(self, step: int) -> Answer | None:
@@ -234,6 +237,20 @@ class Planning:
         if self.failure is not None:
             return Failed(self.failure)
         return self.plans.get(step)
+
+    def following(self, steps: Sequence[int]) -> list[StepPlan]:
+        """The plans of `steps` (a constructor's steps after one it was answered) that are
+        planned already, up to the first that is not. They are served as a request for each
+        would be: a constructor that uses them asks for the step after them next, which a
+        request may (it names no earlier step), and its rewinds and deliveries are told as
+        before, with its requests and heartbeats."""
+        plans = []
+        for step in steps:
+            plan = self.answer(step)
+            if not isinstance(plan, StepPlan):
+                break
+            plans.append(plan)
+        return plans
 
     def delivered(self, constructor: int, below: int) -> bool:
         """A heartbeat: every rank of `constructor` was handed every step below `below`; the plans
@@ -377,7 +394,9 @@ def job_planning(job: JobSettings, *, mesh: ClientPlaceTree, axis: str, adaptive
     """The plan sequence of `job`, not started: request rules over the job's constructors, of
     which those with a rank that asks for batches are waited for (`DeliveryRules.pulling`), with
     the planning window's lead (`bounds.plan_lead`) in steps of the sequence: a journal producer
-    prefetches its own steps, every `build_stride`-th.
+    prefetches its own steps, every `build_stride`-th. With `constructors.fetch_steps` k it
+    plans 2k - 1 of a constructor's steps past the one asked for: the k - 1 that come with its
+    answer and the k after them, which the constructor asks for next.
 
     Args:
         job: The job's settings.
@@ -387,5 +406,7 @@ def job_planning(job: JobSettings, *, mesh: ClientPlaceTree, axis: str, adaptive
     """
     rules = DeliveryRules(mesh, axis=axis, pulling_ranks=job.constructors.pulling_ranks)
     pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
-    lead = plan_lead(job.constructors.prefetch_steps) * job.build_stride
-    return Planning(PlanProgress(range(job.constructor_count), pulling=pulling, lead=lead), adaptive=adaptive)
+    stride, fetch_steps = job.build_stride, job.constructors.fetch_steps
+    lead = plan_lead(job.constructors.prefetch_steps, fetch_steps) * stride
+    ahead = (2 * fetch_steps - 1) * stride if fetch_steps > 1 else 1
+    return Planning(PlanProgress(range(job.constructor_count), pulling=pulling, lead=lead), adaptive=adaptive, ahead=ahead)

@@ -15,7 +15,7 @@ from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import InvalidArgument, NotFound
 from batchplane.core.rpc import wait_seconds
 from batchplane.planner.book import PlanBook
-from batchplane.planner.bounds import check_address, check_name, check_resume, check_step
+from batchplane.planner.bounds import check_address, check_max_steps, check_name, check_resume, check_step
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
 from batchplane.planner.metrics import PlannerMetrics
@@ -206,6 +206,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if ranks is None:  # NOT_FOUND tells a constructor whose planner restarted to register again
             raise NotFound(f"constructor {request.constructor_index} has not registered")
         check_step("step", request.step)
+        max_steps = check_max_steps(request.max_steps, self._job.constructors.fetch_steps)
         if request.step % self._stride != request.constructor_index % self._stride:
             raise InvalidArgument(
                 f"step {request.step} is journal producer {request.step % self._stride}'s, not constructor "
@@ -221,6 +222,13 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         )
         if plan is None:
             return planner_pb2.GetPlanResponse(step=request.step, end_of_data=True)
+        answer = self._answer(plan, ranks)
+        following = [plan.step + i * self._stride for i in range(1, max_steps)]
+        answer.following.extend(self._answer(p, ranks) for p in self._book.following(following))
+        return answer
+
+    def _answer(self, plan: StepPlan, ranks: tuple[int, ...]) -> planner_pb2.GetPlanResponse:
+        """The part of `plan` that the constructor serving `ranks` builds."""
         mesh = self._book.mesh
         rank_plans = []
         addresses: dict[str, int] = {}
@@ -239,7 +247,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             rank_plans.append(rank_plan)
         subplans = subplan_parts(plan, ranks, self._book, holders=lambda samples: self._holders(samples, addresses), copies=copies)
         return planner_pb2.GetPlanResponse(
-            step=request.step,
+            step=plan.step,
             ranks=rank_plans,
             loader_addresses=list(addresses),
             global_loss_tokens=plan.loss_tokens,
