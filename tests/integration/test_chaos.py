@@ -20,20 +20,22 @@ from batchplane.launcher.local import LocalCluster
 
 pytestmark = pytest.mark.integration
 
-#: (seed, loaders.shadow); seed 210 kills the planner, then a constructor before it rejoined
-RUNS = ((5, False), (17, False), (23, True), (210, True))
+#: (seed, loaders.shadow, constructors.fetch_steps); seed 210 kills the planner, then a
+#: constructor before it rejoined. The undisturbed run fetches 4 steps per loader call (the
+#: default): how many a run fetches at once changes nothing the trainers receive.
+RUNS = ((5, False, 1), (17, False, 4), (23, True, 2), (210, True, 4))
 RANKS = (0, 1)
 DATA_SEED = 5  # the sources' rows and lengths; the seeds of RUNS draw the kills
 
 
-def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False) -> pathlib.Path:
+def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False, fetch_steps: int = 4) -> pathlib.Path:
     return write_job(
         root / f"{run}.yaml",
         sources,
         run_dir=str(root / run),
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
         loaders={"count": 2, "read_ahead_samples": 40, "shuffle": {"window_row_groups": 2}, "shadow": shadow},
-        constructors={"prefetch_steps": 2},
+        constructors={"prefetch_steps": 2, "fetch_steps": fetch_steps},
     )
 
 
@@ -58,15 +60,15 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SourceDa
     return sources, undisturbed_run(_job(root, sources, "undisturbed"), RANKS)
 
 
-@pytest.mark.parametrize(("seed", "shadow"), RUNS)
+@pytest.mark.parametrize(("seed", "shadow", "fetch_steps"), RUNS)
 def test_killing_any_part_at_random_steps_changes_nothing_the_trainers_receive(
-    tmp_path: pathlib.Path, undisturbed: tuple[list[SourceData], Run], seed: int, shadow: bool
+    tmp_path: pathlib.Path, undisturbed: tuple[list[SourceData], Run], seed: int, shadow: bool, fetch_steps: int
 ) -> None:
     sources, expected = undisturbed
     steps = len(expected.batches[0])
     assert steps >= 200, "the job should run a few hundred steps"
 
-    with running_cluster(_job(tmp_path, sources, "chaos", shadow=shadow)) as cluster:
+    with running_cluster(_job(tmp_path, sources, "chaos", shadow=shadow, fetch_steps=fetch_steps)) as cluster:
         schedule = _schedule(random.Random(seed), cluster, steps)
         got = disturb(cluster, RANKS, schedule, step_s=0.01, lockstep=True)  # data-parallel ranks all-reduce every step
         # Where each killed part's last process started: its own metrics, while it still runs.
