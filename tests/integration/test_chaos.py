@@ -21,14 +21,14 @@ from batchplane.launcher.local import LocalCluster
 pytestmark = pytest.mark.integration
 
 #: (seed, loaders.shadow, constructors.fetch_steps); seed 210 kills the planner, then a
-#: constructor before it rejoined. The undisturbed run fetches 4 steps per loader call (the
+#: constructor before it rejoined. The undisturbed run fetches 8 steps per loader call (the
 #: default): how many a run fetches at once changes nothing the trainers receive.
-RUNS = ((5, False, 1), (17, False, 4), (23, True, 2), (210, True, 4))
+RUNS = ((5, False, 1), (17, False, 8), (23, True, 2), (210, True, 4))
 RANKS = (0, 1)
 DATA_SEED = 5  # the sources' rows and lengths; the seeds of RUNS draw the kills
 
 
-def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False, fetch_steps: int = 4) -> pathlib.Path:
+def _job(root: pathlib.Path, sources, run: str, *, shadow: bool = False, fetch_steps: int = 8) -> pathlib.Path:
     return write_job(
         root / f"{run}.yaml",
         sources,

@@ -20,7 +20,7 @@ from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
-ROWS = 192  # 24 steps: more than the planning window (plan_lead) past step 3, where the attacks come
+ROWS = 384  # 48 steps: more than the planning window (plan_lead) past step 3, where the attacks come
 BATCH = 8
 STEPS = ROWS // BATCH
 

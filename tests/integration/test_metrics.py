@@ -45,9 +45,9 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     assert abs(realized - target) * total < 12
     assert 0 < planner['batchplane_planner_mixture_realized_ratio{source="y"}'] < 1
     assert planner["batchplane_planner_plan_duration_seconds_count"] == steps
-    # each constructor asks at least every constructors.fetch_steps-th step (4: the steps between
+    # each constructor asks at least every constructors.fetch_steps-th step (8: the steps between
     # come with its plans, when the planner has planned them)
-    assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * math.ceil(steps / 4)
+    assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * math.ceil(steps / 8)
     # Both loaders registered; they register again every network.heartbeat_s.
     assert planner['batchplane_planner_requests_total{code="OK",method="RegisterLoader"}'] >= 2
     for name, source in (("loader-0", "x"), ("loader-1", "y")):

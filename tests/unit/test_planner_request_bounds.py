@@ -19,11 +19,11 @@ from batchplane.v1 import common_pb2, planner_pb2
 
 import planner_plane
 
-ROWS = 96  # one source, 96 rows in 4 row groups: 24 steps of 4 samples (more than the window)
-GROUPS = (24, 24, 24, 24)
+ROWS = 192  # one source, 192 rows in 4 row groups: 48 steps of 4 samples (more than the window)
+GROUPS = (48, 48, 48, 48)
 STEPS = ROWS // 4
 RULE = {"initial": {"a": 1}, "delay_steps": 2}
-LEAD = plan_lead(2, 4)  # the window of the default constructors.prefetch_steps and fetch_steps
+LEAD = plan_lead(2, 8)  # the window of the default constructors.prefetch_steps and fetch_steps
 
 
 def _job(**settings):
@@ -271,8 +271,8 @@ def test_a_plan_comes_with_the_next_steps_plans_planned_already_each_as_a_reques
     """GetPlanRequest.max_steps: the answer carries the plans of the constructor's next steps
     that are planned (never waiting for one), each the very answer a request for that step
     alone gets, none with plans of its own; more than constructors.fetch_steps is refused."""
-    for bad in (5, -1):
-        with pytest.raises(InvalidArgument, match=r"max_steps must be in \[0, 4\] \(constructors.fetch_steps\)"):
+    for bad in (9, -1):
+        with pytest.raises(InvalidArgument, match=r"max_steps must be in \[0, 8\] \(constructors.fetch_steps\)"):
             plane.plan(0, 0, max_steps=bad)
     deadline = time.monotonic() + 30
     while len(plane.plan(0, 0, delivered_below=0, max_steps=4).following) < 3:  # planned meanwhile
