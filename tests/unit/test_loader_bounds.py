@@ -17,7 +17,9 @@ from batchplane.loader.bounds import (
     FetchFrontier,
     FetchLimits,
     NotPlanned,
+    check_distinct,
     check_fetch,
+    check_fetch_steps,
     check_payload,
     check_summary,
     next_owned,
@@ -26,6 +28,20 @@ from batchplane.loader.bounds import (
 )
 
 LIMITS = FetchLimits(constructors=2, max_samples=12)
+
+
+def test_a_fetch_of_several_steps_names_at_most_fetch_steps_rising_steps_and_no_sample_twice() -> None:
+    limits = FetchLimits(constructors=2, max_samples=12, max_steps=3)
+    check_fetch_steps(3, [4, 9], limits=limits)
+    check_fetch_steps(3, [], limits=FetchLimits(max_steps=1))
+    for following, names in (([4, 5, 6], "at most 2 steps"), ([4, 4], r"following\[1\].step must be in \(4, "), ([2], r"following\[0\]")):
+        with pytest.raises(InvalidArgument, match=names):
+            check_fetch_steps(3, following, limits=limits)
+    with pytest.raises(InvalidArgument, match=r"following\[0\].step must be in \(3, 4611686018427387904\]"):
+        check_fetch_steps(3, [2**62 + 1], limits=limits)
+    check_distinct(np.array([0, 0, 1], np.int32), np.array([4, 5, 4], np.int64))
+    with pytest.raises(InvalidArgument, match=r"name 1 \(source, seq\) pairs more than once"):
+        check_distinct(np.array([0, 1, 0], np.int32), np.array([4, 4, 4], np.int64))
 
 
 def fetch(**changes):

@@ -9,9 +9,9 @@ Rules (each a test in tests/unit/test_loader_bounds.py):
 - FetchSamples names a constructor the job has (`FetchLimits.constructors`), a step and a release
   point >= 0, at most one step's samples (`batch.global_batch_size`), each (source, position)
   once, positions >= 0 of sources this loader serves, and `copies` in [1, constructors].
-  Following steps fetched in the same call (`check_fetch_steps`): each is checked as the first,
-  at most `constructors.fetch_steps` steps in all, rising, and no (source, position) twice in the
-  call. Anything else is INVALID_ARGUMENT: the request names what the job does not have.
+  Following steps fetched in the same call: at most `constructors.fetch_steps` steps in all,
+  rising (`check_fetch_steps`, before anything of theirs is decoded), each checked as the first,
+  and no (source, position) twice in the call (`check_distinct`). Anything else is INVALID_ARGUMENT: the request names what the job does not have.
   A following step is served only while the payload stays within the buffer budget and only
   when the planner has told this replica of its positions; the loader stops before the first
   that is not (a prefix, `FetchHeader.following_served`), and the constructor fetches the rest
@@ -169,10 +169,10 @@ def check_fetch(
             raise InvalidArgument(f"copies must lie in [1, {count}] (the job's constructors), got {int(copies.min())}..{int(copies.max())}")
 
 
-def check_fetch_steps(step: int, following: Sequence[int], *, sources: np.ndarray, seqs: np.ndarray, limits: FetchLimits) -> None:
-    """Checks the steps of a FetchSamples request that fetches following steps too (each step's
-    own fields are `check_fetch`'s): at most `limits.max_steps` steps in all, rising, and no
-    sample named twice in the call (`sources`, `seqs`: every step's samples together).
+def check_fetch_steps(step: int, following: Sequence[int], *, limits: FetchLimits) -> None:
+    """Checks the steps of a FetchSamples request that fetches following steps too, before
+    their samples are decoded (each step's own fields are `check_fetch`'s, the samples of all
+    together `check_distinct`'s): at most `limits.max_steps` steps in all, rising.
 
     Raises:
         InvalidArgument: the field at fault named, with its value.
@@ -187,6 +187,15 @@ def check_fetch_steps(step: int, following: Sequence[int], *, sources: np.ndarra
         if not previous < later <= MAX_POSITION:
             raise InvalidArgument(f"following[{i}].step must be in ({previous}, {MAX_POSITION}] (steps rising past step), got {later}")
         previous = later
+
+
+def check_distinct(sources: np.ndarray, seqs: np.ndarray) -> None:
+    """Checks that the steps of one FetchSamples call (every step's samples together) name no
+    sample twice.
+
+    Raises:
+        InvalidArgument: how many (source, seq) pairs repeat.
+    """
     repeated = _repeated(sources, seqs)
     if repeated:
         raise InvalidArgument(f"the steps of one call name {repeated} (source, seq) pairs more than once")

@@ -14,7 +14,16 @@ import pyarrow as pa
 from batchplane.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from batchplane.core.routing import Routing
 from batchplane.core.rpc import stream_payload, wait_seconds
-from batchplane.loader.bounds import FetchLimits, NotPlanned, StepFetch, check_fetch, check_fetch_steps, check_summary, routing_from
+from batchplane.loader.bounds import (
+    FetchLimits,
+    NotPlanned,
+    StepFetch,
+    check_distinct,
+    check_fetch,
+    check_fetch_steps,
+    check_summary,
+    routing_from,
+)
 from batchplane.loader.fetch import FetchBook, encode_payload
 from batchplane.loader.hooks import HookError, LoaderPlan, apply_loader_hook
 from batchplane.loader.metrics import LoaderMetrics
@@ -111,6 +120,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         self, request: loader_pb2.FetchSamplesRequest, context: grpc.ServicerContext
     ) -> Iterator[loader_pb2.FetchSamplesResponse]:
         constructor = request.constructor_index
+        check_fetch_steps(request.step, [f.step for f in request.following], limits=self._limits)  # before decoding them
         first = self._wanted(request, constructor=constructor, release_below_step=request.release_below_step)
         following = [
             self._wanted(f, constructor=constructor, release_below_step=request.release_below_step, field=f"following[{i}].")
@@ -118,13 +128,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         ]
         if following:
             every = [first, *following]
-            check_fetch_steps(
-                first.step,
-                [f.step for f in following],
-                sources=np.concatenate([w.sources for w in every]),
-                seqs=np.concatenate([w.seqs for w in every]),
-                limits=self._limits,
-            )
+            check_distinct(np.concatenate([w.sources for w in every]), np.concatenate([w.seqs for w in every]))
         self._book.release(constructor=constructor, below_step=request.release_below_step)
         if not self._joined.wait(JOIN_WAIT_S):
             raise Unavailable("this loader has not joined the planner's job yet")
@@ -149,7 +153,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             budget -= batch.nbytes
             batches.append(batch)
         payload = encode_payload(batches)
-        for wanted, batch in zip([first, *following], batches):
+        for wanted in [first, *following][: len(batches)]:
             for source in set(wanted.sources.tolist()):
                 self._metrics.samples_sent.labels(self._streams[source].name).inc(int((wanted.sources == source).sum()))
         self._metrics.bytes_sent.inc(payload.size)
