@@ -152,9 +152,11 @@ def test_a_store_that_ignores_conditional_writes_is_refused_at_start_up(
 
 
 def _sources(root: pathlib.Path):
+    """450 and 300 rows: 93 steps of 8, far more than the planning window (`bounds.plan_lead`)
+    past the 3 steps the trainers take before they hold, so the planner has steps left to plan."""
     return [
-        write_source(root / "data", "a", skewed_lengths(90, seed=5), row_group_size=10, seed=5),
-        write_source(root / "data", "b", skewed_lengths(60, seed=6), row_group_size=10, seed=6),
+        write_source(root / "data", "a", skewed_lengths(450, seed=5), row_group_size=10, seed=5),
+        write_source(root / "data", "b", skewed_lengths(300, seed=6), row_group_size=10, seed=6),
     ]
 
 

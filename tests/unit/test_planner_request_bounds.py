@@ -297,8 +297,9 @@ def test_constructors_that_take_the_following_plans_are_planned_every_sample_exa
                 continue
             step = max(held[c], default=-1) + 1
             deadline = time.monotonic() + 30
-            while plane.book.steps_planned < min(step + 4, STEPS) and time.monotonic() < deadline:  # as a constructor
-                time.sleep(0.005)  # that asks while its ranks train finds the next steps planned
+            while step and plane.book.steps_planned < min(step + 4, STEPS):  # as a constructor that asks while
+                assert time.monotonic() < deadline, "the planner plans ahead"  # its ranks train finds them planned
+                time.sleep(0.005)
             answer = plane.plan(c, step, max_steps=4)
             asked += 1
             if answer.end_of_data:
