@@ -209,7 +209,7 @@ def test_a_planner_killed_mid_run_resumes_from_the_bucket_with_every_row_once(s3
         batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
     )
     with running_cluster(config) as cluster:
-        run = disturb(cluster, [0, 1], [Kill(5, "planner")], step_s=0.03)
+        run = disturb(cluster, [0, 1], [Kill(12, "planner")], step_s=0.03)  # past the first steps, whose records say nothing was handed yet
     got, (restarted,) = run.batches, run.killed
     planner_log = restarted.process.log_path.read_text()
 

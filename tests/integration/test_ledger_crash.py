@@ -233,7 +233,7 @@ def test_a_planner_killed_mid_ledger_write_resumes_with_every_sample_once(
 
     # The ledger as the crash left it: it opens (sweeping the record in the making), parses,
     # has no gap, and holds every step a trainer got, with the samples the trainer got.
-    records_at_kill = sorted(int(p.stem) for p in steps_dir.glob("*.json"))
+    records_at_kill = sorted(_step_records(steps_dir.parent))
     in_the_making = [_describe_temp(t) for t in temp_files(ledger_dir)]
     assert in_the_making, "killed while no record was being written"
     storage = LocalStorage(ledger_dir)
@@ -307,18 +307,23 @@ writer = journal.LedgerWriter(
 gen = writer.generation.gen
 digest = lambda record: hashlib.sha256(json.dumps(record, separators=(",", ":")).encode()).hexdigest()
 print("generation", gen, flush=True)
-for step in range(start, start + 100_000):
-    record = {
+def record_of(step):
+    return {
         "step": step, "gen": gen, "shares": [0.75, 0.25], "take": {"a": [6 * step, 6], "b": [2 * step, 2]},
         "tokens": {"a": 60 * step % 997, "b": 20 * step % 991}, "bad": 0,
         "ranks": [[[[0, (6 * step + 2 * b + m) % 90, 0] for m in range(2)], [[1, (2 * step + b) % 60, 0]]] for b in range(2)],
         "after": {"step": step + 1, "cursors": [6 * step + 6, 2 * step + 2]},
         "consumed": {"a": [[0, 6 * step + 6]], "b": [[0, 2 * step + 2]]},
     }
-    thin = {k: v for k, v in record.items() if k not in journal.DETAIL_FIELDS}
-    writer.append(record)
-    print("appended", step, digest(record), digest(thin), flush=True)
-    writer.compact(step)  # every rank has moved past the steps before this one
+step = start
+for group in range(100_000):  # groups of 1 to 5 steps, as a planner records what it plans in one go
+    records = [record_of(s) for s in range(step, step + 1 + group % 5)]
+    writer.append(records)
+    for record in records:
+        thin = {k: v for k, v in record.items() if k not in journal.DETAIL_FIELDS}
+        print("appended", record["step"], digest(record), digest(thin), flush=True)
+    step += len(records)
+    writer.compact(step - 1)  # every rank has moved past the steps before the group's last
 """
 
 
@@ -336,10 +341,13 @@ def _segments(folder: pathlib.Path) -> dict[str, range]:
 
 
 def _step_records(folder: pathlib.Path) -> set[int]:
+    """The steps of a generation's step records: one step's (`<step>.json`) or a group's
+    (`<first>-<last>.json`)."""
     try:
-        return {int(e.name[:12]) for e in os.scandir(folder / "steps") if e.name.endswith(".json")}
+        names = [e.name for e in os.scandir(folder / "steps") if e.name.endswith(".json")]
     except FileNotFoundError:
         return set()
+    return {s for n in names for s in range(int(n[:12]), int(n[13:25] if n[12] == "-" else n[:12]) + 1)}
 
 
 def deleting_compacted(folder: pathlib.Path) -> bool:

@@ -113,11 +113,11 @@ def test_a_fenced_writer_stays_refused_without_asking_again_and_reports_once() -
 def test_the_ledger_writer_of_a_fenced_planner_writes_nothing_more(storage: Storage) -> None:
     older = FencedStorage(storage, epoch=claim_epoch(storage, owner={}))
     writer = LedgerWriter(LedgerReader(older), start_step=0, fingerprints={"data": "d"}, sources=("a",))
-    writer.append(_record(0))
-    writer.append(_record(1))
+    writer.append([_record(0)])
+    writer.append([_record(1)])
     newer = FencedStorage(storage, epoch=claim_epoch(storage, owner={}))
     with pytest.raises(Fenced):
-        writer.append(_record(2))
+        writer.append([_record(2)])
     with pytest.raises(Fenced):
         writer.put_report(1, {"losses": {"a": 1.0}})
     with pytest.raises(Fenced):  # a rewind opens a new generation: refused too, so it never supersedes the newer one's
@@ -126,7 +126,7 @@ def test_the_ledger_writer_of_a_fenced_planner_writes_nothing_more(storage: Stor
     reader = LedgerReader(newer)
     assert [g.gen for g in reader.generations] == [1] and reader.last_step() == 1
     resumed = LedgerWriter(reader, start_step=2, fingerprints={"data": "d"}, sources=("a",))
-    resumed.append(_record(2))
+    resumed.append([_record(2)])
     assert [(r["step"], LedgerReader(storage).owner(r["step"]).gen) for r in LedgerReader(storage).records()] == [(0, 1), (1, 1), (2, 2)]
 
 

@@ -31,7 +31,7 @@ def _record(step: int, gen_tag: int = 0) -> dict:
 def _write(storage, start: int, stop: int, *, fingerprints=FP, tag: int = 0) -> LedgerWriter:
     writer = LedgerWriter(LedgerReader(storage), start_step=start, fingerprints=fingerprints, sources=SOURCES)
     for step in range(start, stop):
-        writer.append(_record(step, tag))
+        writer.append([_record(step, tag)])
     return writer
 
 
@@ -50,7 +50,7 @@ def test_steps_are_written_once() -> None:
     storage = MemoryStorage()
     writer = _write(storage, 0, 3)
     with pytest.raises(RuntimeError, match="ledger record of step 2 exists twice in generation 1"):
-        writer.append(_record(2))
+        writer.append([_record(2)])
 
 
 def test_compaction_folds_whole_segments_that_every_rank_passed_and_reads_the_same() -> None:
@@ -121,7 +121,7 @@ def test_thinning_drops_only_the_per_rank_detail_of_old_segments_and_bounds_the_
         LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=SEGMENT_STEPS + SEGMENT_STEPS // 2
     )
     for step in range(3 * SEGMENT_STEPS + 10):
-        writer.append(_record(step))
+        writer.append([_record(step)])
         writer.compact(step - 4)  # the slowest rank is 4 steps behind the planner
     keys = storage.list("gen-000001/segments/")
     assert keys == [
@@ -146,7 +146,7 @@ def test_a_crash_while_thinning_leaves_the_whole_segment_readable() -> None:
     storage = MemoryStorage()
     writer = LedgerWriter(LedgerReader(storage), start_step=0, fingerprints=FP, sources=SOURCES, keep_detail_steps=0)
     for step in range(SEGMENT_STEPS + 1):
-        writer.append(_record(step))
+        writer.append([_record(step)])
     real_delete = storage.delete
 
     def crash_on_the_whole_segment(key: str) -> None:
@@ -174,7 +174,7 @@ def test_reports_are_kept_first_wins_by_generation_and_deleted_once_folded() -> 
     assert reader.report(9) == {"losses": {"web": 6.0}}, "a step at or after a generation's start counts from it"
     assert reader.report(4) is None
     for step in range(8, SEGMENT_STEPS + 20):
-        second.append(_record(step))
+        second.append([_record(step)])
         second.put_report(step, {"losses": {"code": float(step)}})
     second.compact(SEGMENT_STEPS + 20, report_delay=8)
     left = [int(k[-17:-5]) for k in storage.list("gen-000002/reports/")]

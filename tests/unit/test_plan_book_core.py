@@ -8,6 +8,7 @@ configuration, the seed and the ledger (I4), so a step planned again is the same
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import FailedPrecondition
 from batchplane.planner.mixture import MixtureState
+from batchplane.planner.plan import StepPlan
 from batchplane.planner.planning import (
     AwaitRejoin,
     EndOfData,
@@ -36,10 +38,13 @@ from batchplane.planner.window import Resume, Window
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Stands for the StepPlan of `step`."""
+class Plan(StepPlan):
+    """Stands for the StepPlan of `step` (a StepPlan: `Planning.following` hands along only those)."""
 
-    step: int
+    samples: Any = None
+    microbatches: tuple = ()
+    bad_samples: int = 0
+    costs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,8 @@ class Planner:
         self.rejoined = dict(rejoined or {})
         self.paused: PlanNext | None = None
         self.rewinds = 0
+        self.unrecorded: list[tuple[int, int]] = []  # (step, delivered_below when planned), not written yet
+        self.unrecorded_epoch = 0
 
     def ask(self, c: int, step: int, *, delivered_below: int, rewind: bool = False, resume: bool = False) -> object:
         """`PlanBook.plan_for`: the plan, EndOfData, or None where it says UNAVAILABLE (retry)."""
@@ -135,6 +142,10 @@ class Planner:
         self.plan()
         answer = p.answer(step)
         assert answer is not None, f"the plan of step {step} is never built"
+        if isinstance(answer, Plan):
+            assert self.ledger.record(step) is not None, f"step {step} is served before its ledger record is written"
+            for plan in p.following(range(step + 1, step + 8)):
+                assert self.ledger.record(plan.step) is not None, f"step {plan.step} is handed along before its record is written"
         return answer
 
     def start(self, step: int, *, resume: bool) -> bool:
@@ -156,9 +167,19 @@ class Planner:
                 self._plan_window(action)
                 continue
             action = self.planning.next_action()
-            if action is None or isinstance(action, Halt):
+            if isinstance(action, Halt):
+                return
+            if self.planning.record_due():  # PlanBook._record_planned
+                below = self.planning.progress.consumed_below
+                for step, _ in self.unrecorded:
+                    self.ledger.write(step, below)
+                self.planning.recorded(self.unrecorded_epoch, [step for step, _ in self.unrecorded], delivered_below=below)
+                self.unrecorded = []
+                continue
+            if action is None:
                 return
             if isinstance(action, Rewind):  # PlanBook._rewind: the state before the step from the ledger
+                self.unrecorded = []
                 self.planning.rewinding()
                 self.ledger.open(action.step)
                 self.planning.rewound(action.step, state=before(action.step), resume=None)
@@ -170,7 +191,8 @@ class Planner:
                 self._plan_window(action)
 
     def _plan_window(self, action: PlanNext) -> None:
-        """`PlanBook._plan_next`: records the window's steps, then keeps them unless a rewind came in."""
+        """`PlanBook._plan_next`: keeps the window's plans unless a rewind came in; their records
+        are written when `Planning.record_due` says, before they are served."""
         p = self.planning
         planned = next_window(self.mixture, action.state, resume=p.take_resume(), steps=self.window)
         if planned is None:
@@ -178,9 +200,10 @@ class Planner:
             return
         w = planned.window
         plans = [Plan(s) for s in range(max(w.first, planned.keep_from), w.first + w.steps)]
-        for plan in plans:
-            self.ledger.write(plan.step, p.progress.consumed_below)
-        p.planned(action.epoch, plans, before=w.before, end=w.end)
+        below = p.progress.consumed_below
+        if p.planned(action.epoch, plans, before=w.before, end=w.end):
+            self.unrecorded += [(plan.step, below) for plan in plans]
+            self.unrecorded_epoch = action.epoch
 
 
 class Plane:

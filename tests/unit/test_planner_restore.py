@@ -97,7 +97,7 @@ def _run(
             delivered_below=delivered_below,
             adaptive=adaptive,
         )
-        writer.append(record)
+        writer.append([record])
         states.append(after)
         records.append(record)
     return Run(storage, writer, states, ledger, records)

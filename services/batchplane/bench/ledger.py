@@ -259,7 +259,7 @@ def _measure(config: Config, folder: pathlib.Path, args: argparse.Namespace, pro
         t0 = time.perf_counter()
         record = ledger.record(allocation, plan, after)
         t1 = time.perf_counter()
-        writer.append(record)
+        writer.append([record])
         t2 = time.perf_counter()
         writer.compact(step - args.lag)
         compaction_s += time.perf_counter() - t2

@@ -127,11 +127,14 @@ class PlanBook:
             mesh=self.mesh,
             interrupted=lambda: self._planning.interrupted,
             waiting=self._waiting,
+            before_waiting=self._record_planned,
         )
         self._length: JobLength | None = None
         self._length_lock = threading.Lock()
         self._compactor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-compaction")
         self._compacting: futures.Future | None = None
+        self._unrecorded: list[dict] = []  # the ledger records of `Planning.unrecorded` (planning thread only)
+        self._unrecorded_epoch = 0  # the planning epoch they were planned in
         self._thread = threading.Thread(target=self._plan_loop, name="planning", daemon=True)
         self._thread.start()
 
@@ -369,16 +372,20 @@ class PlanBook:
         self._waiting_on = what
 
     def _plan_loop(self) -> None:
-        """Does what `Planning.next_action` says until it says halt."""
+        """Does what `Planning.next_action` says until it says halt, writing the records of what
+        it planned when `Planning.record_due` says."""
+        planning = self._planning
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._planning.next_action() is not None)
-                action = self._planning.next_action()
+                self._cond.wait_for(lambda: planning.next_action() is not None or planning.record_due())
+                action, due = planning.next_action(), planning.record_due()
             if isinstance(action, Halt):
                 return
-            step = action.step if isinstance(action, Rewind) else action.state.step
+            step = planning.unrecorded[0] if due else action.step if isinstance(action, Rewind) else action.state.step
             try:
-                if isinstance(action, Rewind):
+                if due:
+                    self._record_planned()
+                elif isinstance(action, Rewind):
                     self._rewind(action.step)
                 else:
                     self._plan_next(action)
@@ -395,6 +402,7 @@ class PlanBook:
         planner restart."""
         if self._compacting is not None:
             futures.wait([self._compacting])  # the new generation folds what the old one left
+        self._unrecorded = []  # planned before the rewind, never served
         reader = LedgerReader(self._ledger_storage)
         self.ledger = Ledger(self._job.source_names, method=self.ledger.method, compare=self.ledger.compare)
         with self._cond:
@@ -411,9 +419,31 @@ class PlanBook:
             "rewound to step %d: planning again from the ledger's record of step %d (generation %d)", step, step - 1, writer.generation.gen
         )
 
+    def _record_planned(self) -> None:
+        """Writes the ledger records of the steps planned and not recorded yet, in one group
+        (`LedgerWriter.append`), then lets their plans be served; starts a compaction."""
+        if not self._unrecorded:
+            return
+        records, self._unrecorded = self._unrecorded, []
+        with self._cond:
+            below = self._planning.progress.consumed_below
+        for record in records:  # where the ranks stand now (they only move on since the step was planned)
+            record["delivered_below"] = max(record["delivered_below"], below)
+        self._writer.append(records)
+        with self._cond:
+            self._planning.recorded(self._unrecorded_epoch, [r["step"] for r in records], delivered_below=below)
+            self._cond.notify_all()
+        if self._compacting is None or self._compacting.done():  # compaction never stalls planning
+            self._compacting = self._compactor.submit(
+                self._writer.compact,
+                self._planning.progress.consumed_below,
+                report_delay=self._adaptive.delay_steps if self._adaptive is not None else None,
+            )
+            self._compacting.add_done_callback(_log_failure)
+
     def _plan_next(self, action: PlanNext) -> None:
         """Plans the next window (`planning.next_window`; one step unless the job plans token
-        budgets over several): records its steps and keeps their plans."""
+        budgets over several) and keeps its plans; their records wait for `_record_planned`."""
         applied = self._adapt(action.state.step) if self._adaptive is not None else []
         if applied is None:
             return  # stopped or rewound while waiting
@@ -431,25 +461,28 @@ class PlanBook:
             return  # stopped or rewound while waiting
         planning = self._planning
         adaptive = None if self._adaptive is None else AdaptiveRecord(applied, planning.applied_through, planning.adaptive_state)
-        kept = []
+        kept, records = [], []
         for i, plan, spans in built.kept:
             allocation = planned.allocations[i]
-            record = self.ledger.record(
-                allocation,
-                plan,
-                built.afters[i],
-                taken=spans,
-                window=built.recorded,
-                substituted=built.substituted.get(i),
-                delivered_below=planning.progress.consumed_below,
-                adaptive=adaptive,
+            records.append(
+                self.ledger.record(
+                    allocation,
+                    plan,
+                    built.afters[i],
+                    taken=spans,
+                    window=built.recorded,
+                    substituted=built.substituted.get(i),
+                    delivered_below=planning.progress.consumed_below,
+                    adaptive=adaptive,
+                )
             )
-            self._writer.append(record)
             kept.append((allocation, plan, None if spans is None else [x.count for x in spans]))
         with self._cond:
             window = built.window
             if not self._planning.planned(action.epoch, [plan for _, plan, _ in kept], before=window.before, end=window.end):
                 return  # a rewind came in while it was planned: the sequence goes back
+            self._unrecorded += records
+            self._unrecorded_epoch = action.epoch
             self._store.advance(window.end.cursors, steps=window.end.step)
             if planned.allocations[-1] is not None:
                 self.shares = planned.allocations[-1].shares
@@ -458,13 +491,6 @@ class PlanBook:
             self._metrics.observe_step(
                 allocation, plan, self.ledger, counts=counts, waited_s=built.waited_s / len(kept), planned_s=built.planned_s / len(kept)
             )
-        if self._compacting is None or self._compacting.done():  # compaction never stalls planning
-            self._compacting = self._compactor.submit(
-                self._writer.compact,
-                self._planning.progress.consumed_below,
-                report_delay=self._adaptive.delay_steps if self._adaptive is not None else None,
-            )
-            self._compacting.add_done_callback(_log_failure)
 
     def _adapt(self, step: int) -> list[tuple[int, dict | None]] | None:
         """Applies the reports of the steps up to step - delay_steps (waiting for them) and sets

@@ -64,6 +64,8 @@ class WindowBuilder:
         mesh: The job's mesh.
         interrupted: Whether to stop waiting (the planner stops, or a rewind came in).
         waiting: Told what the build waits for ("" once it waits no more).
+        before_waiting: Called before the build waits for summaries (the planner records the
+            steps it planned, whose delivery may be what frees the loaders to read on).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class WindowBuilder:
         mesh: ClientPlaceTree,
         interrupted: Callable[[], bool],
         waiting: Callable[[str], None],
+        before_waiting: Callable[[], None] = lambda: None,
     ) -> None:
         self._job = job
         self._store = store
@@ -86,6 +89,7 @@ class WindowBuilder:
         self._mesh = mesh
         self._interrupted = interrupted
         self._waiting = waiting
+        self._before_waiting = before_waiting
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
 
     def build(self, planned: WindowPlan, *, stream_ends: Sequence[int | None]) -> Built | None:
@@ -182,17 +186,19 @@ class WindowBuilder:
         for k, (start, count) in enumerate(ranges):
             if not count:
                 continue
-            while True:
+            got = wait_for_summary(self._store, k, start, count, timeout_s=0)
+            if got is None:
+                self._before_waiting()
+            while got is None and not self._interrupted():
                 got = wait_for_summary(self._store, k, start, count, timeout_s=1.0)
-                if got is not None:
-                    break
-                if self._interrupted():
-                    return None
-                group = self._job.loader_of(k)
-                self._waiting(
-                    f"waiting for summaries of source {self._job.sources[k].name!r} "
-                    f"(positions {start}..{start + count - 1}) from loader {group} ({len(self._membership.replicas(group))} replicas)"
-                )
+                if got is None:
+                    group = self._job.loader_of(k)
+                    self._waiting(
+                        f"waiting for summaries of source {self._job.sources[k].name!r} (positions {start}..{start + count - 1}) "
+                        f"from loader {group} ({len(self._membership.replicas(group))} replicas)"
+                    )
+            if got is None:
+                return None
             rows, lengths, features = got
             seq = np.arange(start, start + count, dtype=np.int64)
             tables.append(

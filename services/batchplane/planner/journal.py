@@ -9,14 +9,18 @@ Layout (keys of the storage):
 
     epochs/000000000002                                   a planner's writer epoch (see `fencing`)
     gen-000003/head.json                                  the generation's start
-    gen-000003/steps/000000000123.json                    one record per step
+    gen-000003/steps/000000000123.json                    the record of one step
+    gen-000003/steps/000000000124-000000000131.json       the records of steps 124..131, one JSON line each
     gen-000003/segments/000000000000-000000000999.json.gz  steps 0..999, one JSON line each
     gen-000003/segments/000000000000-000000000999.thin.json.gz  the same, thinned
     gen-000003/reports/000000000120.json                  a training report (adaptive mixing)
 
 Every planner start opens a new *generation*, claimed with put_if_absent (the next number), and
 writes each step's record once with put_if_absent: nothing is ever overwritten, so a crash at any
-point leaves a ledger that opens. A generation supersedes the earlier ones from its start step
+point leaves a ledger that opens. The steps a planner plans in one go (a constructor that takes
+several steps' plans at once asks for them together) are written as one object of consecutive
+records, never across a segment's end: one write (two flushes to disk, or one PUT) per group
+instead of per step. A generation supersedes the earlier ones from its start step
 on: the steps an earlier run planned ahead but no trainer checkpointed past are planned again,
 possibly differently (another mixture, another mesh). Reading step s takes the newest generation
 that started at or before s; if it has not recorded s, no record of s counts. A new generation
@@ -53,8 +57,8 @@ import logging
 import pathlib
 import re
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NoReturn
 
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import NotFound
@@ -67,7 +71,7 @@ SEGMENT_STEPS = 1000
 #: The ledger's folder in the run folder, where `ledger.location` is not set.
 LEDGER_DIR = "ledger"
 _GEN = re.compile(r"^gen-(\d{6})/head\.json$")
-_STEP = re.compile(r"/steps/(\d{12})\.json$")
+_STEP = re.compile(r"/steps/(\d{12})(?:-(\d{12}))?\.json$")
 _SEGMENT = re.compile(r"/segments/(\d{12})-(\d{12})(?:\.thin)?\.json\.gz$")
 #: gzip level of segments: level 9 costs ~4x the time of 6 for ~2% less space on records.
 _GZIP_LEVEL = 6
@@ -159,7 +163,7 @@ class LedgerReader:
                 )
         self.generations.sort(key=lambda g: g.gen)
         self._index: dict[int, dict[int, str]] = {}  # gen -> step -> key of the record or segment
-        self._segments: collections.OrderedDict[str, list[bytes]] = collections.OrderedDict()  # a few, as raw lines
+        self._segments: collections.OrderedDict[str, list[bytes]] = collections.OrderedDict()  # a few, as raw lines (groups too)
 
     def _keys(self, gen: int) -> dict[int, str]:
         if gen not in self._index:
@@ -168,22 +172,24 @@ class LedgerReader:
                 if m := _SEGMENT.search(key):
                     for step in range(int(m.group(1)), int(m.group(2)) + 1):
                         keys.setdefault(step, key)
-            for key in self.storage.list(_gen_prefix(gen) + "steps/"):
-                if m := _STEP.search(key):
-                    keys.setdefault(int(m.group(1)), key)
+            for first, last, key in _step_objects(self.storage, _gen_prefix(gen)):
+                for step in range(first, last + 1):
+                    keys.setdefault(step, key)
             self._index[gen] = keys
         return self._index[gen]
 
     def _load(self, key: str, step: int) -> dict:
-        if key.endswith(".gz"):
-            if key not in self._segments:
-                self._segments[key] = gzip.decompress(self.storage.get(key)).split(b"\n")
-                if len(self._segments) > _CACHED_SEGMENTS:
-                    self._segments.popitem(last=False)
-            self._segments.move_to_end(key)
-            first = int(_SEGMENT.search(key).group(1))
-            return json.loads(self._segments[key][step - first])
-        return json.loads(self.storage.get(key))
+        m = _SEGMENT.search(key) or _STEP.search(key)
+        assert m is not None, key
+        if m.group(2) is None:  # one step's record
+            return json.loads(self.storage.get(key))
+        if key not in self._segments:
+            data = self.storage.get(key)
+            self._segments[key] = (gzip.decompress(data) if key.endswith(".gz") else data).split(b"\n")
+            if len(self._segments) > _CACHED_SEGMENTS:
+                self._segments.popitem(last=False)
+        self._segments.move_to_end(key)
+        return json.loads(self._segments[key][step - int(m.group(1))])
 
     def owner(self, step: int) -> Generation | None:
         """The generation whose record of `step` counts: the newest that started at or before
@@ -264,15 +270,38 @@ class LedgerWriter:
         self._keep_detail_steps = keep_detail_steps
         self.bytes_written = 0
 
-    def append(self, record: Mapping[str, Any]) -> None:
-        """Writes one step's record durably (before its plan may be served)."""
-        data = _encode(record)
-        if not self.storage.put_if_absent(f"{self._prefix}steps/{record['step']:012d}.json", data):
-            raise RuntimeError(
-                f"ledger record of step {record['step']} exists twice in generation {self.generation.gen} of {self.storage.describe()}"
-            )
-        self._appended_through = record["step"]
-        self.bytes_written += len(data)
+    def append(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Writes the records of consecutive steps durably (before any of their plans may be
+        served): one object per group, a group ending where a segment does (one step: its own
+        object, `steps/<step>.json`).
+
+        Raises:
+            ValueError: the records are not of consecutive steps.
+            RuntimeError: a step is recorded twice in this generation.
+        """
+        if not records:
+            return
+        first = int(records[0]["step"])
+        steps = [int(r["step"]) for r in records]
+        if steps != list(range(first, first + len(steps))):
+            raise ValueError(f"ledger records must be of consecutive steps, got steps {steps}")
+        if first <= self._appended_through and self._appended_through >= self.generation.start_step:
+            self._twice(max(first, self.generation.start_step))
+        lines = [_encode(r) for r in records]
+        at = 0
+        while at < len(steps):
+            end = min(len(steps), at + _segment_end(steps[at]) - steps[at] + 1)  # never across a segment's end
+            lo, hi = steps[at], steps[end - 1]
+            key = f"{self._prefix}steps/{lo:012d}.json" if lo == hi else f"{self._prefix}steps/{lo:012d}-{hi:012d}.json"
+            data = b"\n".join(lines[at:end])
+            if not self.storage.put_if_absent(key, data):
+                self._twice(lo)
+            self._appended_through = hi
+            self.bytes_written += len(data)
+            at = end
+
+    def _twice(self, step: int) -> NoReturn:
+        raise RuntimeError(f"ledger record of step {step} exists twice in generation {self.generation.gen} of {self.storage.describe()}")
 
     def put_report(self, step: int, report: Mapping[str, Any]) -> dict:
         """Stores the training report of `step` durably unless one is already stored; returns
@@ -303,7 +332,8 @@ class LedgerWriter:
         below_step = min(below_step, self._appended_through + 1)  # only steps this run wrote
         while _segment_end(self._next_segment) < below_step:
             lo, hi = self._next_segment, _segment_end(self._next_segment)
-            _fold(self.storage, self._prefix, lo, hi)
+            objects = [o for o in _step_objects(self.storage, self._prefix) if lo <= o[0] <= hi]
+            _fold(self.storage, self._prefix, lo, hi, objects)
             self._next_segment = hi + 1
             written += 1
         if self._keep_detail_steps is not None:
@@ -321,15 +351,14 @@ class LedgerWriter:
         them."""
         for gen in self._earlier:
             prefix = _gen_prefix(gen)
-            steps = sorted(int(m.group(1)) for key in self.storage.list(prefix + "steps/") if (m := _STEP.search(key)))
-            runs: list[list[int]] = []
-            for step in steps:
-                if runs and step == runs[-1][-1] + 1 and step <= _segment_end(runs[-1][0]):
-                    runs[-1].append(step)
+            runs: list[list[tuple[int, int, str]]] = []  # consecutive objects within one segment
+            for first, last, key in _step_objects(self.storage, prefix):
+                if runs and first == runs[-1][-1][1] + 1 and last <= _segment_end(runs[-1][0][0]):
+                    runs[-1].append((first, last, key))
                 else:
-                    runs.append([step])
+                    runs.append([(first, last, key)])
             for run in runs:
-                _fold(self.storage, prefix, run[0], run[-1])
+                _fold(self.storage, prefix, run[0][0], run[-1][1], run)
         self._earlier = []
 
     def _thin(self, below_step: int) -> None:
@@ -346,13 +375,33 @@ class LedgerWriter:
             self._next_thin = hi + 1
 
 
-def _fold(storage: Storage, prefix: str, lo: int, hi: int) -> None:
-    """Folds the step records lo..hi of the generation at `prefix` into one gzip segment of JSON
-    lines (a record is one line), then deletes them: a crash between leaves identical copies."""
-    keys = [f"{prefix}steps/{s:012d}.json" for s in range(lo, hi + 1)]
-    lines = b"\n".join(storage.get(k) for k in keys)
+def _step_objects(storage: Storage, prefix: str) -> list[tuple[int, int, str]]:
+    """(first step, last step, key) of every object of step records of the generation at
+    `prefix`, by first step."""
+    found = []
+    for key in storage.list(prefix + "steps/"):
+        if m := _STEP.search(key):
+            first = int(m.group(1))
+            found.append((first, first if m.group(2) is None else int(m.group(2)), key))
+    return sorted(found)
+
+
+def _fold(storage: Storage, prefix: str, lo: int, hi: int, objects: Sequence[tuple[int, int, str]]) -> None:
+    """Folds the step records lo..hi of the generation at `prefix`, held by `objects` (first
+    step, last step, key; in order), into one gzip segment of JSON lines (a record is one line),
+    then deletes them: a crash between leaves identical copies.
+
+    Raises:
+        NotFound: the objects do not hold every step lo..hi, each once (the message names the
+            first step missing).
+    """
+    held = [s for first, last, _ in objects for s in range(first, last + 1)]
+    if held != list(range(lo, hi + 1)):
+        gap = next((s for s, h in zip(range(lo, hi + 1), held) if s != h), lo + len(held))
+        raise NotFound(f"ledger record of step {gap} in {prefix}steps/ of {storage.describe()}: not found (folding steps {lo}..{hi})")
+    lines = b"\n".join(storage.get(key) for _, _, key in objects)
     storage.put_if_absent(f"{prefix}segments/{lo:012d}-{hi:012d}.json.gz", gzip.compress(lines, compresslevel=_GZIP_LEVEL))
-    for key in keys:
+    for _, _, key in objects:
         storage.delete(key)
 
 

@@ -185,8 +185,8 @@ class Ledger:
             window: The step's window (`Window.to_json`), recorded as is.
             substituted: The ledger's substitution entries of the step (`substitute.entries`);
                 None: none recorded.
-            delivered_below: Where the ranks stood when the step was planned; None: not
-                recorded.
+            delivered_below: Where the ranks stood when the step was planned (the planner
+                raises it to where they stand when it writes the record); None: not recorded.
             adaptive: Where adaptive mixing stood; None: the mixture does not adapt.
         Raises:
             ValueError: the step takes a seq already consumed (I1 guard), or has neither an

@@ -168,6 +168,10 @@ class Failed:
 Answer = StepPlan | EndOfData | Stopping | Failed
 
 
+#: Steps planned in one go whose ledger records are written together, at most.
+RECORD_STEPS = 32
+
+
 class Planning:
     """The state of one job's plan sequence.
 
@@ -198,6 +202,9 @@ class Planning:
         self.adaptive_state: AdaptiveState | None = None
         self.applied_through = -1
         self._reports: dict[int, dict | None] = {}  # step -> losses not applied yet (None: never reported)
+        self._unrecorded: list[int] = []  # planned steps whose ledger records are not written yet, in order
+        self._asked = -1  # the furthest step a request asked for
+        self._floor_recorded = -1  # the `delivered_below` of the records written last
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -213,6 +220,7 @@ class Planning:
         decision = self.progress.ask(constructor, step, delivered_below=delivered_below, rewind=rewind, again=again)
         if isinstance(decision, Start):
             return decision
+        self._asked = max(self._asked, step)
         if isinstance(decision, Ahead):
             if not self._past_end(step) and not self.stopped and self.failure is None:
                 self.wanted = max(self.wanted, decision.limit + 1)  # plan what the window allows meanwhile
@@ -224,6 +232,7 @@ class Planning:
             self.epoch += 1
             self.plans.clear()
             self._cursors_before.clear()
+            self._unrecorded.clear()  # never served: the rewind plans them again
         self.forget_consumed()
         self.wanted = max(self.wanted, step + self._ahead)  # plan ahead of the fastest rank
         return decision
@@ -236,6 +245,8 @@ class Planning:
             return Stopping()
         if self.failure is not None:
             return Failed(self.failure)
+        if step in self._unrecorded:
+            return None  # served once its record is durable
         return self.plans.get(step)
 
     def following(self, steps: Sequence[int]) -> list[StepPlan]:
@@ -327,8 +338,42 @@ class Planning:
             self.progress.planned(plan.step)
             self.plans[plan.step] = plan
             self._cursors_before[plan.step] = before.cursors
+            self._unrecorded.append(plan.step)
         self.state = end
         return True
+
+    def record_due(self) -> bool:
+        """Whether the planning thread writes the ledger records of the steps planned since it
+        last did (`unrecorded`) now, so that they may be served. It groups the steps it plans in
+        one go (up to the step a request wants planned, `ask`) into one write: it writes once a
+        request asks for one of them, once it has planned all that is wanted (or the data
+        ended), once `RECORD_STEPS` wait, once the ranks have moved on since the last write (so
+        the ledger's floor, where a restarted planner resumes, follows them as closely as when
+        every step was written on its own), and (the book's `before_waiting`) before it waits
+        for anything. With an adaptive mixture every step at once: the reports that the next
+        step waits for come from training on the ones before."""
+        if not self._unrecorded or self.stopped or self.failure is not None or self.replan_to is not None:
+            return False
+        return (
+            self._rule is not None
+            or len(self._unrecorded) >= RECORD_STEPS
+            or self._unrecorded[0] <= self._asked
+            or self.progress.consumed_below > self._floor_recorded
+            or self.next_action() is None
+        )
+
+    @property
+    def unrecorded(self) -> tuple[int, ...]:
+        """The planned steps whose records are not written yet, in order."""
+        return tuple(self._unrecorded)
+
+    def recorded(self, epoch: int, steps: Sequence[int], *, delivered_below: int) -> None:
+        """The records of `steps` (planned in `epoch`), which say that every rank had been
+        handed the steps below `delivered_below`, are durable: their plans may be served."""
+        self._floor_recorded = max(self._floor_recorded, delivered_below)
+        if epoch == self.epoch:
+            done = set(steps)
+            self._unrecorded = [s for s in self._unrecorded if s not in done]
 
     def rewinding(self) -> None:
         """A rewind begins: the reports not applied yet are read again from the ledger."""
