@@ -45,6 +45,11 @@ def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     assert abs(realized - target) * total < 12
     assert 0 < planner['batchplane_planner_mixture_realized_ratio{source="y"}'] < 1
     assert planner["batchplane_planner_plan_duration_seconds_count"] == steps
+    # every planned step is recorded in the ledger (here the whole job is served), in fewer writes
+    # than steps: a constructor takes several steps' plans at once and they are written together
+    assert planner["batchplane_planner_ledger_write_steps_sum"] == steps
+    assert 1 <= planner["batchplane_planner_ledger_write_steps_count"] < steps
+    assert planner["batchplane_planner_ledger_write_seconds_count"] == planner["batchplane_planner_ledger_write_steps_count"]
     # each constructor asks at least every constructors.fetch_steps-th step (8: the steps between
     # come with its plans, when the planner has planned them)
     assert planner['batchplane_planner_requests_total{code="OK",method="GetPlan"}'] >= 2 * math.ceil(steps / 8)

@@ -169,17 +169,13 @@ class Planner:
             action = self.planning.next_action()
             if isinstance(action, Halt):
                 return
-            if self.planning.record_due():  # PlanBook._record_planned
-                below = self.planning.progress.consumed_below
-                for step, _ in self.unrecorded:
-                    self.ledger.write(step, below)
-                self.planning.recorded(self.unrecorded_epoch, [step for step, _ in self.unrecorded], delivered_below=below)
-                self.unrecorded = []
+            if self.planning.record_due():
+                self._record()
                 continue
             if action is None:
                 return
             if isinstance(action, Rewind):  # PlanBook._rewind: the state before the step from the ledger
-                self.unrecorded = []
+                self._record()  # what the old epoch planned, written before the new generation opens
                 self.planning.rewinding()
                 self.ledger.open(action.step)
                 self.planning.rewound(action.step, state=before(action.step), resume=None)
@@ -189,6 +185,14 @@ class Planner:
                 return
             else:
                 self._plan_window(action)
+
+    def _record(self) -> None:
+        """`PlanBook._record_planned`: writes what was planned and not written yet."""
+        below = self.planning.progress.consumed_below
+        for step, _ in self.unrecorded:
+            self.ledger.write(step, below)
+        self.planning.recorded(self.unrecorded_epoch, [step for step, _ in self.unrecorded], delivered_below=below)
+        self.unrecorded = []
 
     def _plan_window(self, action: PlanNext) -> None:
         """`PlanBook._plan_next`: keeps the window's plans unless a rewind came in; their records

@@ -400,9 +400,13 @@ class PlanBook:
         restarted planner does, opens a new generation there, and pulls summaries from its
         cursors again (loaders read again what they freed). Running totals restart, as after a
         planner restart."""
+        # What was planned before the rewind and not written yet is written (never served, and
+        # superseded from `step` on by the new generation): the record of step - 1, which the
+        # rewind restores from, may be among it (ranks that claimed to be past steps the planner
+        # had not served yet have them forgotten, and may then rewind to them).
+        self._record_planned()
         if self._compacting is not None:
             futures.wait([self._compacting])  # the new generation folds what the old one left
-        self._unrecorded = []  # planned before the rewind, never served
         reader = LedgerReader(self._ledger_storage)
         self.ledger = Ledger(self._job.source_names, method=self.ledger.method, compare=self.ledger.compare)
         with self._cond:
@@ -429,7 +433,10 @@ class PlanBook:
             below = self._planning.progress.consumed_below
         for record in records:  # where the ranks stand now (they only move on since the step was planned)
             record["delivered_below"] = max(record["delivered_below"], below)
+        began = time.perf_counter()
         self._writer.append(records)
+        self._metrics.ledger_write_seconds.observe(time.perf_counter() - began)
+        self._metrics.ledger_write_steps.observe(len(records))
         with self._cond:
             self._planning.recorded(self._unrecorded_epoch, [r["step"] for r in records], delivered_below=below)
             self._cond.notify_all()

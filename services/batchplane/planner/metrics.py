@@ -90,6 +90,18 @@ class PlannerMetrics:
             registry=registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
         )
+        self.ledger_write_steps = Histogram(
+            "batchplane_planner_ledger_write_steps",
+            "Steps whose records one ledger write holds (the steps planned in one go; one object, one PUT on a bucket).",
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32),
+        )
+        self.ledger_write_seconds = Histogram(
+            "batchplane_planner_ledger_write_seconds",
+            "Time of one ledger write, durable (flushed to disk, or the PUT answered); its steps wait for it to be served.",
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 4),
+        )
         self.summary_wait = Counter(
             "batchplane_planner_summary_wait_seconds_total",
             "Time the planning thread waited for loaders' buffer summaries (data starvation).",
