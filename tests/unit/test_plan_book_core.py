@@ -8,15 +8,14 @@ configuration, the seed and the ledger (I4), so a step planned again is the same
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from plan_stub import Plan
 
 from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import FailedPrecondition
 from batchplane.planner.mixture import MixtureState
-from batchplane.planner.plan import StepPlan
 from batchplane.planner.planning import (
     AwaitRejoin,
     EndOfData,
@@ -35,16 +34,6 @@ from batchplane.planner.planning import (
 from batchplane.planner.progress import Ahead, PlanProgress, Replan, Serve, Start
 from batchplane.planner.strategy import job_mesh
 from batchplane.planner.window import Resume, Window
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan(StepPlan):
-    """Stands for the StepPlan of `step` (a StepPlan: `Planning.following` hands along only those)."""
-
-    samples: Any = None
-    microbatches: tuple = ()
-    bad_samples: int = 0
-    costs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

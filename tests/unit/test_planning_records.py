@@ -5,27 +5,15 @@ it, so each test can look between two of its steps."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from plan_stub import Plan
 
 from batchplane.planner.adaptive import AdaptiveRule
 from batchplane.planner.mixture import MixtureState
-from batchplane.planner.plan import StepPlan
 from batchplane.planner.planning import RECORD_STEPS, PlanNext, Planning
 from batchplane.planner.progress import PlanProgress, Replan
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan(StepPlan):
-    """Stands for the StepPlan of `step` (a StepPlan: `Planning.following` hands along only those)."""
-
-    samples: Any = None
-    microbatches: tuple = ()
-    bad_samples: int = 0
-    costs: Any = None
 
 
 def state(step: int) -> MixtureState:
@@ -35,6 +23,15 @@ def state(step: int) -> MixtureState:
 def started(*, ahead: int, lead: int = 40, adaptive: AdaptiveRule | None = None) -> Planning:
     planning = Planning(PlanProgress(range(1), lead=lead), ahead=ahead, adaptive=adaptive)
     planning.started(0, horizon=0, positions={}, state=state(0), resume=None)
+    return planning
+
+
+def step_0_served(*, ahead: int = 15, lead: int = 40, adaptive: AdaptiveRule | None = None) -> Planning:
+    """A started job whose constructor asked for step 0, planned and written."""
+    planning = started(ahead=ahead, lead=lead, adaptive=adaptive)
+    planning.ask(0, 0)
+    plan_one(planning)
+    record(planning)
     return planning
 
 
@@ -72,10 +69,7 @@ def test_a_step_is_served_only_once_recorded_and_a_burst_is_recorded_in_one_writ
 
 
 def test_a_request_for_an_unrecorded_step_has_it_written_at_once() -> None:
-    planning = started(ahead=15)
-    planning.ask(0, 0)
-    plan_one(planning)
-    record(planning)
+    planning = step_0_served()
     for _ in range(3):
         plan_one(planning)
     assert not planning.record_due()
@@ -85,10 +79,7 @@ def test_a_request_for_an_unrecorded_step_has_it_written_at_once() -> None:
 
 
 def test_groups_hold_at_most_record_steps() -> None:
-    planning = started(ahead=3 * RECORD_STEPS, lead=4 * RECORD_STEPS)
-    planning.ask(0, 0)
-    plan_one(planning)
-    record(planning)
+    planning = step_0_served(ahead=3 * RECORD_STEPS, lead=4 * RECORD_STEPS)
     for step in range(1, RECORD_STEPS + 1):
         plan_one(planning)
         assert planning.record_due() == (step == RECORD_STEPS)
@@ -97,26 +88,20 @@ def test_groups_hold_at_most_record_steps() -> None:
 def test_an_adaptive_mixture_records_every_step_at_once() -> None:
     """The next step waits for the reports of training on the ones before: none may wait for
     its record."""
-    planning = started(ahead=15, adaptive=AdaptiveRule(source_names=("a", "b"), initial=(1.0, 1.0), delay_steps=1))
-    planning.ask(0, 0)
-    plan_one(planning)
-    record(planning)
+    planning = step_0_served(adaptive=AdaptiveRule(source_names=("a", "b"), initial=(1.0, 1.0), delay_steps=1))
     plan_one(planning)
     assert planning.record_due()
 
 
-def test_a_rewind_drops_the_unrecorded_plans_and_a_late_write_of_the_old_epoch_serves_nothing() -> None:
-    planning = started(ahead=15)
-    planning.ask(0, 0)
-    plan_one(planning)
-    record(planning)
+def test_a_rewind_serves_none_of_the_old_epochs_unwritten_plans_even_once_written() -> None:
+    planning = step_0_served()
     for _ in range(5):
         plan_one(planning)
     old_epoch, old = planning.epoch, list(planning.unrecorded)
     planning.delivered(0, 3)
     assert isinstance(planning.ask(0, 0, rewind=True, delivered_below=0), Replan)
     assert planning.unrecorded == () and not planning.record_due()
-    planning.recorded(old_epoch, old, delivered_below=3)  # the write the planning thread had begun before the rewind
+    planning.recorded(old_epoch, old, delivered_below=3)  # PlanBook._rewind writes them to the old generation
     assert all(planning.answer(s) is None for s in old)
 
 
@@ -181,10 +166,7 @@ def test_one_step_fetching_records_as_before_one_step_a_write(ahead: int) -> Non
 def test_the_ranks_moving_on_has_the_next_step_written_at_once() -> None:
     """The ledger's floor (where a restarted planner resumes) follows the ranks: a step planned
     after they moved on is written at once, the rest of its burst together."""
-    planning = started(ahead=15)
-    planning.ask(0, 0)
-    plan_one(planning)
-    record(planning)
+    planning = step_0_served()
     for _ in range(15):
         plan_one(planning)
     record(planning)
