@@ -159,10 +159,12 @@ def test_bad_requests_get_clear_errors_of_the_right_kind(tmp_path, good) -> None
                 if batch["step"] == 3:
                     state = client.state_dict()
                     break
-        with peer_channel(cluster, rank0, role="trainer") as channel:  # an earlier step without `restart`: a stale request
+        # an earlier step than the rank's last call asked for, without `restart`: a stale request
+        # (the call that asked for step 1 carried the steps after it: a retry may ask for those)
+        with peer_channel(cluster, rank0, role="trainer") as channel:
             stub = constructor_pb2_grpc.ConstructorStub(channel)
             with pytest.raises(grpc.RpcError) as info:
-                next(stub.GetBatch(constructor_pb2.GetBatchRequest(rank=0, step=1, wait_ms=1000), timeout=10))
+                next(stub.GetBatch(constructor_pb2.GetBatchRequest(rank=0, step=0, wait_ms=1000), timeout=10))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "already consumed" in info.value.details()
         with Client(rank0, rank=0) as late:

@@ -410,3 +410,128 @@ def test_a_step_planned_before_is_asked_again_only_as_a_rewind_and_releases_neve
                 assert r.rewind, (r.step, [q.step for q in requests[:i]])
             assert r.delivered_below <= min(at.values(), default=r.step) or len(at) < ranks
             assert bool(r.resume) == (r.step == p.start)
+
+
+def test_a_call_is_handed_the_following_steps_and_building_runs_ahead_of_them() -> None:
+    """`GetBatchRequest.max_steps`: the steps after the asked one are handed as they are built,
+    building runs `prefetch_steps` past the last one handed, and nothing is dropped before the
+    rank asks again (a retry may ask for any of them)."""
+    p = BuildProgress((0,), prefetch_steps=2)
+    p.ask(0, 0, restart=True)
+    assert build_all(p) == [0, 1, 2]
+    p.hand(0, 1)
+    assert build_all(p) == [3]
+    p.hand(0, 2)
+    p.hand(0, 3)
+    assert build_all(p) == [4, 5]
+    assert all(p.is_ready(0, s) for s in range(6))  # handed, not done with
+    asked = p.ask(0, 2)  # the call broke after step 1: the retry asks for step 2
+    assert not asked.rewound and asked.drop == ((0, 0), (0, 1))
+    assert build_all(p) == []  # a new call: building runs past the asked step again
+    with pytest.raises(FailedPrecondition, match="not past step 2"):
+        p.hand(0, 2)
+
+
+def test_building_waits_for_the_slowest_rank_whatever_the_others_were_handed() -> None:
+    p = BuildProgress((0, 1), prefetch_steps=1)
+    p.ask(0, 0, restart=True)
+    p.ask(1, 0, restart=True)
+    assert build_all(p) == [0, 1]
+    p.hand(0, 1)
+    assert build_all(p) == []  # rank 1 was handed nothing past step 0
+    p.hand(1, 1)
+    assert build_all(p) == [2]
+
+
+def test_a_trainer_may_resume_one_step_past_what_its_call_was_handed() -> None:
+    """A rank handed through step 3 checkpoints after it and restarts at step 4, while a rewind
+    of another rank took building back: step 4 is one the data plane has reached."""
+    p = BuildProgress((0, 1), prefetch_steps=3)
+    p.ask(0, 0, restart=True)
+    p.ask(1, 0, restart=True)
+    build_all(p)
+    for step in (1, 2, 3):
+        p.hand(0, step)
+        p.hand(1, step)
+    p.ask(1, 0, restart=True)  # rank 1 rewinds
+    p.ask(1, 1)
+    p.ask(0, 4, restart=True)
+    assert p.furthest_step() >= 5
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    prefetch=st.integers(1, 3),
+    end=st.integers(1, 14),
+    calls=st.integers(1, 5),
+    actions=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["take", "retry", "build", "restart"]), st.integers(0, 20)), max_size=60),
+)
+def test_calls_carrying_several_steps_get_every_step_in_order(ranks: int, prefetch: int, end: int, calls: int, actions: list) -> None:
+    """Trainers whose calls carry up to `calls` steps (taking each following step once built,
+    retrying from any step of a broken call, restarting anywhere reached): every step a rank
+    takes is held for it, and the job completes."""
+    p = BuildProgress(range(ranks), prefetch_steps=prefetch)
+    asked: dict[int, int] = {}  # rank -> the step its current call asked for
+    took: dict[int, int] = {}  # rank -> the last step it took (asked or handed) in the call
+
+    def take(rank: int) -> None:
+        """The rank's next step: handed within its call, or a new call once it took `calls`."""
+        step = took[rank] + 1
+        if p.past_end(step) or not p.is_ready(rank, took[rank]):
+            return
+        if step - asked[rank] < calls:
+            if p.is_ready(rank, step):
+                p.hand(rank, step)
+                took[rank] = step
+        else:
+            p.ask(rank, step)
+            asked[rank] = took[rank] = step
+
+    for rank in range(ranks):
+        p.ask(rank, 0, restart=True)
+        asked[rank] = took[rank] = 0
+    for rank, action, value in actions:
+        rank %= ranks
+        if action == "take":
+            take(rank)
+        elif action == "retry":  # the call broke: ask again from a step it carried
+            step = asked[rank] + value % (took[rank] - asked[rank] + 1)
+            if not p.past_end(step):
+                p.ask(rank, step)
+                asked[rank] = took[rank] = step
+        elif action == "restart":
+            step = min(value, end, p.furthest_step())
+            p.ask(rank, step, restart=True)
+            asked[rank] = took[rank] = step
+        elif action == "build" and (step := p.to_build()) is not None:
+            if step >= end:
+                p.ended(step, epoch=p.epoch)
+            else:
+                p.built(step, range(ranks), epoch=p.epoch)
+    for _ in range(4 * (end + 2) * ranks * calls):
+        build_all(p, end=end)
+        for rank in range(ranks):
+            if not p.past_end(took[rank]):
+                assert p.is_ready(rank, took[rank]) or p.slowest() < took[rank], (rank, took[rank], asked[rank], p.next)
+                take(rank)
+        if all(p.past_end(took[r]) or (p.end == took[r] + 1 and p.is_ready(r, took[r])) for r in range(ranks)):
+            break
+    assert all(p.past_end(took[r] + 1) for r in range(ranks)), (took, p.next, p.end)
+
+
+def test_a_call_that_reaches_the_end_of_data_counts_as_asking_for_it_and_keeps_its_batches() -> None:
+    """A trainer that stops at the job's length never asks for the end step: the call that was
+    handed the last step and reached the end says every step was handed (the loaders release
+    everything), and a retry of the last steps is still served."""
+    p = BuildProgress((0,), prefetch_steps=4)
+    p.ask(0, 0, restart=True)
+    assert build_all(p, end=3) == [0, 1, 2]
+    p.hand(0, 1)
+    p.hand(0, 2)
+    assert p.slowest() == 0 and not p.finished()
+    p.hand(0, 3)  # the end
+    assert p.slowest() == 3 and p.finished()
+    assert all(p.is_ready(0, s) for s in (0, 1, 2))
+    p.ask(0, 2)  # a retry
+    assert p.is_ready(0, 2)

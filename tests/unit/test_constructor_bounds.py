@@ -43,10 +43,13 @@ from batchplane.wire import encode_array, iter_chunks
         ({"resume": {f"k{i}": "v" for i in range(MAX_RESUME_KEYS + 1)}}, "at most 32 fingerprints"),
         ({"resume": {"data": "v" * 10_000}}, "values of at most"),
         ({"resume": {"k" * 10_000: "v"}}, "names of at most"),
+        ({"max_steps": -1}, "max_steps must be in [0, 8] (constructors.batch_steps), got -1"),
+        ({"max_steps": 9}, "max_steps must be in [0, 8] (constructors.batch_steps), got 9"),
+        ({"max_steps": 2**31 - 1}, "max_steps must be"),
     ],
 )
 def test_a_batch_request_outside_the_job_is_invalid(request_, names) -> None:
-    good = {"rank": 3, "step": 7, "world": 4, "resume": {"data": "0123456789abcdef", "mixture": "x"}}
+    good = {"rank": 3, "step": 7, "world": 4, "resume": {"data": "0123456789abcdef", "mixture": "x"}, "max_steps": 8, "batch_steps": 8}
     check_batch_request(**good)
     with pytest.raises(InvalidArgument) as info:
         check_batch_request(**{**good, **request_})

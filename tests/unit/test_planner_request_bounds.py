@@ -23,7 +23,7 @@ ROWS = 192  # one source, 192 rows in 4 row groups: 48 steps of 4 samples (more 
 GROUPS = (48, 48, 48, 48)
 STEPS = ROWS // 4
 RULE = {"initial": {"a": 1}, "delay_steps": 2}
-LEAD = plan_lead(2, 8)  # the window of the default constructors.prefetch_steps and fetch_steps
+LEAD = plan_lead(2, 8)  # the window of the default constructors.prefetch_steps and fetch_steps, one step per GetBatch call
 
 
 def _job(**settings):
@@ -33,6 +33,7 @@ def _job(**settings):
             "sources": [{"name": "a", "path": "a"}],
             "mesh": {"dp": 2},
             "batch": {"global_batch_size": 4, "microbatches": 1},
+            "constructors": {"batch_steps": 1},
             **settings,
         }
     )

@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -164,12 +164,39 @@ class ConstructorConnection:
         restart: bool = False,
         cursor: constructor_pb2.JournalCursor | None = None,
     ) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
-        """The header and payload of rank `rank`'s batch of `step` (retrying a broken stream);
-        `resume`: the fingerprints of the checkpoint the rank resumed from (first request);
-        `restart`: the rank's trainer (re)starts at `step` (its first request); `cursor`: where
-        `step` starts in the journal, from that checkpoint (journal delivery)."""
+        """The header and payload of rank `rank`'s batch of `step` alone (`batches` with one
+        step)."""
+        (got,) = self.batches(rank, step, pin=pin, resume=resume, restart=restart, cursor=cursor)
+        return got
 
-        def attempt(remaining: float) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
+    def batches(
+        self,
+        rank: int,
+        step: int,
+        *,
+        max_steps: int = 1,
+        pin: bool,
+        resume: dict[str, str] | None = None,
+        restart: bool = False,
+        cursor: constructor_pb2.JournalCursor | None = None,
+    ) -> Iterator[tuple[constructor_pb2.BatchHeader, torch.Tensor]]:
+        """The header and payload of rank `rank`'s batch of `step`, then of each following step
+        one call carries (up to `max_steps` in all, `GetBatchRequest.max_steps`), each as it
+        arrives. The call is retried until its first batch arrives; after that a stream that
+        breaks or ends early just ends the iteration (the caller asks again from the step after
+        the last one it got). `resume`: the fingerprints of the checkpoint the rank resumed from
+        (first request); `restart`: the rank's trainer (re)starts at `step` (its first request);
+        `cursor`: where `step` starts in the journal, from that checkpoint (journal delivery).
+
+        Raises:
+            ProtocolError: a malformed stream (a batch of another step than the next, a payload
+                other than its header announces, more batches than asked for).
+            DataPlaneUnavailable, StepUnavailableError, InvalidRequestError: as `_call` says, for
+                the first batch; DataPlaneUnavailable also once the client is closed.
+        """
+        count = max(max_steps, 1)
+
+        def attempt(remaining: float) -> tuple[Any, SlabChannel | None, tuple[constructor_pb2.BatchHeader, torch.Tensor]]:
             # The constructor answers before the call's deadline: a batch, or what it waits for.
             wait_ms = max(int(min(0.8 * remaining, 30.0) * 1000), 1)
             slabs = self.slab_channel()
@@ -182,6 +209,7 @@ class ConstructorConnection:
                 journal_cursor=cursor,
                 shm_session=slabs.session if slabs is not None else "",
                 released_slabs=slabs.take_releases() if slabs is not None else (),  # sent once: the constructor applies them first
+                max_steps=count if count > 1 else 0,
             )
             stream = self._stub.GetBatch(request, timeout=remaining)
             with self._lock:
@@ -189,32 +217,81 @@ class ConstructorConnection:
                     stream.cancel()
                 self._active = stream
             try:
-                return receive(stream, slabs)
-            finally:
+                first = self._receive(stream, slabs, step, pin=pin)
+            except BaseException:
                 with self._lock:
                     self._active = None
-
-        def receive(stream: Any, slabs: SlabChannel | None) -> tuple[constructor_pb2.BatchHeader, torch.Tensor]:
-            first = next(stream, None)
-            if first is None or first.WhichOneof("part") != "header":
+                raise
+            if first is None:
                 raise errors.ProtocolError(f"constructor at {self.address}: GetBatch stream did not start with a header")
-            header = first.header
-            size = check_batch_header(header, address=self.address)
-            if header.HasField("shm"):
-                if slabs is None or next(stream, None) is not None:
-                    raise errors.ProtocolError(f"constructor at {self.address}: a batch in shared memory without a session, or with chunks")
-                return header, slabs.view(header.shm, size)
-            storage, view = self._buffers.take(size, pin=pin)
-            receiver = PayloadReceiver(view)
-            try:
-                for message in stream:
-                    receiver.add(message.chunk.data)
-                receiver.check_complete()
-            except WireFormatError as exc:
-                raise errors.ProtocolError(f"constructor at {self.address}: {exc}") from exc
-            return header, storage
+            return stream, slabs, first
 
-        return self._call(attempt, f"GetBatch(rank {rank}, step {step})")
+        stream, slabs, first = self._call(attempt, f"GetBatch(rank {rank}, step {step})")
+        ended = False
+        try:
+            if first[0].end_of_data:
+                ended = next(stream, None) is None
+                yield first
+                return
+            yield first
+            del first  # the trainer's tensors alone keep the batch's slab or buffer
+            for following in range(step + 1, step + count):
+                try:
+                    got = self._receive(stream, slabs, following, pin=pin)
+                except grpc.RpcError as exc:
+                    if self._closed:
+                        raise errors.DataPlaneUnavailable(f"GetBatch at constructor {self.address}: the client was closed") from None
+                    log.debug("GetBatch(rank %d) ended before step %d: %s", rank, following, exc.code())
+                    return  # asked again from `following`
+                if got is None:
+                    ended = True
+                    return
+                yield got
+                del got
+            try:
+                ended = next(stream, None) is None
+            except grpc.RpcError as exc:  # every batch arrived; the call's own end failed (e.g. the constructor stopping)
+                ended = True
+                log.debug("GetBatch(rank %d) ended with %s after its batches", rank, exc.code())
+            if not ended:
+                raise errors.ProtocolError(f"constructor at {self.address}: GetBatch sent more than the {count} batches asked for")
+        finally:
+            with self._lock:
+                self._active = None
+            if not ended:
+                stream.cancel()  # the server stops sending what nobody reads
+
+    def _receive(
+        self, stream: Any, slabs: SlabChannel | None, step: int, *, pin: bool
+    ) -> tuple[constructor_pb2.BatchHeader, torch.Tensor] | None:
+        """The next batch on a GetBatch stream, which must be `step`'s; None at the stream's end."""
+        first = next(stream, None)
+        if first is None:
+            return None
+        if first.WhichOneof("part") != "header":
+            raise errors.ProtocolError(f"constructor at {self.address}: GetBatch sent a chunk where the header of step {step} was due")
+        header = first.header
+        if header.step != step:
+            raise errors.ProtocolError(f"constructor at {self.address}: GetBatch sent step {header.step} where step {step} was due")
+        size = check_batch_header(header, address=self.address)
+        if header.HasField("shm"):
+            if slabs is None:
+                raise errors.ProtocolError(f"constructor at {self.address}: a batch in shared memory without a session")
+            return header, slabs.view(header.shm, size)
+        storage, view = self._buffers.take(size, pin=pin)
+        receiver = PayloadReceiver(view)
+        try:
+            while not receiver.complete:
+                message = next(stream, None)
+                if message is None:
+                    break
+                if message.WhichOneof("part") != "chunk":
+                    raise errors.ProtocolError(f"constructor at {self.address}: step {step}'s payload ended before its {size} bytes")
+                receiver.add(message.chunk.data)
+            receiver.check_complete()
+        except WireFormatError as exc:
+            raise errors.ProtocolError(f"constructor at {self.address}: {exc}") from exc
+        return header, storage
 
     def length(self) -> common_pb2.JobLength:
         """How many steps the job has (the constructor asks the planner, which may wait for its

@@ -31,15 +31,17 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("job", "ranks")
+    __slots__ = ("job", "ranks", "max_batch_steps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_STEPS_FIELD_NUMBER: _ClassVar[int]
     job: _common_pb2.JobInfo
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_batch_steps: int
+    def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ..., max_batch_steps: _Optional[int] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs", "journal_cursor")
+    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs", "journal_cursor", "max_steps")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class GetBatchRequest(_message.Message):
     SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SLABS_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
@@ -63,7 +66,8 @@ class GetBatchRequest(_message.Message):
     shm_session: str
     released_slabs: _containers.RepeatedScalarFieldContainer[int]
     journal_cursor: JournalCursor
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ...) -> None: ...
+    max_steps: int
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
 
 class JournalCursor(_message.Message):
     __slots__ = ("manifest_version", "step", "offset")

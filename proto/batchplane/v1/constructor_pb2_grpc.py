@@ -55,9 +55,10 @@ class ConstructorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetBatch(self, request, context):
-        """One rank's batch for one step. The first message is a BatchHeader; then Chunks follow
-        until `BatchHeader.payload_bytes` bytes have arrived, and the stream ends (with
-        `BatchHeader.shm` set the payload lies in shared memory and the header is the only message). Asking for step
+        """One rank's batch for one step, and with `max_steps` the batches of the steps after it. Each
+        batch is a BatchHeader, then Chunks until `BatchHeader.payload_bytes` bytes have arrived
+        (with `BatchHeader.shm` set the payload lies in shared memory and the header is the only
+        message); the stream ends after the last. Asking for step
         s tells the constructor the rank is done with every earlier step; the current step can be
         asked for again (a retry), an earlier one only with `restart` (a trainer restarted from an
         older checkpoint: a rewind). Waits up to `wait_ms` for the batch, then answers UNAVAILABLE

@@ -73,7 +73,7 @@ MAX_RESUME_KEYS = 32
 MAX_RESUME_KEY_CHARS = 64
 #: Characters of a `resume` value.
 MAX_RESUME_VALUE_CHARS = 256
-#: Slab ids one GetBatch request may release (a client releases about one per step).
+#: Slab ids one GetBatch request may release (a client releases about one per step it took).
 MAX_RELEASED_SLABS = 64
 #: Characters of a GetBatch request's `shm_session` (128 bits in hex).
 MAX_SESSION_CHARS = 32
@@ -315,17 +315,20 @@ def check_unique_samples(source: np.ndarray, seq: np.ndarray, *, where: str, pee
         raise MalformedResponse(peer, address, f"{where}: sample (source {int(s[i])}, seq {int(q[i])}) is listed twice")
 
 
-def check_batch_request(*, rank: int, step: int, world: int, resume: Mapping[str, str]) -> None:
+def check_batch_request(*, rank: int, step: int, world: int, resume: Mapping[str, str], max_steps: int = 0, batch_steps: int = 1) -> None:
     """Checks a GetBatch request's fields.
 
     Raises:
         InvalidArgument: a rank outside the mesh of `world` ranks, a step outside
-            [0, MAX_STEP], or a `resume` map beyond its bounds.
+            [0, MAX_STEP], a `resume` map beyond its bounds, or `max_steps` outside
+            [0, batch_steps] (the steps one call may carry here, `JobSettings.batch_steps`).
     """
     if not 0 <= rank < world:
         raise InvalidArgument(f"rank {rank} is outside the job's mesh of {world} ranks")
     if not 0 <= step <= MAX_STEP:
         raise InvalidArgument(f"step must be in [0, {MAX_STEP}], got {step}")
+    if not 0 <= max_steps <= batch_steps:
+        raise InvalidArgument(f"max_steps must be in [0, {batch_steps}] (constructors.batch_steps), got {max_steps}")
     if len(resume) > MAX_RESUME_KEYS:
         raise InvalidArgument(f"resume: at most {MAX_RESUME_KEYS} fingerprints, got {len(resume)}")
     for name, value in resume.items():

@@ -549,7 +549,9 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         return constructor_pb2.GetLengthResponse(length=self._consumer.length(timeout_s=wait_seconds(request.wait_ms, context)))
 
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        check_batch_request(rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume)
+        check_batch_request(
+            rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume, max_steps=request.max_steps
+        )  # one step per call here (GetInfoResponse.max_batch_steps 0)
         got = self._consumer.batch(
             request.rank,
             request.step,

@@ -59,13 +59,13 @@ class ConstructorMetrics:
         )
         self.batch_wait = Histogram(
             "batchplane_constructor_batch_wait_seconds",
-            "Time a client's request waited for its batch to be ready (0 when prefetch kept up).",
+            "Time each batch a client asked for waited to be ready (every step of a call that carries several; 0 when prefetch kept up).",
             registry=registry,
             buckets=(0.0001, *_LATENCY_BUCKETS),
         )
         self.rank_wait = Counter(
             "batchplane_constructor_rank_data_wait_seconds_total",
-            "Time each rank's requests waited for their batches, by rank (global rank): the data wait its trainer saw.",
+            "Time each rank's batches waited to be ready once asked for, by rank (global rank): the data wait its trainer saw.",
             ["rank"],
             registry=registry,
         )

@@ -108,6 +108,8 @@ class StepPipeline:
         self._served = Served(job, self.mesh, self.ranks, broadcast=broadcast, hook=hook)
         self._index = index
         self._metrics = metrics
+        #: Steps one GetBatch call may carry (`JobSettings.batch_steps`).
+        self.batch_steps = job.batch_steps
         self._planner_channel = connect(planner, "planner")
         self._planner = planner_pb2_grpc.PlannerStub(self._planner_channel)
         self._planner_address = planner
@@ -182,16 +184,53 @@ class StepPipeline:
                     reason, since = self._blocked
                     why = f": the constructor has been retrying for {time.monotonic() - since:.1f} s: {reason}"
                 raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s{why}")
-            waited = time.perf_counter() - begin
-            self._metrics.batch_wait.observe(waited)
-            self._metrics.rank_wait.labels(str(rank)).inc(waited)
-            if waited > self._longest_wait.get(rank, 0.0):
-                self._longest_wait[rank] = waited
-                self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
-            self._metrics.prefetched_steps.set(self._steps.prefetched())
+            self._waited(rank, time.perf_counter() - begin)
             if self._steps.finished() and self._steps.end is not None:  # no later fetch will carry the release: send it now
                 self._fetcher.release_everywhere(self._steps.end)
             return self._ready.get((rank, step))
+
+    def following(self, rank: int, step: int, *, asked: int, timeout_s: float) -> Delivery | None:
+        """Rank `rank`'s batch of `step`, a step after `asked` (the step its call asked for,
+        `batch`) that the same call carries (`GetBatchRequest.max_steps`), waiting up to
+        `timeout_s` for it to be built; once returned, it counts as handed (`BuildProgress.hand`).
+        None ends the call's batches: the step is past the end of data, not built in time, the
+        rank asked for another step since (a newer call), or building failed or stopped (the
+        next request says why).
+        """
+        begin = time.perf_counter()
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: (
+                    self._steps.asked(rank) != asked
+                    or self._steps.is_ready(rank, step)
+                    or self._steps.past_end(step)
+                    or self._failure is not None
+                    or self._stopped
+                ),
+                timeout=timeout_s,
+            )
+            if not done or self._steps.asked(rank) != asked:
+                return None
+            if self._steps.past_end(step):  # the call was handed every step: the rank reached the end
+                self._steps.hand(rank, step)
+                if self._steps.finished() and self._steps.end is not None:
+                    self._fetcher.release_everywhere(self._steps.end)
+                return None
+            if not self._steps.is_ready(rank, step):
+                return None
+            self._steps.hand(rank, step)
+            self._cond.notify_all()  # building may run further ahead
+            self._waited(rank, time.perf_counter() - begin)
+            return self._ready.get((rank, step))
+
+    def _waited(self, rank: int, waited: float) -> None:
+        """Rank `rank`'s batch was ready after `waited` seconds (under the lock)."""
+        self._metrics.batch_wait.observe(waited)
+        self._metrics.rank_wait.labels(str(rank)).inc(waited)
+        if waited > self._longest_wait.get(rank, 0.0):
+            self._longest_wait[rank] = waited
+            self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
+        self._metrics.prefetched_steps.set(self._steps.prefetched())
 
     def _delivered(self) -> int:
         """Every step below it was handed to all of this constructor's pulling ranks (each has

@@ -14,12 +14,19 @@ Rules (each a test in tests/unit/test_build_progress.py):
 - Building runs up to `prefetch_steps` past the slowest rank that pulls data (ranks that never
   ask, e.g. tensor-parallel peers under `constructors.pulling_ranks: megatron`, are never
   waited for, and their batches are dropped once every pulling rank has moved past them).
+- A call may carry the steps after the one it asks for (`GetBatchRequest.max_steps`): each is
+  *handed* once built (`hand`), without counting as asked (the rank is not done with it, and a
+  retry or a restart may ask for it), but building runs `prefetch_steps` past the step a rank
+  was handed last, so that the call's next step is built while the current one is sent. A
+  request ends the call's hand-outs: the rank was handed up to its asked step again. A call
+  that reaches the end of data (handed the end step) counts as the rank asking for it: it
+  was handed every step (`slowest`, `finished`), though nothing it holds is dropped.
 - Steps below the slowest rank are skipped; the end of data stops building, and a rewind starts
   it again (the end stays where it is: the plan sequence is deterministic).
 - A build finished across a rewind still yields batches (the plans are the same) but does not
   move building forward.
 - Once building has started, a request may name at most one step past the furthest step any
-  rank here asked for, or the next step to build if that is later (`furthest_step`): a trainer
+  rank here asked for or was handed, or the next step to build if that is later (`furthest_step`): a trainer
   moves one step at a time, and one resuming from a checkpoint resumes where this data plane
   has been. A step further ahead is refused before it is acted on, so that no request makes the
   constructor skip steps or ask the planner for steps the job has not reached.
@@ -124,6 +131,7 @@ class BuildProgress:
         #: The oldest step a rewind can go back to, as the planner last said (0 until it says).
         self.oldest = oldest
         self._progress: dict[int, int] = {}  # rank -> the step it asked for last
+        self._handed: dict[int, int] = {}  # rank -> the last step its current call was handed, past the asked one
         self._ready: set[tuple[int, int]] = set()  # (rank, step) batches held
         self._planned_through = -1  # the furthest step asked of the planner
         self._rewind_through = -1  # plan requests up to it are marked rewind
@@ -166,6 +174,7 @@ class BuildProgress:
                 raise FailedPrecondition(f"step {step} is before step {start}, where this job started")
             raise FailedPrecondition(f"step {step} was already consumed: rank {rank} asked for step {latest} since")
         self._progress[rank] = step
+        self._handed.pop(rank, None)
         if restart:
             self._rewind_through = max(self._rewind_through, self._planned_through, step)
         if behind:
@@ -182,6 +191,23 @@ class BuildProgress:
         self._ready.difference_update(drop)
         return Asked(started=started, rewound=behind, drop=drop)
 
+    def asked(self, rank: int) -> int | None:
+        """The step rank `rank` asked for last (None: none yet)."""
+        return self._progress.get(rank)
+
+    def hand(self, rank: int, step: int) -> None:
+        """Rank `rank`'s current call was handed `step`, a step after the one it asked for
+        (`max_steps`): building runs `prefetch_steps` past it. The end-of-data step is handed
+        when the call reaches it. Nothing is dropped.
+
+        Raises:
+            FailedPrecondition: `step` is not past the step the rank asked for last.
+        """
+        asked = self._progress.get(rank)
+        if asked is None or step <= asked:
+            raise FailedPrecondition(f"step {step} handed to rank {rank} is not past step {asked}, the one it asked for")
+        self._handed[rank] = max(self._handed.get(rank, step), step)
+
     def finished(self) -> bool:
         """True the first time every pulling rank has asked for the end-of-data step (or
         past it) since the start or the last rewind: what loaders hold for this constructor
@@ -194,7 +220,8 @@ class BuildProgress:
     def furthest_step(self) -> int:
         """The furthest step a request may name now: one past the furthest step asked here, or
         the next step to build if that is later (meaningful once building has started)."""
-        return max(max(self._progress.values(), default=self.next) + self.stride, self.next)
+        reached = max((*self._progress.values(), *self._handed.values()), default=self.next)
+        return max(reached + self.stride, self.next)
 
     def _idle_below(self, step: int) -> tuple[tuple[int, int], ...]:
         """Held batches below `step` of ranks that do not pull (nobody waits for them)."""
@@ -214,16 +241,30 @@ class BuildProgress:
         all of them."""
         start = self.start if self.start is not None else 0
         ranks = self._waited or tuple(self._progress) or self.ranks
-        return min(self._progress.get(r, start) for r in ranks)
+        return min(self._reached(r, start) for r in ranks)
+
+    def _reached(self, rank: int, start: int) -> int:
+        """The step rank `rank` asked for last (`start` if none), or the end of data once its
+        call was handed every step before it."""
+        step = self._progress.get(rank, start)
+        if self.end is not None and self._handed.get(rank, -1) >= self.end:
+            return max(step, self.end)
+        return step
+
+    def _slowest_handed(self) -> int:
+        """`slowest`, with each rank at the last step its current call was handed."""
+        start = self.start if self.start is not None else 0
+        ranks = self._waited or tuple(self._progress) or self.ranks
+        return min(self._handed.get(r, self._reached(r, start)) for r in ranks)
 
     def to_build(self) -> int | None:
-        """The step to build now, or None (not started, prefetched far enough, or past the end);
-        steps below the slowest rank are skipped."""
+        """The step to build now, or None (not started, prefetched far enough past the steps
+        the ranks were handed, or past the end); steps below the slowest rank are skipped."""
         if self.start is None:
             return None
         slowest = self.slowest()
         step = self.own(max(self.next, slowest))
-        if self.past_end(step) or step > slowest + self._prefetch * self.stride:
+        if self.past_end(step) or step > self._slowest_handed() + self._prefetch * self.stride:
             return None
         self.next = step
         return step

@@ -5,6 +5,7 @@ logic of its own."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,7 +74,7 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         self._slabs = slabs
 
     def GetInfo(self, request: constructor_pb2.GetInfoRequest, context: grpc.ServicerContext) -> constructor_pb2.GetInfoResponse:
-        return constructor_pb2.GetInfoResponse(job=self._job, ranks=self._pipeline.ranks)
+        return constructor_pb2.GetInfoResponse(job=self._job, ranks=self._pipeline.ranks, max_batch_steps=self._pipeline.batch_steps)
 
     def Report(self, request: common_pb2.ReportRequest, context: grpc.ServicerContext) -> common_pb2.ReportResponse:
         check_report(step=request.step, losses=request.losses, sources=self._job.sources)
@@ -84,7 +85,16 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         return constructor_pb2.GetLengthResponse(length=self._pipeline.job_length(wait_ms=wait_ms))
 
     def GetBatch(self, request: constructor_pb2.GetBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        check_batch_request(rank=request.rank, step=request.step, world=self._pipeline.mesh.world, resume=request.resume)
+        """The batch of `request.step`, then (`max_steps`) those of the following steps as they
+        are built: one call's overhead carries several small batches."""
+        check_batch_request(
+            rank=request.rank,
+            step=request.step,
+            world=self._pipeline.mesh.world,
+            resume=request.resume,
+            max_steps=request.max_steps,
+            batch_steps=self._pipeline.batch_steps,
+        )
         pool = self._slabs.pool if self._slabs is not None else None
         session = pool.session(request.shm_session) if pool is not None and request.shm_session else None
         check_released_slabs(
@@ -92,20 +102,26 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         )
         if session is not None and request.released_slabs:
             pool.release(session, request.released_slabs)  # before waiting: a retry never sends them again
-        delivery = self._pipeline.batch(
-            request.rank,
-            request.step,
-            timeout_s=wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS),
-            resume=dict(request.resume),
-            restart=request.restart,
-        )
+        wait_s = wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS)
+        give_up = time.monotonic() + wait_s
+        delivery = self._pipeline.batch(request.rank, request.step, timeout_s=wait_s, resume=dict(request.resume), restart=request.restart)
         if delivery is None:
             yield constructor_pb2.GetBatchResponse(
                 header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)
             )
             return
+        yield from self._send(request.shm_session, delivery)
+        for step in range(request.step + 1, request.step + request.max_steps):
+            delivery = self._pipeline.following(request.rank, step, asked=request.step, timeout_s=max(give_up - time.monotonic(), 0.0))
+            if delivery is None:  # the client asks again from this step
+                return
+            yield from self._send(request.shm_session, delivery)
+
+    def _send(self, shm_session: str, delivery: Delivery) -> Iterator[Any]:
+        """One batch's messages: its header, placed in a slab of `shm_session` when it has one,
+        else followed by its payload in chunks."""
         header = batch_header(delivery, self._pipeline.mesh)
-        placement = self._place(request.shm_session, delivery) if request.shm_session and delivery.payload_bytes else None
+        placement = self._place(shm_session, delivery) if shm_session and delivery.payload_bytes else None
         if placement is not None:
             header.shm.slab, header.shm.offset, header.shm.length = placement.slab, placement.offset, placement.length
             yield constructor_pb2.GetBatchResponse(header=header)

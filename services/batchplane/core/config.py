@@ -36,6 +36,9 @@ LENGTH_POLICIES = ("split", "truncate", "reject")
 PULLING_RANKS = ("all", "megatron")
 #: The most steps one fetch may take (`constructors.fetch_steps`).
 MAX_FETCH_STEPS = 16
+#: The most steps one GetBatch call may carry (`constructors.batch_steps`), and its default.
+MAX_BATCH_STEPS = 64
+DEFAULT_BATCH_STEPS = 8
 #: URL schemes of `ledger.location`: object stores with conditional writes, and file://.
 LEDGER_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "file")
 TOKEN_DTYPES = ("int32", "int64")
@@ -327,6 +330,14 @@ class ConstructorSettings:
     #: loaders.buffer_bytes per call), and the planner plans twice as many steps ahead.
     #: 1: one step per call.
     fetch_steps: int = 8
+    #: Steps one GetBatch call from a trainer may carry (`GetBatchRequest.max_steps`; the client
+    #: asks for fewer while batches are large): the asked step's batch and the following ones as
+    #: they are built, so that small batches share a call's fixed cost (about 1 ms of CPU on
+    #: each side in Python gRPC). The constructor then builds up to prefetch_steps past the last
+    #: step a call carried, and the planner plans batch_steps - 1 steps further ahead. None: 8,
+    #: or 1 under an adaptive mixture (its steps are planned from the training reports of the
+    #: steps before them). 1: one step per call.
+    batch_steps: int | None = None
     #: How a sequence is cut over context-parallel ranks: "zigzag" (2*cp chunks, rank i gets
     #: chunks i and 2*cp-1-i: balanced causal attention) or "contiguous".
     cp_slicing: str = "zigzag"
@@ -469,6 +480,16 @@ class JobSettings:
         return self.journal.producers if self.batch.delivery == "journal" else 1
 
     @property
+    def batch_steps(self) -> int:
+        """Steps one GetBatch call may carry: `constructors.batch_steps`, by default
+        `DEFAULT_BATCH_STEPS`, or 1 under an adaptive mixture or with journal delivery (whose
+        consumer serves one step per call)."""
+        if self.constructors.batch_steps is not None:
+            return self.constructors.batch_steps
+        adaptive = (self.mixture.schedule or {}).get("kind") == "adaptive"
+        return 1 if adaptive or self.batch.delivery == "journal" else DEFAULT_BATCH_STEPS
+
+    @property
     def fetch_layout(self) -> list[tuple[int, ...]]:
         """The ranks of each constructor that fetches a given step's samples: every pod's
         constructor when streaming; with journal delivery the step's one producer (whose ranks
@@ -602,6 +623,7 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
         "constructors.ranks_per_constructor",
         "constructors.prefetch_steps",
         "constructors.fetch_steps",
+        "constructors.batch_steps",
         "constructors.pulling_ranks",
         "constructors.shm_bytes",
         "network.host",
@@ -962,6 +984,8 @@ def _check_constructors(job: JobSettings) -> None:
     _positive("constructors.prefetch_steps", constructors.prefetch_steps)
     if not 1 <= constructors.fetch_steps <= MAX_FETCH_STEPS:
         raise ConfigError("constructors.fetch_steps", f"must be in [1, {MAX_FETCH_STEPS}]", constructors.fetch_steps)
+    if constructors.batch_steps is not None and not 1 <= constructors.batch_steps <= MAX_BATCH_STEPS:
+        raise ConfigError("constructors.batch_steps", f"must be in [1, {MAX_BATCH_STEPS}] (or null)", constructors.batch_steps)
     if constructors.shm_bytes < 0:
         raise ConfigError("constructors.shm_bytes", "must be >= 0 (0 turns shared memory off)", constructors.shm_bytes)
 

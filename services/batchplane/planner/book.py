@@ -108,7 +108,7 @@ class PlanBook:
         #: The normalized weights the schedule gave the latest planned step.
         self.shares = self.schedule.initial_shares
         self._adaptive = self.schedule.adaptive
-        late = report_delay_warning(self._adaptive, prefetch_steps=job.constructors.prefetch_steps)
+        late = report_delay_warning(self._adaptive, prefetch_steps=job.constructors.prefetch_steps, batch_steps=job.batch_steps)
         if late is not None:
             log.warning("%s", late)
         method = self.strategy.primary.balancing.method

@@ -6,7 +6,9 @@ Pure: no grpc, no I/O, no clocks. The servicer, the plan book and the summary pu
 Each bound and why it holds for every correct peer:
 
 - **Steps ahead** (`plan_lead`). A constructor builds at most `constructors.prefetch_steps` steps
-  past its slowest rank, and a rank asks for step s only once it was handed s - 1; the trainers of
+  past the last step its slowest rank's call was handed, which is at most `batch_steps - 1` past
+  the step it asked for (a GetBatch call carries up to `JobSettings.batch_steps` steps; the
+  window below is that much longer), and a rank asks for step s only once it was handed s - 1; the trainers of
   one job move in lockstep (every step ends in a collective), so the ranks of other constructors
   were handed every step up to one below it. One more step covers a hand-over the planner has not
   heard of yet (constructors tell it with their next plan request or heartbeat). So a correct
@@ -17,8 +19,8 @@ Each bound and why it holds for every correct peer:
   the window, so a request for step 10^15 costs nothing. With `constructors.fetch_steps` k > 1 a
   plan comes with those of the constructor's next k - 1 steps where they are planned already, and
   the planner plans the next k after them too, so that they are when the constructor asks next:
-  the window is 2 (k - 1) steps longer, `prefetch_steps + 2k` (the requests themselves stay
-  within `prefetch_steps + 2`).
+  the window is 2 (k - 1) steps longer, `prefetch_steps + 2k + batch_steps - 1` (the requests
+  themselves stay within `prefetch_steps + batch_steps + 1`).
 - **Delivered steps**. `delivered_below` and a rejoining constructor's `next_step` claim that
   ranks were handed steps: never more than the planner planned (`PlanProgress` clamps them to its
   planning cursor), never more than the step asked for (the servicer clamps `delivered_below`).
@@ -69,33 +71,37 @@ class MalformedSummary(ValueError):
     """A loader's summary response is not what was asked; the text says what is wrong."""
 
 
-def plan_lead(prefetch_steps: int, fetch_steps: int = 1) -> int:
+def plan_lead(prefetch_steps: int, fetch_steps: int = 1, batch_steps: int = 1) -> int:
     """How many steps past `consumed_below` a plan request may ask for, and the planner plan
-    (see the module docstring): `prefetch_steps + 2 * fetch_steps`.
+    (see the module docstring): `prefetch_steps + 2 * fetch_steps + batch_steps - 1`.
 
     Args:
         prefetch_steps: `constructors.prefetch_steps`.
         fetch_steps: `constructors.fetch_steps`.
+        batch_steps: Steps one GetBatch call may carry (`JobSettings.batch_steps`).
     """
-    return prefetch_steps + 2 * fetch_steps
+    return prefetch_steps + 2 * fetch_steps + batch_steps - 1
 
 
-def report_delay_warning(rule: AdaptiveRule | None, *, prefetch_steps: int) -> str | None:
+def report_delay_warning(rule: AdaptiveRule | None, *, prefetch_steps: int, batch_steps: int = 1) -> str | None:
     """What to warn of an adaptive mixture whose reports come too late, or None. Step s is
     planned with the reports of the steps up to s - `delay_steps`, and constructors ask for steps
-    up to `plan_lead(prefetch_steps)` past the one their ranks train on: with a shorter delay,
-    planning waits for reports of steps not trained yet, and the trainers for their batches.
+    up to `plan_lead(prefetch_steps, 1, batch_steps)` past the one their ranks train on: with a
+    shorter delay, planning waits for reports of steps not trained yet, and the trainers for
+    their batches.
 
     Args:
         rule: The mixture's adaptive rule (`delay_steps`); None: the mixture does not adapt.
         prefetch_steps: `constructors.prefetch_steps`.
+        batch_steps: Steps one GetBatch call may carry (`JobSettings.batch_steps`).
     """
-    lead = plan_lead(prefetch_steps)
+    lead = plan_lead(prefetch_steps, 1, batch_steps)
     if rule is None or rule.delay_steps >= lead:
         return None
+    carried = " + constructors.batch_steps - 1" if batch_steps > 1 else ""
     return (
-        f"mixture.schedule.adaptive.delay_steps = {rule.delay_steps} is less than constructors.prefetch_steps + 2 = {lead}: planning "
-        f"will wait for training reports and the trainer for its batches"
+        f"mixture.schedule.adaptive.delay_steps = {rule.delay_steps} is less than constructors.prefetch_steps + 2{carried} = {lead}: "
+        f"planning will wait for training reports and the trainer for its batches"
     )
 
 

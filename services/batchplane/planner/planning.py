@@ -452,6 +452,6 @@ def job_planning(job: JobSettings, *, mesh: ClientPlaceTree, axis: str, adaptive
     rules = DeliveryRules(mesh, axis=axis, pulling_ranks=job.constructors.pulling_ranks)
     pulling = rules.pulling([job.constructor_ranks(c) for c in range(job.constructor_count)])
     stride, fetch_steps = job.build_stride, job.constructors.fetch_steps
-    lead = plan_lead(job.constructors.prefetch_steps, fetch_steps) * stride
+    lead = plan_lead(job.constructors.prefetch_steps, fetch_steps, job.batch_steps) * stride
     ahead = (2 * fetch_steps - 1) * stride if fetch_steps > 1 else 1
     return Planning(PlanProgress(range(job.constructor_count), pulling=pulling, lead=lead), adaptive=adaptive, ahead=ahead)
