@@ -35,6 +35,9 @@ def test_the_trainer_is_told_which_part_is_gone(tmp_path: pathlib.Path, part: st
                 next(batches)
             kill(victim)
             with pytest.raises(DataPlaneUnavailable) as raised:
-                for _ in range(10):  # the prefetched steps, then the one that cannot be built
+                # the steps held, then the one that cannot be built: the constructor holds at most
+                # the plans of 2 x fetch_steps steps past the one asked (8 by default), and builds
+                # prefetch_steps past the last of the steps a call carries (at most 8)
+                for _ in range(1 + 2 * 8 + 8 + 2):
                     next(batches)
     assert f"{part} at {victim.address}" in str(raised.value)

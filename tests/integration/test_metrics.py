@@ -19,7 +19,9 @@ pytestmark = pytest.mark.integration
 
 def test_each_service_reports_its_work(tmp_path: pathlib.Path) -> None:
     sources = [write_source(tmp_path / "data", n, skewed_lengths(90, seed=i), seed=i) for i, n in enumerate(["x", "y"])]
-    cluster = start_cluster(write_job(tmp_path / "job.yaml", sources, mixture={"weights": {"x": 2, "y": 1}}))
+    cluster = start_cluster(
+        write_job(tmp_path / "job.yaml", sources, mixture={"weights": {"x": 2, "y": 1}}, constructors={"batch_steps": 8})
+    )
     try:
         batches, _ = collect(cluster.endpoints_path, range(2))
         urls = json.loads(cluster.endpoints_path.read_text())["metrics"]

@@ -43,7 +43,7 @@ def _job(tmp_path: pathlib.Path, sources, name: str, **settings) -> pathlib.Path
     folder = tmp_path / name
     folder.mkdir()
     settings.setdefault("mesh", {"dp": 1, "tp": 2})
-    settings.setdefault("constructors", {"ranks_per_constructor": 2})
+    settings.setdefault("constructors", {"ranks_per_constructor": 2, "batch_steps": 8})  # several steps per call
     return write_job(folder / "job.yaml", sources, **settings)
 
 

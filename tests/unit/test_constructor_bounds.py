@@ -44,6 +44,7 @@ from batchplane.wire import encode_array, iter_chunks
         ({"resume": {"data": "v" * 10_000}}, "values of at most"),
         ({"resume": {"k" * 10_000: "v"}}, "names of at most"),
         ({"max_steps": -1}, "max_steps must be in [0, 8] (constructors.batch_steps), got -1"),
+        ({"max_steps": 2, "batch_steps": 1}, "max_steps must be in [0, 1] (constructors.batch_steps), got 2"),
         ({"max_steps": 9}, "max_steps must be in [0, 8] (constructors.batch_steps), got 9"),
         ({"max_steps": 2**31 - 1}, "max_steps must be"),
     ],

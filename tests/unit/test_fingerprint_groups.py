@@ -75,6 +75,7 @@ CHANGES: dict[str, Any] = {
     "constructors.ranks_per_constructor": 2,
     "constructors.prefetch_steps": 3,
     "constructors.fetch_steps": 2,
+    "constructors.batch_steps": 3,
     "constructors.cp_slicing": "contiguous",
     "constructors.pp_middle_tensors": ["position_ids"],
     "constructors.pulling_ranks": "megatron",

@@ -251,7 +251,8 @@ def run_batchplane(
         ranks=ranks,
         batch=batch,
         loaders={"count": loaders},
-        constructors={"ranks_per_constructor": ranks_per_constructor},
+        # 8 steps per GetBatch call (the default is 1 for now, see `config.DEFAULT_BATCH_STEPS`)
+        constructors={"ranks_per_constructor": ranks_per_constructor, "batch_steps": 8},
         network={"tls": False},
     )
     _set_microbatches(config, microbatches, delivery=delivery)

@@ -213,6 +213,7 @@ class _StandInPipeline:
 
         self.mesh = ClientPlaceTree(dp=len(RANK_OF))
         self.ranks = tuple(sorted(RANK_OF.values()))
+        self.batch_steps = 1  # the bench asks for one step per call
         self._batches = {RANK_OF[name]: batches for name, batches in payloads.items()}
         self._variant = Variant(bucket=0, cp_rank=None, stage=ALL, tensors=True)
         self._current: dict[int, object] = {}  # rank -> its Delivery of the step it asked for last
