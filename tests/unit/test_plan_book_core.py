@@ -129,6 +129,15 @@ class Planner:
             if isinstance(p.ask(c, step, delivered_below=delivered_below, rewind=rewind, again=True), Ahead):
                 return None
         self.plan()
+        return self.take(c, step, delivered_below=delivered_below, rewind=rewind)
+
+    def take(self, c: int, step: int, *, delivered_below: int, rewind: bool = False) -> object:
+        """`PlanBook.plan_for` once its request is decided: waits for the plan, asking again
+        while it was dropped before the request took it."""
+        p = self.planning
+        while p.dropped(step):
+            assert not isinstance(p.ask(c, step, delivered_below=delivered_below, rewind=rewind), Ahead)
+            self.plan()
         answer = p.answer(step)
         assert answer is not None, f"the plan of step {step} is never built"
         if isinstance(answer, Plan):
@@ -520,6 +529,35 @@ def test_ranks_rewinding_to_different_steps_at_different_moments_get_an_undistur
     plane.finish()
     assert plane.rewound_to == {0: [10], 1: [20]}
     plane.assert_undisturbed()
+
+
+def test_a_plan_dropped_before_its_waiting_request_takes_it_is_planned_again() -> None:
+    """test_hostile_planner (CI, one run): both constructors claimed delivery far ahead, then a
+    request for constructor 1 asked for an earlier step, re-planned; before the request took
+    the plan, constructor 1's heartbeat (its ranks are past the step) dropped it again. The
+    request waited for a plan nothing would build, until its deadline; it asks again."""
+    plane = Plane(end=48, lead=18)
+    for _ in range(4):
+        for r in plane.pos:
+            plane.step(r)
+    for _ in range(12):  # rank 1 runs on; rank 0 waits at step 4
+        plane.step(1)
+    plane.heartbeat(1)
+    p = plane.planner.planning
+    for c in (0, 1):  # far claims: believed up to the planning cursor
+        assert plane.planner.ask(c, 10**9, delivered_below=10**9) is None
+    assert p.progress.consumed_below > 6
+    assert p.ask(1, 6, delivered_below=6) == Replan(6)
+    plane.planner.plan()  # re-planned from 6 and recorded; the request has not taken it yet
+    assert p.answer(6) == Plan(6) and not p.dropped(6)
+    plane.heartbeat(1)  # its ranks are at 16: the plans below are dropped
+    p.forget_consumed()
+    plane.planner.plan()
+    assert p.answer(6) is None and p.next_action() is None, "nothing would plan step 6 again"
+    assert p.dropped(6)
+    assert plane.planner.take(1, 6, delivered_below=6) == Plan(6)
+    plane.finish()
+    assert plane.received[0] == list(range(48))
 
 
 def test_a_window_planned_across_a_rewind_is_not_kept() -> None:

@@ -39,6 +39,7 @@ import os
 import pathlib
 import socket
 import stat
+import threading
 import time
 import weakref
 from typing import Any
@@ -114,8 +115,12 @@ class SlabChannel:
             self._sock.close()
             raise errors.ProtocolError(f"slab socket {path}: the first message is not a session id")
         self.session = hello[0].session
+        #: Guards the slabs and their views: the trainer drops tensors (finalizers, `_on_drop`)
+        #: on its own thread while the fetch thread maps, releases or finds the session dead.
+        #: Reentrant: a finalizer may run on a thread that holds it (a collection it triggers).
+        self._lock = threading.RLock()
         self._slabs: dict[int, _Mapped] = {}
-        #: Slabs whose views were dropped (appended by finalizers, on any thread).
+        #: Slabs whose views were dropped while the session lives (appended by finalizers).
         self._dropped: collections.deque[_Mapped] = collections.deque()
         self._releases: list[int] = []
 
@@ -185,6 +190,10 @@ class SlabChannel:
     def poll(self) -> None:
         """Handles what the constructor sent meanwhile and the views the trainer dropped (on the
         fetch thread, before each request). EOF marks the session dead (`alive`)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         while self.alive:
             try:
                 received = self._receive(block=False)
@@ -212,7 +221,8 @@ class SlabChannel:
     def take_releases(self) -> list[int]:
         """Slabs to report released in the next request (at most MAX_RELEASES); once taken they
         are not reported again."""
-        taken, self._releases = self._releases[:MAX_RELEASES], self._releases[MAX_RELEASES:]
+        with self._lock:
+            taken, self._releases = self._releases[:MAX_RELEASES], self._releases[MAX_RELEASES:]
         return taken
 
     # ---- views ---------------------------------------------------------------------------
@@ -238,25 +248,28 @@ class SlabChannel:
                     raise errors.ProtocolError(f"slab socket {self.path}: slab {placement.slab} never arrived") from None
                 raise errors.DataPlaneUnavailable(f"slab socket {self.path}: {exc}") from None
             if received is not None:
-                self._handle(*received)
-        mapped = self._slabs[placement.slab]
-        check_placement(placement, slab_bytes=mapped.size, payload_bytes=payload_bytes, where=str(self.path))
-        exporter = np.frombuffer(mapped.map, np.uint8, count=placement.length, offset=placement.offset)
-        mapped.views += 1
+                with self._lock:
+                    self._handle(*received)
+        with self._lock:
+            mapped = self._slabs[placement.slab]
+            check_placement(placement, slab_bytes=mapped.size, payload_bytes=payload_bytes, where=str(self.path))
+            exporter = np.frombuffer(mapped.map, np.uint8, count=placement.length, offset=placement.offset)
+            mapped.views += 1
         weakref.finalize(exporter, self._on_drop, mapped).atexit = False
         return torch.from_numpy(exporter)
 
     def _on_drop(self, mapped: _Mapped) -> None:
         """A step's views are gone (a finalizer: any thread, the buffer still exported)."""
-        if self.alive:
-            self._dropped.append(mapped)  # the fetch thread releases it (`poll`)
-            return
-        mapped.views -= 1  # a dead session: forget the slab; it unmaps with its last reference
-        if not mapped.views:
-            if mapped.registered:
-                _unregister(mapped.registered)
-                mapped.registered = 0
-            self._slabs.pop(mapped.slab, None)
+        with self._lock:
+            if self.alive:
+                self._dropped.append(mapped)  # the fetch thread releases it (`poll`)
+                return
+            mapped.views -= 1  # a dead session: forget the slab; it unmaps with its last reference
+            if not mapped.views:
+                if mapped.registered:
+                    _unregister(mapped.registered)
+                    mapped.registered = 0
+                self._slabs.pop(mapped.slab, None)
 
     def mapped(self) -> int:
         """Slabs mapped now."""
@@ -265,16 +278,17 @@ class SlabChannel:
     # ---- lifetime ------------------------------------------------------------------------
 
     def _die(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        self._releases.clear()
-        self._sock.close()
-        while self._dropped:
-            self._dropped.popleft().views -= 1
-        for mapped in list(self._slabs.values()):
-            if not mapped.views:
-                self._unmap(mapped)
+        with self._lock:
+            if not self.alive:
+                return
+            self.alive = False
+            self._releases.clear()
+            self._sock.close()
+            while self._dropped:
+                self._dropped.popleft().views -= 1
+            for mapped in list(self._slabs.values()):
+                if not mapped.views:
+                    self._unmap(mapped)
 
     def _unmap(self, mapped: _Mapped) -> None:
         self._slabs.pop(mapped.slab, None)

@@ -239,6 +239,10 @@ class ConstructorConnection:
                 try:
                     got = self._receive(stream, slabs, following, pin=pin)
                 except grpc.RpcError as exc:
+                    # The error is the call itself, raised from within it: its traceback would
+                    # keep this frame, the stream and the slab session in a cycle until a
+                    # collection (a dead constructor's slabs mapped meanwhile).
+                    exc.with_traceback(None)
                     if self._closed:
                         raise errors.DataPlaneUnavailable(f"GetBatch at constructor {self.address}: the client was closed") from None
                     log.debug("GetBatch(rank %d) ended before step %d: %s", rank, following, exc.code())

@@ -185,16 +185,24 @@ class PlanBook:
                         f"past the step below which every constructor's ranks were handed every step); retry once they move on"
                     )
                 decision = planning.ask(constructor, step, delivered_below=delivered_below, rewind=rewind, again=True)
-            if isinstance(decision, Replan):
-                log.info(
-                    "constructor %d rewinds to step %d, whose plan is no longer kept: re-planning from the ledger's record of step %d",
-                    constructor,
-                    step,
-                    step - 1,
+            while not isinstance(decision, Ahead):
+                if isinstance(decision, Replan):
+                    log.info(
+                        "constructor %d rewinds to step %d, whose plan is no longer kept: re-planning from the ledger's record of step %d",
+                        constructor,
+                        step,
+                        step - 1,
+                    )
+                self._store.delivered(planning.progress.consumed_below)
+                self._cond.notify_all()
+                self._cond.wait_for(
+                    lambda: planning.answer(step) is not None or planning.dropped(step), timeout=max(give_up - time.monotonic(), 0)
                 )
-            self._store.delivered(planning.progress.consumed_below)
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: planning.answer(step) is not None, timeout=max(give_up - time.monotonic(), 0))
+                if not planning.dropped(step) or time.monotonic() >= give_up:
+                    break
+                # A claim of delivery dropped the plan before this request took it (e.g. its own
+                # constructor's heartbeat saying its ranks are past the step): planned again.
+                decision = planning.ask(constructor, step, delivered_below=delivered_below, rewind=rewind)
             answer = planning.answer(step)
         if isinstance(answer, Stopping):
             raise Unavailable("the planner is stopping")

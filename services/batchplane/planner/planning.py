@@ -249,6 +249,12 @@ class Planning:
             return None  # served once its record is durable
         return self.plans.get(step)
 
+    def dropped(self, step: int) -> bool:
+        """Whether a request waiting for `step` must ask again: its plan was dropped after it was
+        decided (a constructor's claim of delivery moved `consumed_below` past the step before
+        the request took the plan), so it never comes unless the step is planned again."""
+        return self.answer(step) is None and self.progress.start is not None and step < self.progress.kept_from
+
     def following(self, steps: Sequence[int]) -> list[StepPlan]:
         """The plans of `steps` (a constructor's steps after one it was answered) that are
         planned already, up to the first that is not. They are served as a request for each

@@ -205,6 +205,11 @@ class PlanProgress:
         return lo <= step < hi
 
     @property
+    def kept_from(self) -> int:
+        """The oldest step whose plan is kept (or, when none is, the next to plan)."""
+        return self._kept[0]
+
+    @property
     def next_to_plan(self) -> int:
         """The step the plan sequence continues at."""
         return self._kept[1]
