@@ -156,3 +156,19 @@ def test_a_restarted_constructor_serves_ranks_that_lag_each_other(tmp_path: path
     assert restarted["at"][0] > restarted["at"][1] == HOLD_AT, "the ranks did not lag each other at the kill"
     assert len(started) == 1 and min(started.values()) >= 1, f"the restarted constructor did not start mid-job: {started}"
     assert_same_batches(got, expected)
+
+
+def test_a_planner_restarted_after_the_constructors_had_the_last_step_finishes_the_job(tmp_path: pathlib.Path) -> None:
+    """`batchplane up` stops once the planner says the job finished, and a restarted planner
+    starts on a plan request. Restarted after every constructor was told where the data ends
+    (here: after the trainers finished; with several steps per GetBatch call, often before), it
+    gets no plan request from them for any later step: they ask for the end step while it has
+    not started, so it learns the end again and that every rank was handed every step."""
+    sources = [write_source(tmp_path / "data", "a", skewed_lengths(64, seed=5), row_group_size=16, seed=5)]
+    with running_cluster(_job(tmp_path, sources, "run")) as cluster:
+        got, _ = collect(cluster.endpoints_path, [0, 1])
+        wait_until(lambda: cluster.status().finished, timeout_s=30, what="the planner to see every rank finished")
+        end = cluster.status().end_step
+        cluster.restart_planner()
+        wait_until(lambda: cluster.status().finished, timeout_s=30, what="the restarted planner to see the job finished")
+        assert cluster.status().end_step == end == len(got[0])

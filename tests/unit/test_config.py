@@ -297,7 +297,7 @@ def test_defaults_of_a_minimal_config() -> None:
     assert job.loaders.buffer_bytes == 512 * MiB
     assert job.loaders.shuffle.enabled is True and job.loaders.shuffle.window_row_groups == 4
     assert job.constructors.ranks_per_constructor == 1 and job.constructors.prefetch_steps == 2
-    assert job.constructors.batch_steps is None and job.batch_steps == 1
+    assert job.constructors.batch_steps is None and job.batch_steps == 8
     assert job.network.host == "127.0.0.1"
     assert job.network.max_message_bytes == 4 * MiB
     assert job.network.rpc_timeout_s == 30.0
@@ -673,9 +673,24 @@ def test_repeat_is_part_of_the_data_fingerprint_only_when_set() -> None:
 
 
 @pytest.mark.parametrize(
-    ("settings", "steps"), [({}, 1), ({"constructors": {"batch_steps": 8}}, 8), ({"constructors": {"batch_steps": None}}, 1)]
+    ("settings", "steps"),
+    [
+        ({}, 8),
+        ({"constructors": {"batch_steps": 3}}, 3),
+        ({"mixture": {"schedule": {"kind": "adaptive", "adaptive": {"initial": {"a": 1}, "delay_steps": 4}}}}, 1),
+        (
+            {
+                "mixture": {"schedule": {"kind": "adaptive", "adaptive": {"initial": {"a": 1}, "delay_steps": 20}}},
+                "constructors": {"batch_steps": 4},
+            },
+            4,
+        ),
+        ({"batch": {"delivery": "journal"}}, 1),
+    ],
 )
-def test_a_getbatch_call_carries_one_step_unless_set(settings: dict, steps: int) -> None:
-    """`JobSettings.batch_steps`: one step per call by default (`config.DEFAULT_BATCH_STEPS`)."""
+def test_a_getbatch_call_carries_eight_steps_unless_the_mixture_adapts_or_the_journal_delivers(settings: dict, steps: int) -> None:
+    """`JobSettings.batch_steps`: an adaptive mixture plans each step from the reports of the
+    ones before (steps handed ahead would make planning wait for training), and the journal's
+    consumer serves one step per call; a setting wins."""
     job = job_from_mapping({"job": "t", "sources": [{"name": "a", "path": "a"}], **settings})
     assert job.batch_steps == steps

@@ -622,10 +622,10 @@ def test_a_stopped_or_failed_planner_answers_every_waiting_request_and_its_threa
 @pytest.mark.parametrize(
     ("settings", "pulling", "lead"),
     [
-        ({"mesh": {"pp": 3}}, {0, 1, 2}, 18),
-        ({"mesh": {"pp": 3}, "constructors": {"pulling_ranks": "megatron", "prefetch_steps": 5}}, {0, 2}, 21),
-        ({"mesh": {"pp": 3}, "constructors": {"prefetch_steps": 5, "fetch_steps": 1}}, {0, 1, 2}, 7),
-        ({"mesh": {"pp": 3}, "constructors": {"prefetch_steps": 5, "fetch_steps": 1, "batch_steps": 8}}, {0, 1, 2}, 14),
+        ({"mesh": {"pp": 3}}, {0, 1, 2}, 25),
+        ({"mesh": {"pp": 3}, "constructors": {"pulling_ranks": "megatron", "prefetch_steps": 5}}, {0, 2}, 28),
+        ({"mesh": {"pp": 3}, "constructors": {"prefetch_steps": 5, "fetch_steps": 1}}, {0, 1, 2}, 14),
+        ({"mesh": {"pp": 3}, "constructors": {"prefetch_steps": 5, "fetch_steps": 1, "batch_steps": 1}}, {0, 1, 2}, 7),
         ({"batch": {"delivery": "journal"}, "journal": {"producers": 2}}, {0, 1}, 36),
     ],
 )
@@ -633,7 +633,7 @@ def test_a_jobs_planning_waits_for_the_constructors_that_pull_and_leads_by_their
     """`job_planning`, as `PlanBook` starts it: plans are kept until every constructor with a
     rank that asks for batches was handed them (a middle pipeline stage under `megatron` asks for
     none), and a request may ask `prefetch_steps + 2 * fetch_steps + batch_steps - 1` steps
-    ahead (default 2, 8 and 1), times the journal
+    ahead (default 2, 8 and 8; batch_steps is 1 with journal delivery), times the journal
     producers (each prefetches its own steps, every `producers`-th)."""
     job = job_from_mapping({"job": "t", "sources": [{"name": "a", "path": "a"}], **settings})
     planning = job_planning(job, mesh=job_mesh(job), axis="DP", adaptive=None)

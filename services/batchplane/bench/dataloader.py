@@ -251,8 +251,7 @@ def run_batchplane(
         ranks=ranks,
         batch=batch,
         loaders={"count": loaders},
-        # 8 steps per GetBatch call (the default is 1 for now, see `config.DEFAULT_BATCH_STEPS`)
-        constructors={"ranks_per_constructor": ranks_per_constructor, "batch_steps": 8},
+        constructors={"ranks_per_constructor": ranks_per_constructor},
         network={"tls": False},
     )
     _set_microbatches(config, microbatches, delivery=delivery)

@@ -243,6 +243,11 @@ class StepPipeline:
         with self._cond:
             return self._steps.rejoin_step()
 
+    def end_step(self) -> int | None:
+        """The first step past the data, once a plan said so; None before."""
+        with self._cond:
+            return self._steps.end
+
     # ---- building --------------------------------------------------------------------------
 
     def _build_loop(self) -> None:

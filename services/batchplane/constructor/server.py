@@ -53,7 +53,11 @@ class RunningConstructor:
         """Registers again every `network.heartbeat_s` (rejoin, idempotent) once its ranks have started,
         saying the oldest step it may still need: a restarted planner resumes there even when
         this constructor asks for no plan for a while (its ranks are busy, or past the end of
-        data). Runs on a thread of its own."""
+        data). A restarted planner starts on a plan request: once this constructor knows where
+        the data ends it sends none, so while the planner has not started it asks for the end
+        step (the job then ends with the planner knowing it, and `batchplane up` stops). Runs on
+        a thread of its own."""
+        timeout = max(job.network.heartbeat_s * 2, 1.0)
         with create_channel(self.rpc, process.planner, peer="planner") as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             while not self._stopped.wait(job.network.heartbeat_s):
@@ -61,11 +65,16 @@ class RunningConstructor:
                 if step is None:
                     continue
                 try:
-                    stub.RegisterConstructor(
-                        _request(process, self.address, ranks, next_step=step), timeout=max(job.network.heartbeat_s * 2, 1.0)
-                    )
+                    registered = stub.RegisterConstructor(_request(process, self.address, ranks, next_step=step), timeout=timeout)
+                    end = self.pipeline.end_step()
+                    if registered.resume_step < 0 and end is not None:
+                        wait_ms = int(job.network.heartbeat_s * 1000)
+                        request = planner_pb2.GetPlanRequest(
+                            constructor_index=process.index, step=end, delivered_below=step, wait_ms=wait_ms
+                        )
+                        stub.GetPlan(request, timeout=timeout + wait_ms / 1000)
                 except grpc.RpcError:
-                    continue  # the planner is restarting: the next round tells it
+                    continue  # the planner is restarting, or not at the end yet: the next round tells it
 
     def serving(self) -> bool:
         return serving_status(self.health)

@@ -36,12 +36,9 @@ LENGTH_POLICIES = ("split", "truncate", "reject")
 PULLING_RANKS = ("all", "megatron")
 #: The most steps one fetch may take (`constructors.fetch_steps`).
 MAX_FETCH_STEPS = 16
-#: The most steps one GetBatch call may carry (`constructors.batch_steps`), and its default:
-#: one, until a planner restarted after the constructors have built the last step can finish the
-#: job (it starts on a plan request, which they no longer send; a call of 8 steps makes that
-#: window 8 steps longer).
+#: The most steps one GetBatch call may carry (`constructors.batch_steps`), and its default.
 MAX_BATCH_STEPS = 64
-DEFAULT_BATCH_STEPS = 1
+DEFAULT_BATCH_STEPS = 8
 #: URL schemes of `ledger.location`: object stores with conditional writes, and file://.
 LEDGER_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "file")
 TOKEN_DTYPES = ("int32", "int64")
@@ -339,9 +336,9 @@ class ConstructorSettings:
     #: each side in Python gRPC; on 2 cores with 64-sample steps, 8 against one: the samples/s of
     #: a colocated DataLoader instead of 0.8x it). The constructor then builds up to
     #: prefetch_steps past the last step a call carried, and the planner plans batch_steps - 1
-    #: steps further ahead. Under an adaptive mixture delay_steps must cover that too (its steps
-    #: are planned from the training reports of the steps before them); journal delivery serves
-    #: one step per call whatever it says. None: 1 for now (see `DEFAULT_BATCH_STEPS`).
+    #: steps further ahead. None: 8, or 1 under an adaptive mixture (its steps are planned from
+    #: the training reports of the steps before them) and with journal delivery (its consumer
+    #: serves one step per call). 1: one step per call.
     batch_steps: int | None = None
     #: How a sequence is cut over context-parallel ranks: "zigzag" (2*cp chunks, rank i gets
     #: chunks i and 2*cp-1-i: balanced causal attention) or "contiguous".
@@ -487,8 +484,12 @@ class JobSettings:
     @property
     def batch_steps(self) -> int:
         """Steps one GetBatch call may carry: `constructors.batch_steps`, by default
-        `DEFAULT_BATCH_STEPS`."""
-        return self.constructors.batch_steps if self.constructors.batch_steps is not None else DEFAULT_BATCH_STEPS
+        `DEFAULT_BATCH_STEPS`, or 1 under an adaptive mixture or with journal delivery (whose
+        consumer serves one step per call)."""
+        if self.constructors.batch_steps is not None:
+            return self.constructors.batch_steps
+        adaptive = (self.mixture.schedule or {}).get("kind") == "adaptive"
+        return 1 if adaptive or self.batch.delivery == "journal" else DEFAULT_BATCH_STEPS
 
     @property
     def fetch_layout(self) -> list[tuple[int, ...]]:
