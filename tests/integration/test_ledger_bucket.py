@@ -178,9 +178,12 @@ def _ledger_cli(*args: str) -> dict:
 
 def _bucket_sources(s3: S3Server, root: pathlib.Path) -> tuple[list, list[dict[str, str]]]:
     """Three sources uploaded to the bucket and named as a user would: a folder, a glob and a
-    single file (the glob's and the file's sources are one file each in their own folder)."""
+    single file (the glob's and the file's sources are one file each in their own folder). 40
+    steps of 8: longer than the planning window (`bounds.plan_lead`, 25 steps by default), so the
+    ledger's records say where the ranks stood mid-run (a job within one window is planned and
+    written whole before any rank was handed a step)."""
     sources = [
-        write_source(root / "data", "a", skewed_lengths(90, seed=5), row_group_size=10, seed=5),
+        write_source(root / "data", "a", skewed_lengths(250, seed=5), row_group_size=10, seed=5),
         write_source(root / "data", "b", skewed_lengths(40, seed=6), files=1, row_group_size=10, seed=6),
         write_source(root / "data", "c", skewed_lengths(30, seed=7), files=1, row_group_size=10, seed=7),
     ]

@@ -62,7 +62,10 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool
         if (seed, windows) not in made:
             root = tmp_path_factory.mktemp(f"seed{seed}-windows{int(windows)}")
             sources = [
-                write_source(root / "data", "a", skewed_lengths(120, seed=seed), row_group_size=10, seed=seed),
+                # About 41 steps: longer than the planning window (25 steps by default), so
+                # that the ledger's records follow the ranks (a job within one window is planned
+                # and written whole before any rank was handed a step).
+                write_source(root / "data", "a", skewed_lengths(240, seed=seed), row_group_size=10, seed=seed),
                 write_source(root / "data", "b", skewed_lengths(90, seed=seed + 7), row_group_size=10, seed=seed + 7),
             ]
             made[seed, windows] = sources, undisturbed_run(_job(root, sources, "undisturbed", windows=windows), [0, 1])
