@@ -1,5 +1,6 @@
-"""Tests of batchplane.planner.summaries.SummaryStore and wait_for_summary (the pure part; the
-gRPC SummaryPuller is covered by integration tests)."""
+"""Tests of batchplane.planner.summaries.SummaryStore and wait_for_summary (the pure part), and
+how often SummaryPuller calls a loader (against a fake channel; its gRPC path is covered by
+integration tests)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchplane.planner.summaries import SummaryStore, wait_for_summary
+from batchplane.core.routing import Routing
+from batchplane.planner.membership import SummaryTarget
+from batchplane.planner.summaries import PULL_LOOKAHEADS, SummaryPuller, SummaryStore, wait_for_summary
+from batchplane.v1 import loader_pb2
+from batchplane.wire import encode_array
 
 
 def _rows(start: int, count: int) -> np.ndarray:
@@ -381,3 +386,55 @@ def test_a_rewind_forgets_what_is_known_and_pulls_again_from_its_cursors_even_af
     _add(store, 0, 12, 18, end=True)
     assert _get(store, 0, 12, 18) == (_rows(12, 18).tolist(), _lengths(12, 18).tolist())
     assert _wanted(store, 0) is None  # up to the end again
+
+
+class _ReadingLoader:
+    """A fake loader channel for `SummaryPuller`: it has read `read_ahead` samples past the
+    planner's cursor that the last summary request named (`planned_seq`), and answers what it
+    has read from `from_seq` on, up to `max_samples`; it counts the calls."""
+
+    def __init__(self, read_ahead: int) -> None:
+        self.read_ahead = read_ahead
+        self.read = 0
+        self.calls = 0
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None, **_):
+        def call(request, timeout=None):
+            self.calls += 1
+            self.read = max(self.read, request.planned_seq + self.read_ahead)
+            n = max(min(request.max_samples, self.read - request.from_seq), 0)
+            return loader_pb2.GetSummaryResponse(
+                start_seq=request.from_seq,
+                row=encode_array(np.arange(request.from_seq, request.from_seq + n, dtype=np.int64)),
+                length=encode_array(np.full(n, 5, np.int32)),
+            )
+
+        return call
+
+    def unary_stream(self, *args, **kwargs):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pull_takes_what_the_loader_read_ahead_so_a_step_costs_less_than_one_call() -> None:
+    """The planner pulls once it knows less than a look-ahead past its cursor, and then asks for
+    `PULL_LOOKAHEADS` look-aheads: a loader that reads 4,096 samples ahead answers several
+    steps' samples in one call. Pulling one look-ahead at a time made it a call every 4 steps
+    of 64 samples against a look-ahead of 256 (each call about 1 ms of CPU on either side)."""
+    store = SummaryStore(1, lookahead=256)
+    loader = _ReadingLoader(read_ahead=4096)
+    target = SummaryTarget("loader:1", 1 << 30, Routing.of(["0"]), (0, "0"), num_rows=1 << 30, stream_end=1 << 30)
+    puller = SummaryPuller(store, num_sources=1, target=lambda k, seq: target, connect=lambda address: loader, observe=lambda *a, **k: None)
+    steps, batch = 120, 64
+    try:
+        store.start((0,))
+        for step in range(steps):
+            assert wait_for_summary(store, 0, step * batch, batch, timeout_s=10) is not None
+            store.advance(((step + 1) * batch,), steps=step + 1)
+        assert store.pull_samples == PULL_LOOKAHEADS * 256
+        # 8 calls: each answers about 1,000 samples (16 steps); with one look-ahead a call, 30
+        assert loader.calls <= steps // 12, f"{loader.calls} summary calls for {steps} steps"
+    finally:
+        puller.stop()
