@@ -4,6 +4,7 @@ byte-identical to the gRPC stream, and nothing leaks when either side is killed 
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import signal
@@ -63,6 +64,14 @@ def _slab_fds(pid: int) -> set[int]:
         except OSError:
             continue
     return found
+
+
+def _leftovers(killed: set[int], current: set[int]) -> str:
+    """What a failed leak check found: the slabs mapped here beyond the constructor's own, which
+    of them were the killed constructor's, and which stay after a collection."""
+    extra = _mapped_slabs() - current
+    gc.collect()
+    return f"mapped beyond the constructor's slabs: {sorted(extra)}, the killed one's: {sorted(extra & killed)}, after gc: {sorted(_mapped_slabs() - current)}"
 
 
 def _mapped_slabs() -> set[int]:
@@ -194,6 +203,7 @@ def test_a_killed_constructor_restarts_and_the_trainer_finishes_without_leaks(tm
             old = _mapped_slabs()
             assert old  # the kept steps' slabs are mapped here
             trained.extend(to_numpy(b) for b in kept)
+            killed = _slab_fds(cluster.constructors[0].pid)
             cluster.restart_constructor(0)  # SIGKILL, then a new one on the same socket
             new_pid = cluster.constructors[0].pid
             # The old constructor's memory lives on only while the trainer views it.
@@ -208,7 +218,7 @@ def test_a_killed_constructor_restarts_and_the_trainer_finishes_without_leaks(tm
             assert transports[-1] == "shm" and transports.count("grpc") <= 1  # it connected the new constructor's slab socket
             # Every slab still mapped is one of the new constructor's: the old ones went with
             # their tensors.
-            assert _mapped_slabs() <= _slab_fds(new_pid)
+            assert _mapped_slabs() <= _slab_fds(new_pid), _leftovers(killed, _slab_fds(new_pid))
         assert not old & _mapped_slabs()
         steps = [b["step"] for b in trained]
         assert steps == list(range(len(steps)))
