@@ -29,13 +29,21 @@ class WireFormatError(ValueError):
     """A message does not follow the wire format; the text names the field."""
 
 
+#: The wire name of each dtype that travels as it is (native, that is little-endian, order);
+#: looked up by dtype, since `dtype.name` is computed in Python on every access.
+_WIRE_NAMES = {np.dtype(name): name for name in DTYPES}
+
+
 def encode_array(array: np.ndarray) -> common_pb2.Array:
     """The wire form of `array` (copied into the message as C-ordered bytes)."""
     array = np.asarray(array)
-    if array.dtype.name not in DTYPES:
-        raise WireFormatError(f"dtype {array.dtype.name!r} cannot travel; use one of {sorted(DTYPES)}")
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return common_pb2.Array(dtype=array.dtype.name, shape=array.shape, data=little.tobytes())
+    name = _WIRE_NAMES.get(array.dtype)
+    if name is None:  # another byte order, or a dtype that cannot travel
+        name = array.dtype.name
+        if name not in DTYPES:
+            raise WireFormatError(f"dtype {name!r} cannot travel; use one of {sorted(DTYPES)}")
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return common_pb2.Array(dtype=name, shape=array.shape, data=array.tobytes())  # tobytes: C order
 
 
 def decode_array(message: common_pb2.Array, *, field: str, dtype: str | None = None, ndim: int | None = None) -> np.ndarray:

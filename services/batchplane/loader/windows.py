@@ -123,6 +123,7 @@ class WindowBook(Generic[T]):
         self.planned_steps = 0
         self.delivered_below = 0
         self._held: list[HeldWindow[T]] = []  # in seq order
+        self._bounds: tuple[np.ndarray, np.ndarray] | None = None  # `_held`'s starts and ends, once asked
         self._urgent: dict[int, bool] = {}  # window number -> replay: windows somebody waits for
 
     def __iter__(self) -> Iterator[HeldWindow[T]]:
@@ -189,6 +190,7 @@ class WindowBook(Generic[T]):
             if replay is None and span.end <= self.planned_seq:
                 kept.last_step = self.planned_steps - 1  # (one waited for: at the next summary, once taken)
             bisect.insort(self._held, kept, key=lambda w: w.seq_start)
+            self._bounds = None
         return Stored(kept, kept is not None and bool(replay), self._evict())
 
     def release(self, data: T, count: int) -> list[HeldWindow[T]]:
@@ -220,7 +222,7 @@ class WindowBook(Generic[T]):
         about: a summary may run over several windows, and fetches may reach all it returned);
         and the position after them."""
         pieces: list[tuple[T, int, int]] = []
-        i = bisect.bisect_right([w.seq_start for w in self._held], from_seq) - 1 if self.holds(from_seq) else len(self._held)
+        i = int(np.searchsorted(self._held_bounds()[0], from_seq, side="right")) - 1 if self.holds(from_seq) else len(self._held)
         seq, count = from_seq, 0
         while i < len(self._held) and count < max_samples and self._held[i].seq_start <= seq:
             w = self._held[i]
@@ -259,7 +261,7 @@ class WindowBook(Generic[T]):
     def located(self, seqs: np.ndarray, held: np.ndarray) -> list[tuple[T, np.ndarray, np.ndarray]]:
         """The held windows holding positions `seqs` where `held`: (window data, which of
         `seqs` it holds as a mask, their indices in it)."""
-        starts = np.array([w.seq_start for w in self._held], np.int64)
+        starts, _ = self._held_bounds()
         slot = np.where(held, np.searchsorted(starts, seqs, side="right") - 1, -1)
         return [(self._held[i].data, slot == i, seqs[slot == i] - starts[i]) for i in np.unique(slot[held]).tolist()]
 
@@ -276,14 +278,27 @@ class WindowBook(Generic[T]):
         """bool [n]: whether a held window holds each position."""
         if not self._held:
             return np.zeros(len(seqs), bool)
-        starts = np.array([w.seq_start for w in self._held], np.int64)
-        ends = np.array([w.seq_end for w in self._held], np.int64)
+        starts, ends = self._held_bounds()
         slot = np.searchsorted(starts, seqs, side="right") - 1
         return (slot >= 0) & (seqs < ends[np.maximum(slot, 0)])
 
     def holds(self, seq: int) -> bool:
         """Whether a held window holds position `seq`."""
-        return bool(self.held(np.array([seq], np.int64))[0])
+        if not self._held:
+            return False
+        starts, ends = self._held_bounds()
+        slot = int(np.searchsorted(starts, seq, side="right")) - 1
+        return slot >= 0 and seq < int(ends[slot])
+
+    def _held_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 arrays of the held windows' first positions and ends, in seq order (kept until
+        `_held` changes: a fetch, a summary or a reader's wait asks many times in between)."""
+        if self._bounds is None:
+            self._bounds = (
+                np.array([w.seq_start for w in self._held], np.int64),
+                np.array([w.seq_end for w in self._held], np.int64),
+            )
+        return self._bounds
 
     def owns(self, window: int) -> bool:
         """Whether window `window` is this replica's under the current routes."""
@@ -322,6 +337,7 @@ class WindowBook(Generic[T]):
         self.routes = routes
         dropped = [w for w in self._held if not (w.summarized or self.owns(w.span.number))]
         self._held = [w for w in self._held if w.summarized or self.owns(w.span.number)]
+        self._bounds = None
         return dropped
 
     def _evict(self) -> list[HeldWindow[T]]:
@@ -332,7 +348,9 @@ class WindowBook(Generic[T]):
         for w in self._held:
             done = w.last_step is not None and (w.unreleased <= 0 or w.last_step < self.delivered_below)
             (freed if done else kept).append(w)
-        self._held = kept
+        if freed:
+            self._held = kept
+            self._bounds = None
         return freed
 
     def _unread(self, *, until: int) -> Iterator[WindowSpan]:
