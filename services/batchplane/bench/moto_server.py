@@ -7,6 +7,13 @@ moto's server speaks the S3 REST protocol over HTTP and honours conditional writ
 the standard AWS environment (`env()`): pyarrow's S3FileSystem, obstore's S3Store and boto3 all
 read `AWS_ENDPOINT_URL`, the keys and the region.
 
+It runs as `python -m batchplane.bench.moto_server` (`main`): moto's application on its
+threaded werkzeug server, as `python -m moto.server` runs it, but with the requests that write
+(PUT, POST, DELETE) one at a time. moto checks a condition and then writes, so two conditional
+writes of one key on two threads could both pass the check (eight threads racing for a key made
+two winners once in CI under load); S3 decides each conditional write atomically, and so does
+this server. Reads run concurrently.
+
     with MotoServer(workdir) as s3:
         s3.create_bucket("data")
         os.environ.update(s3.env())
@@ -21,9 +28,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 REGION = "us-east-1"
 
@@ -65,7 +75,7 @@ class MotoServer:
         self._log_path = self.workdir / "moto.log"
         self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "batchplane.bench.moto_server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -129,3 +139,42 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: HTTP methods that change a bucket: `main` serves them one at a time.
+WRITES = frozenset({"PUT", "POST", "DELETE"})
+
+
+def serialized_writes(app: Callable[[dict, Callable], Any]) -> Callable[[dict, Callable], Any]:
+    """A WSGI application that runs `app` on each write request (`WRITES`) one at a time and on
+    reads as they come."""
+    lock = threading.Lock()
+
+    def serve(environ: dict, start_response: Callable) -> Any:
+        if environ.get("REQUEST_METHOD") not in WRITES:
+            return app(environ, start_response)
+        with lock:
+            return app(environ, start_response)
+
+    return serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    """moto's S3 server on -H host and -p port, its writes serialized (see the module docstring)."""
+    import argparse
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import run_simple
+
+    parser = argparse.ArgumentParser(prog="python -m batchplane.bench.moto_server")
+    parser.add_argument("-H", "--host", default="127.0.0.1")
+    parser.add_argument("-p", "--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MOTO_PORT", str(args.port))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app = DomainDispatcherApplication(create_backend_app)
+    run_simple(args.host, args.port, serialized_writes(app), threaded=True, request_handler=MotoRequestHandler)
+
+
+if __name__ == "__main__":
+    main()
