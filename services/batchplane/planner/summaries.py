@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 #: One pull asks for up to this many look-aheads of samples: it is made once the known samples
 #: fall below one look-ahead past the cursor, and takes what the replica has read past them, so
-#: a loader that reads ahead answers several steps' worth in one call (a call costs about 1 ms of
-#: CPU on each side; pulling one step's samples at a time made it one call per step).
+#: a loader that reads ahead answers many steps' worth in one call (a call costs about 1 ms of
+#: CPU on each side; pulling one look-ahead at a time made it a call every few steps).
 PULL_LOOKAHEADS = 4
 
 
