@@ -85,6 +85,10 @@ class Ledger:
         last = next((s for s in steps if self.record(s) is not None), None)
         return None if last is None else self.record(last)
 
+    def recorded_below(self) -> int:
+        """The step after the latest one any generation recorded (`LedgerReader.last_recorded`)."""
+        return max((s + 1 for _, records in self.generations for s in records), default=0)
+
     def horizon(self, step: int) -> int:
         """`restore.rewind_horizon`."""
         return min([*(start for start, _ in self.generations), step])
@@ -152,9 +156,9 @@ class Planner:
         where = where_to_start(step, resume=resume, floor=floor, rejoined=self.rejoined, constructors=self.constructors)
         if isinstance(where, AwaitRejoin):
             return False
-        horizon = self.ledger.horizon(where.step)
+        horizon, recorded_below = self.ledger.horizon(where.step), self.ledger.recorded_below()
         self.ledger.open(where.step)
-        self.planning.started(where.step, horizon=horizon, positions=where.positions, state=before(where.step), resume=None)
+        self.planning.started(where, state=before(where.step), resume=None, horizon=horizon, recorded_below=recorded_below)
         return True
 
     def plan(self, *, pause: bool = False) -> None:
@@ -224,6 +228,7 @@ class Plane:
         self.received: dict[int, list[int]] = {r: [] for r in self.pos}
         self.done: set[int] = set()
         self.unasked: set[int] = set()  # constructors restarted that have not asked for a step since
+        self.building: set[int] = set()  # constructors one of whose ranks asked (`ConstructorProgress.start`)
         self.rewound_to: dict[int, list[int]] = {}  # rank -> the steps its trainer rewound to
 
     def constructor(self, rank: int) -> int:
@@ -239,6 +244,7 @@ class Plane:
             return False
         c, step = self.constructor(rank), self.pos[rank]
         self.unasked.discard(c)
+        self.building.add(c)
         try:
             below = min(step, self.delivered_below(c))
             got = self.planner.ask(c, step, delivered_below=below, rewind=rank in self.rewinding, resume=rank in self.resuming)
@@ -265,9 +271,15 @@ class Plane:
         return True
 
     def prefetch(self, c: int, ahead: int) -> None:
-        """Constructor `c` builds ahead of its slowest rank (`constructors.prefetch_steps`)."""
+        """Constructor `c` builds ahead of its slowest rank (`constructors.prefetch_steps`), once
+        one of its ranks asked: where a rank's first request starts it (`ConstructorProgress.to_build`),
+        so that a resumed rank's request, which says it resumes, comes first."""
         below = self.delivered_below(c)
-        if below + ahead <= self.end and not any(r in self.rewinding for r in range(c * self.ranks, (c + 1) * self.ranks)):
+        if (
+            c in self.building
+            and below + ahead <= self.end
+            and not any(r in self.rewinding for r in range(c * self.ranks, (c + 1) * self.ranks))
+        ):
             self.planner.ask(c, below + ahead, delivered_below=below)
 
     def heartbeat(self, c: int) -> None:
@@ -277,6 +289,7 @@ class Plane:
     def kill_constructor(self, c: int) -> int:
         """`PlanBook.constructor_restarted`: returns the step it starts at, as the planner says."""
         self.unasked.add(c)
+        self.building.discard(c)
         return self.planner.planning.progress.restarted(c)
 
     def kill_planner(self) -> None:
@@ -608,7 +621,7 @@ def test_a_resume_inside_a_window_plans_it_again_and_keeps_it_from_the_resume_st
 
 def test_a_stopped_or_failed_planner_answers_every_waiting_request_and_its_thread_halts() -> None:
     planning = Planning(PlanProgress(range(2), lead=2))
-    planning.started(0, horizon=0, positions={}, state=before(0), resume=None)
+    planning.started(StartAt(0, {}), state=before(0), resume=None, horizon=0)
     assert isinstance(planning.ask(0, 9, delivered_below=9), Ahead) and planning.answer(0) is None
     planning.fail("step 0: negative costs")
     assert planning.answer(0) == Failed("step 0: negative costs") and planning.next_action() == Halt()
@@ -637,7 +650,7 @@ def test_a_jobs_planning_waits_for_the_constructors_that_pull_and_leads_by_their
     producers (each prefetches its own steps, every `producers`-th)."""
     job = job_from_mapping({"job": "t", "sources": [{"name": "a", "path": "a"}], **settings})
     planning = job_planning(job, mesh=job_mesh(job), axis="DP", adaptive=None)
-    planning.started(0, horizon=0, positions={}, state=before(0), resume=None)
+    planning.started(StartAt(0, {}), state=before(0), resume=None, horizon=0)
     assert planning.ask(0, lead + 1, delivered_below=0) == Ahead(lead)
     assert planning.ask(0, lead, delivered_below=0) == Serve()
     assert planning.planned(planning.epoch, [Plan(s) for s in range(3)], before=before(0), end=before(3))

@@ -89,10 +89,10 @@ def test_a_far_step_with_a_far_delivered_below_is_refused_and_ends_nothing(plane
         with pytest.raises(Unavailable, match="ahead of the planning window"):
             plane.plan(c, 10**9, delivered_below=10**9, wait_ms=50)
     assert not plane.book.finished and plane.book.end_step is None, "nothing was planned for the far step"
-    # A request told to wait counts its claim of delivery once, believed up to the planning
-    # cursor when it came (at most one step past the 3 asked for); the window then reaches the
-    # lead past the slower claim, and the planner plans up to one step past the window.
-    assert plane.book.steps_planned <= 3 + 1 + LEAD + 2 < STEPS
+    # A request told to wait counts its claim of delivery once, believed up to the served
+    # frontier (the 3 steps asked for), however far the planning thread had run ahead; the
+    # window then reaches the lead past it, and the planner plans up to one step past the window.
+    assert plane.book.steps_planned <= 3 + LEAD + 2 < STEPS
     rest = plane.run(first=3)
     _assert_exactly_once(first | rest)
     assert plane.book.finished
@@ -103,7 +103,7 @@ def test_a_far_step_with_a_far_delivered_below_is_refused_and_ends_nothing(plane
 
 def test_b_a_rejoin_far_ahead_drops_no_kept_plan(plane: Plane) -> None:
     """As constructor 1 (authorized as itself, so authorization alone does not stop it): its
-    heartbeat claims every step below 1e9 was handed. Believed up to the planning cursor only:
+    heartbeat claims every step below 1e9 was handed. Believed up to the served frontier only:
     constructor 0's plans stay kept, and a restarted constructor 1 resumes at a planned step."""
     got = {step: [pair for c in (0, 1) for r in plane.plan(c, step).ranks for pair in planner_plane.samples(r)] for step in range(3)}
     plane.service.RegisterConstructor(

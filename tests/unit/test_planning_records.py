@@ -12,7 +12,7 @@ from plan_stub import Plan
 
 from batchplane.planner.adaptive import AdaptiveRule
 from batchplane.planner.mixture import MixtureState
-from batchplane.planner.planning import RECORD_STEPS, PlanNext, Planning
+from batchplane.planner.planning import RECORD_STEPS, PlanNext, Planning, StartAt
 from batchplane.planner.progress import PlanProgress, Replan
 
 
@@ -22,7 +22,7 @@ def state(step: int) -> MixtureState:
 
 def started(*, ahead: int, lead: int = 40, adaptive: AdaptiveRule | None = None) -> Planning:
     planning = Planning(PlanProgress(range(1), lead=lead), ahead=ahead, adaptive=adaptive)
-    planning.started(0, horizon=0, positions={}, state=state(0), resume=None)
+    planning.started(StartAt(0, {}), state=state(0), resume=None, horizon=0)
     return planning
 
 

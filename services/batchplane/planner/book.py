@@ -256,7 +256,7 @@ class PlanBook:
         start = self._restore(where.step, resume, reader)
         self._writer = new_generation(reader, where.step, job=self._job, source_facts=self._membership.commit_sources())
         horizon = rewind_horizon(reader, where.step, adaptive=self._adaptive is not None)
-        self._planning.started(where.step, horizon=horizon, positions=where.positions, state=start.state, resume=start.inside)
+        self._planning.started(where, state=start.state, resume=start.inside, horizon=horizon, recorded_below=reader.recorded_below())
         self._metrics.start_step.set(where.step)
         self._store.start(start.state.cursors, step=where.step)
         self._cond.notify_all()

@@ -22,8 +22,9 @@ Each bound and why it holds for every correct peer:
   the window is 2 (k - 1) steps longer, `prefetch_steps + 2k + batch_steps - 1` (the requests
   themselves stay within `prefetch_steps + batch_steps + 1`).
 - **Delivered steps**. `delivered_below` and a rejoining constructor's `next_step` claim that
-  ranks were handed steps: never more than the planner planned (`PlanProgress` clamps them to its
-  planning cursor), never more than the step asked for (the servicer clamps `delivered_below`).
+  ranks were handed steps: never more than the planner served (`PlanProgress` clamps them to its
+  served frontier and planning cursor), never more than the step asked for (the servicer clamps
+  `delivered_below`).
 - **Steps per answer** (`check_max_steps`): a GetPlan asks for at most `constructors.fetch_steps`
   steps' plans, what the job lets a constructor fetch at once.
 - **Names and addresses** (`check_name`, `check_address`): replica ids and incarnations are pod

@@ -219,6 +219,11 @@ class LedgerReader:
         steps = sorted({step for g in self.generations for step in self._keys(g.gen)}, reverse=True)
         return next((step for step in steps if self.owner(step) is not None), None)
 
+    def recorded_below(self) -> int:
+        """The step after the latest one any generation recorded, superseded or not (a plan may
+        have been served from it before a rewind superseded it); 0 on a new ledger."""
+        return max((step + 1 for g in self.generations for step in self._keys(g.gen)), default=0)
+
     def records(self, first: int = 0, last: int | None = None) -> Iterator[dict]:
         """The authoritative records of steps first..last (inclusive) that exist, in order."""
         last = self.last_step() if last is None else last

@@ -266,6 +266,7 @@ class Planning:
             plan = self.answer(step)
             if not isinstance(plan, StepPlan):
                 break
+            self.progress.served(step)
             plans.append(plan)
         return plans
 
@@ -300,12 +301,12 @@ class Planning:
 
     # ---- the planning thread -------------------------------------------------------------
 
-    def started(self, step: int, *, horizon: int, positions: Mapping[int, int], state: MixtureState, resume: Resume | None) -> None:
-        """The job starts at `step` from `state` (see `PlanProgress.started`); `resume`: it
-        starts inside a planning window."""
-        self.progress.started(step, horizon=horizon, positions=positions)
+    def started(self, where: StartAt, *, state: MixtureState, resume: Resume | None, horizon: int, recorded_below: int = 0) -> None:
+        """The job starts where `where_to_start` said, from `state` (see `PlanProgress.started`
+        for `horizon` and `recorded_below`); `resume`: it starts inside a planning window."""
+        self.progress.started(where.step, horizon=horizon, positions=where.positions, recorded_below=recorded_below)
         self.state, self._resume = state, resume
-        self.wanted = step
+        self.wanted = where.step
 
     def next_action(self) -> Action | None:
         """What the planning thread does next; None: wait for an event."""

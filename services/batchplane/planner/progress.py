@@ -16,8 +16,12 @@ Rules (each a test in tests/unit/test_plan_progress.py):
   is told to wait (`Ahead`), and the planner plans no further than that either; what the
   request says its ranks were handed still counts (below), so a constructor that only ever
   asks ahead (restarted together with the planner) moves the window by its retries.
-- What a request or heartbeat says was delivered is believed up to the planning cursor only:
-  no rank can have been handed a step that is not planned.
+- What a request or heartbeat says was delivered is believed up to the served frontier only:
+  no rank can have been handed a step that was never served (answered to a request, or sent
+  along with one's answer) in this run, nor recorded in the ledger before it (a plan is served
+  only once its record is durable, so an earlier run served nothing past its last record); and
+  never past the planning cursor. How far the planning thread has run ahead of the requests
+  (which depends on how busy the machine is) thus never changes what a claim can move.
 - A rewind to s is served from the plans kept when s is among them (`Serve`), else the planner
   must re-plan from s (`Replan`): the plan sequence is a function of configuration, seed and the
   ledger's record of s - 1, so re-planning reproduces it byte for byte. From the decision on, the
@@ -107,16 +111,20 @@ class PlanProgress:
         self._asked: dict[int, int] = {}  # constructor -> the latest step it asked for
         self._delivered: dict[int, int] = {}  # constructor -> every step below reached its ranks
         self._kept = (0, 0)  # plans of steps [lo, hi) are kept; hi: the next step to plan
+        self._served_below = 0  # no rank can have been handed a step at or after it
 
     # ---- events --------------------------------------------------------------------------
 
-    def started(self, step: int, *, horizon: int, positions: Mapping[int, int] | None = None) -> None:
+    def started(self, step: int, *, horizon: int, positions: Mapping[int, int] | None = None, recorded_below: int = 0) -> None:
         """The job starts at `step`; the ledger can re-plan from `horizon` on (<= step).
-        `positions`: steps rejoined constructors (of a restarted planner) asked for last."""
+        `positions`: steps rejoined constructors (of a restarted planner) asked for last;
+        `recorded_below`: the step after the last one the ledger recorded (an earlier run of the
+        planner may have served every step below it)."""
         self.start = step
         self.horizon = min(horizon, step)
         self._asked.update(positions or {})
         self._kept = (step, step)
+        self._served_below = max(step, recorded_below)
 
     def ask(self, constructor: int, step: int, *, delivered_below: int = 0, rewind: bool = False, again: bool = False) -> Decision:
         """Constructor `constructor` asks for the plan of `step`; `delivered_below`: every step
@@ -131,7 +139,7 @@ class PlanProgress:
         """
         if self.start is None:
             return Start()
-        below = min(delivered_below, self.next_to_plan)
+        below = self._believed(delivered_below)
         lead = self._lead
         if lead is not None and step > self.consumed_below + lead:
             # What its ranks were handed still counts, so the window can move for it: a
@@ -159,17 +167,27 @@ class PlanProgress:
         else:
             self._asked[constructor] = step if latest is None else max(latest, step)
             self._delivered[constructor] = max(self._delivered.get(constructor, self.start), below)
+        self.served(step)  # answered with its plan (or the end of data) once planned
         if not replan:
             return Serve()
         self.start = min(self.start, step)
         self._kept = (step, step)
         return Replan(step)
 
+    def served(self, step: int) -> None:
+        """The plan of `step` is (or is about to be) handed to a constructor: a request's, or one
+        sent along with a request's answer (`Planning.following`)."""
+        self._served_below = max(self._served_below, step + 1)
+
     def delivered(self, constructor: int, below: int) -> None:
         """Constructor `constructor` says (a heartbeat) every step below `below` reached its ranks;
-        believed up to the planning cursor."""
+        believed up to the served frontier (`served_below`)."""
         if self.start is not None:
-            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), min(below, self.next_to_plan))
+            self._delivered[constructor] = max(self._delivered.get(constructor, self.start), self._believed(below))
+
+    def _believed(self, below: int) -> int:
+        """How much of a claim that every step below `below` was handed can be true."""
+        return min(below, self._served_below, self.next_to_plan)
 
     def restarted(self, constructor: int) -> int:
         """Constructor `constructor` registered anew (restarted): it may ask again for the steps
@@ -213,6 +231,12 @@ class PlanProgress:
     def next_to_plan(self) -> int:
         """The step the plan sequence continues at."""
         return self._kept[1]
+
+    @property
+    def served_below(self) -> int:
+        """No rank can have been handed a step at or after it: none was served in this run, nor
+        recorded in the ledger before it."""
+        return self._served_below
 
     @property
     def limit(self) -> int | None:
