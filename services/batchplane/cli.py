@@ -454,8 +454,12 @@ def _ledger_query(args: argparse.Namespace, reader, folder: str) -> int:
             text.append(f"  step {e['step']}: {bad} was bad ({e['reason']}); stood in for by {by}")
     else:
         result = lineage.realized_mixture(reader.records(args.first, args.last), sources)
+        delivered = (
+            "samples delivered not kept (thinned steps)" if result["delivered"] is None else f"{result['delivered']} samples delivered"
+        )
         text = [
-            f"steps {result['first']}..{result['last']} ({result['steps']} steps, {result['samples']} samples, {result['tokens']} tokens)"
+            f"steps {result['first']}..{result['last']} ({result['steps']} steps, {delivered}, {result['bad']} bad rows consumed, "
+            f"{result['tokens']} tokens)"
         ]
         text.append(f"  {'source':<16}{'target':>9}{'samples':>9}{'tokens':>9}{'drift':>10}")
         text += [

@@ -124,6 +124,12 @@ def test_a_corrupt_row_group_is_skipped_counted_and_logged_and_nothing_else_is_l
         log = (cluster.run_dir / "logs" / "loader-0.log").read_text()
     finally:
         cluster.stop()
+    ledger = subprocess.run(
+        [sys.executable, "-m", "batchplane.cli", "ledger", "stats", "--ledger", str(cluster.run_dir / "ledger")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     seen = collections.Counter(
         (s, r)
         for rank in batches.values()
@@ -138,6 +144,9 @@ def test_a_corrupt_row_group_is_skipped_counted_and_logged_and_nothing_else_is_l
     assert metrics['batchplane_loader_bad_samples_total{reason="unreadable",source="a"}'] == group_rows
     assert status.sources[0].bad_samples == group_rows
     assert f"file '{victim}' row group 1 is unreadable" in log
+    # `batchplane ledger stats` tells the samples delivered from the bad rows consumed.
+    assert ledger.returncode == 0, ledger.stderr
+    assert f"{len(expected)} samples delivered, {group_rows} bad rows consumed" in ledger.stdout.splitlines()[0], ledger.stdout
 
 
 # ---- run time: bad requests ----------------------------------------------------------------

@@ -55,7 +55,7 @@ SUFFIXES = {
 PROMETHEUS_SERIES = {"up": set()}
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "rate", "increase", "irate", "abs", "absent", "histogram_quantile", "by", "without",
-    "on", "ignoring", "group_left", "group_right", "or", "and", "unless", "bool", "clamp_min", "topk", "offset",
+    "on", "ignoring", "group_left", "group_right", "or", "and", "unless", "bool", "clamp_min", "topk", "offset", "time",
 }  # fmt: skip
 
 
@@ -80,6 +80,7 @@ def exported_series() -> dict[str, set[str]]:
         for collector in list(registry._collector_to_names):  # noqa: SLF001 - the label names of metrics without samples yet
             labels = set(getattr(collector, "_labelnames", ()))
             for family in collector.collect():
+                labels |= set(getattr(family, "_labelnames", ()))  # a custom collector's families name theirs
                 names = {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}
                 names |= {s.name for s in family.samples}
                 for name in names:
@@ -215,7 +216,7 @@ PROMETHEUS_RULE_SCHEMA = {
 }
 
 ALERTS = {
-    "BatchplaneRankDataWait", "BatchplaneMixtureDrift", "BatchplanePlannerDown", "BatchplaneBadSamples", "BatchplaneLoaderFailover",
+    "BatchplaneRankDataWait", "BatchplaneRankStalled", "BatchplaneBatchesStopped", "BatchplaneMixtureDrift", "BatchplanePlannerDown", "BatchplaneBadSamples", "BatchplaneLoaderFailover",
     "BatchplaneShadowTakeover", "BatchplaneOperatorReconcileErrors", "BatchplaneOperatorNoLeader",
 }  # fmt: skip
 
@@ -304,6 +305,15 @@ def test_each_alert_fires_on_the_series_it_watches(helm: pathlib.Path, tmp_path:
         # rank 3 waits 30 s every minute (half its time), rank 4 one second a minute
         (f'batchplane_constructor_rank_data_wait_seconds_total{{namespace="{NAMESPACE}", pod="trainer-1", rank="3"}}', "0+30x40"),
         (f'batchplane_constructor_rank_data_wait_seconds_total{{namespace="{NAMESPACE}", pod="trainer-1", rank="4"}}', "0+1x40"),
+        # rank 3 waits for one batch from minute 20 on (since 1200 s past the epoch); rank 4 waits a
+        # few seconds each minute (a new wait each time), never long
+        (
+            f'batchplane_constructor_rank_waiting_since_timestamp_seconds{{namespace="{NAMESPACE}", pod="trainer-1", rank="3"}}',
+            "0x19 1200x20",
+        ),
+        (f'batchplane_constructor_rank_waiting_since_timestamp_seconds{{namespace="{NAMESPACE}", pod="trainer-1", rank="4"}}', "0+60x40"),
+        # batches are served until minute 20, then none
+        (f'batchplane_constructor_batches_sent_total{{namespace="{NAMESPACE}", pod="trainer-1"}}', "0+10x20 200x20"),
         (f'batchplane_planner_mixture_drift_ratio{{{PLANNER}, source="code"}}', "-0.08x40"),
         (f'batchplane_planner_mixture_drift_ratio{{{PLANNER}, source="web"}}', "0.01x40"),
         # the planner is scraped until minute 10, then not at all (its series vanish)
@@ -322,6 +332,8 @@ def test_each_alert_fires_on_the_series_it_watches(helm: pathlib.Path, tmp_path:
     planner_labels = {"namespace": NAMESPACE, "pod": f"{FULLNAME}-planner-5d9f-abcde"}
     expected = {
         "BatchplaneRankDataWait": [{"severity": "warning", "namespace": NAMESPACE, "pod": "trainer-1", "rank": "3"}],
+        "BatchplaneRankStalled": [{"severity": "warning", "namespace": NAMESPACE, "pod": "trainer-1", "rank": "3"}],
+        "BatchplaneBatchesStopped": [{"severity": "critical", "namespace": NAMESPACE}],
         "BatchplaneMixtureDrift": [{"severity": "warning", **planner_labels, "source": "code"}],
         "BatchplanePlannerDown": [{"severity": "critical", "namespace": NAMESPACE}],  # absent(): the equality matchers' labels
         "BatchplaneBadSamples": [{"severity": "warning", "namespace": NAMESPACE, "source": "web"}],
@@ -341,6 +353,8 @@ def test_each_alert_fires_on_the_series_it_watches(helm: pathlib.Path, tmp_path:
     alert_tests += [{"eval_time": "15m", "alertname": a, "exp_alerts": []} for a in sorted(early)]
     alert_tests += [{"eval_time": "8m", "alertname": "BatchplanePlannerDown", "exp_alerts": []}]  # still scraped
     alert_tests += [{"eval_time": "9m", "alertname": "BatchplaneRankDataWait", "exp_alerts": []}]  # not for 10m yet
+    alert_tests += [{"eval_time": "21m", "alertname": "BatchplaneRankStalled", "exp_alerts": []}]  # waiting 1 minute: not yet
+    alert_tests += [{"eval_time": "25m", "alertname": "BatchplaneBatchesStopped", "exp_alerts": []}]  # 5 minutes without: not yet
     unit = {
         "rule_files": [str(rules)],
         "evaluation_interval": "1m",

@@ -234,6 +234,7 @@ RPCS = [
         _never,
         examples=14,
     ),
+    Rpc("Constructor", "NoteWait", constructor_pb2.NoteWaitRequest, False, "constructor", ("trainer",), None, _never, examples=14),
 ]
 BY_NAME = {str(rpc): rpc for rpc in RPCS}
 
@@ -394,7 +395,7 @@ def _fetch_samples(draw: st.DrawFn, facts: JobFacts) -> Message:
 def aim(rpc: Rpc, request: Message, part: int, facts: JobFacts, data: st.DataObject) -> None:
     """Points `request` at the part it goes to (`part`: its index): a rank that constructor
     serves, a source that loader serves."""
-    if str(rpc) in ("Constructor.GetBatch", "Constructor.MarkCheckpoint"):
+    if str(rpc) in ("Constructor.GetBatch", "Constructor.MarkCheckpoint", "Constructor.NoteWait"):
         request.rank = data.draw(st.sampled_from(facts.constructor_ranks[part]))
     elif str(rpc) == "Loader.GetSummary":
         request.source = data.draw(st.sampled_from(facts.loader_sources[part]))
@@ -436,6 +437,7 @@ def typical_requests(rpc: Rpc, facts: JobFacts) -> st.SearchStrategy[Message]:
             rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
             resume=_resume(facts),
             restart=st.booleans(),
+            data_wait=_data_wait(),
         ),
         "Constructor.Report": lambda: st.builds(common_pb2.ReportRequest, step=_steps(facts), losses=_losses(facts)),
         "Constructor.GetLength": lambda: st.builds(constructor_pb2.GetLengthRequest, wait_ms=st.integers(0, WAIT_CAP_MS)),
@@ -444,7 +446,19 @@ def typical_requests(rpc: Rpc, facts: JobFacts) -> st.SearchStrategy[Message]:
             step=_steps(facts),
             rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
         ),
+        "Constructor.NoteWait": lambda: st.builds(
+            constructor_pb2.NoteWaitRequest,
+            rank=st.integers(0, len(facts.constructor_ranks) * len(facts.constructor_ranks[0]) - 1),
+            wait=_data_wait(),
+        ),
     }[str(rpc)]()
+
+
+def _data_wait() -> st.SearchStrategy[constructor_pb2.DataWait]:
+    """A client's measure of its trainer's waits, as `batchplane.client.waits` sends it."""
+    return st.tuples(st.floats(0, 1e4), st.floats(0, 1)).map(
+        lambda t: constructor_pb2.DataWait(client="0123456789abcdef0123456789abcdef", total_s=t[0], waiting_s=t[0] * t[1])
+    )
 
 
 # ---- the job -------------------------------------------------------------------------------------

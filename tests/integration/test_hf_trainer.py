@@ -25,7 +25,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import TRAINER_TIMEOUT_S, SourceData, ledger_records, scrape, start_cluster, wait_until, write_job
+from harness import (
+    TRAINER_TIMEOUT_S,
+    SourceData,
+    collect,
+    corrupt_row_group,
+    ledger_records,
+    scrape,
+    start_cluster,
+    wait_until,
+    write_job,
+)
 
 from batchplane.client import Client
 
@@ -316,3 +326,70 @@ def test_a_killed_trainer_resumes_from_its_hf_checkpoint_on_the_running_data_pla
     assert set(seen) == epoch and lost == 0 and repeated == 0 and delivered == len(epoch)
     assert past > 0 and rewinds >= 1  # the data plane had served past the checkpoint: it rewound
     assert ledger_records(tmp_path / "run") == reference["ledger"]  # the same plan as the uninterrupted job
+
+
+# ---- a finite job with unreadable row groups ends where its data does ---------------------
+
+
+def damaged_sources(root: pathlib.Path, rng: np.random.Generator) -> tuple[list[SourceData], set[tuple[int, int]]]:
+    """The successor sources with three row groups, chosen by `rng`, made unreadable; returns them
+    and the (source, row) of every row lost with them."""
+    sources = [write_successor_source(root, "up", 600, seed=1), write_successor_source(root, "more", 360, seed=2)]
+    groups = [
+        (k, path, g)
+        for k, s in enumerate(sources)
+        for path in sorted(s.path.glob("*.parquet"))
+        for g in range(pq.ParquetFile(path).metadata.num_row_groups)
+    ]
+    lost = set()
+    for index in sorted(rng.choice(len(groups), 3, replace=False).tolist()):
+        k, path, g = groups[index]
+        before = sum(pq.ParquetFile(p).metadata.num_rows for p in sorted(sources[k].path.glob("*.parquet")) if p < path)
+        first = before + sum(pq.ParquetFile(path).metadata.row_group(i).num_rows for i in range(g))
+        lost |= {(k, row) for row in range(first, first + corrupt_row_group(path, g))}
+    return sources, lost
+
+
+def test_a_job_with_unreadable_row_groups_ends_where_its_data_does_with_a_final_save(tmp_path) -> None:
+    """Issue 40: with rows damaged, substitution ends the data before the length counted at the
+    start. The Trainer (save every 7 steps) and a plain loop both stop at the real end, train
+    every good row once, save there, and their clients then know the exact length."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    sources, lost = damaged_sources(tmp_path / "data", np.random.default_rng(seed))
+    good = {(k, row) for k, s in enumerate(sources) for row in range(len(s.rows))} - lost
+    cluster = start_cluster(trainer_job(tmp_path, sources, "run"))
+    try:
+        with Client(rank=0, address=json.loads(cluster.endpoints_path.read_text())["constructors"]["0"], device=None) as client:
+            counted = client.num_steps
+        run_torchrun(tmp_path / "out", cluster.endpoints_path, "--save-steps", "7")
+        wait_until(lambda: cluster.status().finished, timeout_s=30, what="the job to finish")
+    finally:
+        cluster.stop()
+    logs = {r: read_log(tmp_path / "out" / f"steps-rank{r}.jsonl") for r in (0, 1)}
+    seen = trained_samples(logs[0] + logs[1])
+    delivered = len(logs[0])
+    assert set(seen) == good and max(seen.values()) == 1, f"seed {seed}: every good row once"
+    assert [line["step"] for line in logs[1]] == list(range(delivered)), f"seed {seed}"
+    assert delivered < counted == STEPS, f"seed {seed}: {len(lost)} rows lost end the data before the {counted} steps counted"
+    for rank in (0, 1):
+        ended = json.loads((tmp_path / "out" / f"ended-rank{rank}.json").read_text())
+        assert ended == {"global_step": delivered, "num_steps": delivered, "ended": True}, f"seed {seed}, rank {rank}"
+    state = json.loads((tmp_path / "out" / "hf" / f"checkpoint-{delivered}" / "batchplane_data.json").read_text())
+    assert state["next_step"] == delivered, f"seed {seed}: the last step is saved"
+
+    # A plain loop on the same job (a run folder of its own) ends there too, every good row once.
+    cluster = start_cluster(trainer_job(tmp_path, sources, "loop"))
+    try:
+        batches, states = collect(cluster.endpoints_path, range(2))
+    finally:
+        cluster.stop()
+    rows = collections.Counter(
+        (k, row)
+        for rank in batches.values()
+        for b in rank
+        for mb in b["microbatches"]
+        for k, row in zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())
+    )
+    assert set(rows) == good and max(rows.values()) == 1, f"seed {seed}"
+    assert [len(batches[r]) for r in (0, 1)] == [delivered, delivered]
+    assert [states[r]["next_step"] for r in (0, 1)] == [delivered, delivered]

@@ -1,8 +1,8 @@
 """The planner's ledger in a bucket (`ledger.location: s3://...`), against a real S3 endpoint
 (moto's server, which honours `If-None-Match: *`):
 
-- ObjectStorage passes the Storage contract (tests/unit/storage_contract.py) and names the
-  store in its errors;
+- ObjectStorage passes the Storage contract (tests/unit/storage_contract.py) and keeps its
+  objects under its prefix (its errors: tests/integration/test_store_errors.py);
 - a job whose planner is killed (SIGKILL) mid-run and restarted resumes from the bucket's
   ledger and delivers every Parquet row exactly once, as the ledger, read back from the bucket
   through `batchplane ledger`, says;
@@ -49,7 +49,7 @@ from storage_contract import *  # noqa: E402,F403 - the contract's tests, run he
 
 from batchplane.client import Client  # noqa: E402
 from batchplane.client.errors import DataPlaneError  # noqa: E402
-from batchplane.core.errors import FailedPrecondition, Unavailable  # noqa: E402
+from batchplane.core.errors import FailedPrecondition  # noqa: E402
 from batchplane.core.object_storage import PROBE_PREFIX, ObjectStorage, open_storage  # noqa: E402
 from batchplane.core.process import EXIT_BAD_INPUT, EXIT_FENCED  # noqa: E402
 from batchplane.core.storage import LocalStorage  # noqa: E402
@@ -96,27 +96,6 @@ def test_objects_lie_under_the_prefix_and_the_check_of_conditional_writes_leaves
     storage.put_if_absent("gen-000001/head.json", b"{}")
     assert s3.keys(BUCKET, "under/") == ["under/a/prefix/gen-000001/head.json"]
     assert storage.list("gen-") == ["gen-000001/head.json"]
-
-
-def test_a_missing_bucket_is_named_with_the_stores_answer(s3: S3Server) -> None:
-    storage = ObjectStorage.from_url("s3://no-such-bucket/ledger")
-    for call, doing in (
-        (lambda: storage.put_if_absent("k", b"x"), "cannot put 'k': listing the keys below it failed"),
-        (lambda: storage.list("gen-"), "cannot list 'gen-'"),
-        (lambda: open_storage("s3://no-such-bucket/ledger", check_writes=True), "cannot put 'conditional-put-check/"),
-    ):
-        with pytest.raises(Unavailable) as caught:
-            call()
-        message = str(caught.value)
-        assert message.startswith(doing) and "in object store s3://no-such-bucket/ledger: " in message, message
-        assert "<Code>NoSuchBucket</Code>" in message and "\n" not in message, message
-
-
-def test_an_unreachable_store_is_unavailable_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard: nothing listens
-    storage = ObjectStorage.from_url(f"s3://{BUCKET}/ledger")
-    with pytest.raises(Unavailable, match=f"cannot list 'gen-' in object store s3://{BUCKET}/ledger: "):
-        storage.list("gen-")
 
 
 # --- A store that ignores conditional writes -------------------------------------------------

@@ -42,6 +42,7 @@ class Plane:
         ledger: The ledger's storage (a resume passes the one of an earlier plane).
         lookahead: Samples per source the store wants ahead of its cursor; default: what the
             planner service asks for (`summary_lookahead`), at least 16.
+        files: Per source, the files its loader reports (`SourceInfo.files`); default: none.
     """
 
     def __init__(
@@ -52,8 +53,10 @@ class Plane:
         lengths: Lengths = eight,
         ledger: MemoryStorage | None = None,
         lookahead: int | None = None,
+        files: Sequence[Sequence[common_pb2.SourceFile]] | None = None,
     ) -> None:
         self.job = job
+        self.files = [list(f) for f in files] if files is not None else [[] for _ in row_groups]
         self.row_groups = [tuple(g) for g in row_groups]
         self.rows = [sum(g) for g in self.row_groups]
         self.lengths = lengths
@@ -85,8 +88,8 @@ class Plane:
                 address="loader:0",
                 incarnation="i0",
                 sources=[
-                    common_pb2.SourceInfo(name=name, num_rows=rows, row_group_sizes=groups)
-                    for name, rows, groups in zip(self.job.source_names, self.rows, self.row_groups)
+                    common_pb2.SourceInfo(name=name, num_rows=rows, row_group_sizes=groups, files=files)
+                    for name, rows, groups, files in zip(self.job.source_names, self.rows, self.row_groups, self.files)
                 ],
             ),
             None,

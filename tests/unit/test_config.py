@@ -96,6 +96,8 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, Any]] = [
     ("repeat-fraction", _source(0, repeat=1.5), "sources[0].repeat", 1.5),
     ("repeat-string", _source(0, repeat="2"), "sources[0].repeat", "2"),
     ("repeat-bool", _source(0, repeat=True), "sources[0].repeat", True),
+    ("on-change-unknown", _source(1, on_change="ignore"), "sources[1].on_change", "ignore"),
+    ("on-change-bool", _source(0, on_change=True), "sources[0].on_change", True),
     ("string-weight", _with(**{"mixture.weights": {"web": "1"}}), "mixture.weights.web", "1"),
     ("negative-keep-detail", _with(**{"ledger.keep_detail_steps": -1}), "ledger.keep_detail_steps", -1),
     ("group-unknown-source", _with(**{"loaders.groups": [["web", "wbe"]]}), "loaders.groups[0]", ["web", "wbe"]),
@@ -670,6 +672,19 @@ def test_repeat_is_part_of_the_data_fingerprint_only_when_set() -> None:
     two["sources"][0]["repeat"] = 2
     assert job_from_mapping(one).fingerprints == base.fingerprints  # jobs written before `repeat` keep theirs
     assert job_from_mapping(two).fingerprints["data"] != base.fingerprints["data"]
+
+
+def test_on_change_refuses_by_default_and_declaring_a_change_keeps_every_fingerprint() -> None:
+    data = _fingerprint_base()
+    base = job_from_mapping(data)
+    assert [s.on_change for s in base.sources] == ["refuse"] * len(base.sources)
+    data["sources"][0]["on_change"] = "restart"
+    declared = job_from_mapping(data)
+    assert declared.sources[0].on_change == "restart"
+    assert declared.fingerprints == base.fingerprints, "declaring a change is no change of the data settings"
+    data["sources"][0]["on_change"] = "Restart"
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.on_change: must be one of \('refuse', 'restart'\), got 'Restart'$"):
+        job_from_mapping(data)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ CHANGES: dict[str, Any] = {
     "sources[].transform_args": {"k": 1},
     "sources[].columns": ["text"],
     "sources[].repeat": 2,
+    "sources[].on_change": "restart",
     "seed": 3,
     "epochs": 2,
     "run_dir": "other/run",

@@ -15,6 +15,7 @@ from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.routing import Routing
 from batchplane.planner.bounds import MalformedSummary, check_summary, plan_lead, report_refusal
 from batchplane.planner.membership import Membership, SourceFacts, SummaryTarget
+from batchplane.planner.source_changes import SourceRecord
 from batchplane.planner.summaries import SummaryPuller, SummaryStore, parse_summary
 from batchplane.v1 import loader_pb2
 from batchplane.wire import WireFormatError, encode_array
@@ -32,7 +33,7 @@ def _membership(**loaders) -> Membership:
 
 def test_e_the_ledgers_facts_decide_not_the_first_registration() -> None:
     m = _membership()
-    m.expect_sources({"a": (40, REAL[0].digest)})  # what the restarted planner's ledger records
+    m.expect_sources({"a": SourceRecord(40, REAL[0].digest)})  # what the restarted planner's ledger records
     assert not m.register_loader(0, "evil:1", FALSE, incarnation="x").displaced  # wins the race
     joined = m.register_loader(0, "real:1", REAL, incarnation="r")  # the real loader's heartbeat
     assert joined.displaced and m.replicas(0) == {"0": "real:1"} and m.num_rows(0) == 40
@@ -44,14 +45,14 @@ def test_e_the_ledgers_facts_decide_not_the_first_registration() -> None:
 def test_e_once_the_job_started_its_facts_are_final() -> None:
     m = _membership()
     m.register_loader(0, "real:1", REAL)
-    assert m.commit_sources() == {"a": (40, REAL[0].digest)}
+    assert m.commit_sources() == {"a": SourceRecord(40, REAL[0].digest)}
     with pytest.raises(InvalidArgument, match="its files changed under a running job"):
         m.register_loader(0, "other:1", FALSE, replica="r2")
 
 
 def test_e_without_a_ledger_a_fresh_job_takes_what_its_loaders_agree_on() -> None:
     m = _membership()
-    m.expect_sources({"a": (40, REAL[0].digest)})
+    m.expect_sources({"a": SourceRecord(40, REAL[0].digest)})
     m.register_loader(0, "real:1", FALSE)  # the files changed since the ledger's run: a fresh run may use them
     m.register_loader(0, "real:2", FALSE, replica="r2")
     assert m.num_rows(0) == 41 and len(m.replicas(0)) == 2

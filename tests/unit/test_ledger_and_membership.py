@@ -16,6 +16,7 @@ from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.routing import Routing, last_owned
 from batchplane.planner.balance import METHODS
 from batchplane.planner.cost import make_cost_fn
+from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.ledger import BalanceTotals, Ledger, state_from_json
 from batchplane.planner.membership import Membership, SourceFacts
 from batchplane.planner.mixture import Allocation, MixtureState
@@ -172,6 +173,15 @@ def test_taking_a_consumed_seq_again_is_refused_and_resume_restores_consumption(
     assert [c.to_list() for c in resumed.consumed] == [[[10, 13]], [[0, 2]], []]
     resumed.assume_consumed((5, 0, 2))
     assert [c.to_list() for c in resumed.consumed] == [[[0, 5]], [], [[0, 2]]]
+
+
+def test_the_refusal_of_a_consumed_seq_shows_a_few_ranges_and_counts_the_rest() -> None:
+    ledger = Ledger(NAMES, method="greedy")
+    ledger.consumed[0] = IntervalSet([(s, s + 1) for s in range(0, 20_000, 2)])  # 10,000 ranges
+    with pytest.raises(ValueError) as refused:
+        ledger.record(Allocation(4, (10, 2, 0), ALLOC3.counts), _plan(4, STEP3, method="greedy"), AFTER)
+    message = str(refused.value)
+    assert "(consumed: [[0, 1], [2, 3], [4, 5], ... 10000 ranges, 10000 seqs in all])" in message and len(message) < 300
 
 
 def test_mismatched_allocation_and_plan_step_is_rejected() -> None:

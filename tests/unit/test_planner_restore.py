@@ -22,7 +22,17 @@ from batchplane.planner.journal import LedgerReader, LedgerWriter
 from batchplane.planner.ledger import AdaptiveRecord, Ledger
 from batchplane.planner.mixture import Allocation, MixtureState
 from batchplane.planner.plan import SampleTable, build_step_plan
-from batchplane.planner.restore import delivered_floor, new_generation, restore_start
+from batchplane.planner.membership import row_groups_digest
+from batchplane.planner.restore import (
+    check_sources,
+    delivered_floor,
+    expected_sources,
+    new_generation,
+    recorded_sources,
+    restore_start,
+    rewind_horizon,
+)
+from batchplane.planner.source_changes import FileFacts, SourceRecord
 from batchplane.planner.strategy import JobSchedule, job_mixture, load_schedule, load_strategy
 from batchplane.planner.window import Resume, Window
 
@@ -249,3 +259,84 @@ def test_a_record_round_trips_through_the_restore_of_the_step_after(
     assert start.adaptive.applied_through == adaptive.applied_through
     assert set(start.adaptive.reports) == set(range(adaptive.applied_through + 1, cut))
     assert delivered_floor(LedgerReader(run.storage)) == delivered_below
+
+
+# ---- sources that changed since the ledger recorded them (issue 40, point 2) ---------------------
+
+
+def _facts(*files: tuple[str, int]) -> SourceRecord:
+    """A source of one row group per file: (name, rows) each, sizes and times fixed."""
+    listed = tuple(FileFacts(name, 100 + rows, 5, rows) for name, rows in files)
+    return SourceRecord(sum(r for _, r in files), row_groups_digest([r for _, r in files]), listed)
+
+
+OLD = {"a": _facts(("x", 600), ("y", 400)), "b": _facts(("z", 600))}
+NEW = {"a": _facts(("x", 600)), "b": OLD["b"]}
+
+
+def _generations(*starts: tuple[int, dict, tuple[str, ...]]) -> MemoryStorage:
+    """A ledger of generations, each (start step, source facts, restarted), planning 10 steps."""
+    storage = MemoryStorage()
+    job = _job()
+    for start, facts, restarted in starts:
+        writer = new_generation(LedgerReader(storage), start, job=job, source_facts=facts, restarted=restarted)
+        writer.append([{"step": s} for s in range(start, start + 10)])
+    return storage
+
+
+def _heads(storage: MemoryStorage) -> list[dict]:
+    return [json.loads(storage.get(k)) for k in storage.list("gen-") if k.endswith("head.json")]
+
+
+def test_files_are_recorded_by_the_first_generation_and_again_only_where_they_changed() -> None:
+    storage = _generations((0, OLD, ()), (5, OLD, ()), (8, NEW, ("a",)))
+    heads = _heads(storage)
+    assert [len(h["source_facts"]["a"]) for h in heads] == [3, 2, 3] and [len(h["source_facts"]["b"]) for h in heads] == [3, 2, 2]
+    assert [h.get("restarted") for h in heads] == [None, None, ["a"]]
+    reader = LedgerReader(storage)
+    assert expected_sources(reader, job=_job()) == NEW
+    assert recorded_sources(reader, 7)[1] == OLD and recorded_sources(reader, 12)[1] == NEW
+    assert recorded_sources(reader, 0) is None and recorded_sources(reader, 30) is None
+
+
+def test_a_resume_compares_with_the_facts_of_the_generation_it_continues() -> None:
+    job = _job()
+    storage = _generations((0, OLD, ()), (8, NEW, ("a",)))
+    reader = LedgerReader(storage)
+    assert check_sources(reader, 12, job=job, reported=NEW).restarted == ()
+    with pytest.raises(FailedPrecondition, match=r"(?s)cannot resume at step 6: source 'a' changed since generation 1 .*files gone: y"):
+        check_sources(reader, 6, job=job, reported=NEW)  # before the change: the old files' positions
+    assert check_sources(reader, 0, job=job, reported=NEW).restarted == ()  # a fresh start carries nothing
+    declared = _job()
+    declared = dataclasses.replace(declared, sources=(dataclasses.replace(declared.sources[0], on_change="restart"), declared.sources[1]))
+    assert [c.source for c in check_sources(reader, 6, job=declared, reported=NEW).restarted] == ["a"]
+    other_data = dataclasses.replace(job, seed=99)  # restore_mixture refuses that one with its own message
+    assert check_sources(reader, 6, job=other_data, reported=NEW).restarted == ()
+
+
+def test_no_rewind_goes_before_a_restart_that_still_counts() -> None:
+    reader = LedgerReader(_generations((0, OLD, ()), (8, NEW, ("a",))))
+    assert rewind_horizon(reader, 14, adaptive=False) == 8
+    assert rewind_horizon(reader, 6, adaptive=False) == 0  # a start before it supersedes it
+    assert rewind_horizon(reader, 6, adaptive=False, restarted=True) == 6
+    superseded = LedgerReader(_generations((0, OLD, ()), (8, NEW, ("a",)), (4, OLD, ())))
+    assert rewind_horizon(superseded, 14, adaptive=False) == 0
+
+
+def test_a_restarted_source_starts_from_nothing_consumed_and_the_others_go_on() -> None:
+    job = _job()
+    run = _run(job, 6)
+    schedule = _schedule(job)
+    ledger = Ledger(job.source_names, method="greedy")
+    start = restore_start(
+        4,
+        job=job,
+        mixture=job_mixture(job, schedule, num_rows=ROWS),
+        reader=LedgerReader(run.storage),
+        resume=job.fingerprints,
+        rule=None,
+        ledger=ledger,
+        restarted=["b"],
+    )
+    assert start.state.cursors == (run.states[4].cursors[0], 0) and start.inside is None
+    assert _consumed(ledger) == [[[0, run.states[4].cursors[0]]], []]

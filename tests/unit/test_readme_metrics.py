@@ -20,12 +20,16 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def registered(*metric_sets: object) -> dict[str, set[str]]:
-    """Family name (counters with `_total`) -> label names of the metrics held by `metric_sets`."""
+    """Family name (counters with `_total`) -> label names of the metrics held by `metric_sets`:
+    metric objects, and custom collectors by the families they describe."""
     out = {}
     for metrics in metric_sets:
         for value in vars(metrics).values():
             if isinstance(value, MetricWrapperBase):
                 out[value._name + ("_total" if value._type == "counter" else "")] = set(value._labelnames)
+            elif callable(getattr(value, "describe", None)) and callable(getattr(value, "collect", None)):
+                for family in value.describe():
+                    out[family.name + ("_total" if family.type == "counter" else "")] = set(family._labelnames)
     return out
 
 

@@ -24,15 +24,12 @@ from hypothesis import strategies as st
 
 from batchplane.core.config import url_scheme
 from batchplane.core.errors import SourceError
+from batchplane.core.store_errors import Problem, classify_error, explain, first_line
 from batchplane.loader import filesystems
 from batchplane.loader.filesystems import FSSPEC_EXTRA, find_parquet_files, open_location
 from batchplane.loader import locations
 from batchplane.loader.locations import (
     Endpoint,
-    Problem,
-    classify_error,
-    explain,
-    first_line,
     matches_glob,
     path_order,
     relative_to,

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import queue
-import time
 from collections.abc import Iterator, Mapping
 from concurrent import futures
 from typing import Any
@@ -51,6 +50,7 @@ from batchplane.client.endpoints import AddressBook
 from batchplane.client.errors import InvalidRequestError
 from batchplane.client.tensors import unpack
 from batchplane.client.transport import ConstructorConnection
+from batchplane.client.waits import NOTE_EVERY_S, WaitClock
 from batchplane.v1 import constructor_pb2
 
 #: The state_dict format: 5 adds "journal", journal cursors (journal delivery) as one JSON
@@ -161,6 +161,10 @@ class Client:
         self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchplane-fetch", initializer=initializer)
         self._max_batch_steps = max(info.max_batch_steps, 1)
         self._last_bytes: int | None = None  # the last batch's payload, for `steps_per_call`
+        self._waits = WaitClock()
+        self._noted = False  # the current wait was noted to the constructor
+        #: The first step past the job's data, once a batch's header (or the end of data) said.
+        self._end_step: int | None = None
 
     @property
     def address(self) -> str:
@@ -183,25 +187,34 @@ class Client:
         """Steps of the whole job, from step 0 to its end of data (what `len` gives; a client
         resumed at step c yields num_steps - c more); None when the job never ends or its length
         is not known (yet, or in advance: an adaptive mixture that may stop reading a source).
-        Asks the planner, which waits for its loaders to register; a known length is kept."""
+        Asks the planner, which waits for its loaders to register.
+
+        An upper bound that becomes exact: bad samples met while reading (batch.bad_samples.policy
+        substitute, the default) can end the data a few steps earlier than counted at the start;
+        the count is exact once the planner has planned the end of the data, a few steps before
+        the trainer reaches it. Iteration always ends at the real end, wherever that is."""
+        if self._end_step is not None:
+            return self._end_step
         return self._job_length().num_steps or None
 
     def _job_length(self) -> Any:
         if self._length is not None:
             return self._length
         length = self._connection.length()
-        if length.num_steps or length.infinite:  # settled for the job's lifetime
+        if length.exact or length.infinite:  # settled for the job's lifetime
             self._length = length
         return length
 
     def __len__(self) -> int:
-        """The job's number of steps (`num_steps`), for LR schedules, `max_steps` and progress
-        bars.
+        """The job's number of steps (`num_steps`: an upper bound that becomes exact), for LR
+        schedules, `max_steps` and progress bars.
 
         Raises:
             TypeError: the job never ends (epochs: infinite), or its length is not known; the
                 message says why.
         """
+        if self._end_step is not None:
+            return self._end_step
         length = self._job_length()
         if not length.num_steps:
             why = "its data never ends (epochs: infinite)" if length.infinite else length.unknown or "the planner does not know it"
@@ -219,28 +232,64 @@ class Client:
         s only once step s - 1 has been yielded, so a checkpoint taken after any step resumes
         against the same running data plane.
         """
+        if self._past_end(self._next_step):
+            return
         call = self._start_call(self._next_step)
         try:
             while True:
-                begin = time.perf_counter()
-                item = call.received.get()
-                if item is _CALL_ENDED:
-                    if call.future.result():  # raises what ended the call
+                self._waits.begin()
+                item = self._receive(call)
+                while item is _CALL_ENDED:
+                    if call.future.result() or self._past_end(self._next_step):  # raises what ended the call
+                        self._end_wait()
                         return  # the data ended
                     call = self._start_call(self._next_step)  # it ended early: ask again from there
-                    continue
+                    item = self._receive(call)
                 batch, copied, cursor, last = item
                 if copied is not None and self._copier is not None:  # this thread's stream waits for the side stream's copies
                     self._copier.hand_over([*batch["microbatches"], *batch["subbatches"].values()], copied)
-                batch["data_wait_s"] = time.perf_counter() - begin
+                batch["data_wait_s"] = self._end_wait()
                 step = batch["step"]
                 self._next_step = step + 1
                 self._cursors = {} if cursor is None else {**{s: c for s, c in self._cursors.items() if s == step}, step + 1: cursor}
+                if self._past_end(self._next_step):
+                    yield batch
+                    return  # the last step: nothing is asked for past it
                 if last:
                     call = self._start_call(self._next_step)
                 yield batch
         finally:
             call.future.cancel()
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job's data ends before the next step this client would yield (as far as it
+        knows: a batch's header says where the data ends once the data plane knows)."""
+        return self._past_end(self._next_step)
+
+    def _past_end(self, step: int) -> bool:
+        """Whether `step` is past the job's data, as far as this client knows (a batch's header
+        said where the data ends, or a call ended at its end)."""
+        return self._end_step is not None and step >= self._end_step
+
+    def _receive(self, call: _Call) -> Any:
+        """The next item of `call`, waiting as long as it takes; while the trainer waits, its
+        wait is noted to the constructor every `NOTE_EVERY_S` (`waits`)."""
+        while True:
+            try:
+                return call.received.get(timeout=NOTE_EVERY_S)
+            except queue.Empty:
+                self._connection.note_wait(self.rank, self._waits.measure())
+                self._noted = True
+
+    def _end_wait(self) -> float:
+        """The trainer's wait ends; returns how long it was. A wait noted to the constructor is
+        noted as over at once (its metrics stop counting it)."""
+        waited = self._waits.end()
+        if self._noted:
+            self._noted = False
+            self._connection.note_wait(self.rank, self._waits.measure())
+        return waited
 
     def steps_per_call(self) -> int:
         """How many steps the next call to the constructor may carry: one at first, then as many
@@ -265,12 +314,22 @@ class Client:
         it (None with stream delivery) and whether it is the last the call carries, in
         `received`. Returns True past the end of data."""
         batches = self._connection.batches(
-            self.rank, step, max_steps=count, pin=self.pin_memory, resume=self._resume, restart=self._restart, cursor=self._resume_cursor
+            self.rank,
+            step,
+            max_steps=count,
+            pin=self.pin_memory,
+            resume=self._resume,
+            restart=self._restart,
+            cursor=self._resume_cursor,
+            data_wait=self._waits.measure,
         )
         for index, (header, storage) in enumerate(batches):
             self._resume, self._restart, self._resume_cursor = {}, False, None
             if header.end_of_data:
+                self._end_step = header.step if self._end_step is None else min(self._end_step, header.step)
                 return True
+            if header.end_step > 0:
+                self._end_step = header.end_step
             self._last_bytes = header.payload_bytes
             batch, copied = self._batch_of(header, storage)
             del storage  # the batch's tensors alone keep its slab or buffer
@@ -436,6 +495,7 @@ class Client:
                 "rank %d resumes at step %d across changes of %s; the planner re-plans from its ledger", self.rank, step, ", ".join(changed)
             )
         self.resumed_across = changed
+        self._end_step = None  # where the data ends is said again (a change of batching moves it)
         self._resume = then
         self._restart = True
         self._next_step = step

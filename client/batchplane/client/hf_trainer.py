@@ -17,7 +17,9 @@ What it changes in Hugging Face's loop (transformers 5.24; `trainer.py`'s `_run_
 - Loss. Every microbatch's loss is weighted by the step's exact token counts (see
   `loss_normalizer`), not Hugging Face's per-rank estimate `num_items_in_batch`.
 - Length. `max_steps` defaults to the job's steps (`len(client)`); one Hugging Face "epoch" is
-  the whole job (the job's own `epochs` say how often it passes over its sources).
+  the whole job (the job's own `epochs` say how often it passes over its sources). That count is
+  an upper bound where bad samples are substituted: training ends where the data does, with the
+  save Hugging Face makes at its last step (`_StopAtDataEnd`).
 - Checkpoints. Rank 0 writes the client's state (`Client.state_dict()`, the same on every rank)
   into every checkpoint folder as `batchplane_data.json`; `train(resume_from_checkpoint=...)`
   loads it into every rank's client before iterating, and Hugging Face never skips batches itself
@@ -102,6 +104,35 @@ class _EpochFromStep(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         state.epoch = state.global_step / max(self._trainer._steps_in_epoch, 1)
+
+
+class _StopAtDataEnd(transformers.TrainerCallback):
+    """Ends training where the job's data ends, which can be a few steps before `max_steps` (the
+    job's length counted at the start is an upper bound when bad samples are substituted,
+    `Client.num_steps`), with the save Hugging Face makes at its last step: its own flow
+    (`DefaultFlowCallback`) does that at `max_steps` only. Without it the epoch would end on an
+    exhausted iterator, unsaved."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(self._trainer.data, "ended", False) and not control.should_training_stop:
+            log.info(
+                "the job's data ends after step %d (of %d counted at the start): training ends there", state.global_step, state.max_steps
+            )
+            self._stop(args, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(self._trainer.data, "ended", False) and state.global_step < state.max_steps:  # the iterator ended before the count
+            self._stop(args, state, control)
+
+    @staticmethod
+    def _stop(args: Any, state: Any, control: Any) -> None:
+        state.max_steps = state.global_step
+        control.should_training_stop = True
+        if args.save_strategy == transformers.trainer_utils.SaveStrategy.STEPS:
+            control.should_save = True
 
 
 class _MarkCheckpoint(transformers.TrainerCallback):
@@ -200,6 +231,7 @@ class Trainer(transformers.Trainer):
         self._steps_in_epoch = self._max_steps
         self._saved_state: dict[str, Any] | None = None  # the data state of the checkpoint being saved
         self.add_callback(_EpochFromStep(self))
+        self.add_callback(_StopAtDataEnd(self))
         self.add_callback(_MarkCheckpoint(self))
 
     # ---- checks at the edge ---------------------------------------------------------------

@@ -50,6 +50,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 MAX_MESSAGE_BYTES = 64 << 20
 #: The longest pause between retries: a restarted constructor is reached within it.
 MAX_BACKOFF_S = 0.25
+#: How long a wait's note (`note_wait`) may take before it is given up.
+NOTE_TIMEOUT_S = 2.0
 #: How long after a failed connection to the slab socket the next try waits (unless a new
 #: socket is bound there: a restarted constructor's).
 SLAB_RETRY_S = 5.0
@@ -179,6 +181,7 @@ class ConstructorConnection:
         resume: dict[str, str] | None = None,
         restart: bool = False,
         cursor: constructor_pb2.JournalCursor | None = None,
+        data_wait: Callable[[], constructor_pb2.DataWait] | None = None,
     ) -> Iterator[tuple[constructor_pb2.BatchHeader, torch.Tensor]]:
         """The header and payload of rank `rank`'s batch of `step`, then of each following step
         one call carries (up to `max_steps` in all, `GetBatchRequest.max_steps`), each as it
@@ -186,7 +189,8 @@ class ConstructorConnection:
         breaks or ends early just ends the iteration (the caller asks again from the step after
         the last one it got). `resume`: the fingerprints of the checkpoint the rank resumed from
         (first request); `restart`: the rank's trainer (re)starts at `step` (its first request);
-        `cursor`: where `step` starts in the journal, from that checkpoint (journal delivery).
+        `cursor`: where `step` starts in the journal, from that checkpoint (journal delivery);
+        `data_wait`: the trainer's waits for data so far, sent with each attempt (`waits`).
 
         Raises:
             ProtocolError: a malformed stream (a batch of another step than the next, a payload
@@ -210,6 +214,7 @@ class ConstructorConnection:
                 shm_session=slabs.session if slabs is not None else "",
                 released_slabs=slabs.take_releases() if slabs is not None else (),  # sent once: the constructor applies them first
                 max_steps=count if count > 1 else 0,
+                data_wait=data_wait() if data_wait is not None else None,
             )
             stream = self._stub.GetBatch(request, timeout=remaining)
             with self._lock:
@@ -312,6 +317,15 @@ class ConstructorConnection:
         request = common_pb2.ReportRequest(step=step, losses=losses)
         return self._call(lambda remaining: self._stub.Report(request, timeout=remaining), f"Report(step {step})")
 
+    def note_wait(self, rank: int, wait: constructor_pb2.DataWait) -> None:
+        """Sends rank `rank`'s waits for data (`waits`) without waiting for the answer: a lost
+        note only delays the metric until the next. A constructor that does not take notes
+        (an older one) is no error either."""
+        if self._closed:
+            return
+        future = self._stub.NoteWait.future(constructor_pb2.NoteWaitRequest(rank=rank, wait=wait), timeout=NOTE_TIMEOUT_S)
+        future.add_done_callback(_log_note_failure)
+
     def mark_checkpoint(self, rank: int, step: int) -> constructor_pb2.MarkCheckpointResponse:
         """Tells the constructor rank `rank`'s checkpoint resumes at `step` (answered once kept)."""
         request = constructor_pb2.MarkCheckpointRequest(rank=rank, step=step)
@@ -370,3 +384,9 @@ class ConstructorConnection:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+
+def _log_note_failure(future: Any) -> None:
+    exc = future.exception() if not future.cancelled() else None
+    if exc is not None:
+        log.debug("NoteWait failed: %s", exc)

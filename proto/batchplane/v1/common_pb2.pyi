@@ -36,18 +36,32 @@ class SampleSet(_message.Message):
     def __init__(self, source: _Optional[_Union[Array, _Mapping]] = ..., seq: _Optional[_Union[Array, _Mapping]] = ..., row: _Optional[_Union[Array, _Mapping]] = ..., length: _Optional[_Union[Array, _Mapping]] = ..., epoch: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("name", "num_rows", "num_files", "num_row_groups", "row_group_sizes")
+    __slots__ = ("name", "num_rows", "num_files", "num_row_groups", "row_group_sizes", "files")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     NUM_FILES_FIELD_NUMBER: _ClassVar[int]
     NUM_ROW_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ROW_GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     num_files: int
     num_row_groups: int
     row_group_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ..., row_group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[SourceFile]
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., num_files: _Optional[int] = ..., num_row_groups: _Optional[int] = ..., row_group_sizes: _Optional[_Iterable[int]] = ..., files: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ...) -> None: ...
+
+class SourceFile(_message.Message):
+    __slots__ = ("name", "size_bytes", "mtime_ns", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    mtime_ns: int
+    rows: int
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("from_window", "replicas")
@@ -139,14 +153,16 @@ class PayloadColumn(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fill: _Optional[float] = ...) -> None: ...
 
 class JobLength(_message.Message):
-    __slots__ = ("num_steps", "infinite", "unknown")
+    __slots__ = ("num_steps", "infinite", "unknown", "exact")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     INFINITE_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     infinite: bool
     unknown: str
-    def __init__(self, num_steps: _Optional[int] = ..., infinite: bool = ..., unknown: _Optional[str] = ...) -> None: ...
+    exact: bool
+    def __init__(self, num_steps: _Optional[int] = ..., infinite: bool = ..., unknown: _Optional[str] = ..., exact: bool = ...) -> None: ...
 
 class Hooks(_message.Message):
     __slots__ = ("loader_do_plan", "constructor_do_plan")

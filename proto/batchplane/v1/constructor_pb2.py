@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from batchplane.v1 import common_pb2 as batchplane_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61tchplane/v1/constructor.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\"3\n\x15MarkCheckpointRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\"c\n\x16MarkCheckpointResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tmark_step\x18\x03 \x01(\x03\x12\x14\n\x0c\x63heckpointed\x18\x04 \x01(\x08\"\x10\n\x0eGetInfoRequest\"n\n\x0fGetInfoResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x17\n\x0fmax_batch_steps\x18\x04 \x01(\x05J\x04\x08\x02\x10\x03R\x08\x64p_ranks\"\xbf\x02\n\x0fGetBatchRequest\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12:\n\x06resume\x18\x05 \x03(\x0b\x32*.batchplane.v1.GetBatchRequest.ResumeEntry\x12\x0f\n\x07restart\x18\x06 \x01(\x08\x12\x13\n\x0bshm_session\x18\x07 \x01(\t\x12\x16\n\x0ereleased_slabs\x18\x08 \x03(\x03\x12\x34\n\x0ejournal_cursor\x18\t \x01(\x0b\x32\x1c.batchplane.v1.JournalCursor\x12\x11\n\tmax_steps\x18\n \x01(\x05\x1a-\n\x0bResumeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x02R\x07\x64p_rank\"G\n\rJournalCursor\x12\x18\n\x10manifest_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x05\"#\n\x10GetLengthRequest\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x05\"=\n\x11GetLengthResponse\x12(\n\x06length\x18\x01 \x01(\x0b\x32\x18.batchplane.v1.JobLength\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\x8a\x01\n\x0eMicrobatchSpec\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.batchplane.v1.TensorSpec\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\x13\n\x0bloss_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06\x66iller\x18\x04 \x01(\x08\x12\x13\n\x0bloss_weight\x18\x05 \x01(\x01\"Z\n\x0cSubBatchSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.batchplane.v1.TensorSpec\"\xfb\x02\n\x0b\x42\x61tchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_of_data\x18\x02 \x01(\x08\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\x33\n\x0cmicrobatches\x18\x04 \x03(\x0b\x32\x1d.batchplane.v1.MicrobatchSpec\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12global_loss_tokens\x18\x06 \x01(\x03\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x0f\n\x07pp_rank\x18\x08 \x01(\x05\x12\x0f\n\x07\x63p_rank\x18\t \x01(\x05\x12\x0f\n\x07tp_rank\x18\n \x01(\x05\x12/\n\nsubbatches\x18\x0b \x03(\x0b\x32\x1b.batchplane.v1.SubBatchSpec\x12(\n\x03shm\x18\x0c \x01(\x0b\x32\x1b.batchplane.v1.ShmPlacement\x12\x34\n\x0ejournal_cursor\x18\r \x01(\x0b\x32\x1c.batchplane.v1.JournalCursor\"<\n\x0cShmPlacement\x12\x0c\n\x04slab\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\"o\n\x10GetBatchResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.batchplane.v1.BatchHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.ChunkH\x00\x42\x06\n\x04part2\x9c\x03\n\x0b\x43onstructor\x12H\n\x07GetInfo\x12\x1d.batchplane.v1.GetInfoRequest\x1a\x1e.batchplane.v1.GetInfoResponse\x12M\n\x08GetBatch\x12\x1e.batchplane.v1.GetBatchRequest\x1a\x1f.batchplane.v1.GetBatchResponse0\x01\x12\x45\n\x06Report\x12\x1c.batchplane.v1.ReportRequest\x1a\x1d.batchplane.v1.ReportResponse\x12N\n\tGetLength\x12\x1f.batchplane.v1.GetLengthRequest\x1a .batchplane.v1.GetLengthResponse\x12]\n\x0eMarkCheckpoint\x12$.batchplane.v1.MarkCheckpointRequest\x1a%.batchplane.v1.MarkCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61tchplane/v1/constructor.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\">\n\x08\x44\x61taWait\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x11\n\twaiting_s\x18\x03 \x01(\x01\"F\n\x0fNoteWaitRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12%\n\x04wait\x18\x02 \x01(\x0b\x32\x17.batchplane.v1.DataWait\"\x12\n\x10NoteWaitResponse\"3\n\x15MarkCheckpointRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\"c\n\x16MarkCheckpointResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tmark_step\x18\x03 \x01(\x03\x12\x14\n\x0c\x63heckpointed\x18\x04 \x01(\x08\"\x10\n\x0eGetInfoRequest\"n\n\x0fGetInfoResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.batchplane.v1.JobInfo\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x17\n\x0fmax_batch_steps\x18\x04 \x01(\x05J\x04\x08\x02\x10\x03R\x08\x64p_ranks\"\xeb\x02\n\x0fGetBatchRequest\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12:\n\x06resume\x18\x05 \x03(\x0b\x32*.batchplane.v1.GetBatchRequest.ResumeEntry\x12\x0f\n\x07restart\x18\x06 \x01(\x08\x12\x13\n\x0bshm_session\x18\x07 \x01(\t\x12\x16\n\x0ereleased_slabs\x18\x08 \x03(\x03\x12\x34\n\x0ejournal_cursor\x18\t \x01(\x0b\x32\x1c.batchplane.v1.JournalCursor\x12\x11\n\tmax_steps\x18\n \x01(\x05\x12*\n\tdata_wait\x18\x0b \x01(\x0b\x32\x17.batchplane.v1.DataWait\x1a-\n\x0bResumeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x02R\x07\x64p_rank\"G\n\rJournalCursor\x12\x18\n\x10manifest_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x05\"#\n\x10GetLengthRequest\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x05\"=\n\x11GetLengthResponse\x12(\n\x06length\x18\x01 \x01(\x0b\x32\x18.batchplane.v1.JobLength\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\x8a\x01\n\x0eMicrobatchSpec\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.batchplane.v1.TensorSpec\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\x13\n\x0bloss_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06\x66iller\x18\x04 \x01(\x08\x12\x13\n\x0bloss_weight\x18\x05 \x01(\x01\"Z\n\x0cSubBatchSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.batchplane.v1.TensorSpec\"\x8d\x03\n\x0b\x42\x61tchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_of_data\x18\x02 \x01(\x08\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\x33\n\x0cmicrobatches\x18\x04 \x03(\x0b\x32\x1d.batchplane.v1.MicrobatchSpec\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12global_loss_tokens\x18\x06 \x01(\x03\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x0f\n\x07pp_rank\x18\x08 \x01(\x05\x12\x0f\n\x07\x63p_rank\x18\t \x01(\x05\x12\x0f\n\x07tp_rank\x18\n \x01(\x05\x12/\n\nsubbatches\x18\x0b \x03(\x0b\x32\x1b.batchplane.v1.SubBatchSpec\x12(\n\x03shm\x18\x0c \x01(\x0b\x32\x1b.batchplane.v1.ShmPlacement\x12\x34\n\x0ejournal_cursor\x18\r \x01(\x0b\x32\x1c.batchplane.v1.JournalCursor\x12\x10\n\x08\x65nd_step\x18\x0e \x01(\x03\"<\n\x0cShmPlacement\x12\x0c\n\x04slab\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\"o\n\x10GetBatchResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.batchplane.v1.BatchHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.ChunkH\x00\x42\x06\n\x04part2\xe9\x03\n\x0b\x43onstructor\x12H\n\x07GetInfo\x12\x1d.batchplane.v1.GetInfoRequest\x1a\x1e.batchplane.v1.GetInfoResponse\x12M\n\x08GetBatch\x12\x1e.batchplane.v1.GetBatchRequest\x1a\x1f.batchplane.v1.GetBatchResponse0\x01\x12\x45\n\x06Report\x12\x1c.batchplane.v1.ReportRequest\x1a\x1d.batchplane.v1.ReportResponse\x12N\n\tGetLength\x12\x1f.batchplane.v1.GetLengthRequest\x1a .batchplane.v1.GetLengthResponse\x12]\n\x0eMarkCheckpoint\x12$.batchplane.v1.MarkCheckpointRequest\x1a%.batchplane.v1.MarkCheckpointResponse\x12K\n\x08NoteWait\x12\x1e.batchplane.v1.NoteWaitRequest\x1a\x1f.batchplane.v1.NoteWaitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -24,36 +24,42 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _globals['_GETBATCHREQUEST_RESUMEENTRY']._options = None
   _globals['_GETBATCHREQUEST_RESUMEENTRY']._serialized_options = b'8\001'
-  _globals['_MARKCHECKPOINTREQUEST']._serialized_start=78
-  _globals['_MARKCHECKPOINTREQUEST']._serialized_end=129
-  _globals['_MARKCHECKPOINTRESPONSE']._serialized_start=131
-  _globals['_MARKCHECKPOINTRESPONSE']._serialized_end=230
-  _globals['_GETINFOREQUEST']._serialized_start=232
-  _globals['_GETINFOREQUEST']._serialized_end=248
-  _globals['_GETINFORESPONSE']._serialized_start=250
-  _globals['_GETINFORESPONSE']._serialized_end=360
-  _globals['_GETBATCHREQUEST']._serialized_start=363
-  _globals['_GETBATCHREQUEST']._serialized_end=682
-  _globals['_GETBATCHREQUEST_RESUMEENTRY']._serialized_start=622
-  _globals['_GETBATCHREQUEST_RESUMEENTRY']._serialized_end=667
-  _globals['_JOURNALCURSOR']._serialized_start=684
-  _globals['_JOURNALCURSOR']._serialized_end=755
-  _globals['_GETLENGTHREQUEST']._serialized_start=757
-  _globals['_GETLENGTHREQUEST']._serialized_end=792
-  _globals['_GETLENGTHRESPONSE']._serialized_start=794
-  _globals['_GETLENGTHRESPONSE']._serialized_end=855
-  _globals['_TENSORSPEC']._serialized_start=857
-  _globals['_TENSORSPEC']._serialized_end=929
-  _globals['_MICROBATCHSPEC']._serialized_start=932
-  _globals['_MICROBATCHSPEC']._serialized_end=1070
-  _globals['_SUBBATCHSPEC']._serialized_start=1072
-  _globals['_SUBBATCHSPEC']._serialized_end=1162
-  _globals['_BATCHHEADER']._serialized_start=1165
-  _globals['_BATCHHEADER']._serialized_end=1544
-  _globals['_SHMPLACEMENT']._serialized_start=1546
-  _globals['_SHMPLACEMENT']._serialized_end=1606
-  _globals['_GETBATCHRESPONSE']._serialized_start=1608
-  _globals['_GETBATCHRESPONSE']._serialized_end=1719
-  _globals['_CONSTRUCTOR']._serialized_start=1722
-  _globals['_CONSTRUCTOR']._serialized_end=2134
+  _globals['_DATAWAIT']._serialized_start=78
+  _globals['_DATAWAIT']._serialized_end=140
+  _globals['_NOTEWAITREQUEST']._serialized_start=142
+  _globals['_NOTEWAITREQUEST']._serialized_end=212
+  _globals['_NOTEWAITRESPONSE']._serialized_start=214
+  _globals['_NOTEWAITRESPONSE']._serialized_end=232
+  _globals['_MARKCHECKPOINTREQUEST']._serialized_start=234
+  _globals['_MARKCHECKPOINTREQUEST']._serialized_end=285
+  _globals['_MARKCHECKPOINTRESPONSE']._serialized_start=287
+  _globals['_MARKCHECKPOINTRESPONSE']._serialized_end=386
+  _globals['_GETINFOREQUEST']._serialized_start=388
+  _globals['_GETINFOREQUEST']._serialized_end=404
+  _globals['_GETINFORESPONSE']._serialized_start=406
+  _globals['_GETINFORESPONSE']._serialized_end=516
+  _globals['_GETBATCHREQUEST']._serialized_start=519
+  _globals['_GETBATCHREQUEST']._serialized_end=882
+  _globals['_GETBATCHREQUEST_RESUMEENTRY']._serialized_start=822
+  _globals['_GETBATCHREQUEST_RESUMEENTRY']._serialized_end=867
+  _globals['_JOURNALCURSOR']._serialized_start=884
+  _globals['_JOURNALCURSOR']._serialized_end=955
+  _globals['_GETLENGTHREQUEST']._serialized_start=957
+  _globals['_GETLENGTHREQUEST']._serialized_end=992
+  _globals['_GETLENGTHRESPONSE']._serialized_start=994
+  _globals['_GETLENGTHRESPONSE']._serialized_end=1055
+  _globals['_TENSORSPEC']._serialized_start=1057
+  _globals['_TENSORSPEC']._serialized_end=1129
+  _globals['_MICROBATCHSPEC']._serialized_start=1132
+  _globals['_MICROBATCHSPEC']._serialized_end=1270
+  _globals['_SUBBATCHSPEC']._serialized_start=1272
+  _globals['_SUBBATCHSPEC']._serialized_end=1362
+  _globals['_BATCHHEADER']._serialized_start=1365
+  _globals['_BATCHHEADER']._serialized_end=1762
+  _globals['_SHMPLACEMENT']._serialized_start=1764
+  _globals['_SHMPLACEMENT']._serialized_end=1824
+  _globals['_GETBATCHRESPONSE']._serialized_start=1826
+  _globals['_GETBATCHRESPONSE']._serialized_end=1937
+  _globals['_CONSTRUCTOR']._serialized_start=1940
+  _globals['_CONSTRUCTOR']._serialized_end=2429
 # @@protoc_insertion_point(module_scope)

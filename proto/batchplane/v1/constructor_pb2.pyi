@@ -6,6 +6,28 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DataWait(_message.Message):
+    __slots__ = ("client", "total_s", "waiting_s")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    total_s: float
+    waiting_s: float
+    def __init__(self, client: _Optional[str] = ..., total_s: _Optional[float] = ..., waiting_s: _Optional[float] = ...) -> None: ...
+
+class NoteWaitRequest(_message.Message):
+    __slots__ = ("rank", "wait")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    wait: DataWait
+    def __init__(self, rank: _Optional[int] = ..., wait: _Optional[_Union[DataWait, _Mapping]] = ...) -> None: ...
+
+class NoteWaitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class MarkCheckpointRequest(_message.Message):
     __slots__ = ("rank", "step")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -41,7 +63,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[int]] = ..., max_batch_steps: _Optional[int] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs", "journal_cursor", "max_steps")
+    __slots__ = ("step", "wait_ms", "rank", "resume", "restart", "shm_session", "released_slabs", "journal_cursor", "max_steps", "data_wait")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +80,7 @@ class GetBatchRequest(_message.Message):
     RELEASED_SLABS_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_CURSOR_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DATA_WAIT_FIELD_NUMBER: _ClassVar[int]
     step: int
     wait_ms: int
     rank: int
@@ -67,7 +90,8 @@ class GetBatchRequest(_message.Message):
     released_slabs: _containers.RepeatedScalarFieldContainer[int]
     journal_cursor: JournalCursor
     max_steps: int
-    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    data_wait: DataWait
+    def __init__(self, step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., restart: bool = ..., shm_session: _Optional[str] = ..., released_slabs: _Optional[_Iterable[int]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ..., max_steps: _Optional[int] = ..., data_wait: _Optional[_Union[DataWait, _Mapping]] = ...) -> None: ...
 
 class JournalCursor(_message.Message):
     __slots__ = ("manifest_version", "step", "offset")
@@ -128,7 +152,7 @@ class SubBatchSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches", "shm", "journal_cursor")
+    __slots__ = ("step", "end_of_data", "dp_rank", "microbatches", "payload_bytes", "global_loss_tokens", "rank", "pp_rank", "cp_rank", "tp_rank", "subbatches", "shm", "journal_cursor", "end_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     END_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +166,7 @@ class BatchHeader(_message.Message):
     SUBBATCHES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    END_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     end_of_data: bool
     dp_rank: int
@@ -155,7 +180,8 @@ class BatchHeader(_message.Message):
     subbatches: _containers.RepeatedCompositeFieldContainer[SubBatchSpec]
     shm: ShmPlacement
     journal_cursor: JournalCursor
-    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ...) -> None: ...
+    end_step: int
+    def __init__(self, step: _Optional[int] = ..., end_of_data: bool = ..., dp_rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[MicrobatchSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., subbatches: _Optional[_Iterable[_Union[SubBatchSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., journal_cursor: _Optional[_Union[JournalCursor, _Mapping]] = ..., end_step: _Optional[int] = ...) -> None: ...
 
 class ShmPlacement(_message.Message):
     __slots__ = ("slab", "offset", "length")

@@ -41,6 +41,11 @@ class ConstructorStub(object):
                 request_serializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.SerializeToString,
                 response_deserializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.FromString,
                 )
+        self.NoteWait = channel.unary_unary(
+                '/batchplane.v1.Constructor/NoteWait',
+                request_serializer=batchplane_dot_v1_dot_constructor__pb2.NoteWaitRequest.SerializeToString,
+                response_deserializer=batchplane_dot_v1_dot_constructor__pb2.NoteWaitResponse.FromString,
+                )
 
 
 class ConstructorServicer(object):
@@ -109,6 +114,17 @@ class ConstructorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NoteWait(self, request, context):
+        """What the client of `rank` measured of its trainer's wait for data, sent about once a second
+        while the trainer's thread waits (and once when that wait ends), so that the rank's wait
+        metrics move while a stall lasts, across every call and retry of the step (GetBatch carries
+        the same measure with each request). Errors: INVALID_ARGUMENT for a rank outside the mesh or
+        not served here, or a `wait` out of bounds (see DataWait).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConstructorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +152,11 @@ def add_ConstructorServicer_to_server(servicer, server):
                     servicer.MarkCheckpoint,
                     request_deserializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.FromString,
                     response_serializer=batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.SerializeToString,
+            ),
+            'NoteWait': grpc.unary_unary_rpc_method_handler(
+                    servicer.NoteWait,
+                    request_deserializer=batchplane_dot_v1_dot_constructor__pb2.NoteWaitRequest.FromString,
+                    response_serializer=batchplane_dot_v1_dot_constructor__pb2.NoteWaitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,5 +251,22 @@ class Constructor(object):
         return grpc.experimental.unary_unary(request, target, '/batchplane.v1.Constructor/MarkCheckpoint',
             batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointRequest.SerializeToString,
             batchplane_dot_v1_dot_constructor__pb2.MarkCheckpointResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def NoteWait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/batchplane.v1.Constructor/NoteWait',
+            batchplane_dot_v1_dot_constructor__pb2.NoteWaitRequest.SerializeToString,
+            batchplane_dot_v1_dot_constructor__pb2.NoteWaitResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

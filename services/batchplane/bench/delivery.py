@@ -236,6 +236,10 @@ class _StandInPipeline:
     def job_length(self, *, wait_ms: int):  # pragma: no cover
         raise NotImplementedError
 
+    def end_step(self) -> None:
+        """The bench's data never ends."""
+        return None
+
     def stop(self) -> None:
         pass
 

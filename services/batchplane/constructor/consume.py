@@ -70,7 +70,7 @@ from batchplane.constructor.journal_slices import LOSS_TOKENS, decode_slice, wit
 from batchplane.constructor.mark_recorder import MarkRecorder
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.produce import data_mesh, load_info
-from batchplane.constructor.service import DEFAULT_WAIT_MS
+from batchplane.constructor.service import DEFAULT_WAIT_MS, end_of_data, note_data_wait
 from batchplane.core.config import JobSettings
 from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -552,6 +552,8 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         check_batch_request(
             rank=request.rank, step=request.step, world=self._consumer.mesh.world, resume=request.resume, max_steps=request.max_steps
         )  # one step per call here (GetInfoResponse.max_batch_steps 0)
+        if request.HasField("data_wait"):
+            note_data_wait(self._metrics, self._consumer.ranks, request.rank, request.data_wait)
         got = self._consumer.batch(
             request.rank,
             request.step,
@@ -561,14 +563,16 @@ class JournalConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         )
         self._mark_recorder.handed(request.rank, request.step, restart=request.restart)
         if got is None:
-            yield constructor_pb2.GetBatchResponse(
-                header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)
-            )
+            yield end_of_data(request.rank, request.step)
             return
         header, payload = got
         yield from stream_payload(constructor_pb2.GetBatchResponse, header, payload, serialized=True)
         self._metrics.batches_sent.inc()
         self._metrics.sent_bytes.inc(header.payload_bytes)
+
+    def NoteWait(self, request: constructor_pb2.NoteWaitRequest, context: grpc.ServicerContext) -> constructor_pb2.NoteWaitResponse:
+        note_data_wait(self._metrics, self._consumer.ranks, request.rank, request.wait)
+        return constructor_pb2.NoteWaitResponse()
 
     # ---- checkpoint marks (`checkpoint_marks`, `mark_recorder`) ------------------------------
 

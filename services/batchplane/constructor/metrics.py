@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from batchplane.constructor.waits import RankWaits
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -63,18 +70,9 @@ class ConstructorMetrics:
             registry=registry,
             buckets=(0.0001, *_LATENCY_BUCKETS),
         )
-        self.rank_wait = Counter(
-            "batchplane_constructor_rank_data_wait_seconds_total",
-            "Time each rank's batches waited to be ready once asked for, by rank (global rank): the data wait its trainer saw.",
-            ["rank"],
-            registry=registry,
-        )
-        self.rank_longest_wait = Gauge(
-            "batchplane_constructor_rank_longest_data_wait_seconds",
-            "The longest a request of the rank waited for its batch so far, by rank (global rank).",
-            ["rank"],
-            registry=registry,
-        )
+        #: The ranks' waits for data as their clients measure them (`waits`), read at each scrape.
+        self.waits = WaitCollector()
+        registry.register(self.waits)
         self.peer_failures = Counter(
             "batchplane_constructor_peer_failures_total",
             "Failures detected: times building a step began to fail because a part did not answer, by part "
@@ -171,3 +169,54 @@ class ConstructorMetrics:
             "Journal delivery, consumer: bytes range-read from the journal (trailers, footers and slices).",
             registry=registry,
         )
+
+
+class WaitCollector:
+    """The ranks' waits for data, as their clients measured them (`waits.RankWaits`, under a
+    lock: the servicers' threads note them, a scrape reads them), at the time of the scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits = RankWaits()
+
+    def note(self, rank: int, *, client: str, total_s: float, waiting_s: float, now: float) -> None:
+        """See `RankWaits.note`."""
+        with self._lock:
+            self._waits.note(rank, client=client, total_s=total_s, waiting_s=waiting_s, now=now)
+
+    def describe(self) -> list[Metric]:
+        """The families it collects, without samples (the registry checks their names)."""
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        total, longest, since = self._families()
+        wall = time.time()
+        with self._lock:
+            waits = self._waits.snapshot(time.monotonic())
+        for wait in waits:
+            rank = [str(wait.rank)]
+            total.add_metric(rank, wait.counted_s)
+            longest.add_metric(rank, wait.longest_s)
+            since.add_metric(rank, wall - wait.waiting_s if wait.waiting_s > 0 else 0.0)
+        yield from (total, longest, since)
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        total = CounterMetricFamily(
+            "batchplane_constructor_rank_data_wait_seconds_total",  # (exposed as it reads; the family drops "_total")
+            "Time each rank's trainer waited for its batches, by rank (global rank), as its client measured it across every "
+            "call and retry; it grows while a wait lasts (the client reports about once a second).",
+            labels=["rank"],
+        )
+        longest = GaugeMetricFamily(
+            "batchplane_constructor_rank_longest_data_wait_seconds",
+            "The longest single wait of the rank's trainer for a batch so far, by rank (global rank).",
+            labels=["rank"],
+        )
+        since = GaugeMetricFamily(
+            "batchplane_constructor_rank_waiting_since_timestamp_seconds",
+            "When the rank's trainer began waiting for the batch it waits for now (Unix time), by rank (global rank); "
+            "0 when it is not waiting.",
+            labels=["rank"],
+        )
+        return total, longest, since

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import grpc
 
+from batchplane.constructor.blocked import Blocked
 from batchplane.constructor.bounds import MalformedResponse, check_following, check_plan_step
 from batchplane.constructor.build import Delivery, Fetched, Served, StepPlan, build_step, to_fetch
 from batchplane.constructor.fetcher import Fetcher, StepFetch
@@ -130,9 +131,8 @@ class StepPipeline:
             job, index=index, metrics=metrics, connect=connect, delivered=self._delivered, stopped=lambda: self._stopped
         )
         self._failure: FailedPrecondition | None = None
-        self._blocked: tuple[str, float] | None = None  # why building fails, and since when (monotonic)
+        self._blocked = Blocked()  # why building fails, since when, and how it tries again
         self._peer = "planner"  # the part the step being built waits on
-        self._longest_wait: dict[int, float] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._build_loop, name="build", daemon=True)
         self._thread.start()
@@ -179,12 +179,9 @@ class StepPipeline:
             if self._stopped:
                 raise Unavailable("the constructor is stopping")
             if not done:
-                why = ""
-                if self._blocked is not None:
-                    reason, since = self._blocked
-                    why = f": the constructor has been retrying for {time.monotonic() - since:.1f} s: {reason}"
+                why = self._blocked.why(time.monotonic())
                 raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s{why}")
-            self._waited(rank, time.perf_counter() - begin)
+            self._waited(time.perf_counter() - begin)
             if self._steps.finished() and self._steps.end is not None:  # no later fetch will carry the release: send it now
                 self._fetcher.release_everywhere(self._steps.end)
             return self._ready.get((rank, step))
@@ -220,16 +217,12 @@ class StepPipeline:
                 return None
             self._steps.hand(rank, step)
             self._cond.notify_all()  # building may run further ahead
-            self._waited(rank, time.perf_counter() - begin)
+            self._waited(time.perf_counter() - begin)
             return self._ready.get((rank, step))
 
-    def _waited(self, rank: int, waited: float) -> None:
-        """Rank `rank`'s batch was ready after `waited` seconds (under the lock)."""
+    def _waited(self, waited: float) -> None:
+        """A batch was ready after `waited` seconds (under the lock)."""
         self._metrics.batch_wait.observe(waited)
-        self._metrics.rank_wait.labels(str(rank)).inc(waited)
-        if waited > self._longest_wait.get(rank, 0.0):
-            self._longest_wait[rank] = waited
-            self._metrics.rank_longest_wait.labels(str(rank)).set(waited)
         self._metrics.prefetched_steps.set(self._steps.prefetched())
 
     def _delivered(self) -> int:
@@ -267,15 +260,17 @@ class StepPipeline:
                 self._ahead.failed()
                 if self._stopped:
                     return
-                log.warning("step %d: %s; retrying", step, exc)
                 with self._cond:
-                    if self._blocked is None:
+                    retry = self._blocked.failed(step, str(exc), peer=self._peer, began=began, now=time.monotonic())
+                    if retry.first:
                         self._metrics.peer_failures.labels(self._peer).inc()
-                    since = self._blocked[1] if self._blocked is not None else began
-                    self._blocked = (" ".join(str(exc).splitlines()), since)
-                    if isinstance(exc, MalformedResponse):  # counted, and not asked again at once
+                    if retry.say:
+                        log.warning("%s", retry.say)
+                    malformed = isinstance(exc, MalformedResponse)  # counted, and not asked again at once
+                    if malformed:
                         self._metrics.malformed_responses.labels(exc.peer).inc()
-                        self._cond.wait_for(lambda: self._stopped, timeout=MALFORMED_BACKOFF_S)
+                    wait_s = max(retry.wait_s, MALFORMED_BACKOFF_S if malformed else 0.0)
+                    self._cond.wait_for(lambda: self._stopped or self._steps.epoch != epoch, timeout=wait_s)
                 continue
             except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
                 log.exception("step %d cannot be built", step)
@@ -286,10 +281,10 @@ class StepPipeline:
                     self._cond.notify_all()
                 return
             with self._cond:
-                if self._blocked is not None:
-                    self._metrics.recovery.observe(time.monotonic() - self._blocked[1])
-                    log.info("step %d built after %.2f s of retrying", step, time.monotonic() - self._blocked[1])
-                self._blocked = None
+                blocked_s = self._blocked.built(time.monotonic())
+                if blocked_s is not None:
+                    self._metrics.recovery.observe(blocked_s)
+                    log.info("step %d built after %.2f s of retrying", step, blocked_s)
                 if built is None:
                     self._steps.ended(step, epoch=epoch)
                     log.info("end of data at step %d", step)

@@ -6,7 +6,7 @@ logic of its own."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -59,6 +59,22 @@ def batch_header(delivery: Delivery, mesh: ClientPlaceTree) -> constructor_pb2.B
     )
 
 
+def end_of_data(rank: int, step: int) -> constructor_pb2.GetBatchResponse:
+    """The answer for a step past the end of the data."""
+    return constructor_pb2.GetBatchResponse(header=constructor_pb2.BatchHeader(step=step, rank=rank, end_of_data=True))
+
+
+def note_data_wait(metrics: ConstructorMetrics, ranks: Sequence[int], rank: int, wait: constructor_pb2.DataWait) -> None:
+    """Counts what rank `rank`'s client measured of its waits for data (`waits.RankWaits`).
+
+    Raises:
+        InvalidArgument: a rank not among `ranks` (those served here), or a measure out of bounds.
+    """
+    if rank not in ranks:
+        raise InvalidArgument(f"rank {rank} is not served here: this constructor serves ranks {list(ranks)}")
+    metrics.waits.note(rank, client=wait.client, total_s=wait.total_s, waiting_s=wait.waiting_s, now=time.monotonic())
+
+
 def add_to_server(servicer: ConstructorServicer, server: grpc.Server) -> None:
     """Registers `servicer`; GetBatch's chunks travel serialized already (one copy each)."""
     add_servicer(server, servicer, constructor_pb2.DESCRIPTOR.services_by_name["Constructor"])
@@ -102,18 +118,21 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         )
         if session is not None and request.released_slabs:
             pool.release(session, request.released_slabs)  # before waiting: a retry never sends them again
+        if request.HasField("data_wait"):
+            note_data_wait(self._metrics, self._pipeline.ranks, request.rank, request.data_wait)
         wait_s = wait_seconds(request.wait_ms, context, default_ms=DEFAULT_WAIT_MS)
         give_up = time.monotonic() + wait_s
         delivery = self._pipeline.batch(request.rank, request.step, timeout_s=wait_s, resume=dict(request.resume), restart=request.restart)
         if delivery is None:
-            yield constructor_pb2.GetBatchResponse(
-                header=constructor_pb2.BatchHeader(step=request.step, rank=request.rank, end_of_data=True)
-            )
+            yield end_of_data(request.rank, request.step)
             return
         yield from self._send(request.shm_session, delivery)
         for step in range(request.step + 1, request.step + request.max_steps):
             delivery = self._pipeline.following(request.rank, step, asked=request.step, timeout_s=max(give_up - time.monotonic(), 0.0))
-            if delivery is None:  # the client asks again from this step
+            if delivery is None:  # the client asks again from this step, unless the data ends there
+                end = self._pipeline.end_step()
+                if end is not None and step >= end:
+                    yield end_of_data(request.rank, step)  # in this call: the data plane may stop before another
                 return
             yield from self._send(request.shm_session, delivery)
 
@@ -121,6 +140,7 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         """One batch's messages: its header, placed in a slab of `shm_session` when it has one,
         else followed by its payload in chunks."""
         header = batch_header(delivery, self._pipeline.mesh)
+        header.end_step = self._pipeline.end_step() or 0  # the client asks for nothing past it
         placement = self._place(shm_session, delivery) if shm_session and delivery.payload_bytes else None
         if placement is not None:
             header.shm.slab, header.shm.offset, header.shm.length = placement.slab, placement.offset, placement.length
@@ -151,6 +171,10 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
             pool.count_fallback(SESSION_LOST)
             return None
         return placement
+
+    def NoteWait(self, request: constructor_pb2.NoteWaitRequest, context: grpc.ServicerContext) -> constructor_pb2.NoteWaitResponse:
+        note_data_wait(self._metrics, self._pipeline.ranks, request.rank, request.wait)
+        return constructor_pb2.NoteWaitResponse()
 
     def MarkCheckpoint(
         self, request: constructor_pb2.MarkCheckpointRequest, context: grpc.ServicerContext

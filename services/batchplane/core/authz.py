@@ -64,6 +64,7 @@ RULES: dict[str, Rule] = {
     "/batchplane.v1.Constructor/Report": _rule("trainer"),
     "/batchplane.v1.Constructor/GetLength": _rule("trainer"),
     "/batchplane.v1.Constructor/MarkCheckpoint": _rule("trainer"),
+    "/batchplane.v1.Constructor/NoteWait": _rule("trainer"),
     "/grpc.health.v1.Health/Check": _HEALTH,
     "/grpc.health.v1.Health/Watch": _HEALTH,
 }

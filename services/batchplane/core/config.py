@@ -33,6 +33,8 @@ COST_KINDS = ("quadratic", "linear")
 DEFAULT_LOADER_GROUPS = 8
 CP_SLICING = ("zigzag", "contiguous")
 LENGTH_POLICIES = ("split", "truncate", "reject")
+#: What a resume does about a source whose files changed (`sources[].on_change`).
+ON_CHANGE = ("refuse", "restart")
 PULLING_RANKS = ("all", "megatron")
 #: The most steps one fetch may take (`constructors.fetch_steps`).
 MAX_FETCH_STEPS = 16
@@ -69,6 +71,14 @@ class SourceSettings:
     #: delivered twice per epoch, once per pass, every pass in its own shuffled order. Its
     #: stream holds `epochs * repeat` passes; pass p is job epoch p // repeat.
     repeat: int = 1
+    #: What a resume on a run folder whose ledger recorded this source does when the source's
+    #: files changed since (files added or gone, other rows, sizes or modification times):
+    #: "refuse" (the planner refuses to start, naming the source and what differs) or
+    #: "restart" (the change is declared: the source's data starts over from its beginning at
+    #: the resume step, as a source the job never read, and later resumes compare with the new
+    #: files). Not part of the data fingerprint: declaring a change changes no setting that
+    #: decides which sample a position is.
+    on_change: str = "refuse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,8 +534,9 @@ class JobSettings:
     @property
     def fingerprints(self) -> dict[str, str]:
         """Hashes of the groups of settings that determine the plan sequence, by what a resume
-        may change (source paths are left out on purpose: moving a dataset keeps the job; a
-        changed row count is caught at registration):
+        may change (source paths are left out on purpose: moving a dataset keeps the job; the
+        files a source's loader finds are compared with those the ledger recorded when a job
+        resumes, see `sources[].on_change`):
 
         - "data": the sources, their transforms and repeats, the seed, epochs and shuffle, i.e. which sample
           each position of each source's stream is. A resume cannot honour a change;
@@ -572,7 +583,7 @@ class JobSettings:
 #: Every setting of a job (dotted path; "sources[]." for each source's) by the
 #: resume-fingerprint group `JobSettings.fingerprints` hashes it in. "none": settings that change
 #: how the job runs, never which samples a step gets (`sources[].path` too: moving a dataset
-#: keeps the job). A test checks that every field is in exactly one group and that changing it
+#: keeps the job; the files found there are compared on a resume, `sources[].on_change`). A test checks that every field is in exactly one group and that changing it
 #: changes exactly its group's fingerprint.
 FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
     "data": (
@@ -615,6 +626,7 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
     "none": (
         "job",
         "sources[].path",
+        "sources[].on_change",
         "run_dir",
         "loaders.count",
         "loaders.groups",
@@ -842,6 +854,8 @@ def _check_sources(job: JobSettings) -> None:
             raise ConfigError(f"sources[{i}].repeat", "must be an integer >= 1", s.repeat)
         if s.transform is not None and ":" not in s.transform:
             raise ConfigError(f"sources[{i}].transform", "must be an import path 'module:callable'", s.transform)
+        if s.on_change not in ON_CHANGE:
+            raise ConfigError(f"sources[{i}].on_change", f"must be one of {ON_CHANGE}", s.on_change)
 
 
 def _check_mixture(job: JobSettings) -> None:

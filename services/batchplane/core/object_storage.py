@@ -26,11 +26,16 @@ credentials; `GOOGLE_*` for GCS, `AZURE_*` for Azure. One gap is filled here: an
 endpoint (MinIO, a local test server) is allowed without `AWS_ALLOW_HTTP`, as boto3 allows it.
 The shared config and credentials files (`~/.aws`, `AWS_PROFILE`) are not read.
 
-Errors are the domain errors of `batchplane.core.errors`, each naming the store and quoting
-its answer: NotFound (no such object), FailedPrecondition (access denied, an operation the store
-does not support), Unavailable (the store cannot be reached, or failed after obstore's retries).
-A missing bucket is an Unavailable whose answer says NoSuchBucket: obstore reports a failed
-listing with one generic error type, so nothing here tells it apart from a 5xx.
+Errors are the domain errors of `batchplane.core.errors`, each on one line: what was being
+done, in which store, what it means and what to check (`batchplane.core.store_errors`, the
+loader's words too), then the store's answer in short (`store_answer`: the request, the status
+and S3's error code, never the XML or obstore's debug dump). NotFound: no such object.
+FailedPrecondition: no such bucket, access denied or no credentials, the wrong region, an
+operation the store does not support; asking again will not help. Unavailable: the store cannot
+be reached or refuses requests for now (after obstore's own retries), or failed otherwise.
+obstore reports a missing bucket as a failed listing of a generic type, or as a missing object
+whose answer says NoSuchBucket: the answer's S3 error code tells them apart. A HEAD answer has
+no body, so a missing bucket there reads as a missing object.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from obstore.exceptions import (
 from batchplane.core.config import is_url
 from batchplane.core.errors import BatchplaneError, FailedPrecondition, NotFound, Unavailable
 from batchplane.core.storage import LocalStorage, Storage, check_data, check_key, check_range, is_key
+from batchplane.core.store_errors import Client, Problem, classify_error, explain
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
@@ -71,8 +77,10 @@ PROBE_PREFIX = "conditional-put-check/"
 #: PUTs of one key tried while the store answers that a conditional write of it is in flight
 #: (409 ConditionalRequestConflict on S3); then Unavailable.
 _PUT_ATTEMPTS = 5
-#: Characters of a store's error message kept in ours.
+#: Characters of a store's answer kept in our messages.
 _MESSAGE_CHARS = 600
+#: Problems that asking again will not mend: FailedPrecondition; the others are Unavailable.
+_REFUSED = frozenset({Problem.NO_SUCH_BUCKET, Problem.ACCESS_DENIED, Problem.WRONG_REGION})
 
 
 class ObjectStorage(Storage):
@@ -107,7 +115,7 @@ class ObjectStorage(Storage):
         try:
             store = obstore.store.from_url(url, client_options=options or None)
         except (BaseError, ValueError) as exc:
-            raise FailedPrecondition(f"cannot open object store {url}: {_first_line(exc)}") from exc
+            raise FailedPrecondition(f"cannot open object store {url}: {store_answer(exc)}") from exc
         return cls(store, url=url)
 
     def describe(self) -> str:
@@ -126,29 +134,25 @@ class ObjectStorage(Storage):
                 error: BaseException = exc
                 time.sleep(0.05 * 2**attempt)
                 continue
-            except FileNotFoundError as exc:
-                raise FailedPrecondition(
-                    f"cannot put {key!r} in {self.describe()}: not found (does the bucket exist?): {_first_line(exc)}"
-                ) from exc
             except NotSupportedError as exc:
                 raise FailedPrecondition(
-                    f"cannot put {key!r} in {self.describe()}: the store does not support conditional writes: {_first_line(exc)}"
+                    f"cannot put {key!r} in {self.describe()}: the store does not support conditional writes; {store_answer(exc)}"
                 ) from exc
-            except BaseError as exc:
+            except (BaseError, FileNotFoundError) as exc:
                 raise self._error(f"cannot put {key!r}", exc) from exc
             with self._lock:
                 self._folders.discard(key)  # an object now
             return True
         raise Unavailable(
-            f"cannot put {key!r} in {self.describe()}: other writes of the key kept conflicting ({_first_line(error)})"
+            f"cannot put {key!r} in {self.describe()}: other writes of the key kept conflicting; {store_answer(error)}"
         ) from error
 
     def get(self, key: str) -> bytes:
         check_key(key)
         try:
             return bytes(obstore.get(self.store, key).bytes())
-        except FileNotFoundError:
-            raise self._not_found(key) from None
+        except FileNotFoundError as exc:
+            raise self._absent(f"cannot get {key!r}", key, exc) from None
         except BaseError as exc:
             raise self._error(f"cannot get {key!r}", exc) from exc
 
@@ -160,13 +164,18 @@ class ObjectStorage(Storage):
             return b""
         try:
             return bytes(obstore.get_range(self.store, key, start=start, end=end))
-        except FileNotFoundError:
-            raise self._not_found(key) from None
+        except FileNotFoundError as exc:
+            raise self._absent(f"cannot get bytes {start}..{end} of {key!r}", key, exc) from None
         except BaseError as exc:
             # A range that starts at or past the end is refused (416); it is empty here.
-            if self._size(key) <= start:
+            doing = f"cannot get bytes {start}..{end} of {key!r}"
+            try:
+                size = self._size(key)
+            except BatchplaneError:  # the store's trouble, told by the GET's fuller answer
+                raise self._error(doing, exc) from exc
+            if size <= start:
                 return b""
-            raise self._error(f"cannot get bytes {start}..{end} of {key!r}", exc) from exc
+            raise self._error(doing, exc) from exc
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         folder = prefix.rpartition("/")[0]
@@ -174,9 +183,7 @@ class ObjectStorage(Storage):
             return []  # no key has this prefix
         try:
             paths = [meta["path"] for batch in obstore.list(self.store, folder or None, chunk_size=1000) for meta in batch]
-        except FileNotFoundError as exc:
-            raise FailedPrecondition(f"cannot list {prefix!r} in {self.describe()}: not found (does the bucket exist?)") from exc
-        except BaseError as exc:
+        except (BaseError, FileNotFoundError) as exc:
             raise self._error(f"cannot list {prefix!r}", exc) from exc
         return sorted(p for p in paths if p.startswith(prefix) and is_key(p))
 
@@ -184,7 +191,9 @@ class ObjectStorage(Storage):
         check_key(key)
         try:
             obstore.delete(self.store, key)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if classify_error(str(exc)) is Problem.NO_SUCH_BUCKET:
+                raise self._error(f"cannot delete {key!r}", exc) from exc
             return  # already gone (stores that answer 404)
         except BaseError as exc:
             raise self._error(f"cannot delete {key!r}", exc) from exc
@@ -199,24 +208,24 @@ class ObjectStorage(Storage):
                 known = folder in self._folders
             if known:
                 continue
-            if self._exists(folder):
+            if self._exists(folder, doing=f"cannot put {key!r}"):
                 raise FailedPrecondition(f"cannot put {key!r} in {self.describe()}: {folder!r} is an object, not a folder")
             with self._lock:
                 self._folders.add(folder)
         try:
             below = next(iter(obstore.list(self.store, key, chunk_size=1)), [])
-        except BaseError as exc:
-            raise self._error(f"cannot put {key!r}: listing the keys below it failed", exc) from exc
+        except (BaseError, FileNotFoundError) as exc:
+            raise self._error(f"cannot put {key!r}", exc) from exc
         if below:
             raise FailedPrecondition(f"cannot put {key!r} in {self.describe()}: it is a folder of other keys")
 
-    def _exists(self, key: str) -> bool:
+    def _exists(self, key: str, *, doing: str) -> bool:
         try:
             obstore.head(self.store, key)
         except FileNotFoundError:
             return False
         except BaseError as exc:
-            raise self._error(f"cannot look up {key!r}", exc) from exc
+            raise self._error(doing, exc) from exc
         return True
 
     def _size(self, key: str) -> int:
@@ -227,21 +236,39 @@ class ObjectStorage(Storage):
         """
         try:
             return int(obstore.head(self.store, key)["size"])
-        except FileNotFoundError:
-            raise self._not_found(key) from None
+        except FileNotFoundError as exc:
+            raise self._absent(f"cannot look up {key!r}", key, exc) from None
         except BaseError as exc:
             raise self._error(f"cannot look up {key!r}", exc) from exc
 
-    def _not_found(self, key: str) -> NotFound:
+    def _absent(self, doing: str, key: str, exc: FileNotFoundError) -> BatchplaneError:
+        """NotFound for a missing object; the bucket's error where the answer says the whole
+        bucket is missing (obstore reports both as FileNotFoundError)."""
+        if classify_error(str(exc)) is Problem.NO_SUCH_BUCKET:
+            return self._error(doing, exc)
         return NotFound(f"no object {key!r} in {self.describe()}")
 
     def _error(self, doing: str, exc: BaseException) -> BatchplaneError:
-        """The domain error of an obstore error that is not about one key's existence."""
-        if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
-            return FailedPrecondition(f"{doing} in {self.describe()}: access denied (check the credentials): {_first_line(exc)}")
-        if isinstance(exc, NotSupportedError):
-            return FailedPrecondition(f"{doing} in {self.describe()}: not supported by the store: {_first_line(exc)}")
-        return Unavailable(f"{doing} in {self.describe()}: {_first_line(exc)}")
+        """The domain error of an obstore error that is not about one key's existence, on one
+        line: "DOING in STORE: what it means and what to check; the store's answer"."""
+        answer = store_answer(exc)
+        where = f"{doing} in {self.describe()}"
+        problem = Problem.ACCESS_DENIED if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) else classify_error(str(exc))
+        if problem is Problem.OTHER:
+            if isinstance(exc, NotSupportedError):
+                return FailedPrecondition(f"{where}: not supported by the store; {answer}")
+            if isinstance(exc, FileNotFoundError):  # a 404 to a write or a listing
+                return FailedPrecondition(f"{where}: not found (does the bucket exist?); {answer}")
+            return Unavailable(f"{where}: {answer}")
+        scheme, bucket = self._bucket()
+        meaning = explain(problem, scheme=scheme, bucket=bucket, client=Client.OBSTORE)
+        return (FailedPrecondition if problem in _REFUSED else Unavailable)(f"{where}: {meaning}; {answer}")
+
+    def _bucket(self) -> tuple[str, str | None]:
+        """The store's scheme ("s3" for "s3a" too) and its bucket, where the URL names one."""
+        parts = urllib.parse.urlsplit(self.url)
+        scheme = "s3" if parts.scheme.lower() in ("s3", "s3a") else parts.scheme.lower()
+        return scheme, (parts.netloc or None) if scheme in ("s3", "gs", "gcs") else None
 
 
 def client_options(url: str, environ: Mapping[str, str]) -> dict[str, object]:
@@ -264,12 +291,13 @@ def check_conditional_puts(storage: Storage) -> None:
 
     Raises:
         FailedPrecondition: The store ignores conditional writes (the second put overwrote the
-            first, or was reported written), naming the store.
+            first, or was reported written), naming the store; or it refuses the first put (no
+            such bucket, access denied), as that put's error says.
         Unavailable: The store cannot be reached.
     """
     key = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+    first = storage.put_if_absent(key, b"first")  # when it fails, nothing was written: its error is the one to tell
     try:
-        first = storage.put_if_absent(key, b"first")
         second = storage.put_if_absent(key, b"second")
         kept = storage.get(key)
     finally:
@@ -310,10 +338,43 @@ def open_storage(location: str, *, check_writes: bool = False, environ: Mapping[
     return storage
 
 
-def _first_line(exc: BaseException) -> str:
-    """The store's answer in `exc`, on one line: its message without obstore's debug dump, the
-    S3 error document's code and message kept (e.g. NoSuchBucket), at most _MESSAGE_CHARS."""
-    text = str(exc).split("\n\nDebug source", 1)[0]
-    text = re.sub(r"<\?xml[^>]*\?>", "", text)
-    line = " ".join(text.split()) or type(exc).__name__
+_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_REQUEST = re.compile(r"Error performing ([A-Z]+) (\S+)")
+_RETRIES = re.compile(r"after (\d+) retries")
+_STATUS = "Server returned non-2xx status code: "
+_OS_MESSAGE = re.compile(r'message: "([^"]*)"')
+
+
+def store_answer(exc: BaseException) -> str:
+    """What the store (or the network) answered in obstore's error `exc`, on one line: the
+    request and its status with S3's error code and message ("GET URL answered 404 Not Found
+    (NoSuchBucket: The specified bucket does not exist)"), or why it failed ("GET URL failed
+    after 10 retries: HTTP error: error sending request (Connection refused)"); never the XML
+    document or obstore's debug dump. At most _MESSAGE_CHARS characters."""
+    text = str(exc)
+    head = text.split("\n\nDebug source", 1)[0]
+    request = _REQUEST.search(head)
+    rest = head[request.end() :] if request else ""
+    if request is None or " - " not in rest:
+        return _cut(_one_line(head) or type(exc).__name__)
+    method, uri = request.groups()
+    retries = _RETRIES.search(rest.split(" - ", 1)[0])
+    after = f" after {retries.group(1)} retries" if retries and retries.group(1) != "0" else ""
+    reason = rest.split(" - ", 1)[1].strip()
+    if reason.startswith(_STATUS):
+        status, _, body = reason[len(_STATUS) :].partition(":")
+        code, message = _XML_CODE.search(body), _XML_MESSAGE.search(body)
+        said = (code.group(1) + (f": {message.group(1)}" if message else "")) if code else _one_line(body)
+        return _cut(f"{method} {uri} answered {status.strip()}{after}" + (f" ({said})" if said else ""))
+    cause = _OS_MESSAGE.search(text)  # the system's word on a failed connection, in the debug part
+    return _cut(f"{method} {uri} failed{after}: {_one_line(reason)}" + (f" ({cause.group(1)})" if cause else ""))
+
+
+def _one_line(text: str) -> str:
+    """`text` without an XML declaration, its whitespace runs made single spaces."""
+    return " ".join(re.sub(r"<\?xml[^>]*\?>", "", text).split())
+
+
+def _cut(line: str) -> str:
     return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."

@@ -377,10 +377,13 @@ def call_with_retry(
         deadline_s: Give up after this many seconds.
         should_stop: Checked between attempts; True gives up at once.
     Raises:
-        errors.Unavailable: the deadline passed or `should_stop` became true.
+        errors.Unavailable: the deadline passed or `should_stop` became true; the message says
+            the last status, the attempts made, and why they stopped, so a caller that tries
+            again can say so without contradicting it.
         grpc.RpcError: a non-retryable error (the caller maps it).
     """
-    give_up = time.monotonic() + deadline_s
+    start = time.monotonic()
+    give_up = start + deadline_s
     backoff = initial_backoff_s
     attempt = 0
     while True:
@@ -390,10 +393,14 @@ def call_with_retry(
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE:
                 raise
-            if time.monotonic() >= give_up or should_stop():
-                raise errors.Unavailable(f"{what}: gave up after {attempt} attempts: {exc.details()}") from exc
+            status = exc.code().name + (f" ({exc.details()})" if exc.details() else "")
+            now = time.monotonic()
+            if now >= give_up or should_stop():
+                why = f"a call is retried for up to {deadline_s:g} s" if now >= give_up else "retries stopped: no longer needed"
+                tries = f"{attempt} attempt{'' if attempt == 1 else 's'}"
+                raise errors.Unavailable(f"{what}: {status} after {tries} in {now - start:.1f} s ({why})") from exc
             if attempt in (1, 10) or attempt % 100 == 0:
-                log.info("%s: %s (%s), retrying", what, exc.code().name, exc.details())
+                log.info("%s: %s on attempt %d; retrying for up to %.1f s more", what, status, attempt, give_up - now)
         sleep = min(backoff, max(give_up - time.monotonic(), 0))
         time.sleep(sleep * (0.5 + random.random() / 2))
         backoff = min(backoff * 2, max_backoff_s)

@@ -37,8 +37,11 @@ Every failure is a `SourceError` naming the source, the location and the problem
 scheme, fsspec missing, no such bucket, access denied or no credentials, an unreachable
 endpoint, no Parquet file there.
 
-I/O: this module lists and opens; the decisions on text (globs, order, error meanings) are in
-`batchplane.loader.locations`.
+The listing's size and modification time of each file are kept (`SourceFiles.stats`): with its
+rows they identify the source's data (`batchplane.loader.file_facts`).
+
+I/O: this module lists and opens; the decisions on text are in `batchplane.loader.locations`
+(globs, order) and `batchplane.core.store_errors` (error meanings).
 """
 
 from __future__ import annotations
@@ -55,14 +58,12 @@ import pyarrow.fs as pafs
 
 from batchplane.core.config import url_scheme
 from batchplane.core.errors import SourceError
+from batchplane.core.store_errors import Problem, classify_error, explain, first_line
+from batchplane.loader.file_facts import FileStat
 from batchplane.loader.locations import (
     BUCKET_SCHEMES,
     NATIVE_SCHEMES,
     GlobSplit,
-    Problem,
-    classify_error,
-    explain,
-    first_line,
     is_parquet_name,
     matches_glob,
     relative_to,
@@ -110,12 +111,14 @@ class SourceFiles:
         paths: Their paths on it.
         names: The same files as shown in messages (local paths or URLs).
         scheme: The location's URL scheme, None for a local path.
+        stats: What the listing said of each file, in the same order.
     """
 
     filesystem: pafs.FileSystem
     paths: tuple[str, ...]
     names: tuple[str, ...]
     scheme: str | None
+    stats: tuple[FileStat, ...] = ()
 
 
 def open_location(location: str, *, source: str, environ: Mapping[str, str] | None = None) -> Place:
@@ -215,28 +218,36 @@ def find_parquet_files(source: str, location: str | os.PathLike[str], *, environ
         found, why = _matches(place, split) if split.parts else _named(place)
         if not found:
             raise SourceError(f"source {source!r}: no Parquet file found at {text!r}: {why or _nothing_there(place)}")
-    paths = sorted_paths(found)
-    return SourceFiles(place.filesystem, tuple(paths), tuple(place.show(p) for p in paths), place.scheme)
+    infos = {info.path: info for info in found}
+    paths = sorted_paths(infos)
+    stats = tuple(_stat(place.path, infos[p]) for p in paths)
+    return SourceFiles(place.filesystem, tuple(paths), tuple(place.show(p) for p in paths), place.scheme, stats)
 
 
-def _named(place: Place) -> tuple[list[str], str | None]:
+def _stat(base: str, info: pafs.FileInfo) -> FileStat:
+    """What the listing said of the file `info` below `base` (or at it: its name)."""
+    name = relative_to(base, info.path) or info.path.rsplit("/", 1)[-1]
+    return FileStat(name, info.size, info.mtime_ns)
+
+
+def _named(place: Place) -> tuple[list[pafs.FileInfo], str | None]:
     """The file at `place`, or every *.parquet below the folder there; and why there is none
     (None: nothing is there)."""
     fs = place.filesystem
-    kind = fs.get_file_info(place.path).type
-    if kind == pafs.FileType.File:
-        return [place.path], None
-    if kind != pafs.FileType.Directory:
+    info = fs.get_file_info(place.path)
+    if info.type == pafs.FileType.File:
+        return [info], None
+    if info.type != pafs.FileType.Directory:
         return [], None
     listed = _files(fs, pafs.FileSelector(place.path, recursive=True))
     if fs.type_name == "local":  # pyarrow follows links to folders; a folder source never did (rglob)
         listed = _not_through_links(place.path, listed)
-    found = [p for p in listed if is_parquet_name(p.rsplit("/", 1)[-1])]
+    found = [i for i in listed if is_parquet_name(i.path.rsplit("/", 1)[-1])]
     return found, f"{len(listed)} file(s) below it, none named *.parquet" if listed else "an empty folder"
 
 
-def _not_through_links(base: str, paths: list[str]) -> list[str]:
-    """The local `paths` below `base` whose folders below `base` are no symbolic links."""
+def _not_through_links(base: str, files: list[pafs.FileInfo]) -> list[pafs.FileInfo]:
+    """The local `files` below `base` whose folders below `base` are no symbolic links."""
     linked: dict[str, bool] = {}
 
     def through_link(path: str) -> bool:
@@ -247,29 +258,30 @@ def _not_through_links(base: str, paths: list[str]) -> list[str]:
             linked[folder] = os.path.islink(folder) or through_link(folder)
         return linked[folder]
 
-    return [p for p in paths if not through_link(p)]
+    return [i for i in files if not through_link(i.path)]
 
 
-def _matches(place: Place, split: GlobSplit) -> tuple[list[str], str | None]:
+def _matches(place: Place, split: GlobSplit) -> tuple[list[pafs.FileInfo], str | None]:
     """The files below the folder at `place` (the glob's base) that the glob matches; and why
     there is none (None: nothing is there). Lists recursively only when the pattern can reach
     below the base's own entries."""
     fs = place.filesystem
-    kind = fs.get_file_info(place.path).type
-    if kind == pafs.FileType.File:
+    info = fs.get_file_info(place.path)
+    if info.type == pafs.FileType.File:
         if all(p == "**" for p in split.parts):  # "x.parquet/**" is x.parquet, as glob has it
-            return [place.path], None
+            return [info], None
         return [], f"{place.show(place.path)!r} is a file, not a folder to match {split.pattern!r} in"
-    if kind != pafs.FileType.Directory:
+    if info.type != pafs.FileType.Directory:
         return [], None
     recursive = len(split.parts) > 1 or split.parts[0] == "**"
     listed = _files(fs, pafs.FileSelector(place.path, recursive=recursive, allow_not_found=True))
-    found = [p for p in listed if matches_glob(split.parts, relative_to(place.path, p))]
+    found = [i for i in listed if matches_glob(split.parts, relative_to(place.path, i.path))]
     return found, f"nothing below {place.show(place.path)!r} matches {split.pattern!r}"
 
 
-def _files(fs: pafs.FileSystem, selector: pafs.FileSelector) -> list[str]:
-    return [info.path for info in fs.get_file_info(selector) if info.type == pafs.FileType.File]
+def _files(fs: pafs.FileSystem, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+    """The files (not folders) the selector lists, with what the listing says of them."""
+    return [info for info in fs.get_file_info(selector) if info.type == pafs.FileType.File]
 
 
 def _nothing_there(place: Place) -> str:

@@ -1,6 +1,7 @@
 """What a source location says, before anything is opened: its scheme, the fixed prefix and the
 pattern of a glob, which paths below the prefix a glob matches, the order of a source's files,
-the S3 endpoint the standard environment names, and what an error text of pyarrow means.
+the S3 endpoint the standard environment names, and which failed reads are tried again (what an
+error text means is `batchplane.core.store_errors`, shared with the ledger's storage).
 
 Globs mean what `glob.glob(pattern, recursive=True)` means for a local path, on any file
 system: `*`, `?` and `[...]` match within one path component (`fnmatch` rules, case-sensitive),
@@ -18,12 +19,11 @@ Pure: no I/O, no pyarrow. `batchplane.loader.filesystems` does the listing and t
 from __future__ import annotations
 
 import dataclasses
-import enum
-import errno as errnos
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 
 from batchplane.core.config import URL_HEAD
+from batchplane.core.store_errors import Problem, classify_error
 
 #: The characters that make a location a glob.
 GLOB_CHARS = "*?["
@@ -191,142 +191,6 @@ def s3_endpoint(environ: Mapping[str, str]) -> Endpoint | None:
             raise ValueError(f"{name}={value!r} is not an http(s) URL such as 'https://s3.example.com:9000'")
         return Endpoint(scheme, host)
     return None
-
-
-# ---- what an error means ----------------------------------------------------------------------
-
-
-class Problem(enum.Enum):
-    """What went wrong when a file system was asked something."""
-
-    NO_SUCH_BUCKET = "no such bucket"
-    ACCESS_DENIED = "access denied"
-    UNREACHABLE = "unreachable endpoint"
-    WRONG_REGION = "wrong region"
-    THROTTLED = "throttled"
-    NOT_FOUND = "not found"
-    OTHER = "other"
-
-
-#: Fragments of pyarrow's (and its cloud SDKs') error texts, in the order they are tried: the
-#: AWS SDK's error names ("AWS Error NO_SUCH_BUCKET during ListObjectsV2 operation", measured
-#: against a real S3 endpoint), S3's own error codes, HTTP statuses, curl's and gRPC's words.
-_TEXTS: tuple[tuple[Problem, tuple[str, ...]], ...] = (
-    (Problem.NO_SUCH_BUCKET, ("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist", "ContainerNotFound")),
-    (
-        Problem.ACCESS_DENIED,
-        (
-            "ACCESS_DENIED",
-            "AccessDenied",
-            "INVALID_ACCESS_KEY_ID",
-            "InvalidAccessKeyId",
-            "SIGNATURE_DOES_NOT_MATCH",
-            "SignatureDoesNotMatch",
-            "ExpiredToken",
-            "InvalidToken",
-            "MISSING_AUTHENTICATION_TOKEN",
-            "HTTP status 401",
-            "HTTP status 403",
-            "PERMISSION_DENIED",
-            "UNAUTHENTICATED",
-            "AuthenticationFailed",
-            "AuthorizationFailure",
-            "AuthorizationPermissionMismatch",
-            "No credentials",
-            "Unable to locate credentials",
-        ),
-    ),
-    (Problem.WRONG_REGION, ("PermanentRedirect", "HTTP status 301", "AuthorizationHeaderMalformed", "IllegalLocationConstraint")),
-    (
-        Problem.UNREACHABLE,
-        (
-            "NETWORK_CONNECTION",
-            "Could not connect",
-            "Could not resolve host",
-            "Failed to connect",
-            "Connection refused",
-            "Couldn't connect",
-            "Timeout was reached",
-            "timed out",
-            "Name or service not known",
-            "SSL connect error",
-            "Connection reset",
-            "Recv failure",
-            "Send failure",
-            "Broken pipe",
-        ),
-    ),
-    (
-        Problem.THROTTLED,
-        (
-            "SLOW_DOWN",
-            "SlowDown",
-            "HTTP status 503",
-            "SERVICE_UNAVAILABLE",
-            "RESOURCE_EXHAUSTED",
-            "HTTP status 500",
-            "HTTP status 502",
-            "HTTP status 504",
-            "INTERNAL_FAILURE",
-            "InternalError",
-            "REQUEST_TIMEOUT",
-        ),
-    ),
-)
-
-
-def classify_error(text: str, *, errno: int | None = None) -> Problem:
-    """What an error of a file system means, from its errno (local files) or its text.
-
-    Args:
-        text: The exception's text.
-        errno: Its errno, when it has one.
-    """
-    if errno in (errnos.EACCES, errnos.EPERM):
-        return Problem.ACCESS_DENIED
-    for problem, fragments in _TEXTS:
-        if any(f in text for f in fragments):
-            return problem
-    if errno == errnos.ENOENT or "Path does not exist" in text:
-        return Problem.NOT_FOUND
-    return Problem.OTHER
-
-
-_S3_CREDENTIALS = (
-    "pyarrow's S3 client signs requests with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with "
-    "AWS_SESSION_TOKEN for temporary keys), a web identity (AWS_WEB_IDENTITY_TOKEN_FILE with "
-    "AWS_ROLE_ARN, as IRSA sets them), ~/.aws or the instance's role, and sends unsigned requests "
-    "when it finds none"
-)
-
-
-def explain(problem: Problem, *, scheme: str | None, bucket: str | None = None) -> str:
-    """A sentence on `problem` for a location of `scheme` (None: a local path): what it means
-    and what to check (`bucket`: the bucket's name, where known)."""
-    s3 = scheme == "s3"
-    if problem is Problem.NO_SUCH_BUCKET:
-        hint = " (check its name, and AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL when it is not on AWS)" if s3 else ""
-        return f"no such bucket{f' {bucket!r}' if bucket else ''}{hint}"
-    if problem is Problem.ACCESS_DENIED:
-        if scheme in (None, "file"):
-            return "permission denied"
-        return "access denied or no credentials" + (f": {_S3_CREDENTIALS}" if s3 else "")
-    if problem is Problem.WRONG_REGION:
-        return "the bucket is in another region or behind another endpoint" + (": set AWS_REGION to the bucket's region" if s3 else "")
-    if problem is Problem.UNREACHABLE:
-        where = " (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS itself)" if s3 else ""
-        return f"cannot reach the endpoint{where}"
-    if problem is Problem.THROTTLED:
-        return "the store refuses requests for now (throttled or unavailable); try again"
-    if problem is Problem.NOT_FOUND:
-        return "no such file"
-    return "failed"
-
-
-def first_line(text: str, *, limit: int = 500) -> str:
-    """The first line of `text`, cut to `limit` characters (pyarrow's texts can run to pages)."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 # ---- reading through store trouble ------------------------------------------------------------

@@ -233,6 +233,10 @@ def _registration(process: ProcessSettings, address: str, streams: dict[int, Sou
                 num_files=len(s.source.files),
                 num_row_groups=len(s.source.row_groups),
                 row_group_sizes=[rg.num_rows for rg in s.source.row_groups],
+                files=[
+                    common_pb2.SourceFile(name=f.name, size_bytes=f.size_bytes, mtime_ns=f.mtime_ns, rows=f.rows)
+                    for f in s.source.file_facts
+                ],
             )
             for s in streams.values()
         ],

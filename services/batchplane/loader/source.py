@@ -21,8 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchplane.core.errors import SourceError
+from batchplane.loader.file_facts import FileFacts, file_facts
 from batchplane.loader.filesystems import find_parquet_files, translated_errors
-from batchplane.loader.locations import classify_error, first_line, is_store_trouble, retry_delay
+from batchplane.core.store_errors import classify_error, first_line
+from batchplane.loader.locations import is_store_trouble, retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class ParquetSource:
 
     Attributes:
         files: Its files as messages show them: local paths, or URLs ("s3://bucket/key.parquet").
+        file_facts: What identifies its data, file by file (`file_facts.FileFacts`: name
+            relative to the location, size, modification time, rows), as the loader reports it.
 
     Args:
         name: The source's name (for errors and logs).
@@ -79,18 +83,21 @@ class ParquetSource:
         self.files: list[str] = list(found.names)
         self._handles: list[pq.ParquetFile] = []
         row_groups: list[RowGroup] = []
+        rows_per_file: list[int] = []
         first_row = 0
         for file_index, file in enumerate(self.files):
             handle = self.open_file(file_index)
             self._check_schema(file, handle.schema_arrow, required_columns, token_column)
             self._handles.append(handle)
             meta = handle.metadata
+            rows_per_file.append(meta.num_rows)
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
                 row_groups.append(RowGroup(file=file_index, index=g, num_rows=n, first_row=first_row))
                 first_row += n
         self.row_groups = tuple(rg for rg in row_groups if rg.num_rows > 0)
         self.num_rows = first_row
+        self.file_facts: tuple[FileFacts, ...] = file_facts(found.stats, rows_per_file)
         if self.num_rows == 0:
             raise SourceError(f"source {name!r}: no rows in {len(self.files)} file(s) at {os.fspath(path)!r}")
 

@@ -308,7 +308,7 @@ class SourceStream:
             try:
                 window = self._reader.read(span.start, start_seq=self._windows.start_seq)
             except Exception:  # noqa: BLE001 - a reader must not die silently
-                log.exception("source %r: reading at position %d failed; retrying in 1 s", self.name, span.start)
+                log.exception("source %r: reading at %d failed; again in 1 s, until it reads or the loader stops", self.name, span.start)
                 with self._cond:
                     self._cond.wait(timeout=1.0)
                 continue

@@ -16,7 +16,7 @@ This class is the thin driver: it holds the lock, runs the planning thread, read
 ledger and the summary store, and does what the pure cores decide: `planning.Planning` (where the
 job starts, what the planning thread does next, what a request is answered, which reports wait),
 the request rules it holds (`progress.PlanProgress`) and the report rules of `bounds`.
-`restore.restore_start` assembles where a start or a rewind continues from,
+`restore.reopen` assembles where a start or a rewind continues from,
 `builder.WindowBuilder` builds a window's plans and `ledger.Ledger` their records. A rewind (a
 trainer restarted from an older checkpoint while the data plane runs) to a step whose plan is no
 longer kept is carried out by the planning thread: it restores the state from the ledger's
@@ -58,8 +58,8 @@ from batchplane.planner.planning import (
     where_to_start,
 )
 from batchplane.planner.progress import Ahead, Replan, Start
-from batchplane.planner.restore import StartPoint, delivered_floor, expected_sources, new_generation, restore_start, rewind_horizon
-from batchplane.planner.length import JobLength, job_length
+from batchplane.planner.restore import Reopened, delivered_floor, expected_sources, reopen, rewind_horizon
+from batchplane.planner.length import JobLength, job_length, settled_length
 from batchplane.planner.strategy import JobSchedule, job_mesh, job_mixture, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore
 from batchplane.planner.window import window_steps
@@ -222,10 +222,10 @@ class PlanBook:
         """Starts the job where `planning.where_to_start` says: waits for every loader (and, for a
         restarted planner whose ledger does not say where ranks stand, every constructor),
         restores or fast-forwards the mixture, opens this run's generation of the ledger (lock
-        held).
+        held; `restore.reopen`, which also checks the sources against what the ledger recorded).
 
         Raises:
-            FailedPrecondition: a resume the planner cannot make exact (see the module docstring).
+            FailedPrecondition: a resume the planner cannot make exact, or a changed source.
         """
         ready = self._cond.wait_for(lambda: self._membership.ready or self._planning.stopped, timeout=timeout_s)
         if self._planning.stopped:
@@ -253,27 +253,27 @@ class PlanBook:
             log.info("%s", where.note)
         self._mixture = self._make_mixture()
         log.info("mixture: %s", self._mixture.describe())
-        start = self._restore(where.step, resume, reader)
-        self._writer = new_generation(reader, where.step, job=self._job, source_facts=self._membership.commit_sources())
-        horizon = rewind_horizon(reader, where.step, adaptive=self._adaptive is not None)
+        opened = self._reopen(where.step, resume, reader)
+        start, self._writer = opened.start, opened.writer
+        horizon = rewind_horizon(reader, where.step, adaptive=self._adaptive is not None, restarted=bool(opened.restarted))
         self._planning.started(where, state=start.state, resume=start.inside, horizon=horizon, recorded_below=reader.recorded_below())
         self._metrics.start_step.set(where.step)
         self._store.start(start.state.cursors, step=where.step)
         self._cond.notify_all()
 
-    def _restore(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> StartPoint:
-        """Where planning continues from to reach `step` (`restore.restore_start`, which
-        continues `self.ledger` from the durable one); hands planning the adaptive state."""
-        start = restore_start(
-            step, job=self._job, mixture=self._mixture, reader=reader, resume=resume, rule=self._adaptive, ledger=self.ledger
+    def _reopen(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> Reopened:
+        """Where planning continues from to reach `step`, and this run's generation of the ledger
+        (`restore.reopen`, which continues `self.ledger` from the durable one); hands planning
+        the adaptive state."""
+        job, ledger, sources = self._job, self.ledger, self._membership
+        opened = reopen(
+            step, job=job, mixture=self._mixture, reader=reader, resume=resume, rule=self._adaptive, ledger=ledger, sources=sources
         )
-        self.resumed_across = start.changed
-        if start.adaptive is not None:
+        self.resumed_across, adaptive = opened.start.changed, opened.start.adaptive
+        if adaptive is not None:
             with self._cond:
-                self._planning.adaptive_restored(
-                    start.adaptive.state, applied_through=start.adaptive.applied_through, reports=start.adaptive.reports
-                )
-        return start
+                self._planning.adaptive_restored(adaptive.state, applied_through=adaptive.applied_through, reports=adaptive.reports)
+        return opened
 
     def _make_mixture(self) -> Mixture:
         """The job's mixture allocator (every loader has registered: the stream ends are known)."""
@@ -281,15 +281,15 @@ class PlanBook:
 
     def length(self) -> JobLength:
         """How many steps the job has (see `length.job_length`): known for a finite job once every
-        loader has registered. Computed once."""
-        if self._job.epochs is None:
-            return JobLength(infinite=True)
+        loader has registered (computed once), exact once the end of its data is planned."""
+        if (settled := settled_length(epochs=self._job.epochs, end_step=self._planning.end_step)) is not None:
+            return settled
         if not self._membership.ready:
             return JobLength(unknown=f"waiting for loaders {self._membership.missing_loaders()} to register")
         with self._length_lock:
             if self._length is None:
                 begin = time.perf_counter()
-                self._length = job_length(self.schedule, self._make_mixture())
+                self._length = job_length(self.schedule, self._make_mixture(), bad_policy=self._job.batch.bad_samples.policy)
                 log.info("the job's length: %s (counted in %.3f s)", self._length, time.perf_counter() - begin)
             return self._length
 
@@ -419,8 +419,8 @@ class PlanBook:
         self.ledger = Ledger(self._job.source_names, method=self.ledger.method, compare=self.ledger.compare)
         with self._cond:
             self._planning.rewinding()
-        start = self._restore(step, {}, reader)
-        writer = new_generation(reader, step, job=self._job, source_facts=self._membership.commit_sources())
+        opened = self._reopen(step, {}, reader)  # (a source that started over at `step` starts over again)
+        start, writer = opened.start, opened.writer
         with self._cond:
             self._writer = writer
             self._planning.rewound(step, state=start.state, resume=start.inside)

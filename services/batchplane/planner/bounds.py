@@ -38,6 +38,12 @@ Each bound and why it holds for every correct peer:
   finite loss >= 0 per named source; only for a step that is planned and not yet past (see
   there), so the reports waiting to be applied are at most the steps between the last applied
   one and the planning cursor, and report files on the ledger as many; at most one per step.
+- **Source files** (`check_source_files`): a loader reports each source's files once per
+  registration; at most `MAX_SOURCE_FILES` per source (a registration must fit one message of
+  `network.max_message_bytes`, 4 MiB by default, beside one row-group size per row group, and
+  the ledger records them), names of at most `MAX_FILE_NAME_CHARS` printable characters (a
+  path below the source's location: Linux's PATH_MAX; an object key has at most 1,024 bytes),
+  each once; sizes and times >= 0 or -1 (not given), rows >= 0 adding up to the source's rows.
 - **Summaries** (`check_summary`): a loader's answer must be what was asked: starting at the
   position asked, no more samples than asked, equal lengths, rows of the source, lengths >= 0,
   finite features, bad reasons as uint8 codes, one per sample or none (an older loader), and an
@@ -46,8 +52,8 @@ Each bound and why it holds for every correct peer:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -55,6 +61,7 @@ from batchplane.core import bad
 from batchplane.core.errors import InvalidArgument
 from batchplane.core.schedule import ScheduleError
 from batchplane.planner.adaptive import AdaptiveRule, check_report
+from batchplane.planner.source_changes import FileFacts
 
 #: Characters of a replica id, incarnation or shadow's replica id (a Kubernetes object name has
 #: at most 253).
@@ -66,6 +73,10 @@ MAX_ADDRESS_CHARS = 512
 MAX_RESUME_ENTRIES = 32
 #: Characters of a fingerprint group name or digest (digests have 16 hex digits).
 MAX_FINGERPRINT_CHARS = 128
+#: Files of one source a registration may report (see the module docstring).
+MAX_SOURCE_FILES = 100_000
+#: Characters of a source file's name (relative to the source's location): Linux's PATH_MAX.
+MAX_FILE_NAME_CHARS = 4096
 
 
 class MalformedSummary(ValueError):
@@ -157,6 +168,35 @@ def check_address(field: str, value: str) -> str:
     if not value.isprintable() or any(c.isspace() for c in value):
         raise InvalidArgument(f"{field} must have printable characters and no blanks only")
     return value
+
+
+def check_source_files(source: str, num_rows: int, files: Sequence[Any]) -> tuple[FileFacts, ...]:
+    """The files a loader reports of source `source` (`SourceInfo.files`: objects with name,
+    size_bytes, mtime_ns and rows), if they can be its files.
+
+    Raises:
+        InvalidArgument: more than MAX_SOURCE_FILES files; a name that is empty, longer than
+            MAX_FILE_NAME_CHARS, not printable or given twice; a size or time below -1; rows
+            below 0, or not adding up to `num_rows` (the message names the source, not the name).
+    """
+    if len(files) > MAX_SOURCE_FILES:
+        raise InvalidArgument(f"source {source!r}: at most {MAX_SOURCE_FILES} files, got {len(files)}")
+    out, seen = [], set()
+    for i, f in enumerate(files):
+        name = f.name
+        if not name or len(name) > MAX_FILE_NAME_CHARS or not name.isprintable():
+            raise InvalidArgument(f"source {source!r}: files[{i}].name must have 1 to {MAX_FILE_NAME_CHARS} printable characters")
+        if name in seen:
+            raise InvalidArgument(f"source {source!r}: files[{i}].name repeats an earlier file's")
+        seen.add(name)
+        if f.size_bytes < -1 or f.mtime_ns < -1:
+            raise InvalidArgument(f"source {source!r}: files[{i}]: size_bytes and mtime_ns must be >= 0, or -1 (not given)")
+        if f.rows < 0:
+            raise InvalidArgument(f"source {source!r}: files[{i}].rows must be >= 0, got {f.rows}")
+        out.append(FileFacts(name, int(f.size_bytes), int(f.mtime_ns), int(f.rows)))
+    if out and sum(f.rows for f in out) != num_rows:
+        raise InvalidArgument(f"source {source!r}: files of {sum(f.rows for f in out)} rows for {num_rows} rows")
+    return tuple(out)
 
 
 def check_resume(resume: Mapping[str, str], fingerprints: Mapping[str, str]) -> dict[str, str]:

@@ -140,8 +140,13 @@ class Generation:
     fingerprints: Mapping[str, str]
     sources: tuple[str, ...]
     #: Source name -> [rows, row groups digest] as the run's loaders reported them (absent in
-    #: ledgers written before it was recorded).
+    #: ledgers written before it was recorded), with a third entry, the source's files
+    #: ([[name, size_bytes, mtime_ns, rows], ...]), where the generations before did not record
+    #: those files (`planner.source_changes.SourceRecord`).
     source_facts: Mapping[str, list] | None = None
+    #: Sources whose data started over from its beginning at `start_step` (changed sources the
+    #: job declared, `sources[].on_change: restart`).
+    restarted: tuple[str, ...] = ()
 
 
 class LedgerReader:
@@ -159,7 +164,14 @@ class LedgerReader:
             if m:
                 head = json.loads(storage.get(key))
                 self.generations.append(
-                    Generation(int(m.group(1)), head["start_step"], head["fingerprints"], tuple(head["sources"]), head.get("source_facts"))
+                    Generation(
+                        int(m.group(1)),
+                        head["start_step"],
+                        head["fingerprints"],
+                        tuple(head["sources"]),
+                        head.get("source_facts"),
+                        tuple(head.get("restarted", ())),
+                    )
                 )
         self.generations.sort(key=lambda g: g.gen)
         self._index: dict[int, dict[int, str]] = {}  # gen -> step -> key of the record or segment
@@ -245,8 +257,10 @@ class LedgerWriter:
         sources: The job's source names.
         keep_detail_steps: Thin segments that end this many steps or more before the slowest
             rank (see the module docstring); None keeps every record whole.
-        source_facts: Source name -> (rows, row groups digest) as the loaders reported them (a
-            restarted planner expects them of every loader that registers).
+        source_facts: Source name -> [rows, row groups digest] as the loaders reported them (a
+            restarted planner expects them of every loader that registers), and the source's
+            files where they are to be recorded (see `Generation.source_facts`).
+        restarted: Sources whose data starts over from its beginning at `start_step`.
     """
 
     def __init__(
@@ -257,16 +271,21 @@ class LedgerWriter:
         fingerprints: Mapping[str, str],
         sources: tuple[str, ...],
         keep_detail_steps: int | None = None,
-        source_facts: Mapping[str, tuple[int, str]] | None = None,
+        source_facts: Mapping[str, Sequence[Any]] | None = None,
+        restarted: Sequence[str] = (),
     ) -> None:
         self.storage = storage = reader.storage
         gen = (reader.generations[-1].gen + 1) if reader.generations else 1
         head = {"start_step": start_step, "fingerprints": dict(fingerprints), "sources": list(sources), "created": time.time()}
         if source_facts:
             head["source_facts"] = {name: list(facts) for name, facts in source_facts.items()}
+        if restarted:
+            head["restarted"] = list(restarted)
         while not storage.put_if_absent(f"{_gen_prefix(gen)}head.json", _encode(head)):
             gen += 1  # another planner claimed it: never share a generation
-        self.generation = Generation(gen, start_step, dict(fingerprints), tuple(sources), head.get("source_facts"))
+        self.generation = Generation(
+            gen, start_step, dict(fingerprints), tuple(sources), head.get("source_facts"), tuple(head.get("restarted", ()))
+        )
         self._earlier = [g.gen for g in reader.generations if g.gen < gen]  # whose loose steps to fold once
         self._prefix = _gen_prefix(gen)
         self._next_segment = start_step  # a generation's first segment ends at the next multiple of SEGMENT_STEPS

@@ -205,8 +205,8 @@ class Ledger:
             again = spans.intersection(self.consumed[k])
             if not again.is_empty:
                 raise ValueError(
-                    f"step {plan.step} would take seqs {again.to_list()} of source {self.source_names[k]!r} again "
-                    f"(consumed: {self.consumed[k].to_list()}); refusing to deliver a sample twice (I1)"
+                    f"step {plan.step} would take seqs {_shown(again)} of source {self.source_names[k]!r} again "
+                    f"(consumed: {_shown(self.consumed[k])}); refusing to deliver a sample twice (I1)"
                 )
         for k, spans in enumerate(taken):
             self.consumed[k] = self.consumed[k].union(spans)
@@ -256,6 +256,20 @@ class Ledger:
         if adaptive is not None:
             record["adaptive"] = adaptive.to_json()
         return record
+
+
+#: Ranges of an interval set an error message shows before "... N ranges, M seqs in all".
+SHOWN_RANGES = 3
+
+
+def _shown(seqs: IntervalSet) -> str:
+    """`seqs` for an error message: its first `SHOWN_RANGES` ranges [lo, hi), then how many there
+    are in all, so a message stays a line whatever the set holds."""
+    ranges = seqs.to_list()
+    if len(ranges) <= SHOWN_RANGES:
+        return str(ranges)
+    head = ", ".join(str(r) for r in ranges[:SHOWN_RANGES])
+    return f"[{head}, ... {len(ranges)} ranges, {seqs.count} seqs in all]"
 
 
 def state_to_json(state: MixtureState) -> dict[str, Any]:

@@ -64,19 +64,28 @@ def substitutions(records: Iterable[Mapping[str, Any]], source: str, row: int) -
 
 def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
     """Per source over the records: target share (the mean of the steps' shares), realized share
-    of samples and of tokens, and drift (realized - target share of samples).
+    of samples and of tokens, and drift (realized - target share of samples). "samples" counts
+    what the mixture allocated to the steps, bad rows included; "delivered" the samples the ranks
+    were handed (substitutes included), "bad" the bad rows consumed (left out, or stood in for by
+    a substitute).
 
     Returns:
-        {"steps", "first", "last", "samples", "tokens", "sources": [{"source", "target",
-        "samples", "tokens", "sample_share", "token_share", "drift"}]}.
+        {"steps", "first", "last", "samples", "delivered", "bad", "tokens", "sources": [{"source",
+        "target", "samples", "delivered", "tokens", "sample_share", "token_share", "drift"}]};
+        "delivered" is None where a record is thinned (ledger.keep_detail_steps: its samples per
+        rank are not kept).
     """
     k = len(sources)
-    samples, tokens, target = [0] * k, [0] * k, [0.0] * k
-    steps, first, last = 0, None, None
+    samples, delivered, tokens, target = [0] * k, [0] * k, [0] * k, [0.0] * k
+    steps, first, last, bad, detailed = 0, None, None, 0, True
     for record in records:
         steps += 1
         first = record["step"] if first is None else first
         last = record["step"]
+        bad += record.get("bad", 0)
+        detailed = detailed and "ranks" in record
+        for sample in (s for bucket in record.get("ranks", ()) for mb in bucket for s in mb):
+            delivered[sample[0]] += 1
         for i, name in enumerate(sources):
             samples[i] += step_samples(record, name)
             tokens[i] += record["tokens"].get(name, 0)
@@ -87,6 +96,7 @@ def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str
             "source": name,
             "target": target[i] / max(steps, 1),
             "samples": samples[i],
+            "delivered": delivered[i] if detailed else None,
             "tokens": tokens[i],
             "sample_share": samples[i] / total,
             "token_share": tokens[i] / total_tokens,
@@ -94,7 +104,16 @@ def realized_mixture(records: Iterable[Mapping[str, Any]], sources: Sequence[str
         }
         for i, name in enumerate(sources)
     ]
-    return {"steps": steps, "first": first, "last": last, "samples": sum(samples), "tokens": sum(tokens), "sources": rows}
+    return {
+        "steps": steps,
+        "first": first,
+        "last": last,
+        "samples": sum(samples),
+        "delivered": sum(delivered) if detailed else None,
+        "bad": bad,
+        "tokens": sum(tokens),
+        "sources": rows,
+    }
 
 
 def step_samples(record: Mapping[str, Any], source: str) -> int:

@@ -31,6 +31,7 @@ from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, InvalidArgument
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing, last_owned, window_of, window_span
+from batchplane.planner.source_changes import FileFacts, SourceRecord, compare_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +73,18 @@ class SourceFacts:
     name: str
     num_rows: int
     row_group_sizes: tuple[int, ...] = ()
+    #: Its files (`SourceInfo.files`); empty from a loader that does not report them.
+    files: tuple[FileFacts, ...] = ()
 
     @property
     def digest(self) -> str:
         """A digest of the row groups (what the ledger records of them)."""
         return row_groups_digest(self.row_group_sizes)
+
+    @property
+    def record(self) -> SourceRecord:
+        """What identifies the source's data, as the ledger records it."""
+        return SourceRecord(self.num_rows, self.digest, self.files or None)
 
 
 def row_groups_digest(sizes: Sequence[int]) -> str:
@@ -106,7 +114,8 @@ class Membership:
         self._failed: dict[tuple[int, str], str | None] = {}  # (group, failed replica) -> its adopter (None: none yet)
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
         self._rejoined: dict[int, int] = {}
-        self._expected: dict[str, tuple[int, str]] = {}  # source name -> (rows, row groups digest) the job ran with
+        self._files: dict[int, tuple[FileFacts, ...]] = {}  # source -> its files, as first reported
+        self._expected: dict[str, SourceRecord] = {}  # source name -> what the ledger records of it
         self._committed = False  # the job started: the sources' facts are final
 
     def register_loader(
@@ -165,6 +174,8 @@ class Membership:
             for k, facts in zip(job.loader_sources(index), sources):
                 self._num_rows[k] = facts.num_rows
                 self._orders.setdefault(k, self._order(k, facts.row_group_sizes))
+                if facts.files:
+                    self._files.setdefault(k, facts.files)
             replica = shadow_of or replica
             if (index, replica) in self._departed:
                 if shadow_of or self._incarnations.get((index, replica, False)) == incarnation:
@@ -194,23 +205,23 @@ class Membership:
         are the ones it records, and the group's replicas reported others (lock held)."""
         if self._committed:
             return False
-        got = {f.name: (f.num_rows, f.digest) for f in sources}
+        got = {f.name: f.record for f in sources}
         ks = self._job.loader_sources(index)
         names = [self._job.sources[k].name for k in ks]
-        if not names or any(self._expected.get(n) is None or got.get(n) != self._expected[n] for n in names):
+        if not names or any(n not in self._expected or n not in got or _differs(n, self._expected[n], got[n]) for n in names):
             return False
-        known = {
-            self._job.sources[k].name: (self._num_rows[k], row_groups_digest(self._orders[k].row_group_sizes.tolist()))
-            for k in ks
-            if k in self._num_rows and k in self._orders
-        }
-        return any(facts != self._expected[name] for name, facts in known.items())
+        known = {self._job.sources[k].name: self._record(k) for k in ks if k in self._num_rows and k in self._orders}
+        return any(_differs(name, self._expected[name], facts) for name, facts in known.items())
+
+    def _record(self, k: int) -> SourceRecord:
+        """What the group's replicas reported of source `k` (lock held)."""
+        return SourceRecord(self._num_rows[k], row_groups_digest(self._orders[k].row_group_sizes.tolist()), self._files.get(k))
 
     def _forget_group(self, index: int) -> None:
         """Forgets group `index`'s replicas and what they reported (before the job starts: nothing
         was planned from them; lock held)."""
         for k in self._job.loader_sources(index):
-            for table in (self._num_rows, self._orders, self._routing, self._frontier):
+            for table in (self._num_rows, self._orders, self._routing, self._frontier, self._files):
                 table.pop(k, None)
         self._replicas.pop(index, None)
         for by_replica in (self._departed, self._shadows, self._failed):
@@ -298,24 +309,27 @@ class Membership:
                 if k in self._routing
             ]
 
-    def expect_sources(self, facts: Mapping[str, tuple[int, str]]) -> None:
-        """The sources as the job ran with them (a restarted planner's ledger): name -> (rows,
-        `row_groups_digest`). Until the job starts, a loader reporting these facts displaces
+    def expect_sources(self, facts: Mapping[str, SourceRecord]) -> None:
+        """The sources as the job ran with them (a restarted planner's ledger): name -> what
+        identifies its data. Until the job starts, a loader reporting these facts displaces
         replicas that reported others: a false registration that came first cannot pin facts
         that lock the real loaders out."""
         with self._lock:
-            self._expected = {name: (int(rows), str(digest)) for name, (rows, digest) in facts.items()}
+            self._expected = dict(facts)
 
-    def commit_sources(self) -> dict[str, tuple[int, str]]:
+    def reported_sources(self) -> dict[str, SourceRecord]:
+        """The sources as their loaders reported them, name -> what identifies its data (in
+        source order), without committing them (see `commit_sources`)."""
+        with self._lock:
+            return {self._job.sources[k].name: self._record(k) for k in sorted(self._num_rows)}
+
+    def commit_sources(self) -> dict[str, SourceRecord]:
         """The job starts with the sources as its loaders reported them: from now on those
-        facts are final (a loader reporting others is refused). Returns them, name -> (rows,
-        `row_groups_digest`), for the ledger to record."""
+        facts are final (a loader reporting others is refused). Returns them, name -> what
+        identifies its data, for the ledger to record."""
         with self._lock:
             self._committed = True
-            return {
-                self._job.sources[k].name: (rows, row_groups_digest(self._orders[k].row_group_sizes.tolist()))
-                for k, rows in sorted(self._num_rows.items())
-            }
+            return {self._job.sources[k].name: self._record(k) for k in sorted(self._num_rows)}
 
     def register_constructor(self, index: int, address: str, ranks: Sequence[int], *, next_step: int | None = None) -> None:
         """Records constructor `index` serving `ranks`; registering again replaces its address.
@@ -457,3 +471,8 @@ class Membership:
         """Replica id -> address of loader group `index`."""
         with self._lock:
             return dict(self._replicas.get(index, {}))
+
+
+def _differs(name: str, expected: SourceRecord, got: SourceRecord) -> bool:
+    """Whether `got` differs from `expected` in anything both know of."""
+    return compare_source(name, expected, got) is not None

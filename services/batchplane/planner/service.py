@@ -15,7 +15,15 @@ from batchplane.core.delivery import DeliveryRules
 from batchplane.core.errors import InvalidArgument, NotFound
 from batchplane.core.rpc import wait_seconds
 from batchplane.planner.book import PlanBook
-from batchplane.planner.bounds import check_address, check_max_steps, check_name, check_resume, check_step
+from batchplane.planner.bounds import (
+    MAX_NAME_CHARS,
+    check_address,
+    check_max_steps,
+    check_name,
+    check_resume,
+    check_source_files,
+    check_step,
+)
 from batchplane.planner.dgraph import Strategy
 from batchplane.planner.membership import Membership, SourceFacts
 from batchplane.planner.metrics import PlannerMetrics
@@ -130,7 +138,15 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         check_address("address", request.address)
         for field in ("replica", "incarnation", "shadow_of"):
             check_name(field, getattr(request, field))
-        facts = [SourceFacts(name=s.name, num_rows=s.num_rows, row_group_sizes=tuple(s.row_group_sizes)) for s in request.sources]
+        facts = [
+            SourceFacts(
+                name=s.name,
+                num_rows=s.num_rows,
+                row_group_sizes=tuple(s.row_group_sizes),
+                files=check_source_files(s.name[:MAX_NAME_CHARS], s.num_rows, s.files),
+            )
+            for s in request.sources
+        ]
         joined = self._membership.register_loader(
             request.loader_index,
             request.address,
@@ -198,7 +214,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return planner_pb2.GetJobResponse(
             job=self._info,
             ready=self._membership.ready,
-            length=common_pb2.JobLength(num_steps=length.num_steps or 0, infinite=length.infinite, unknown=length.unknown),
+            length=common_pb2.JobLength(
+                num_steps=length.num_steps or 0, infinite=length.infinite, unknown=length.unknown, exact=length.exact
+            ),
         )
 
     def GetPlan(self, request: planner_pb2.GetPlanRequest, context: grpc.ServicerContext) -> planner_pb2.GetPlanResponse:

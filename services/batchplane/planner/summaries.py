@@ -302,7 +302,10 @@ class SummaryPuller:
             try:
                 backoff = self._pull(source, backoff)
             except Exception:  # noqa: BLE001 - nothing a peer sends, and no bug, ends this source's pulling
-                log.exception("source %d: pulling summaries failed; retrying", source)
+                log.exception(
+                    "source %d: pulling summaries failed; trying again in 1 s, and every second while it fails, until the planner stops",
+                    source,
+                )
                 self._stopped.wait(1.0)
 
     def _pull(self, source: int, backoff: float) -> float:
@@ -317,7 +320,12 @@ class SummaryPuller:
         try:
             target = self._target(source, from_seq)
         except Exception:  # noqa: BLE001 - a bug here must not silently end this source's pulling
-            log.exception("source %d: cannot route the summary request from %d; retrying", source, from_seq)
+            log.exception(
+                "source %d: cannot route the summary request from %d; trying again in 1 s, and every second while it fails, "
+                "until the planner stops",
+                source,
+                from_seq,
+            )
             self._stopped.wait(1.0)
             return backoff
         if target is None or not target.address:  # no loader yet, or a replica that has not registered again

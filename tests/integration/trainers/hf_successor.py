@@ -13,6 +13,8 @@ Writes under DIR:
   that kills "the whole trainer" kills these too);
 - `hf/`: Hugging Face's output_dir (checkpoints, with batchplane_data.json);
 - `final/`: the trained model (save_pretrained), after the last step;
+- `ended-rank{r}.json`: the global step training ended at, the job's length as the client knows
+  it then (`num_steps`) and whether it knows its data ended;
 - with --grad-check, `gradcheck-rank{r}.pt`: step 0's microbatches, the parameters before it
   and the gradients after its last backward (after DDP's all-reduce).
 With --stall-after-step S, rank 0 stops after logging step S and waits to be killed.
@@ -136,6 +138,8 @@ def main() -> None:
         grad_check=options.grad_check,
     )
     trainer.train(resume_from_checkpoint=True if options.resume else None)
+    ended = {"global_step": trainer.state.global_step, "num_steps": trainer.data.num_steps, "ended": trainer.data.ended}
+    (options.out / f"ended-rank{rank}.json").write_text(json.dumps(ended))
     trainer.save_model(str(options.out / "final"))
     trainer.data.close()
 
