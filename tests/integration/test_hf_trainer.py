@@ -376,6 +376,18 @@ def test_a_job_with_unreadable_row_groups_ends_where_its_data_does_with_a_final_
         assert ended == {"global_step": delivered, "num_steps": delivered, "ended": True}, f"seed {seed}, rank {rank}"
     state = json.loads((tmp_path / "out" / "hf" / f"checkpoint-{delivered}" / "batchplane_data.json").read_text())
     assert state["next_step"] == delivered, f"seed {seed}: the last step is saved"
+    stats = subprocess.run(
+        [sys.executable, "-m", "batchplane.cli", "ledger", "stats", "--ledger", str(tmp_path / "run" / "ledger")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stats.returncode == 0, stats.stderr
+    assert f"({delivered} steps, {len(good)} samples delivered, {len(lost)} bad rows consumed," in stats.stdout, stats.stdout
+    print(
+        f"seed {seed}: {len(lost)} of {len(good) + len(lost)} rows unreadable; len(client) at the start {counted}, steps delivered "
+        f"{delivered}; the Trainer ended at global step {delivered} with checkpoint-{delivered}; ledger stats: {stats.stdout.splitlines()[0]}"
+    )
 
     # A plain loop on the same job (a run folder of its own) ends there too, every good row once.
     cluster = start_cluster(trainer_job(tmp_path, sources, "loop"))

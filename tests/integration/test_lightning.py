@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 from disturbed import kill_tree
-from harness import TRAINER_TIMEOUT_S, run_ranks, running_cluster, start_cluster, write_job, write_source
+from harness import TRAINER_TIMEOUT_S, corrupt_row_group, run_ranks, running_cluster, start_cluster, write_job, write_source
 from trainers.hashes import tensor_hashes
 
 from batchplane.client import Client
@@ -135,3 +135,35 @@ def test_a_fit_resumed_from_a_lightning_checkpoint_receives_exactly_the_steps_af
             for b in first[rank][:6] + resumed[rank]:
                 seen.update(tuple(s) for mb in b["samples"] for s in mb)
         assert sum(seen.values()) == SAMPLES and set(seen.values()) == {1}
+
+
+def test_a_finite_job_with_an_unreadable_row_group_ends_the_fit_where_its_data_does(tmp_path) -> None:
+    """Issue 40: a row group of "web" is unreadable, so substitution ends the data a step before
+    the length counted at the start (len() is an upper bound). The fit ends at the real end,
+    trains every good row once, and the checkpoint Lightning saves at the epoch's end holds the data
+    state there (a step-based ModelCheckpoint saves only on its steps)."""
+    sources = [
+        write_source(tmp_path / "data", "web", [4 + i % 29 for i in range(56)], row_group_size=20, seed=1),
+        write_source(tmp_path / "data", "code", [3 + i % 17 for i in range(40)], row_group_size=20, seed=2),
+    ]
+    lost = {(0, row) for row in range(20, 20 + corrupt_row_group(sources[0].path / "part-00000.parquet", 1))}
+    config = write_job(
+        tmp_path / "job.yaml",
+        sources,
+        batch={"global_batch_size": 8, "microbatches": 2, "token_dtype": "int32"},
+        mesh={"dp": 2},
+        constructors={"prefetch_steps": 2},
+    )
+    with running_cluster(config) as cluster:
+        endpoints = json.loads(cluster.endpoints_path.read_text())
+        with Client(endpoints["constructors"]["0"], rank=0, timeout_s=60) as client:
+            counted = len(client)
+        run_trainer(cluster.endpoints_path, tmp_path / "out", tmp_path / "ckpt", "--every", "5", "--save-at-end")
+    trained = lines(tmp_path / "out")
+    delivered = len(trained[0])
+    assert counted == SAMPLES // 8 and delivered == -(-(SAMPLES - len(lost)) // 8) < counted
+    seen = collections.Counter(tuple(s) for r in (0, 1) for b in trained[r] for mb in b["samples"] for s in mb)
+    good = {(k, row) for k, s in enumerate(sources) for row in range(len(s.rows))} - lost
+    assert set(seen) == good and set(seen.values()) == {1}
+    end = torch.load(tmp_path / "ckpt" / f"end-step={delivered}.ckpt", weights_only=False)
+    assert end["BatchplaneDataModule"]["next_step"] == delivered and end["global_step"] == delivered

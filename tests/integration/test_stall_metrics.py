@@ -74,4 +74,10 @@ def test_a_frozen_loader_shows_as_a_wait_growing_while_it_lasts(tmp_path, monkey
             assert measured > FREEZE_S / 2
             assert abs(reported - measured) < 1.0, f"data_wait_s {reported:.2f} s, the trainer's clock {measured:.2f} s"
             wait_until(lambda: scrape(metrics).get(WAITING, 1) == 0, timeout_s=10, what="the rank to stop waiting")
-            assert scrape(metrics)[COUNTED] >= sum(reported for reported, _ in waits) - 1.0
+            after = scrape(metrics)[COUNTED]
+            assert after >= sum(reported for reported, _ in waits) - 1.0
+            print(
+                f"loaders frozen {FREEZE_S:.0f} s: mid-stall the rank shows a wait begun {since - froze_at:.1f} s into the freeze, counter "
+                f"{first[COUNTED]:.1f} -> {second[COUNTED]:.1f} s in 4 s; after: counter {after:.1f} s, data_wait_s {reported:.2f} s "
+                f"vs the trainer's {measured:.2f} s"
+            )

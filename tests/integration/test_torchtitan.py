@@ -115,7 +115,8 @@ def test_torchtitan_resumed_from_its_checkpoint_trains_on_the_uninterrupted_runs
             ]
             assert done[rank]["exhausted_at"] == STEPS + 1
         assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-6"]
-        done = run_torchtitan(cluster.endpoints_path, dump, tmp_path / "resumed", "--steps", "20", "--interval", "3")
+        # The resumed run ends with the data (`EndWithData`), before training.steps, its last step saved.
+        done = run_torchtitan(cluster.endpoints_path, dump, tmp_path / "resumed", "--steps", "20", "--interval", "5", "--end-with-data")
     finally:
         reference_cluster.stop()
         cluster.stop()
@@ -129,7 +130,9 @@ def test_torchtitan_resumed_from_its_checkpoint_trains_on_the_uninterrupted_runs
         # (model, optimizer and LR schedule restored too).
         assert [b["step"] for b in resumed[rank]] == list(range(7, STEPS + 1))
         assert resumed[rank] == reference[rank][6:]
-        assert done[rank]["exhausted_at"] == STEPS + 1
+        assert done[rank]["exhausted_at"] is None and done[rank]["step"] == STEPS
+    # Saved every 5 steps, and the last step (12) though training.steps is 20.
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-10", "step-12", "step-3", "step-6"]
 
 
 def _pairs(loaders: list[BatchplaneDataLoader], iterators: list, n: int) -> list[list[tuple[dict, torch.Tensor]]]:

@@ -11,20 +11,11 @@ import pytest
 from batchplane.client.errors import DataPlaneError, DataPlaneUnavailable
 from batchplane.client.transport import ConstructorConnection
 
-
-class _Failed(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+from rpc_fakes import Failed
 
 
-UNAVAILABLE = _Failed(grpc.StatusCode.UNAVAILABLE, "batch of step 2 for rank 0 not ready: loader at 127.0.0.1:5 is gone")
-DEADLINE = _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+UNAVAILABLE = Failed(grpc.StatusCode.UNAVAILABLE, "batch of step 2 for rank 0 not ready: loader at 127.0.0.1:5 is gone")
+DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 @pytest.fixture
@@ -62,7 +53,7 @@ def test_a_deadline_with_no_answer_before_says_only_that(connection) -> None:
 
 
 def test_an_answer_that_is_not_retried_raises_at_once_as_it_is(connection) -> None:
-    attempt, seen = scripted(_Failed(grpc.StatusCode.FAILED_PRECONDITION, "step 2 was already consumed"))
+    attempt, seen = scripted(Failed(grpc.StatusCode.FAILED_PRECONDITION, "step 2 was already consumed"))
     with pytest.raises(DataPlaneError, match="FAILED_PRECONDITION: step 2 was already consumed$"):
         connection._call(attempt, "GetBatch(rank 0, step 2)")
     assert len(seen) == 1

@@ -30,6 +30,8 @@ from batchplane.core.errors import InvalidArgument, Unavailable
 from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
 from batchplane.wire import encode_array, iter_chunks
 
+from rpc_fakes import Channel
+
 # ---- from the trainer ----------------------------------------------------------------------------
 
 
@@ -317,18 +319,6 @@ JOB = job_from_mapping(
 )
 
 
-class _Channel:
-    """Stands for a grpc channel: the stubs are replaced below, nothing is ever called on it."""
-
-    def unary_unary(self, *args, **kwargs):
-        return None
-
-    unary_stream = stream_unary = stream_stream = unary_unary
-
-    def close(self) -> None:
-        pass
-
-
 class _Planner:
     def GetPlan(self, request, timeout):  # noqa: N802 - the stub's method name
         return planner_pb2.GetPlanResponse(
@@ -360,7 +350,7 @@ class _Loader:
 def test_a_constructor_whose_loader_sends_a_huge_header_retries_and_builds_once_it_answers_well() -> None:
     registry = CollectorRegistry()
     pipeline = StepPipeline(
-        JOB, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel()
+        JOB, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: Channel()
     )
     loader = _Loader()
     pipeline._planner = _Planner()

@@ -28,6 +28,8 @@ from batchplane.core.payload import BLOB, SAMPLE, TOKEN, PayloadColumn, arrow_ty
 from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
 from batchplane.wire import encode_array, iter_chunks
 
+from rpc_fakes import Channel
+
 PAD, IGNORE = 0, -100
 DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
@@ -403,16 +405,6 @@ JOB = job_from_mapping(
 )
 
 
-class _Channel:
-    def unary_unary(self, *args, **kwargs):
-        return None
-
-    unary_stream = stream_unary = stream_stream = unary_unary
-
-    def close(self) -> None:
-        pass
-
-
 class _Planner:
     def GetPlan(self, request, timeout):  # noqa: N802 - the stub's method name
         rank_plan = planner_pb2.RankPlan(
@@ -449,7 +441,7 @@ class _Loader:
 def test_a_pipeline_builds_the_declared_columns_it_fetched_for_each_cp_rank() -> None:
     registry = CollectorRegistry()
     pipeline = StepPipeline(
-        JOB, index=0, ranks=(0, 1), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: _Channel()
+        JOB, index=0, ranks=(0, 1), planner="planner:1", metrics=ConstructorMetrics(registry), connect=lambda a, p: Channel()
     )
     loader = _Loader()
     pipeline._planner = _Planner()

@@ -20,19 +20,10 @@ from batchplane.core.config import job_from_mapping
 from batchplane.core.errors import Unavailable
 from batchplane.core.rpc import call_with_retry
 
-
-class _Failed(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+from rpc_fakes import Channel, Failed
 
 
-DEADLINE = _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 def _failing(counter: list[int]):
@@ -76,20 +67,10 @@ def test_attempts_stopped_by_the_caller_are_counted_and_say_so() -> None:
 
 def test_a_status_without_details_is_named_alone() -> None:
     with pytest.raises(Unavailable, match=r"^x: UNAVAILABLE after 1 attempt in "):
-        call_with_retry(lambda: (_ for _ in ()).throw(_Failed(grpc.StatusCode.UNAVAILABLE, "")), what="x", deadline_s=0)
+        call_with_retry(lambda: (_ for _ in ()).throw(Failed(grpc.StatusCode.UNAVAILABLE, "")), what="x", deadline_s=0)
 
 
 # ---- the constructor's line ---------------------------------------------------------------------
-
-
-class _Channel:
-    def unary_unary(self, *args, **kwargs):
-        return None
-
-    unary_stream = stream_unary = stream_stream = unary_unary
-
-    def close(self) -> None:
-        pass
 
 
 class _SilentPlanner:
@@ -126,7 +107,7 @@ def test_a_step_the_planner_does_not_answer_is_built_again_and_the_line_says_unt
     logger = logging.getLogger("batchplane.constructor.pipeline")
     logger.addHandler(lines)
     pipeline = StepPipeline(
-        job, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(CollectorRegistry()), connect=lambda a, p: _Channel()
+        job, index=0, ranks=(0,), planner="planner:1", metrics=ConstructorMetrics(CollectorRegistry()), connect=lambda a, p: Channel()
     )
     pipeline._planner = _SilentPlanner()
     try:

@@ -13,7 +13,10 @@ One item of `train_dataloader()` is one training step: the batch dict of `Client
 "microbatches", "global_loss_tokens", ...; see `batchplane.client.client`). The whole job is one
 Lightning epoch: set `max_epochs=1` (a later epoch finds the job's data ended and is empty) or
 `max_steps`. The iterable is no DataLoader, so Lightning neither adds a DistributedSampler nor
-re-shards it: each rank receives exactly its own share, planned by the data plane.
+re-shards it: each rank receives exactly its own share, planned by the data plane. The epoch ends
+where the data does, which can be a few steps before `len()` (an upper bound where bad samples
+are substituted): to checkpoint that last step, add `ModelCheckpoint(every_n_epochs=1,
+save_on_train_epoch_end=True)` (one with `every_n_train_steps` saves on its steps only).
 
 Resuming. Lightning saves `BatchplaneDataModule.state_dict()` in every checkpoint (rank 0's; the
 state is rank-agnostic, so it restores every rank) and hands it back on

@@ -34,8 +34,10 @@ failure to mark is logged and the earlier mark holds, which keeps more, never le
 
 End of data: the iterator stops (StopIteration); torchtitan's `batch_generator` turns that into
 its DataloaderExhaustedError and the train loop ends ("Ran out of data"). Since a step is whole or
-absent, no batchplane step is ever cut. Set `training.steps` to the job's length to have the last
-step checkpointed.
+absent, no batchplane step is ever cut. To have the last step checkpointed, mix `EndWithData` into
+the Trainer: it ends training with the last step of the data, which torchtitan then saves as its
+last (`training.steps` = `len(client)` alone is not enough: that count is an upper bound where bad
+samples are substituted).
 
 Not supported: context parallelism (torchtitan slices sequences itself in
 `post_dataloading_process`; a batchplane job with cp > 1 is refused, as it would be sliced
@@ -59,7 +61,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from batchplane.client.client import Client
 from batchplane.client.errors import DataPlaneError, InvalidRequestError
 
-__all__ = ["BatchplaneDataLoader"]
+__all__ = ["BatchplaneDataLoader", "EndWithData"]
 
 log = logging.getLogger(__name__)
 
@@ -289,9 +291,36 @@ class BatchplaneDataLoader(BaseDataLoader):
         self._step, self._handed = None, 0
         self._resume_step, self._skip = int(client_state["next_step"]), microbatch
 
+    @property
+    def ended(self) -> bool:
+        """Whether the job's data ends after the microbatches handed out so far: every one of the
+        step in progress is handed, and the client knows no step follows (`Client.ended`)."""
+        return (self._step is None or self._handed >= self.microbatches_per_step) and self._client.ended
+
     def close(self) -> None:
         """Closes the client."""
         self._client.close()
+
+
+class EndWithData:
+    """Mixed into torchtitan's Trainer (`class Trainer(EndWithData, torchtitan.trainer.Trainer)`),
+    training ends with the step after which the job's data ends, and torchtitan's checkpointer
+    saves that step as the last one: `training.steps` is lowered to it once the loader knows
+    (`BatchplaneDataLoader.ended`). Without it a job whose data ends before `training.steps` (the
+    job's length counted at the start is an upper bound where bad samples are substituted) ends
+    on torchtitan's DataloaderExhaustedError, its last steps unsaved."""
+
+    dataloader: Any
+    config: Any
+    step: int
+
+    def train_step(self, data_iterator: Any) -> Any:
+        result = super().train_step(data_iterator)  # type: ignore[misc]  # the Trainer's, next in the MRO
+        training = self.config.training
+        if getattr(self.dataloader, "ended", False) and self.step < training.steps:
+            log.info("the job's data ends after step %d (training.steps was %d): training ends there", self.step, training.steps)
+            training.steps = self.step
+        return result
 
 
 def _pick_entry(state: Mapping[str, Any], own: str) -> Mapping[str, Any] | None:

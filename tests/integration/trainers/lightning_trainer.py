@@ -76,18 +76,20 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--save-at-end", action="store_true", help="a second ModelCheckpoint, at the epoch's end: end-step=N.ckpt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     datamodule = BatchplaneDataModule(timeout_s=60)
     checkpoints = ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=args.every, save_top_k=-1)
+    at_end = [ModelCheckpoint(dirpath=args.ckpt_dir, filename="end-{step}", every_n_epochs=1, save_on_train_epoch_end=True)]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=1 if args.max_steps == -1 else None,
         max_steps=args.max_steps,
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, *(at_end if args.save_at_end else [])],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -24,7 +24,7 @@ torchtitan.trainer and torchtitan.models import torchtitan's expert-parallel Tri
 triton, so an inert module stands in for that one module (the debug Llama has no experts; none
 of it runs).
 
-`--stop-after N` leaves after step N with the config unchanged (training.steps drives the LR
+`--end-with-data` mixes batchplane's `EndWithData` into the Trainer. `--stop-after N` leaves after step N with the config unchanged (training.steps drives the LR
 schedule), as a job that died there. `--reference ENDPOINTS DUMP OUT` first trains, in the same
 ranks, the whole job of another data plane from the same seed, uninterrupted: the run the test
 compares with (one torchrun, one import of torch and torchtitan per rank, for two runs). Per
@@ -88,7 +88,7 @@ from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAt
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from batchplane.client.torchtitan import BatchplaneDataLoader  # noqa: E402
+from batchplane.client.torchtitan import BatchplaneDataLoader, EndWithData  # noqa: E402
 
 
 class ParallelDims:
@@ -131,6 +131,10 @@ def pair_hash(input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> str:
     return digest.hexdigest()[:16]
 
 
+class EndingTrainer(EndWithData, Trainer):
+    """torchtitan's Trainer ending with the job's data, its last step saved (`EndWithData`)."""
+
+
 def build_trainer(args: argparse.Namespace, rank: int, world: int, dump: pathlib.Path) -> Trainer:
     spec = model_registry("debugmodel", attn_backend="flex")
     for _, _, parent, attr in spec.model.traverse(FlexAttention.Config):
@@ -151,7 +155,7 @@ def build_trainer(args: argparse.Namespace, rank: int, world: int, dump: pathlib
     )
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
 
-    trainer = object.__new__(Trainer)  # Trainer.__init__ needs CUDA; what it sets, on CPU:
+    trainer = object.__new__(EndingTrainer if args.end_with_data else Trainer)  # Trainer.__init__ needs CUDA; what it sets, on CPU:
     trainer.config = config
     trainer.device = torch.device("cpu")
     trainer.parallel_dims = ParallelDims(world)
@@ -247,6 +251,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--load-step", type=int, default=-1)
     parser.add_argument("--stop-after", type=int, default=None, help="leave after this step, as if the job died")
+    parser.add_argument("--end-with-data", action="store_true", help="the Trainer with batchplane's EndWithData mixed in")
     parser.add_argument(
         "--reference",
         nargs=3,
