@@ -59,7 +59,7 @@ from batchplane.planner.planning import (
 )
 from batchplane.planner.progress import Ahead, Replan, Start
 from batchplane.planner.restore import Reopened, delivered_floor, expected_sources, reopen, rewind_horizon
-from batchplane.planner.length import JobLength, job_length, settled_length
+from batchplane.planner.length import JobLength, JobLengths
 from batchplane.planner.strategy import JobSchedule, job_mesh, job_mixture, load_schedule, load_strategy
 from batchplane.planner.summaries import SummaryStore
 from batchplane.planner.window import window_steps
@@ -129,7 +129,7 @@ class PlanBook:
             waiting=self._waiting,
             before_waiting=self._record_planned,
         )
-        self._length: JobLength | None = None
+        self._lengths = JobLengths(self.schedule, epochs=job.epochs, bad_policy=job.batch.bad_samples.policy)
         self._length_lock = threading.Lock()
         self._compactor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-compaction")
         self._compacting: futures.Future | None = None
@@ -280,18 +280,15 @@ class PlanBook:
         return job_mixture(self._job, self.schedule, num_rows=[self._membership.num_rows(k) for k in range(len(self._job.sources))])
 
     def length(self) -> JobLength:
-        """How many steps the job has (see `length.job_length`): known for a finite job once every
-        loader has registered (computed once), exact once the end of its data is planned."""
-        if (settled := settled_length(epochs=self._job.epochs, end_step=self._planning.end_step)) is not None:
-            return settled
-        if not self._membership.ready:
-            return JobLength(unknown=f"waiting for loaders {self._membership.missing_loaders()} to register")
+        """How many steps the job has (`length.JobLengths`): known for a finite job once every
+        loader has registered, tightened as bad samples are met, exact once its end is planned."""
+        waiting = "" if self._membership.ready else f"waiting for loaders {self._membership.missing_loaders()} to register"
         with self._length_lock:
-            if self._length is None:
-                begin = time.perf_counter()
-                self._length = job_length(self.schedule, self._make_mixture(), bad_policy=self._job.batch.bad_samples.policy)
-                log.info("the job's length: %s (counted in %.3f s)", self._length, time.perf_counter() - begin)
-            return self._length
+            begin, planning = time.perf_counter(), self._planning
+            length, counted = self._lengths.now(self._make_mixture, waiting=waiting, planned=planning.state, end_step=planning.end_step)
+        if counted:
+            log.info("the job's length: %s (counted in %.3f s)", length, time.perf_counter() - begin)
+        return length
 
     @property
     def oldest_step(self) -> int:
