@@ -10,6 +10,7 @@ import pytest
 
 from batchplane.client.errors import DataPlaneError, DataPlaneUnavailable
 from batchplane.client.transport import ConstructorConnection
+from batchplane.v1 import constructor_pb2
 
 from rpc_fakes import Failed
 
@@ -69,3 +70,14 @@ def test_a_retried_call_that_then_succeeds_returns_its_answer(connection) -> Non
         return "batch"
 
     assert connection._call(attempt, "GetBatch(rank 0, step 2)") == "batch"
+
+
+def test_a_wait_note_is_never_the_trainers_error(connection) -> None:
+    """NoteWait goes out from the trainer's thread while it waits: a constructor that does not
+    answer, or a channel the fetch thread just closed (the constructor moved), is no error there."""
+    wait = constructor_pb2.DataWait(client="c", total_s=2.0, waiting_s=1.0)
+    connection.note_wait(0, wait)  # nobody listens at 127.0.0.1:9: the future fails, logged at debug
+    connection._channel.close()
+    connection.note_wait(0, wait)  # a closed channel refuses the call at once
+    connection.cancel()
+    connection.note_wait(0, wait)  # a closed client sends nothing

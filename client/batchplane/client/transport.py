@@ -323,7 +323,11 @@ class ConstructorConnection:
         (an older one) is no error either."""
         if self._closed:
             return
-        future = self._stub.NoteWait.future(constructor_pb2.NoteWaitRequest(rank=rank, wait=wait), timeout=NOTE_TIMEOUT_S)
+        try:
+            future = self._stub.NoteWait.future(constructor_pb2.NoteWaitRequest(rank=rank, wait=wait), timeout=NOTE_TIMEOUT_S)
+        except ValueError as exc:  # the fetch thread closed the channel this instant (the constructor moved)
+            log.debug("NoteWait not sent: %s", exc)
+            return
         future.add_done_callback(_log_note_failure)
 
     def mark_checkpoint(self, rank: int, step: int) -> constructor_pb2.MarkCheckpointResponse:
