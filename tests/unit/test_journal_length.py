@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from test_journal_produce import FakePipeline, info_of, make_job, produce
 
-from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer
+from batchplane.constructor.consume import JournalConsumer
+from batchplane.constructor.journal_service import JournalConstructorServicer
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.produce import JournalProducer
 from batchplane.core.errors import FailedPrecondition, InvalidArgument, Unavailable

@@ -20,7 +20,8 @@ import grpc
 from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
-from batchplane.constructor.consume import JournalConstructorServicer, JournalConsumer, add_consumer_to_server
+from batchplane.constructor.consume import JournalConsumer
+from batchplane.constructor.journal_service import JournalConstructorServicer, add_consumer_to_server
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.pipeline import StepPipeline
 from batchplane.constructor.produce import JournalProducer
