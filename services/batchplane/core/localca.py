@@ -1,7 +1,9 @@
-"""A throwaway certificate authority for a job on one machine: `batchplane up` makes one in the
-run folder and issues every process a certificate naming its identity, so the tested path is
-the production path (mutual TLS, one identity per part). Tests mint certificates of any identity
-from it.
+"""A throwaway certificate authority for a job on one machine: `batchplane up` makes one and
+issues every process a certificate naming its identity, so the tested path is the production
+path (mutual TLS, one identity per part). Its key lives in the launcher's memory only: the
+services run as the same user, so any file would be theirs to read, and a service running
+compromised user code (a transform, a hook) could mint any identity with it. Each service gets
+its own leaf. Tests mint certificates of any identity from the launcher's CA.
 
 A certificate folder is written the way Kubernetes writes a mounted Secret: the files live in a
 fresh sub-folder and `..data` is a symlink swapped atomically, with ca.crt, tls.crt and tls.key
@@ -39,22 +41,24 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 class LocalCA:
-    """A CA whose key lies in `folder` (ca.key readable by its owner only).
+    """A CA whose key lies in memory, or in `folder` (ca.key readable by its owner only).
 
     Args:
-        folder: Where ca.crt and ca.key are; made when missing or expiring within a day.
+        folder: Where ca.crt and ca.key are kept (made when missing or expiring within a day);
+            None: the key is never written (`batchplane up`'s CA).
         name: The CA's common name (the job's name).
     """
 
-    def __init__(self, folder: pathlib.Path, *, name: str = "batchplane") -> None:
+    def __init__(self, folder: pathlib.Path | None, *, name: str = "batchplane") -> None:
         self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        cert_path, key_path = folder / CA_FILE, folder / "ca.key"
-        if cert_path.exists() and key_path.exists():
-            self.cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-            self.key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-            if self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
-                return
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            cert_path, key_path = folder / CA_FILE, folder / "ca.key"
+            if cert_path.exists() and key_path.exists():
+                self.cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+                self.key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+                if self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
+                    return
         self.key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} local CA")])
         self.cert = (
@@ -82,8 +86,9 @@ class LocalCA:
             )
             .sign(self.key, hashes.SHA256())
         )
-        _write_private(key_path, _pem_key(self.key))
-        cert_path.write_bytes(self.pem)
+        if folder is not None:
+            _write_private(folder / "ca.key", _pem_key(self.key))
+            (folder / CA_FILE).write_bytes(self.pem)
 
     @property
     def pem(self) -> bytes:

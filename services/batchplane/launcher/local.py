@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,16 +209,19 @@ class LocalCluster:
 
     @property
     def tls_dir(self) -> pathlib.Path:
-        """The run's certificates: ca/ (the throwaway CA) and one folder per process."""
+        """The run's certificates: one folder per process (each its own leaf and the CA's
+        certificate; the CA's key is in this launcher's memory only)."""
         return self.run_dir / "tls"
 
     def _secure(self) -> None:
-        """With network.tls on (the default): the run's CA (made once, kept in the run folder)
-        and the launcher's own certificate (role operator: it checks health and status)."""
+        """With network.tls on (the default): this run's CA, in memory (`LocalCA`: a file would be
+        the services' to read), and the launcher's own certificate (role operator: it checks
+        health and status). An earlier version's CA folder in the run folder is removed."""
         if not self.job.network.tls:
             log.warning(TLS_OFF_WARNING)
             return
-        self.ca = LocalCA(self.tls_dir / "ca", name=self.job.job)
+        shutil.rmtree(self.tls_dir / "ca", ignore_errors=True)
+        self.ca = LocalCA(None, name=self.job.job)
         own = self.ca.issue(Identity("operator"), self.tls_dir / "launcher")
         self.rpc = RpcSettings.of(self.job.network, Security(CertificateFolder(own)))
 
