@@ -664,8 +664,9 @@ def chart_values(kind: str, image: str, trainer_image: str, env: Mapping[str, st
         # Plaintext between the pods: kube play 4.3 cannot mount the chart's certificate Secrets
         # (it writes a Secret's values still base64-encoded, and panics on a Secret volume
         # without `optional`). The chart's TLS path is checked by tests/integration/test_helm_chart.py
-        # and the processes' by the integration tests.
-        "tls": {"mode": "disabled"},
+        # and the processes' by the integration tests. `insecure`: plaintext on the pods' network
+        # of this one machine is meant.
+        "tls": {"mode": "disabled", "insecure": True},
     }
 
 

@@ -1258,7 +1258,11 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
         assert secrets == [] and not all_of(docs, "Certificate")
         text = yaml.safe_dump_all([d for d in docs if d["kind"] != "CustomResourceDefinition"])
         assert "--tls-dir" not in text and "batchplane-tls" not in text and "--token-file" not in text
-        assert yaml.safe_load(one(docs, "ConfigMap", "-job")["data"]["job.yaml"])["network"] == {"host": "0.0.0.0", "tls": False}
+        assert yaml.safe_load(one(docs, "ConfigMap", "-job")["data"]["job.yaml"])["network"] == {
+            "host": "0.0.0.0",
+            "tls": False,
+            "insecure": True,
+        }
     if mode != "disabled":
         assert "tls" not in yaml.safe_load(one(docs, "ConfigMap", "-job")["data"]["job.yaml"])["network"]  # on: the default
     for example in [d for d in docs if d["metadata"]["name"].endswith("-example") and d["kind"] == "Job"]:
@@ -1992,6 +1996,8 @@ TEMPLATE_ERRORS = [
     ),
     ({"loader": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}, 'loader.env[1].name: "A" is listed twice'),
     ({"job": {"settings": {"network": {"tls": False}}}}, "job.settings.network.tls: set by the chart"),
+    ({"job": {"settings": {"network": {"insecure": True}}}}, "job.settings.network.insecure: set by the chart"),
+    ({"tls": {"mode": "disabled"}}, "tls.mode disabled serves plaintext gRPC on every pod's IP: anyone who reaches a pod could read"),
     (
         {"tls": {"mode": "existingSecret", "existingSecret": {"planner": "p", "loader": "l"}}},
         "tls.existingSecret.constructor: name the constructor's Secret",

@@ -709,3 +709,29 @@ def test_a_getbatch_call_carries_eight_steps_unless_the_mixture_adapts_or_the_jo
     consumer serves one step per call; a setting wins."""
     job = job_from_mapping({"job": "t", "sources": [{"name": "a", "path": "a"}], **settings})
     assert job.batch_steps == steps
+
+
+@pytest.mark.parametrize(
+    ("network", "refused"),
+    [
+        ({"tls": False}, False),  # 127.0.0.1, the default
+        ({"tls": False, "host": "::1"}, False),
+        ({"tls": False, "host": "127.0.0.2"}, False),
+        ({"tls": False, "host": "localhost"}, False),
+        ({"tls": False, "host": "0.0.0.0"}, True),
+        ({"tls": False, "host": "10.1.2.3"}, True),
+        ({"tls": False, "host": "trainer-0.example"}, True),
+        ({"tls": False, "host": "0.0.0.0", "insecure": True}, False),
+        ({"host": "0.0.0.0"}, False),  # TLS on
+    ],
+)
+def test_plaintext_is_refused_where_other_machines_reach_it_unless_said_to_be_meant(network: dict, refused: bool) -> None:
+    """Issue 41, point 4: `network.tls: off` on an address other machines reach lets anyone who
+    reaches a port act as any part; it takes `network.insecure: true` to say it is meant."""
+    data = {**_base(), "network": network}
+    if not refused:
+        assert job_from_mapping(data).network.tls is network.get("tls", True)
+        return
+    with pytest.raises(ConfigError, match=r"^network.host: is an address other machines reach while network.tls is off") as caught:
+        job_from_mapping(data)
+    assert "network.insecure: true" in str(caught.value) and repr(network["host"]) in str(caught.value)

@@ -83,6 +83,7 @@ CHANGES: dict[str, Any] = {
     "constructors.shm_bytes": 0,
     "network.host": "0.0.0.0",
     "network.tls": False,
+    "network.insecure": True,
     "network.max_message_bytes": 8 * MiB,
     "network.rpc_timeout_s": 5.0,
     "network.heartbeat_s": 1.0,

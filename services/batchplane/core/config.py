@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import ipaddress
 import json
 import math
 import pathlib
@@ -376,6 +377,9 @@ class NetworkSettings:
     #: parts then talk plaintext and any process that reaches a port can read training data,
     #: register as a loader or ask for another rank's batches (every process says so at start).
     tls: bool = True
+    #: Says `tls: off` is meant on a `host` other machines reach (a non-loopback address): refused
+    #: without it, as plaintext there lets anyone who reaches a port act as any part.
+    insecure: bool = False
     #: Largest gRPC message accepted or sent; bulk data is chunked well below it.
     max_message_bytes: int = 4 * MiB
     #: Deadline of one service-to-service call, and of a wait for data.
@@ -642,6 +646,7 @@ FINGERPRINT_GROUPS: Mapping[str, tuple[str, ...]] = {
         "constructors.shm_bytes",
         "network.host",
         "network.tls",
+        "network.insecure",
         "network.max_message_bytes",
         "network.rpc_timeout_s",
         "network.heartbeat_s",
@@ -1049,9 +1054,27 @@ def _check_journal(job: JobSettings) -> None:
         )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or "localhost"."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _check_network(job: JobSettings) -> None:
-    """`network`: message size and time limits."""
+    """`network`: plaintext only on loopback unless said to be meant, message size and time limits."""
     network = job.network
+    if not network.tls and not network.insecure and not is_loopback(network.host):
+        raise ConfigError(
+            "network.host",
+            "is an address other machines reach while network.tls is off: anyone who reaches a port could read training data "
+            "and act as any part. Turn TLS on, bind a loopback address, or set network.insecure: true to say plaintext is "
+            "meant there (a network nothing else can reach)",
+            network.host,
+        )
     if network.max_message_bytes < 2 * MiB:
         raise ConfigError("network.max_message_bytes", "must be >= 2 MiB (bulk data travels in 1 MiB chunks)", network.max_message_bytes)
     if not (math.isfinite(network.rpc_timeout_s) and network.rpc_timeout_s > 0):

@@ -110,7 +110,8 @@ def start_metrics_server(
 ) -> tuple[WSGIServer, threading.Thread]:
     """The process's HTTP endpoint, on a thread of its own: `/metrics` (Prometheus) and
     `/healthz`: 200 while the service's gRPC health is SERVING, 503 otherwise (kubelet probes
-    it: its gRPC probes speak plaintext, which a mutual-TLS port refuses).
+    it: its gRPC probes speak plaintext, which a mutual-TLS port refuses). Any other path is 404:
+    the endpoint answers nothing else.
 
     Raises:
         OSError: the port cannot be bound.
@@ -118,10 +119,14 @@ def start_metrics_server(
     metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
-        if environ.get("PATH_INFO") == "/healthz":
+        path = environ.get("PATH_INFO")
+        if path == "/healthz":
             ok = serving()
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
             return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+        if path != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: this endpoint serves /metrics and /healthz only\n"]
         return metrics_app(environ, start_response)
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]

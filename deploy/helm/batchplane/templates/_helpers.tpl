@@ -241,7 +241,7 @@ say (cross-field rules).
 {{- fail (printf "job.settings.%s: set by the chart; use the chart's own value instead" $key) }}
 {{- end }}
 {{- end }}
-{{- range $pair := list (list "network" "host") (list "network" "tls") (list "batch" "global_batch_size") (list "batch" "microbatches") (list "constructors" "ranks_per_constructor") }}
+{{- range $pair := list (list "network" "host") (list "network" "tls") (list "network" "insecure") (list "batch" "global_batch_size") (list "batch" "microbatches") (list "constructors" "ranks_per_constructor") }}
 {{- $section := get $settings (index $pair 0) }}
 {{- if and (kindIs "map" $section) (hasKey $section (index $pair 1)) }}
 {{- fail (printf "job.settings.%s.%s: set by the chart; use the chart's own value instead" (index $pair 0) (index $pair 1)) }}
@@ -370,11 +370,15 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
 
 {{/* job.yaml's `network` as the chart sets it: every part binds all interfaces (a pod is reached
 at its IP, probes and scrapes included); with tls.mode disabled, `tls: false` (network.tls off:
-plaintext gRPC between pods, no identities). */}}
+plaintext gRPC between pods, no identities), which needs tls.insecure: true to say it is meant. */}}
 {{- define "batchplane.jobNetwork" -}}
 host: 0.0.0.0
 {{- if eq .Values.tls.mode "disabled" }}
+{{- if not .Values.tls.insecure }}
+{{- fail "tls.mode disabled serves plaintext gRPC on every pod's IP: anyone who reaches a pod could read training data and act as any part. Set tls.insecure: true to say you mean it (on a network nothing else can reach), or choose another tls.mode" }}
+{{- end }}
 tls: false
+insecure: true
 {{- end }}
 {{- end }}
 
