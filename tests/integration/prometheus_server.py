@@ -57,10 +57,20 @@ class PrometheusServer:
         targets: Metrics URL per process name, e.g. {"planner": "http://127.0.0.1:4711/metrics"}.
         job: The scrape job's name, Prometheus's `job` label.
         scrape_interval_s: Seconds between scrapes.
+        scrape: More of the scrape job's configuration, e.g. `scheme`, `tls_config`, `authorization`.
     """
 
-    def __init__(self, workdir: pathlib.Path, targets: Mapping[str, str], *, job: str, scrape_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        targets: Mapping[str, str],
+        *,
+        job: str,
+        scrape_interval_s: float = 1.0,
+        scrape: Mapping[str, object] | None = None,
+    ) -> None:
         self.workdir = workdir
+        self.scrape = dict(scrape or {})
         self.targets = dict(targets)
         self.job = job
         self.scrape_interval_s = scrape_interval_s
@@ -84,7 +94,7 @@ class PrometheusServer:
             static.append({"targets": [parts.netloc], "labels": {"process": name}})
         config = {
             "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": self.job, "metrics_path": path or "/metrics", "static_configs": static}],
+            "scrape_configs": [{"job_name": self.job, "metrics_path": path or "/metrics", "static_configs": static, **self.scrape}],
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))

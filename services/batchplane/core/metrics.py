@@ -13,10 +13,13 @@ Reads no environment itself: `build_info(environ)` takes the one main() passes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import importlib.metadata
 import json
 import platform
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -106,17 +109,30 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def start_metrics_server(
-    port: int, host: str, registry: CollectorRegistry, serving: Callable[[], bool]
+    port: int,
+    host: str,
+    registry: CollectorRegistry,
+    serving: Callable[[], bool],
+    *,
+    token: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[WSGIServer, threading.Thread]:
     """The process's HTTP endpoint, on a thread of its own: `/metrics` (Prometheus) and
     `/healthz`: 200 while the service's gRPC health is SERVING, 503 otherwise (kubelet probes
     it: its gRPC probes speak plaintext, which a mutual-TLS port refuses). Any other path is 404:
     the endpoint answers nothing else.
 
+    Args:
+        token: Required of `/metrics` as `Authorization: Bearer <token>` (Prometheus's
+            `authorization`), else 401; only its digest is kept. `/healthz` stays open (it says
+            SERVING or not, nothing more).
+        tls: Serve HTTPS with this context (`metrics_tls`; Prometheus's `scheme: https` and
+            `tls_config`).
     Raises:
         OSError: the port cannot be bound.
     """
     metrics_app = make_wsgi_app(registry)
+    verifier = None if token is None else hashlib.sha256(token.encode()).digest()
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         path = environ.get("PATH_INFO")
@@ -127,6 +143,9 @@ def start_metrics_server(
         if path != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: this endpoint serves /metrics and /healthz only\n"]
+        if verifier is not None and not _bearer_matches(environ.get("HTTP_AUTHORIZATION", ""), verifier):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="metrics"')])
+            return [b"/metrics needs the metrics bearer token\n"]
         return metrics_app(environ, start_response)
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
@@ -135,6 +154,14 @@ def start_metrics_server(
         address_family = family
 
     httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    if tls is not None:  # the handshake on each request's own thread: a client that stalls in it holds only its own
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
     thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return httpd, thread
+
+
+def _bearer_matches(header: str, verifier: bytes) -> bool:
+    """Whether an Authorization header carries the bearer token whose digest is `verifier`."""
+    scheme, _, credentials = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(credentials.strip().encode()).digest(), verifier)

@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -88,6 +88,10 @@ class ProcessSettings:
     token_file: pathlib.Path | None = None
     #: A folder holding each role's token (one file per role) that this process's server accepts.
     auth_tokens: pathlib.Path | None = None
+    #: A file holding the bearer token the metrics endpoint requires of /metrics; None: open.
+    metrics_token_file: pathlib.Path | None = None
+    #: A certificate folder (tls.crt, tls.key) the metrics endpoint serves HTTPS with; None: HTTP.
+    metrics_tls_dir: pathlib.Path | None = None
 
 
 class Running(Protocol):
@@ -137,6 +141,18 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
         help="folder of accepted tokens, one file per role (default: $BATCHPLANE_AUTH_TOKENS)",
     )
     parser.add_argument(
+        "--metrics-token-file",
+        type=pathlib.Path,
+        default=_env_path("BATCHPLANE_METRICS_TOKEN_FILE"),
+        help="bearer token /metrics requires (Prometheus's authorization) (default: $BATCHPLANE_METRICS_TOKEN_FILE; none: open)",
+    )
+    parser.add_argument(
+        "--metrics-tls-dir",
+        type=pathlib.Path,
+        default=_env_path("BATCHPLANE_METRICS_TLS_DIR"),
+        help="certificate folder (tls.crt, tls.key) the metrics endpoint serves HTTPS with (default: $BATCHPLANE_METRICS_TLS_DIR; none: HTTP)",
+    )
+    parser.add_argument(
         "--run-dir",
         type=pathlib.Path,
         help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set",
@@ -148,6 +164,19 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
         )
     ns.log_format = log_format_setting(ns.log_format, os.environ, parser)
     return ProcessSettings(**vars(ns))
+
+
+def metrics_endpoint(settings: ProcessSettings) -> dict[str, Any]:
+    """What the metrics endpoint requires (`start_metrics_server`'s token and tls) from
+    --metrics-token-file and --metrics-tls-dir.
+
+    Raises:
+        ConfigError: a token file or certificate folder that cannot be read.
+    """
+    from batchplane.core.tls import metrics_tls, read_token  # here: the operator logs through this module without grpc
+
+    token = read_token(settings.metrics_token_file, "--metrics-token-file") if settings.metrics_token_file is not None else None
+    return {"token": token, "tls": metrics_tls(settings.metrics_tls_dir) if settings.metrics_tls_dir is not None else None}
 
 
 def _env_path(name: str) -> pathlib.Path | None:
@@ -259,6 +288,7 @@ def run_service(
             auth_tokens=settings.auth_tokens,
             on_reload=reloads.inc,
         )
+        endpoint = metrics_endpoint(settings)  # read now: a bad file ends the process before it registers anywhere
         running = start(job, settings, registry, RpcSettings.of(job.network, security))
     except PortUnavailable as exc:
         log.error("cannot start %s: %s", name, exc)
@@ -267,7 +297,7 @@ def run_service(
         log.error("cannot start %s: %s", name, exc)
         return EXIT_BAD_INPUT
     try:
-        metrics_server, _ = start_metrics_server(settings.metrics_port, job.network.host, registry, running.serving)
+        metrics_server, _ = start_metrics_server(settings.metrics_port, job.network.host, registry, running.serving, **endpoint)
     except OSError as exc:
         if not settings.metrics_port:
             raise

@@ -17,6 +17,7 @@ import dataclasses
 import hmac
 import logging
 import pathlib
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -361,3 +362,18 @@ def process_security(
             True,
         )
     return Security(CertificateFolder(tls_dir), token=token, role_tokens=role_tokens, on_reload=on_reload)
+
+
+def metrics_tls(folder: pathlib.Path) -> ssl.SSLContext:
+    """A server context for the metrics endpoint (`core.metrics.start_metrics_server`) from a
+    certificate folder (tls.crt, tls.key).
+
+    Raises:
+        ConfigError: the folder's certificate or key cannot be loaded.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(folder / CERT_FILE, folder / KEY_FILE)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("--metrics-tls-dir", f"cannot load {folder / CERT_FILE} and {folder / KEY_FILE}: {exc}", str(folder)) from None
+    return context
