@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import hashlib
 import os
 import pathlib
 import socket
@@ -29,7 +30,7 @@ from harness import collect, peer_channel, scrape, start_cluster, wait_until, wr
 
 from batchplane.core.identity import Identity
 from batchplane.core.localca import LocalCA, write_certificate_folder
-from batchplane.core.tls import RELOAD_CHECK_S, CertificateFolder, Security
+from batchplane.core.tls import RELOAD_CHECK_S, CertificateFolder, Security, read_role_verifiers
 from batchplane.launcher.local import _identity_of
 from batchplane.v1 import planner_pb2, planner_pb2_grpc
 
@@ -253,8 +254,14 @@ def test_a_token_names_the_role_where_certificates_cannot(tmp_path) -> None:
     server_folder = ca.issue(Identity("planner"), tmp_path / "server")
     cert, key = _certificate_without_identity(ca)
     write_certificate_folder(tmp_path / "anonymous", ca=ca.pem, cert=cert, key=key)
-    tokens = {"operator": "t-operator", "loader": "t-loader"}
-    security = Security(CertificateFolder(server_folder), role_tokens=tokens)
+    # The server holds the operator's token as a verifier only (its SHA-256), the loader's as the
+    # token itself (hashed as read): either way it keeps digests, never another role's token.
+    accepted = tmp_path / "auth-tokens"
+    accepted.mkdir()
+    (accepted / "operator.sha256").write_text(hashlib.sha256(b"t-operator").hexdigest() + "\n")
+    (accepted / "loader").write_text("t-loader\n")
+    security = Security(CertificateFolder(server_folder), role_verifiers=read_role_verifiers(accepted))
+    assert "t-operator" not in repr(vars(security)) and "t-loader" not in repr(vars(security))
     server, port, health = create_grpc_server(
         RpcSettings(security=security, max_message_bytes=4 << 20),
         host="127.0.0.1",

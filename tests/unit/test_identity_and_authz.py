@@ -142,3 +142,27 @@ def test_servers_are_checked_by_a_name_per_role() -> None:
     ]
     with pytest.raises(InvalidArgument):
         server_name("trainer")
+
+
+def test_role_token_verifiers_are_read_as_digests_and_malformed_ones_are_refused(tmp_path) -> None:
+    """Issue 41, point 2: a server holds verifiers (SHA-256 digests), never another role's token:
+    `<role>.sha256` holds the digest, `<role>` a token hashed as read; a verifier that is no
+    SHA-256 in hex, or a folder with no role's file, is refused naming --auth-tokens."""
+    import hashlib
+
+    import pytest
+
+    from batchplane.core.errors import ConfigError
+    from batchplane.core.tls import read_role_verifiers
+
+    (tmp_path / "planner.sha256").write_text(hashlib.sha256(b"p").hexdigest())
+    (tmp_path / "loader").write_text("l\n")
+    (tmp_path / "unrelated").write_text("x")
+    assert read_role_verifiers(tmp_path) == {"planner": hashlib.sha256(b"p").digest(), "loader": hashlib.sha256(b"l").digest()}
+    (tmp_path / "operator.sha256").write_text("not-hex")
+    with pytest.raises(ConfigError, match=r"--auth-tokens: .*operator.sha256 must hold a SHA-256 in hex"):
+        read_role_verifiers(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"--auth-tokens: holds none of the role files"):
+        read_role_verifiers(empty)

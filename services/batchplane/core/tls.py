@@ -14,9 +14,11 @@ The certificate folder holds `ca.crt`, `tls.crt` and `tls.key`, the keys of a ce
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import logging
 import pathlib
+import re
 import ssl
 import threading
 import time
@@ -127,18 +129,40 @@ def read_token(path: pathlib.Path, field: str) -> str:
     return token
 
 
-def read_role_tokens(folder: pathlib.Path) -> dict[str, str]:
-    """Each role's token from a folder holding one file per role (a Secret mounted whole).
+#: The file name suffix of a role token's verifier: the SHA-256 of the token, in hex.
+VERIFIER_SUFFIX = ".sha256"
+
+
+def token_verifier(token: str) -> bytes:
+    """What a server keeps of a token: its SHA-256."""
+    return hashlib.sha256(token.encode()).digest()
+
+
+def read_role_verifiers(folder: pathlib.Path) -> dict[str, bytes]:
+    """Each role's token verifier from a folder with a file per role: `<role>.sha256`, the hex
+    SHA-256 of the role's token (the server then never holds another role's token), else
+    `<role>`, the token itself (hashed as it is read; only the digest is kept).
 
     Raises:
-        ConfigError: the folder unreadable, or holding no role's token.
+        ConfigError: the folder unreadable, holding no role's file, or a verifier that is not a
+            SHA-256 in hex.
     """
     if not folder.is_dir():
-        raise ConfigError("--auth-tokens", "must be a folder with one token file per role", str(folder))
-    tokens = {role: read_token(folder / role, "--auth-tokens") for role in CERTIFIED_ROLES if (folder / role).exists()}
-    if not tokens:
-        raise ConfigError("--auth-tokens", f"holds none of the role files {', '.join(CERTIFIED_ROLES)}", str(folder))
-    return tokens
+        raise ConfigError("--auth-tokens", "must be a folder with one token (or token verifier) file per role", str(folder))
+    verifiers = {}
+    for role in CERTIFIED_ROLES:
+        digest = folder / f"{role}{VERIFIER_SUFFIX}"
+        if digest.exists():
+            text = read_token(digest, "--auth-tokens")
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+                raise ConfigError("--auth-tokens", f"{digest} must hold a SHA-256 in hex (64 hex digits)", str(digest))
+            verifiers[role] = bytes.fromhex(text)
+        elif (folder / role).exists():
+            verifiers[role] = token_verifier(read_token(folder / role, "--auth-tokens"))
+    if not verifiers:
+        names = ", ".join(f"{r} or {r}{VERIFIER_SUFFIX}" for r in CERTIFIED_ROLES)
+        raise ConfigError("--auth-tokens", f"holds none of the role files ({names})", str(folder))
+    return verifiers
 
 
 class Security:
@@ -147,8 +171,9 @@ class Security:
     Args:
         certificates: The process's certificate folder; None: TLS off (plaintext, no checks).
         token: The bearer token this process sends with its calls, if any.
-        role_tokens: Role -> token this process's server accepts; empty: certificates alone
-            name the caller.
+        role_tokens: Role -> token this process's server accepts (only their digests are kept).
+        role_verifiers: Role -> the SHA-256 of the token it accepts (`read_role_verifiers`).
+            Neither: certificates alone name the caller.
         on_reload: Called after a rotated certificate was read (a metric).
     """
 
@@ -158,11 +183,12 @@ class Security:
         *,
         token: str | None = None,
         role_tokens: Mapping[str, str] | None = None,
+        role_verifiers: Mapping[str, bytes] | None = None,
         on_reload: Callable[[], None] = lambda: None,
     ) -> None:
         self.certificates = certificates
         self.token = token
-        self.role_tokens = dict(role_tokens or {})
+        self.role_verifiers = {**{role: token_verifier(t) for role, t in (role_tokens or {}).items()}, **(role_verifiers or {})}
         self._on_reload = on_reload
         if certificates is not None:
             certificates.read()  # fail at start on a missing or broken file
@@ -215,7 +241,7 @@ class Security:
             certified = identity_of_names(names)
         except Exception as exc:  # noqa: BLE001 - a malformed name is the caller's problem
             raise Unauthenticated(f"the client certificate's identity is not usable: {exc}") from None
-        if self.role_tokens:
+        if self.role_verifiers:
             role = self._role_of_token(context)
             if certified is not None and certified.role != role:
                 raise Unauthenticated(f"the token is a {role}'s but the certificate names {certified}")
@@ -229,7 +255,8 @@ class Security:
         for key, value in context.invocation_metadata():
             if key == TOKEN_KEY and isinstance(value, str) and value.startswith("Bearer "):
                 sent = value[len("Bearer ") :]
-        matches = [role for role, token in self.role_tokens.items() if hmac.compare_digest(token.encode(), sent.encode())]
+        digest = token_verifier(sent)
+        matches = [role for role, verifier in self.role_verifiers.items() if hmac.compare_digest(verifier, digest)]
         if not sent or not matches:
             raise Unauthenticated("no valid bearer token")
         return matches[0]
@@ -350,10 +377,10 @@ def process_security(
         ConfigError: TLS on without --tls-dir, or a certificate or token file that cannot be read.
     """
     token = read_token(token_file, "--token-file") if token_file is not None else None
-    role_tokens = read_role_tokens(auth_tokens) if auth_tokens is not None else None
+    verifiers = read_role_verifiers(auth_tokens) if auth_tokens is not None else None
     if not tls:
         log.warning(TLS_OFF_WARNING)
-        return Security(None, token=token, role_tokens=role_tokens)
+        return Security(None, token=token, role_verifiers=verifiers)
     if tls_dir is None:
         raise ConfigError(
             "network.tls",
@@ -361,7 +388,7 @@ def process_security(
             "set network.tls: off only on a network nothing else can reach",
             True,
         )
-    return Security(CertificateFolder(tls_dir), token=token, role_tokens=role_tokens, on_reload=on_reload)
+    return Security(CertificateFolder(tls_dir), token=token, role_verifiers=verifiers, on_reload=on_reload)
 
 
 def metrics_tls(folder: pathlib.Path) -> ssl.SSLContext:
