@@ -58,6 +58,7 @@ fetches it. Without it these tests fail; they never skip.
 from __future__ import annotations
 
 import base64
+import hashlib
 import copy
 import dataclasses
 import functools
@@ -1118,6 +1119,13 @@ def leaf_names(pem: bytes) -> tuple[list[str], list[str]]:
     return san.get_values_for_type(x509.DNSName), san.get_values_for_type(x509.UniformResourceIdentifier)
 
 
+def check_token_secret(data: dict[str, str]) -> None:
+    """The chart's tokens Secret: each role's token and, as `<role>.sha256`, its SHA-256 in hex."""
+    assert set(data) == set(TOKEN_ROLES) | {f"{r}.sha256" for r in TOKEN_ROLES}
+    for r in TOKEN_ROLES:
+        assert base64.b64decode(data[f"{r}.sha256"]).decode() == hashlib.sha256(base64.b64decode(data[r])).hexdigest()
+
+
 def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: bool) -> None:
     """Container `c` (a part of `role`) gets the transport security the chart's DataPlane says the
     job has (spec.loader.tls: TLS on; spec.loader.authTokens: tokens), through its flags as the
@@ -1152,12 +1160,19 @@ def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: 
         assert settings.tls_dir is None and not any(v["name"] == "batchplane-tls" for v in spec["volumes"]), c["args"]
     if tokens:
         secret = loader["authTokens"]["secretName"]
-        if secret in secrets:
-            assert set(secrets[secret]["data"]) == set(TOKEN_ROLES)
-        if server:  # the whole Secret: every role's token it accepts, and its own to present
+        made = secret in secrets  # the chart's Secret: each role's token and its verifier
+        if made:
+            check_token_secret(secrets[secret]["data"])
+        assert loader["authTokens"].get("verifiers", False) is made
+        if server:  # its own token to present, and what it accepts: the verifiers, never another role's token
             assert settings.auth_tokens == pathlib.Path("/etc/batchplane/auth-tokens")
             _, volume = secret_volume(spec, c, str(settings.auth_tokens))
-            assert "items" not in volume["secret"] and volume["secret"]["secretName"] == secret
+            assert volume["secret"]["secretName"] == secret
+            if made:
+                keys = [role, *(f"{r}.sha256" for r in TOKEN_ROLES)]
+                assert volume["secret"]["items"] == [{"key": k, "path": k} for k in keys]
+            else:  # auth.tokens.existingSecret: the user's Secret, whole (its tokens are hashed as read)
+                assert "items" not in volume["secret"]
             assert settings.token_file == settings.auth_tokens / role
         else:  # only its own role's token
             assert settings.auth_tokens is None
@@ -1397,14 +1412,14 @@ def test_generated_tokens_are_kept_when_lookup_finds_them(helm: pathlib.Path, tm
         return doc["data"]
 
     first = render({})
-    assert sorted(first) == sorted(TOKEN_ROLES)
-    assert all(re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(t).decode()) for t in first.values())
-    assert len(set(first.values())) == len(TOKEN_ROLES)
+    check_token_secret(first)
+    assert all(re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(first[r]).decode()) for r in TOKEN_ROLES)
+    assert len({first[r] for r in TOKEN_ROLES}) == len(TOKEN_ROLES)
     assert render({"data": first}) == first
     partial = render({"data": {k: v for k, v in first.items() if k != "operator"}})
-    assert {k: partial[k] for k in first if k != "operator"} == {k: v for k, v in first.items() if k != "operator"} and partial[
-        "operator"
-    ] != first["operator"]
+    kept = [k for k in first if not k.startswith("operator")]
+    assert {k: partial[k] for k in kept} == {k: first[k] for k in kept} and partial["operator"] != first["operator"]
+    check_token_secret(partial)  # the new token's verifier with it
     # and the real template is what hands lookup's result to it
     text = (CHART / "templates" / "auth" / "tokens-secret.yaml").read_text()
     assert 'include "batchplane.auth.tokensData" (dict "root" . "found" (lookup "v1" "Secret" .Release.Namespace $name))' in text

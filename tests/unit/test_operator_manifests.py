@@ -665,3 +665,22 @@ def test_a_user_volume_may_not_take_the_secrets_names(name: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_dataplane(with_pod_fields(volumes=[{"name": name, "emptyDir": {}}], volumeMounts=[]))
     assert info.value.field == "spec.loader.volumes[0].name" and "is used by batchplane" in info.value.problem
+
+
+def test_a_loader_pod_holds_its_own_token_and_the_verifiers_only_when_the_secret_has_them() -> None:
+    """Issue 41, point 2: with spec.loader.authTokens.verifiers the Secret also holds each role's
+    `<role>.sha256`; the loader pod then mounts its own token and the verifiers, no other role's
+    token (its server accepts tokens by their digests). A value that is no boolean is refused."""
+    spec = parse_dataplane(dataplane(**{"spec.loader.authTokens": {"secretName": TOKENS_SECRET, "verifiers": True}}))
+    d = loader_deployment(spec, spec.groups[0], replicas=1)
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    settings = parse_process_args("loader", [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "p") for a in c["args"][1:]])
+    mount, source = secret_mounts(d)[str(settings.auth_tokens)]
+    keys = ["loader", "planner.sha256", "loader.sha256", "constructor.sha256", "operator.sha256"]
+    assert source["items"] == [{"key": k, "path": k} for k in keys] and source["secretName"] == TOKENS_SECRET
+    assert settings.token_file == settings.auth_tokens / "loader" and mount["readOnly"] is True
+    for other in ("planner", "constructor", "operator"):
+        assert other not in {item["key"] for item in source["items"]}, "another role's token"
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(dataplane(**{"spec.loader.authTokens": {"secretName": TOKENS_SECRET, "verifiers": "yes"}}))
+    assert info.value.field == "spec.loader.authTokens.verifiers"

@@ -27,6 +27,9 @@ from batchplane.core.errors import InvalidArgument
 SCHEME = "batchplane"
 #: Roles of the parts that hold certificates, and the trainer (by local transport only).
 CERTIFIED_ROLES = ("planner", "loader", "constructor", "operator")
+#: The file (and Secret key) name suffix of a role token's verifier, `<role>.sha256`: the token's
+#: SHA-256 in hex, which a server holds instead of the token (`core.tls.read_role_verifiers`).
+VERIFIER_SUFFIX = ".sha256"
 TRAINER = "trainer"
 ROLES = (*CERTIFIED_ROLES, TRAINER)
 #: Roles whose identity may name an index (and, for loaders, a replica id).

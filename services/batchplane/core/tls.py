@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from batchplane.core.errors import ConfigError, Unauthenticated
-from batchplane.core.identity import CERTIFIED_ROLES, TRAINER, Identity, identity_of_names, server_name
+from batchplane.core.identity import CERTIFIED_ROLES, TRAINER, VERIFIER_SUFFIX, Identity, identity_of_names, server_name
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,6 @@ def read_token(path: pathlib.Path, field: str) -> str:
     if not token:
         raise ConfigError(field, f"token file {path} is empty", str(path))
     return token
-
-
-#: The file name suffix of a role token's verifier: the SHA-256 of the token, in hex.
-VERIFIER_SUFFIX = ".sha256"
 
 
 def token_verifier(token: str) -> bytes:

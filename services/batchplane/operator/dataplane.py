@@ -100,6 +100,9 @@ class LoaderTemplate:
     #: spec.loader.authTokens.secretName: the Secret of per-role bearer tokens (one key per role),
     #: mounted whole for --auth-tokens, with the loader's own key as --token-file; None: none.
     auth_tokens_secret: str | None = None
+    #: spec.loader.authTokens.verifiers: the tokens' Secret also holds each role's verifier
+    #: (`<role>.sha256`), so a loader pod mounts its own token and the verifiers only.
+    auth_token_verifiers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +373,12 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         pod=pod,
         tls_secret=mounted["tls"],
         auth_tokens_secret=mounted["authTokens"],
+        auth_token_verifiers=_verifiers(raw),
     )
+
+
+#: The fields of spec.loader.tls and spec.loader.authTokens.
+_SECRET_FIELDS = {"tls": ("secretName",), "authTokens": ("secretName", "verifiers")}
 
 
 def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
@@ -378,13 +386,22 @@ def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
     if loader.get(field) is None:
         return None
     section = _mapping(loader[field], f"spec.loader.{field}")
-    unknown = sorted(set(section) - {"secretName"})
+    known = _SECRET_FIELDS[field]
+    unknown = sorted(set(section) - set(known))
     if unknown:
-        raise SpecError(f"spec.loader.{field}.{unknown[0]}", "unknown field; known fields: secretName", section[unknown[0]])
+        raise SpecError(f"spec.loader.{field}.{unknown[0]}", f"unknown field; known fields: {', '.join(known)}", section[unknown[0]])
     name = section.get("secretName")
     if not (isinstance(name, str) and _DNS_SUBDOMAIN.fullmatch(name) and len(name) <= 253):
         raise SpecError(f"spec.loader.{field}.secretName", "must be a Secret name (a DNS subdomain)", name)
     return name
+
+
+def _verifiers(loader: Mapping[str, Any]) -> bool:
+    """spec.loader.authTokens.verifiers: a boolean, false when absent."""
+    value = (loader.get("authTokens") or {}).get("verifiers", False)
+    if not isinstance(value, bool):
+        raise SpecError("spec.loader.authTokens.verifiers", "must be true or false", value)
+    return value
 
 
 # ---- the declared schedule ----------------------------------------------------------------------

@@ -32,6 +32,8 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   `batchplane-auth-tokens`, mounted read-only as a directory at /etc/batchplane/auth-tokens,
   with `--auth-tokens /etc/batchplane/auth-tokens` (the tokens the loader's server accepts)
   and `--token-file /etc/batchplane/auth-tokens/loader` (the one it presents to the planner);
+  with spec.loader.authTokens.verifiers only the `loader` key and every role's verifier
+  (`<role>.sha256`) of it: the pod holds no other role's token;
 - spec.loader's pod fields (`batchplane.operator.podfields`): `env`, `envFrom` and
   `volumeMounts` appended to the loader container's own, `volumes` appended to the pod's own,
   `serviceAccountName`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName` and
@@ -51,6 +53,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from batchplane.core.identity import CERTIFIED_ROLES, VERIFIER_SUFFIX
 from batchplane.operator.dataplane import AUTH_TOKENS_VOLUME, API_VERSION, KIND, TLS_VOLUME, DataPlaneSpec, SourceGroup, deployment_name
 
 #: Labels the operator sets on every loader Deployment and pod.
@@ -168,7 +171,11 @@ def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[di
         (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR),
     ):
         if secret:
-            volumes.append({"name": volume, "secret": {"secretName": secret, "defaultMode": SECRET_MODE}})
+            source: dict[str, Any] = {"secretName": secret, "defaultMode": SECRET_MODE}
+            if volume == AUTH_TOKENS_VOLUME and spec.loader.auth_token_verifiers:  # its own token, the others' verifiers only
+                keys = [ROLE, *(f"{role}{VERIFIER_SUFFIX}" for role in CERTIFIED_ROLES)]
+                source["items"] = [{"key": key, "path": key} for key in keys]
+            volumes.append({"name": volume, "secret": source})
             mounts.append({"name": volume, "mountPath": path, "readOnly": True})
     return volumes, mounts
 

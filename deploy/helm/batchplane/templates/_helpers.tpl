@@ -734,8 +734,9 @@ the certificate names none), and the certificate proves it belongs to the job's 
 {{/*
 A part's flags for transport security: (dict "root" . "role" "planner" "server" true).
 --tls-dir (unless tls.mode is disabled); with tokens (batchplane.tokensEnabled), a server (planner, loaders)
-gets --auth-tokens (the whole tokens Secret) and presents its own key of it as --token-file, a
-caller only (the constructor) --token-file with its own key alone.
+gets --auth-tokens (its own key of the tokens Secret and every role's verifier, `<role>.sha256`,
+where the chart makes the Secret; the whole of an auth.tokens.existingSecret) and presents its own
+key as --token-file, a caller only (the constructor) --token-file with its own key alone.
 */}}
 {{- define "batchplane.securityArgs" -}}
 {{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
@@ -756,10 +757,10 @@ caller only (the constructor) --token-file with its own key alone.
 {{- end }}
 
 {{/*
-A part's certificate and token volumes: (dict "root" . "role" "planner" "server" true). Whole
-Secrets as directories (never subPath, which never sees a renewed certificate), files readable by
-root and the pod's fsGroup only (defaultMode 0440 = 288); a caller's token volume holds its own
-key only (items).
+A part's certificate and token volumes: (dict "root" . "role" "planner" "server" true). Secrets as
+directories (never subPath, which never sees a renewed certificate), files readable by root and
+the pod's fsGroup only (defaultMode 0440 = 288); a caller's token volume holds its own key only, a
+server's its own key and the verifiers (items), never another role's token.
 */}}
 {{- define "batchplane.securityVolumes" -}}
 {{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
@@ -774,6 +775,16 @@ key only (items).
   secret:
     secretName: {{ include "batchplane.authTokensSecretName" .root }}
     defaultMode: 288
+    {{- if not .root.Values.auth.tokens.existingSecret }}
+    {{- /* its own token, and the verifiers (SHA-256) of the tokens it accepts: no other role's token */}}
+    items:
+      - key: {{ .role }}
+        path: {{ .role }}
+      {{- range $r := include "batchplane.tokenRoles" .root | splitList " " }}
+      - key: {{ $r }}.sha256
+        path: {{ $r }}.sha256
+      {{- end }}
+    {{- end }}
 {{- else }}
 - name: batchplane-token
   secret:
@@ -876,6 +887,8 @@ kept when the found Secret has it, so an upgrade keeps them.
 {{- define "batchplane.auth.tokensData" -}}
 {{- $old := get (.found | default dict) "data" | default dict }}
 {{- range $role := include "batchplane.tokenRoles" .root | splitList " " }}
-{{ $role }}: {{ get $old $role | default (randAlphaNum 48 | b64enc) }}
+{{- $token := get $old $role | default (randAlphaNum 48 | b64enc) }}
+{{ $role }}: {{ $token }}
+{{ $role }}.sha256: {{ sha256sum (b64dec $token) | b64enc }}
 {{- end }}
 {{- end }}
