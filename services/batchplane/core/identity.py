@@ -20,6 +20,7 @@ identity is the role "trainer", given by the transport (never by a certificate).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import urllib.parse
 
 from batchplane.core.errors import InvalidArgument
@@ -30,6 +31,13 @@ CERTIFIED_ROLES = ("planner", "loader", "constructor", "operator")
 #: The file (and Secret key) name suffix of a role token's verifier, `<role>.sha256`: the token's
 #: SHA-256 in hex, which a server holds instead of the token (`core.tls.read_role_verifiers`).
 VERIFIER_SUFFIX = ".sha256"
+
+
+def token_verifier(token: str) -> bytes:
+    """What a server keeps of a bearer token: its SHA-256 (compared in constant time)."""
+    return hashlib.sha256(token.encode()).digest()
+
+
 TRAINER = "trainer"
 ROLES = (*CERTIFIED_ROLES, TRAINER)
 #: Roles whose identity may name an index (and, for loaders, a replica id).

@@ -13,7 +13,6 @@ Reads no environment itself: `build_info(environ)` takes the one main() passes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import importlib.metadata
 import json
@@ -26,6 +25,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, GCCollector, Gauge, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from batchplane.core.identity import token_verifier
 
 #: The distribution whose version `batchplane_build_info` reports.
 DISTRIBUTION = "batchplane"
@@ -132,7 +133,7 @@ def start_metrics_server(
         OSError: the port cannot be bound.
     """
     metrics_app = make_wsgi_app(registry)
-    verifier = None if token is None else hashlib.sha256(token.encode()).digest()
+    verifier = None if token is None else token_verifier(token)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         path = environ.get("PATH_INFO")
@@ -164,4 +165,4 @@ def start_metrics_server(
 def _bearer_matches(header: str, verifier: bytes) -> bool:
     """Whether an Authorization header carries the bearer token whose digest is `verifier`."""
     scheme, _, credentials = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(credentials.strip().encode()).digest(), verifier)
+    return scheme.lower() == "bearer" and hmac.compare_digest(token_verifier(credentials.strip()), verifier)

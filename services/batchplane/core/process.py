@@ -122,36 +122,22 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process exits")
     parser.add_argument("--log-level", default=os.environ.get("BATCHPLANE_LOG_LEVEL", "INFO"))
     parser.add_argument("--log-format", help=f"log format: text or json (one object per line) (default: ${logformat.ENV}, else text)")
-    parser.add_argument(
-        "--tls-dir",
-        type=pathlib.Path,
-        default=_env_path("BATCHPLANE_TLS_DIR"),
-        help="certificate folder: ca.crt, tls.crt, tls.key (a mounted Secret; never subPath) (default: $BATCHPLANE_TLS_DIR)",
-    )
-    parser.add_argument(
-        "--token-file",
-        type=pathlib.Path,
-        default=_env_path("BATCHPLANE_TOKEN_FILE"),
-        help="bearer token this process sends (default: $BATCHPLANE_TOKEN_FILE)",
-    )
-    parser.add_argument(
-        "--auth-tokens",
-        type=pathlib.Path,
-        default=_env_path("BATCHPLANE_AUTH_TOKENS"),
-        help="folder of accepted tokens, one file per role (default: $BATCHPLANE_AUTH_TOKENS)",
-    )
-    parser.add_argument(
-        "--metrics-token-file",
-        type=pathlib.Path,
-        default=_env_path("BATCHPLANE_METRICS_TOKEN_FILE"),
-        help="bearer token /metrics requires (Prometheus's authorization) (default: $BATCHPLANE_METRICS_TOKEN_FILE; none: open)",
-    )
-    parser.add_argument(
-        "--metrics-tls-dir",
-        type=pathlib.Path,
-        default=_env_path("BATCHPLANE_METRICS_TLS_DIR"),
-        help="certificate folder (tls.crt, tls.key) the metrics endpoint serves HTTPS with (default: $BATCHPLANE_METRICS_TLS_DIR; none: HTTP)",
-    )
+    for flag, env, what in (
+        ("--tls-dir", "BATCHPLANE_TLS_DIR", "certificate folder: ca.crt, tls.crt, tls.key (a mounted Secret; never subPath)"),
+        ("--token-file", "BATCHPLANE_TOKEN_FILE", "bearer token this process sends"),
+        ("--auth-tokens", "BATCHPLANE_AUTH_TOKENS", "folder of the tokens accepted: <role>.sha256 (a verifier) or <role>, one per role"),
+        (
+            "--metrics-token-file",
+            "BATCHPLANE_METRICS_TOKEN_FILE",
+            "bearer token /metrics requires (Prometheus's authorization); none: open",
+        ),
+        (
+            "--metrics-tls-dir",
+            "BATCHPLANE_METRICS_TLS_DIR",
+            "certificate folder (tls.crt, tls.key) /metrics is served over HTTPS with; none: HTTP",
+        ),
+    ):
+        parser.add_argument(flag, type=pathlib.Path, default=_env_path(env), help=f"{what} (default: ${env})")
     parser.add_argument(
         "--run-dir",
         type=pathlib.Path,

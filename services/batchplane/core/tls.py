@@ -14,7 +14,6 @@ The certificate folder holds `ca.crt`, `tls.crt` and `tls.key`, the keys of a ce
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import logging
 import pathlib
@@ -28,7 +27,7 @@ from typing import Any
 import grpc
 
 from batchplane.core.errors import ConfigError, Unauthenticated
-from batchplane.core.identity import CERTIFIED_ROLES, TRAINER, VERIFIER_SUFFIX, Identity, identity_of_names, server_name
+from batchplane.core.identity import CERTIFIED_ROLES, TRAINER, VERIFIER_SUFFIX, Identity, identity_of_names, server_name, token_verifier
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +126,6 @@ def read_token(path: pathlib.Path, field: str) -> str:
     if not token:
         raise ConfigError(field, f"token file {path} is empty", str(path))
     return token
-
-
-def token_verifier(token: str) -> bytes:
-    """What a server keeps of a token: its SHA-256."""
-    return hashlib.sha256(token.encode()).digest()
 
 
 def read_role_verifiers(folder: pathlib.Path) -> dict[str, bytes]:

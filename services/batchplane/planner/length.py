@@ -90,8 +90,7 @@ class JobLengths:
         self._schedule = schedule
         self._epochs = epochs
         self._bad_policy = bad_policy
-        self._mixture: Mixture | None = None
-        self._counted: JobLength | None = None  # from the start
+        self._counted: tuple[Mixture, JobLength] | None = None  # the mixture, and the length from the start
 
     def now(
         self, mixture: Callable[[], Mixture], *, waiting: str, planned: MixtureState | None, end_step: int | None
@@ -111,11 +110,11 @@ class JobLengths:
         if waiting:
             return JobLength(unknown=waiting), False
         first = self._counted is None
-        if self._mixture is None or self._counted is None:
-            self._mixture = mixture()
-            self._counted = job_length(self._schedule, self._mixture, bad_policy=self._bad_policy)
-        counted = self._counted
-        if planned is None or counted.num_steps is None or _always_active(self._schedule, self._mixture.num_sources) is None:
+        if self._counted is None:
+            made = mixture()
+            self._counted = (made, job_length(self._schedule, made, bad_policy=self._bad_policy))
+        made, counted = self._counted
+        if planned is None or counted.num_steps is None or _always_active(self._schedule, made.num_sources) is None:
             return counted, first
-        on = job_length(self._schedule, self._mixture, bad_policy=self._bad_policy, state=planned)
+        on = job_length(self._schedule, made, bad_policy=self._bad_policy, state=planned)
         return (on if on.num_steps is not None and on.num_steps < counted.num_steps else counted), first
