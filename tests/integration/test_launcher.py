@@ -86,9 +86,13 @@ def test_up_prints_endpoints_and_stops_everything_on_sigterm(tmp_path: pathlib.P
         kill_tree(up)  # and whatever of its services still runs
 
 
-def test_up_stops_by_itself_when_every_rank_reached_the_end_of_data(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("batch_steps", [None, 1])
+def test_up_stops_by_itself_when_every_rank_reached_the_end_of_data(tmp_path: pathlib.Path, batch_steps: int | None) -> None:
+    """With one step per call (large batches) every call ends at the step it asked for: the
+    last batch's header says where the data ends, the trainer asks for nothing past it, and
+    that alone must count as reaching the end."""
     sources = [write_source(tmp_path / "data", "s", skewed_lengths(40, seed=1))]
-    config = write_job(tmp_path / "job.yaml", sources, loaders={"count": 1})
+    config = write_job(tmp_path / "job.yaml", sources, loaders={"count": 1}, constructors={"batch_steps": batch_steps})
     up, _ = _start_up(config)
     try:
         batches, _ = collect(tmp_path / "run" / "endpoints.json", range(2))

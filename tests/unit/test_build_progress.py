@@ -520,6 +520,32 @@ def test_calls_carrying_several_steps_get_every_step_in_order(ranks: int, prefet
     assert all(p.past_end(took[r] + 1) for r in range(ranks)), (took, p.next, p.end)
 
 
+@settings(max_examples=200, deadline=None)
+@given(end=st.integers(1, 8), asked=st.integers(0, 7), extra=st.integers(0, 7), known_before=st.booleans())
+def test_a_rank_told_its_last_step_has_reached_the_end_even_if_its_call_closes_there(
+    end: int, asked: int, extra: int, known_before: bool
+) -> None:
+    """The header of a rank's batch says where the data ends, and the client asks for nothing
+    past it: it may close its call before the call reaches the end step. Told with its last
+    step (the asked one or one the call carries), the rank counts as having reached the end and
+    the constructor as finished; told with an earlier step, it does not."""
+    asked = min(asked, end - 1)
+    told = min(asked + extra, end - 1)
+    p = BuildProgress((0,), prefetch_steps=8)
+    p.ask(0, asked, restart=True)
+    if known_before:
+        build_all(p, end=end)
+    if told > asked:
+        p.hand(0, told)
+    if not known_before:
+        assert p.told_end(0, told) == 0  # not known yet: the client asks for the next step
+        build_all(p, end=end)
+    assert p.told_end(0, told) == end
+    last = told == end - 1
+    assert p.slowest() == (end if last else asked)
+    assert p.finished() == last
+
+
 def test_a_call_that_reaches_the_end_of_data_counts_as_asking_for_it_and_keeps_its_batches() -> None:
     """A trainer that stops at the job's length never asks for the end step: the call that was
     handed the last step and reached the end says every step was handed (the loaders release

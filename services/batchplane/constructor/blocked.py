@@ -10,6 +10,8 @@ import dataclasses
 FIRST_WAIT_S = 0.05
 MOST_WAIT_S = 0.5
 TELL_EVERY_S = 30.0
+#: The least wait before a peer that answered a malformed response is asked again.
+MALFORMED_WAIT_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,14 @@ class Blocked:
         self._failures = 0
         self._told_at: float | None = None
 
-    def failed(self, step: int, error: str, *, peer: str, began: float, now: float) -> Retry:
-        """Building `step` failed with `error` (waiting on `peer`), the try begun at `began`."""
+    def failed(self, step: int, error: str, *, peer: str, began: float, now: float, malformed: bool = False) -> Retry:
+        """Building `step` failed with `error` (waiting on `peer`), the try begun at `began`;
+        `malformed`: the peer answered a malformed response (not asked again at once)."""
         first = self.since is None
         since = self.since = began if self.since is None else self.since
         self.reason = " ".join(error.splitlines())
         wait = min(MOST_WAIT_S, FIRST_WAIT_S * 2 ** min(self._failures, 30))
+        wait = max(wait, MALFORMED_WAIT_S) if malformed else wait
         self._failures += 1
         say = ""
         if self._told_at is None or now - self._told_at >= TELL_EVERY_S:

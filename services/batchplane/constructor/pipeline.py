@@ -52,14 +52,10 @@ T = TypeVar("T")
 #: The longest pause between retries of the planner: a restarted one is reached within it.
 PLANNER_RETRY_BACKOFF_S = 0.25
 
-#: How long building waits before it asks again a peer that answered a malformed response.
-MALFORMED_BACKOFF_S = 0.25
-
 
 @dataclasses.dataclass(frozen=True)
 class _Planned:
-    """A step's plan as the constructor uses it: decoded, with the samples to fetch for it, and
-    the oldest step the planner said a rewind can go back to."""
+    """A step's plan as used here: decoded, its samples to fetch, the oldest step a rewind can reach."""
 
     plan: StepPlan
     fetch: StepFetch
@@ -182,8 +178,7 @@ class StepPipeline:
                 why = self._blocked.why(time.monotonic())
                 raise Unavailable(f"batch of step {step} for rank {rank} not ready after {timeout_s:.1f} s{why}")
             self._waited(time.perf_counter() - begin)
-            if self._steps.finished() and self._steps.end is not None:  # no later fetch will carry the release: send it now
-                self._fetcher.release_everywhere(self._steps.end)
+            self._release_if_finished()
             return self._ready.get((rank, step))
 
     def following(self, rank: int, step: int, *, asked: int, timeout_s: float) -> Delivery | None:
@@ -210,8 +205,7 @@ class StepPipeline:
                 return None
             if self._steps.past_end(step):  # the call was handed every step: the rank reached the end
                 self._steps.hand(rank, step)
-                if self._steps.finished() and self._steps.end is not None:
-                    self._fetcher.release_everywhere(self._steps.end)
+                self._release_if_finished()
                 return None
             if not self._steps.is_ready(rank, step):
                 return None
@@ -220,14 +214,25 @@ class StepPipeline:
             self._waited(time.perf_counter() - begin)
             return self._ready.get((rank, step))
 
+    def told_end(self, rank: int, step: int) -> int:
+        """The end of data told to rank `rank` with its batch of `step` (`BuildProgress.told_end`)."""
+        with self._cond:
+            end = self._steps.told_end(rank, step)
+            self._release_if_finished()
+            return end
+
+    def _release_if_finished(self) -> None:
+        """No later fetch will carry the release once every pulling rank reached the end: sent now."""
+        if self._steps.finished() and self._steps.end is not None:
+            self._fetcher.release_everywhere(self._steps.end)
+
     def _waited(self, waited: float) -> None:
         """A batch was ready after `waited` seconds (under the lock)."""
         self._metrics.batch_wait.observe(waited)
         self._metrics.prefetched_steps.set(self._steps.prefetched())
 
     def _delivered(self) -> int:
-        """Every step below it was handed to all of this constructor's pulling ranks (each has
-        asked for a later one)."""
+        """Every step below it was handed to all of this constructor's pulling ranks."""
         with self._cond:
             return self._steps.slowest()
 
@@ -260,17 +265,16 @@ class StepPipeline:
                 self._ahead.failed()
                 if self._stopped:
                     return
+                malformed = isinstance(exc, MalformedResponse)  # counted, and not asked again at once
                 with self._cond:
-                    retry = self._blocked.failed(step, str(exc), peer=self._peer, began=began, now=time.monotonic())
+                    retry = self._blocked.failed(step, str(exc), peer=self._peer, began=began, now=time.monotonic(), malformed=malformed)
                     if retry.first:
                         self._metrics.peer_failures.labels(self._peer).inc()
                     if retry.say:
                         log.warning("%s", retry.say)
-                    malformed = isinstance(exc, MalformedResponse)  # counted, and not asked again at once
-                    if malformed:
+                    if isinstance(exc, MalformedResponse):
                         self._metrics.malformed_responses.labels(exc.peer).inc()
-                    wait_s = max(retry.wait_s, MALFORMED_BACKOFF_S if malformed else 0.0)
-                    self._cond.wait_for(lambda: self._stopped or self._steps.epoch != epoch, timeout=wait_s)
+                    self._cond.wait_for(lambda: self._stopped or self._steps.epoch != epoch, timeout=retry.wait_s)
                 continue
             except Exception as exc:  # noqa: BLE001 - refused, malformed or a bug: retrying cannot help
                 log.exception("step %d cannot be built", step)
@@ -297,12 +301,10 @@ class StepPipeline:
 
     def _build(self, request: PlanRequest, *, epoch: int, abandoned: Callable[[], bool]) -> list[Delivery] | None:
         """The deliveries of the step `request` asks the plan of, in build epoch `epoch`; None
-        past the end of data. Its plan and samples come from what was got with an earlier
-        step's where `lookahead` kept them, else from the planner and the loaders (with those
-        of the following steps, kept for their turn). Retrying the planner stops once
-        `abandoned()` (a rank rewound: the steps to build changed), so a rewind waits for one
-        planner call at most, not for the retries of a step built ahead that the planner
-        cannot plan yet."""
+        past the end of data. Plan and samples come from an earlier step's fetch (`lookahead`),
+        else from the planner and the loaders (with the following steps', kept for their turn).
+        Retrying the planner stops once `abandoned()` (a rank rewound), so a rewind waits for
+        one planner call at most, not for the retries of a step the planner cannot plan yet."""
         self._peer = "planner"
         planned = self._ahead.plan(request.step, epoch=epoch, plain=not request.rewind and not request.resume)
         if planned is None:
@@ -357,8 +359,7 @@ class StepPipeline:
         return self._call_planner(lambda: self._planner.Report(request, timeout=10), f"Report(step {request.step}) to")
 
     def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:
-        """How many steps the job has, as the planner says (waiting up to `wait_ms` for its
-        loaders to register)."""
+        """How many steps the job has, as the planner says (waiting up to `wait_ms` for its loaders)."""
         request = planner_pb2.GetJobRequest(wait_ms=wait_ms)
         response = self._call_planner(lambda: self._planner.GetJob(request, timeout=wait_ms / 1000 + 10), "GetJob from")
         return response.length
@@ -404,8 +405,7 @@ class StepPipeline:
         return plan
 
     def _call_planner(self, call: Callable[[], T], what: str, *, abandoned: Callable[[], bool] = lambda: False) -> T:
-        """`call` retried while the planner is unavailable, within the job's RPC timeout, until
-        the constructor stops or `abandoned()`."""
+        """`call` retried while the planner is unavailable, within the RPC timeout, until stopped or `abandoned()`."""
         try:
             return call_with_retry(
                 call,

@@ -208,6 +208,16 @@ class BuildProgress:
             raise FailedPrecondition(f"step {step} handed to rank {rank} is not past step {asked}, the one it asked for")
         self._handed[rank] = max(self._handed.get(rank, step), step)
 
+    def told_end(self, rank: int, step: int) -> int:
+        """The end of data to tell rank `rank` with its batch of `step` (0: not known yet). The
+        client asks for nothing past it, so a rank told that `step` is its last counts at once
+        as handed the end-of-data step: its call may be closed before it reaches it."""
+        if self.end is None:
+            return 0
+        if step + 1 >= self.end and self._progress.get(rank, self.end) < self.end:
+            self._handed[rank] = self.end
+        return self.end
+
     def finished(self) -> bool:
         """True the first time every pulling rank has asked for the end-of-data step (or
         past it) since the start or the last rewind: what loaders hold for this constructor

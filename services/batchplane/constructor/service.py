@@ -140,7 +140,7 @@ class ConstructorServicer(constructor_pb2_grpc.ConstructorServicer):
         """One batch's messages: its header, placed in a slab of `shm_session` when it has one,
         else followed by its payload in chunks."""
         header = batch_header(delivery, self._pipeline.mesh)
-        header.end_step = self._pipeline.end_step() or 0  # the client asks for nothing past it
+        header.end_step = self._pipeline.told_end(delivery.rank, delivery.batch.step)  # the client asks for nothing past it
         placement = self._place(shm_session, delivery) if shm_session and delivery.payload_bytes else None
         if placement is not None:
             header.shm.slab, header.shm.offset, header.shm.length = placement.slab, placement.offset, placement.length
