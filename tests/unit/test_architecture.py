@@ -83,6 +83,7 @@ PURE = (
     "batchplane.planner.planning",
     "batchplane.planner.length",
     "batchplane.planner.source_changes",
+    "batchplane.planner.digests",
     "batchplane.constructor.progress",
     "batchplane.constructor.blocked",
     "batchplane.constructor.waits",
@@ -108,6 +109,7 @@ PURE = (
     "batchplane.core.config",
     "batchplane.core.errors",
     "batchplane.core.identity",
+    "batchplane.core.issuance",
     "batchplane.core.authz",
     "batchplane.core.mesh",
     "batchplane.core.delivery",
@@ -195,7 +197,13 @@ def test_the_journal_is_a_library_below_the_services() -> None:
 
 
 def test_the_operator_drives_services_only_through_their_metrics_and_the_kubernetes_api() -> None:
-    assert violations(owned_by("batchplane.operator"), ("batchplane.loader", "batchplane.constructor", "batchplane.launcher", "grpc")) == []
+    """It calls no service. It serves one gRPC service of its own, the certificate issuer
+    (operator.issuer, tls.mode issued), which talks to no service either."""
+    drivers = [m for m in owned_by("batchplane.operator") if m != "batchplane.operator.issuer"]
+    assert violations(drivers, ("batchplane.loader", "batchplane.constructor", "batchplane.launcher", "grpc")) == []
+    services = ("batchplane.loader", "batchplane.constructor", "batchplane.planner", "batchplane.launcher")
+    stubs = tuple(f"batchplane.v1.{name}_pb2_grpc" for name in ("planner", "loader", "constructor"))
+    assert violations(["batchplane.operator.issuer"], (*services, *stubs)) == []
 
 
 # Each framework adapter of the client (a module, or a package and its modules) may import its

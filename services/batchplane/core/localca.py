@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from batchplane.core.errors import ConfigError
 from batchplane.core.identity import Identity, server_name
 from batchplane.core.tls import CA_FILE, CERT_FILE, KEY_FILE
 
@@ -49,6 +50,8 @@ class LocalCA:
         name: The CA's common name (the job's name).
     """
 
+    key: ec.EllipticCurvePrivateKey
+
     def __init__(self, folder: pathlib.Path | None, *, name: str = "batchplane") -> None:
         self.folder = folder
         if folder is not None:
@@ -56,8 +59,9 @@ class LocalCA:
             cert_path, key_path = folder / CA_FILE, folder / "ca.key"
             if cert_path.exists() and key_path.exists():
                 self.cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-                self.key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-                if self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
+                key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+                if isinstance(key, ec.EllipticCurvePrivateKey) and self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
+                    self.key = key
                     return
         self.key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} local CA")])
@@ -90,15 +94,40 @@ class LocalCA:
             _write_private(folder / "ca.key", _pem_key(self.key))
             (folder / CA_FILE).write_bytes(self.pem)
 
+    @classmethod
+    def load(cls, folder: pathlib.Path) -> LocalCA:
+        """The CA whose ca.crt and ca.key lie in `folder` (e.g. a mounted Secret), never made anew.
+
+        Raises:
+            ConfigError: a file is missing or not a CA certificate and its EC key.
+        """
+        ca = cls.__new__(cls)
+        ca.folder = folder
+        try:
+            ca.cert = x509.load_pem_x509_certificate((folder / CA_FILE).read_bytes())
+            key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(folder), f"must hold the CA's {CA_FILE} and ca.key (PEM): {exc}", None) from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != ca.cert.public_key():
+            raise ConfigError(str(folder / "ca.key"), f"must be the EC key of {CA_FILE}", None)
+        ca.key = key
+        return ca
+
     @property
     def pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(self, identity: Identity, folder: pathlib.Path, *, days: int = LEAF_DAYS) -> pathlib.Path:
         """Writes a certificate folder (ca.crt, tls.crt, tls.key) for `identity`, replacing
-        what is there atomically; returns `folder`. The certificate serves and authenticates:
-        its names are the identity's URI and `<role>.batchplane`."""
+        what is there atomically; returns `folder`."""
         key = ec.generate_private_key(ec.SECP256R1())
+        cert = self.sign(identity, key.public_key(), lifetime=datetime.timedelta(days=days))
+        write_certificate_folder(folder, ca=self.pem, cert=cert, key=_pem_key(key))
+        return folder
+
+    def sign(self, identity: Identity, public_key: ec.EllipticCurvePublicKey, *, lifetime: datetime.timedelta) -> bytes:
+        """A certificate (PEM) of `public_key` for `identity`, valid for `lifetime`. It serves and
+        authenticates: its names are the identity's URI and `<role>.batchplane`."""
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri())]
         if identity.role != "trainer":
             names.insert(0, x509.DNSName(server_name(identity.role)))
@@ -106,17 +135,16 @@ class LocalCA:
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.uri()[:64])]))
             .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
+            .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(_now() - _SKEW)
-            .not_valid_after(_now() + datetime.timedelta(days=days))
+            .not_valid_after(min(_now() + lifetime, self.cert.not_valid_after_utc))
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .sign(self.key, hashes.SHA256())
         )
-        write_certificate_folder(folder, ca=self.pem, cert=cert.public_bytes(serialization.Encoding.PEM), key=_pem_key(key))
-        return folder
+        return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def write_certificate_folder(folder: pathlib.Path, *, ca: bytes, cert: bytes, key: bytes) -> None:

@@ -92,6 +92,13 @@ class ProcessSettings:
     metrics_token_file: pathlib.Path | None = None
     #: A certificate folder (tls.crt, tls.key) the metrics endpoint serves HTTPS with; None: HTTP.
     metrics_tls_dir: pathlib.Path | None = None
+    #: batchplane's certificate issuer (the operator), host:port: the process gets its own
+    #: certificate there and writes it into tls_dir (core.enroll); None: tls_dir is given.
+    issuer: str | None = None
+    #: The pod's projected ServiceAccount token, proving to the issuer who the pod is.
+    issuer_token_file: pathlib.Path | None = None
+    #: The CA certificate the issuer's certificate, and every part's, chains to.
+    issuer_ca: pathlib.Path | None = None
 
 
 class Running(Protocol):
@@ -136,6 +143,8 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
             "BATCHPLANE_METRICS_TLS_DIR",
             "certificate folder (tls.crt, tls.key) /metrics is served over HTTPS with; none: HTTP",
         ),
+        ("--issuer-token-file", "BATCHPLANE_ISSUER_TOKEN_FILE", "the pod's projected ServiceAccount token, for --issuer"),
+        ("--issuer-ca", "BATCHPLANE_ISSUER_CA", "the CA certificate the issuer's and every part's certificate chain to, for --issuer"),
     ):
         parser.add_argument(flag, type=pathlib.Path, default=_env_path(env), help=f"{what} (default: ${env})")
     parser.add_argument(
@@ -143,7 +152,21 @@ def parse_process_args(part: str, argv: Sequence[str] | None) -> ProcessSettings
         type=pathlib.Path,
         help="the job's run folder (default: its run_dir); the planner's ledger is in <run-dir>/ledger unless ledger.location is set",
     )
+    parser.add_argument(
+        "--issuer",
+        default=os.environ.get("BATCHPLANE_ISSUER"),
+        help="batchplane's certificate issuer host:port (the operator): this process's certificate is got there and written into "
+        "--tls-dir, which must be a writable folder of this pod only (default: $BATCHPLANE_ISSUER)",
+    )
     ns = parser.parse_args(argv)
+    if ns.issuer is not None:
+        missing = [
+            flag
+            for flag, value in (("--tls-dir", ns.tls_dir), ("--issuer-token-file", ns.issuer_token_file), ("--issuer-ca", ns.issuer_ca))
+            if value is None
+        ]
+        if missing:
+            parser.error(f"--issuer needs {', '.join(missing)} too")
     if ns.listen is not None and not ns.listen.startswith("unix:"):
         parser.error(
             f"--listen takes a Unix socket address (unix:///path), got {ns.listen!r}; for TCP use --port and the job's network.host"
@@ -241,6 +264,7 @@ def run_service(
         EXIT_METRICS_PORT_UNAVAILABLE (--metrics-port cannot be bound).
     """
     from batchplane.core.rpc import PortUnavailable, RpcSettings  # here: the operator logs through this module without grpc
+    from batchplane.core.enroll import Enrollment, IssuerSource
     from batchplane.core.tls import process_security
 
     settings = parse_process_args(part, argv)
@@ -267,6 +291,9 @@ def run_service(
             "Times this process read its rotated certificate folder again (servers and channels each count).",
             registry=registry,
         )
+        if settings.issuer is not None and job.network.tls:  # the certificate in --tls-dir comes from the issuer
+            assert settings.tls_dir is not None and settings.issuer_token_file is not None and settings.issuer_ca is not None
+            Enrollment(IssuerSource(settings.issuer, settings.issuer_token_file, settings.issuer_ca, settings.tls_dir)).start()
         security = process_security(
             tls=job.network.tls,
             tls_dir=settings.tls_dir,

@@ -37,6 +37,7 @@ from batchplane.core.errors import ConfigError
 from batchplane.core.metrics import build_info, process_registry
 from batchplane.core.process import configure_logging, set_from_signal
 from batchplane.operator.election import ElectionSettings
+from batchplane.operator.issuer import IssuerSettings, add_issuer_flags, issuer_settings, start_issuer
 from batchplane.operator.kubernetes import KubeConfig, KubernetesClient, KubernetesError, in_cluster_config, in_cluster_namespace
 from batchplane.operator.leader import LeaderElection
 from batchplane.operator.loop import Operator, PrometheusObservations
@@ -92,6 +93,8 @@ class OperatorSettings:
     lease_duration_s: float = 15.0
     renew_deadline_s: float = 10.0
     retry_period_s: float = 2.0
+    #: The certificate issuer (--issuer-*, tls.mode issued); None: not served.
+    issuer: IssuerSettings | None = None
 
 
 def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSettings:
@@ -159,9 +162,11 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
         default=2.0,
         help="seconds between two attempts to acquire or renew; < --renew-deadline-s (default 2)",
     )
+    add_issuer_flags(parser)
     ns = parser.parse_args(argv)
     if not ns.namespace:
         parser.error("--namespace is required outside a pod (or set POD_NAMESPACE)")
+    ns.issuer = issuer_settings(ns, parser)
     if (ns.token_file or ns.ca_file) and not ns.kube_api:
         parser.error("--token-file and --ca-file go with --kube-api (in a pod the ServiceAccount's are used)")
     if not 0 <= ns.metrics_port <= 65535:
@@ -223,6 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if settings.once:
         return _once(operator, leader)
+    issuer = None
+    if settings.issuer is not None:
+        try:
+            issuer, _ = start_issuer(settings.issuer, review=api.review_token, get_pod=api.get_pod, registry=registry)
+        except (ConfigError, OSError) as exc:
+            log.error("cannot start the operator's issuer: %s", exc)
+            return EXIT_BAD_INPUT
     server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
     stop = threading.Event()
 
@@ -250,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         election_stop.set()
         election.join(timeout=2 * settings.kube_timeout_s + 1)  # it releases the Lease as it stops
     server.shutdown()
+    if issuer is not None:
+        issuer.stop(1).wait()
     log.info("operator stopped")
     return 0
 

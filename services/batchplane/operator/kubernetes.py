@@ -174,13 +174,7 @@ class KubernetesClient:
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Lease `name`, or None when there is none (HTTP 404)."""
-        path = f"{_LEASES.format(ns=_quote(namespace))}/{_quote(name)}"
-        try:
-            return self._request("GET", path, f"leases {namespace}/{name}")
-        except KubernetesError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return self._get_or_none(f"{_LEASES.format(ns=_quote(namespace))}/{_quote(name)}", f"leases {namespace}/{name}")
 
     def create_lease(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """Creates a Lease; one that exists already raises (HTTP 409: another candidate was first)."""
@@ -206,6 +200,19 @@ class KubernetesClient:
         """Merge-patches Event `name` (a repeat's count and lastTimestamp); HTTP 404 when it expired."""
         path = f"{_EVENTS.format(ns=_quote(namespace))}/{_quote(name)}?fieldManager={FIELD_MANAGER}"
         return self._request("PATCH", path, f"events {namespace}/{name}", body=patch, merge=True)
+
+    # ---- the issuer (tls.mode issued) ------------------------------------------------------------
+
+    def review_token(self, token: str, audience: str) -> dict[str, Any]:
+        """The status of a TokenReview of `token` for `audience` (authentication.k8s.io/v1)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token, "audiences": [audience]}}
+        answer = self._request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", "tokenreviews", body=body)
+        status = answer.get("status")
+        return status if isinstance(status, dict) else {}
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Pod `name`, or None when there is none (HTTP 404)."""
+        return self._get_or_none(f"/api/v1/namespaces/{_quote(namespace)}/pods/{_quote(name)}", f"pods {namespace}/{name}")
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -241,6 +248,14 @@ class KubernetesClient:
         if not isinstance(answer, dict):
             raise KubernetesError(verb, resource, 200, f"answer is not a JSON object: {raw[:200]!r}")
         return answer
+
+    def _get_or_none(self, path: str, resource: str) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", path, resource)
+        except KubernetesError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def _bearer(self, verb: str, resource: str) -> str | None:
         if self.config.token_file is None:
