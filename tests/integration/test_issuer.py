@@ -24,21 +24,27 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 from harness import Batch, run_ranks, to_numpy, wait_until, write_job, write_source
 from token_review_api import TokenReviewApi
 
 from batchplane.client import Client
 from batchplane.core.enroll import IssuerSource
 from batchplane.core.identity import identity_of_names
-from batchplane.core.issuance import GROUP_INDEX_LABEL
+from batchplane.core.issuance import GROUP_INDEX_LABEL, POD_NAME_EXTRA, POD_UID_EXTRA, IssuancePolicy
 from batchplane.core.localca import LocalCA
 from batchplane.core.tls import CertificateFolder, Security
+from batchplane.operator.issuer import CurrentCA, IssuerMetrics, IssuerService
 from batchplane.v1 import issuer_pb2, issuer_pb2_grpc, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -322,3 +328,87 @@ def collect_from(constructors: list[Part], run: pathlib.Path, *, ranks: range) -
 
     run_ranks(one, ranks)
     return out
+
+
+# ---- a CA that cert-manager issues and renews (an intermediate) ----------------------------------
+
+
+def intermediate_ca(root: LocalCA, folder: pathlib.Path, *, name: str) -> LocalCA:
+    """An intermediate CA signed by `root`, written as the chart mounts cert-manager's CA Secret
+    (tls.crt as ca.crt, holding the intermediate and the root; tls.key as ca.key)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(root.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(root.key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    swap = folder / "swap"
+    swap.mkdir()
+    (swap / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM) + root.pem)
+    (swap / "ca.key").write_bytes(pem_key)
+    for name in ("ca.crt", "ca.key"):  # replaced by rename, as the kubelet swaps a Secret's files
+        os.replace(swap / name, folder / name)
+    swap.rmdir()
+    return LocalCA.load(folder)
+
+
+def test_an_intermediate_ca_signs_chains_that_peers_trusting_only_the_root_accept(tmp_path: pathlib.Path) -> None:
+    """cert-manager's CA (signed by the cluster's own issuer, renewed by cert-manager) behind the
+    issuer: each leaf comes with the intermediate, a peer that trusts only the root accepts it,
+    and a renewed intermediate is signed with from the next check on."""
+    root = LocalCA(None)
+    first = intermediate_ca(root, tmp_path / "ca", name="batchplane issuer 1")
+    current = CurrentCA(tmp_path / "ca")
+    policy = IssuancePolicy(NS, {"bp-planner": "planner"})
+    review_status = {
+        "authenticated": True,
+        "audiences": ["batchplane"],
+        "user": {"username": f"system:serviceaccount:{NS}:bp-planner", "extra": {POD_NAME_EXTRA: ["p"], POD_UID_EXTRA: ["uid-p"]}},
+    }
+    service = IssuerService(
+        current,
+        policy,
+        review=lambda token, audience: review_status,
+        get_pod=lambda namespace, name: make_pod("p", "bp-planner"),
+        lifetime_s=LIFETIME_S,
+        metrics=IssuerMetrics(CollectorRegistry()),
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(key, hashes.SHA256())
+    request = issuer_pb2.IssueRequest(csr=csr.public_bytes(serialization.Encoding.PEM), token="t")
+    response = service.Issue(request, context=None)
+    chain = x509.load_pem_x509_certificates(response.certificate)
+    assert len(chain) == 3 and chain[1] == first.cert  # the leaf, the intermediate, the root its file holds
+    chain[0].verify_directly_issued_by(first.cert)
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    assert _handshake(response.certificate, pem_key, root.pem) == health_pb2.HealthCheckResponse.SERVING
+
+    second = intermediate_ca(root, tmp_path / "ca", name="batchplane issuer 2")  # cert-manager renewed it
+    current.CHECK_S = 0.0
+    renewed = x509.load_pem_x509_certificates(service.Issue(request, context=None).certificate)
+    assert renewed[1] == second.cert != first.cert
+    renewed[0].verify_directly_issued_by(second.cert)
+
+
+def _handshake(chain: bytes, key: bytes, root: bytes) -> int:
+    """The health status a client trusting only `root` reads from a server presenting `chain`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, chain)]))
+    server.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        options = [("grpc.ssl_target_name_override", "planner.batchplane")]
+        with grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+    finally:
+        server.stop(0)

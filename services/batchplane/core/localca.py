@@ -51,6 +51,8 @@ class LocalCA:
     """
 
     key: ec.EllipticCurvePrivateKey
+    #: The CA's certificate file as read (`load`: it may hold the CAs above it too).
+    file: bytes
 
     def __init__(self, folder: pathlib.Path | None, *, name: str = "batchplane") -> None:
         self.folder = folder
@@ -61,7 +63,7 @@ class LocalCA:
                 self.cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
                 key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
                 if isinstance(key, ec.EllipticCurvePrivateKey) and self.cert.not_valid_after_utc - _now() > datetime.timedelta(days=1):
-                    self.key = key
+                    self.key, self.file = key, self.pem
                     return
         self.key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} local CA")])
@@ -90,6 +92,7 @@ class LocalCA:
             )
             .sign(self.key, hashes.SHA256())
         )
+        self.file = self.pem
         if folder is not None:
             _write_private(folder / "ca.key", _pem_key(self.key))
             (folder / CA_FILE).write_bytes(self.pem)
@@ -104,7 +107,8 @@ class LocalCA:
         ca = cls.__new__(cls)
         ca.folder = folder
         try:
-            ca.cert = x509.load_pem_x509_certificate((folder / CA_FILE).read_bytes())
+            ca.file = (folder / CA_FILE).read_bytes()
+            ca.cert = x509.load_pem_x509_certificates(ca.file)[0]
             key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
         except (OSError, ValueError) as exc:
             raise ConfigError(str(folder), f"must hold the CA's {CA_FILE} and ca.key (PEM): {exc}", None) from None
@@ -116,6 +120,14 @@ class LocalCA:
     @property
     def pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    @property
+    def chain(self) -> bytes:
+        """What follows a certificate it signed in a certificate file, so peers that trust only
+        the root can verify it: nothing when this CA is a root; its file (itself, and the CAs
+        above it that the file holds) when it is an intermediate, e.g. a CA certificate that
+        cert-manager issues and renews from the cluster's own issuer."""
+        return b"" if self.cert.issuer == self.cert.subject else self.file
 
     def issue(self, identity: Identity, folder: pathlib.Path, *, days: int = LEAF_DAYS) -> pathlib.Path:
         """Writes a certificate folder (ca.crt, tls.crt, tls.key) for `identity`, replacing

@@ -70,14 +70,19 @@ class CertificateFolder:
 
     def stamp(self) -> tuple:
         """Changes whenever a file is replaced or rewritten (Kubernetes swaps a symlink)."""
-        stamps = []
-        for name in (CA_FILE, CERT_FILE, KEY_FILE):
-            try:
-                st = (self.path / name).stat()
-            except OSError:
-                return ()
-            stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        return tuple(stamps)
+        return files_stamp(self.path, (CA_FILE, CERT_FILE, KEY_FILE))
+
+
+def files_stamp(folder: pathlib.Path, names: tuple[str, ...]) -> tuple:
+    """Changes whenever one of the files is replaced or rewritten; () while one is missing."""
+    stamps = []
+    for name in names:
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            return ()
+        stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(stamps)
 
 
 class _Reloader:

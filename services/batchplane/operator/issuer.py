@@ -35,7 +35,7 @@ from batchplane.core.identity import Identity
 from batchplane.core.issuance import ISSUED_ROLES, IssuancePolicy, IssuanceRefused, identity_for, reviewed
 from batchplane.core.localca import LocalCA
 from batchplane.core.rpc import RpcSettings, ServerMetrics, create_grpc_server
-from batchplane.core.tls import Security
+from batchplane.core.tls import Security, files_stamp
 from batchplane.operator.kubernetes import KubernetesError
 from batchplane.v1 import issuer_pb2, issuer_pb2_grpc
 
@@ -140,11 +140,47 @@ class IssuerMetrics:
         self.server = ServerMetrics("issuer", registry)
 
 
+class CurrentCA:
+    """The CA of a folder (a mounted Secret), read again once its files change: a CA that
+    cert-manager renews is used from its renewal on. Looked at no more than every CHECK_S; a
+    folder caught mid-update keeps the CA read last."""
+
+    CHECK_S = 10.0
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self._folder = folder
+        self._stamp = files_stamp(folder, _CA_FILES)
+        self._ca = LocalCA.load(folder)
+        self._checked = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> LocalCA:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked >= self.CHECK_S:
+                self._checked = now
+                stamp = files_stamp(self._folder, _CA_FILES)
+                if stamp and stamp != self._stamp:
+                    try:
+                        self._ca, self._stamp = LocalCA.load(self._folder), stamp
+                        log.info(
+                            "the CA in %s changed: signing with the new one, valid until %s",
+                            self._folder,
+                            self._ca.cert.not_valid_after_utc,
+                        )
+                    except ConfigError as exc:
+                        log.warning("the CA in %s changed but cannot be read yet (%s); signing with the one read before", self._folder, exc)
+            return self._ca
+
+
+_CA_FILES = ("ca.crt", "ca.key")
+
+
 class IssuerService(issuer_pb2_grpc.IssuerServicer):
     """Issue: checks the request, reviews the token, reads the pod, signs.
 
     Args:
-        ca: The CA that signs.
+        ca: The CA that signs now.
         policy: Whom it serves.
         review: (token, audience) -> the TokenReview's status.
         get_pod: (namespace, name) -> the pod, or None when there is none.
@@ -154,7 +190,7 @@ class IssuerService(issuer_pb2_grpc.IssuerServicer):
 
     def __init__(
         self,
-        ca: LocalCA,
+        ca: Callable[[], LocalCA],
         policy: IssuancePolicy,
         *,
         review: Callable[[str, str], Mapping[str, Any]],
@@ -182,10 +218,11 @@ class IssuerService(issuer_pb2_grpc.IssuerServicer):
             raise
         except KubernetesError as exc:
             raise Unavailable(f"the Kubernetes API could not be asked: {exc}") from None
-        certificate = self._ca.sign(identity, public_key, lifetime=self._lifetime)
+        ca = self._ca()
+        certificate = ca.sign(identity, public_key, lifetime=self._lifetime) + ca.chain
         self._metrics.issued.labels(identity.role).inc()
         log.info("issued %s to pod %s (ServiceAccount %s) for %s", identity, who.pod, who.service_account, self._lifetime)
-        return issuer_pb2.IssueResponse(certificate=certificate, ca=self._ca.pem, identity=identity.uri())
+        return issuer_pb2.IssueResponse(certificate=certificate, ca=ca.pem, identity=identity.uri())
 
     def _requested_key(self, request: issuer_pb2.IssueRequest) -> ec.EllipticCurvePublicKey:
         """The P-256 key of the request's CSR, whose signature proves the caller holds it."""
@@ -210,7 +247,7 @@ class _ServingCertificate(Security):
     here and renewed in memory; no client certificate (the token in the request is the caller's
     credential), so every call reaches the service."""
 
-    def __init__(self, ca: LocalCA, lifetime_s: float) -> None:
+    def __init__(self, ca: Callable[[], LocalCA], lifetime_s: float) -> None:
         super().__init__(None)
         self._ca, self._lifetime_s = ca, lifetime_s
         self._lock = threading.Lock()
@@ -230,7 +267,8 @@ class _ServingCertificate(Security):
 
     def _configuration(self) -> Any:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = self._ca.sign(Identity("operator"), key.public_key(), lifetime=datetime.timedelta(seconds=self._lifetime_s))
+        ca = self._ca()
+        cert = ca.sign(Identity("operator"), key.public_key(), lifetime=datetime.timedelta(seconds=self._lifetime_s)) + ca.chain
         pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
         with self._lock:
             self._renew_at = time.monotonic() + self._lifetime_s * RENEW_AT
@@ -250,7 +288,7 @@ def start_issuer(
         ConfigError: the CA folder does not hold the CA's certificate and key.
         PortUnavailable: the port cannot be bound.
     """
-    ca = LocalCA.load(settings.ca_dir)
+    ca = CurrentCA(settings.ca_dir)
     metrics = IssuerMetrics(registry)
     transport = _ServingCertificate(ca, settings.lifetime_s)
     rpc = RpcSettings(security=transport, max_message_bytes=MAX_MESSAGE_BYTES)
