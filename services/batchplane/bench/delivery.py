@@ -240,6 +240,10 @@ class _StandInPipeline:
         """The bench's data never ends."""
         return None
 
+    def told_end(self, rank: int, step: int) -> int:
+        """The end of data told with each batch: never known (the bench's data never ends)."""
+        return 0
+
     def stop(self) -> None:
         pass
 
