@@ -244,7 +244,15 @@ def test_the_prometheus_rule_renders_when_asked(helm: pathlib.Path) -> None:  # 
     assert "batchplane_planner_shadow_promotions_total" in exprs["BatchplaneShadowTakeover"]
     # Thresholds and the waiting time come from the values; without the operator, no operator alerts.
     tuned = render_rule(
-        helm, "--set-json", "prometheusRule.mixtureDrift=0.2", "--set", "prometheusRule.for=30m", "--set", "operator.enabled=false"
+        helm,
+        "--set-json",
+        "prometheusRule.mixtureDrift=0.2",
+        "--set",
+        "prometheusRule.for=30m",
+        "--set",
+        "operator.enabled=false",
+        "--set",
+        "tls.mode=generated",  # tls.mode issued needs this release's operator
     )
     tuned_rules = {r["alert"]: r for g in tuned["spec"]["groups"] for r in g["rules"]}
     assert set(tuned_rules) == ALERTS - {"BatchplaneOperatorReconcileErrors", "BatchplaneOperatorNoLeader"}

@@ -1068,8 +1068,8 @@ def test_the_operators_deployments_carry_the_loader_pod_fields(emulator: Emulato
             ]  # the operator's own first, then the DataPlane's
             assert c["env"][-len(values["env"]) :] == values["env"] and c["envFrom"] == values["envFrom"]
             # The operator's own mounts first: the job, /tmp, the loader's certificate folder and
-            # the role tokens (the chart's default tls.mode, generated, turns tokens on).
-            own = ["/etc/batchplane", "/tmp", "/etc/batchplane/tls", "/etc/batchplane/auth-tokens"]
+            # its token for the issuer with the CA certificate (the chart's default tls.mode, issued).
+            own = ["/etc/batchplane", "/tmp", "/etc/batchplane/tls", "/etc/batchplane/issuer"]
             assert [m["mountPath"] for m in c["volumeMounts"]] == [*own, *[m["mountPath"] for m in values["volumeMounts"]]]
             assert len(pod["volumes"]) == len(own) + len(values["volumes"])
             assert pod["volumes"][len(own) :] == values["volumes"]

@@ -6,8 +6,11 @@ declared schedule, bad specs refused with the field named, spec.loader's pod fie
 volumes, serviceAccountName, nodeSelector, ...: batchplane.operator.podfields) carried into the
 Deployment, refused where they clash with the operator's own, and removed again by an update,
 and the loaders' transport security: spec.loader.tls and spec.loader.authTokens mounted as whole
-Secrets (never subPath) behind --tls-dir, --auth-tokens and --token-file, and probes on the
-metrics port's /healthz (kubelet's gRPC probe cannot pass mutual TLS)."""
+Secrets (never subPath) behind --tls-dir, --auth-tokens and --token-file, or spec.loader.identity
+(certificates from the issuer: an in-memory emptyDir, a projected ServiceAccount token and the CA
+ConfigMap behind --tls-dir, --issuer, --issuer-token-file and --issuer-ca, and the pod label
+naming the group's index), and probes on the metrics port's /healthz (kubelet's gRPC probe cannot
+pass mutual TLS)."""
 
 from __future__ import annotations
 
@@ -684,3 +687,115 @@ def test_a_loader_pod_holds_its_own_token_and_the_verifiers_only_when_the_secret
     with pytest.raises(SpecError) as info:
         parse_dataplane(dataplane(**{"spec.loader.authTokens": {"secretName": TOKENS_SECRET, "verifiers": "yes"}}))
     assert info.value.field == "spec.loader.authTokens.verifiers"
+
+
+# ---- loader pods with an identity from the issuer (tls.mode issued) ----------------------------------
+
+ISSUER = "text-and-code-operator.training.svc:8443"
+IDENTITY = {"issuer": ISSUER, "caConfigMap": "text-and-code-ca", "audience": "batchplane", "tokenExpirationSeconds": 3600}
+
+
+def issued(**changes: Any) -> dict[str, Any]:
+    """DATAPLANE as the chart renders it with tls.mode issued: spec.loader.identity, no Secrets."""
+    return dataplane(**{"spec.loader.tls": _DELETE, "spec.loader.authTokens": _DELETE, "spec.loader.identity": dict(IDENTITY), **changes})
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_loader_pods_with_an_identity_ask_the_issuer(index: int) -> None:
+    """spec.loader.identity: each loader pod writes the certificate it is issued into an in-memory
+    emptyDir of its own (--tls-dir, writable), proves who it is with its projected ServiceAccount
+    token for the identity's audience and verifies the issuer by the CA ConfigMap's certificate
+    (read-only, no Secret at all), and carries the label naming its group's index, from which
+    the issuer names it batchplane://loader/<index>/<pod>."""
+    spec = parse_dataplane(issued())
+    assert spec.loader.identity is not None and spec.loader.tls_secret is None
+    d = loader_deployment(spec, spec.groups[index], replicas=1)
+    pod = d["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    settings = parse_process_args("loader", [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "p") for a in c["args"][1:]])
+    assert (settings.tls_dir, settings.issuer, settings.issuer_token_file, settings.issuer_ca) == (
+        pathlib.Path("/etc/batchplane/tls"), ISSUER, pathlib.Path("/etc/batchplane/issuer/token"), pathlib.Path("/etc/batchplane/issuer/ca.crt")
+    )  # fmt: skip
+    assert settings.auth_tokens is None and settings.token_file is None
+    assert secret_mounts(d) == {}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/etc/batchplane/tls"] == {"name": "batchplane-tls", "mountPath": "/etc/batchplane/tls"}  # the loader writes there
+    assert volumes["batchplane-tls"] == {"name": "batchplane-tls", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    assert mounts["/etc/batchplane/issuer"] == {"name": "batchplane-issuer", "mountPath": "/etc/batchplane/issuer", "readOnly": True}
+    assert volumes["batchplane-issuer"]["projected"] == {
+        "defaultMode": 0o440,
+        "sources": [
+            {"serviceAccountToken": {"audience": "batchplane", "expirationSeconds": 3600, "path": settings.issuer_token_file.name}},
+            {"configMap": {"name": "text-and-code-ca", "items": [{"key": "ca.crt", "path": settings.issuer_ca.name}]}},
+        ],
+    }
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    assert labels["batchplane.dev/group-index"] == str(index) == c["args"][c["args"].index("--index") + 1]
+    assert d["spec"]["selector"]["matchLabels"] == {LABEL_DATAPLANE: "text-and-code", LABEL_GROUP: spec.groups[index].name}
+    # a DataPlane without an identity: no such label, no issuer flags
+    plain = parse_dataplane(DATAPLANE)
+    plain_pod = loader_deployment(plain, plain.groups[index], replicas=1)["spec"]["template"]
+    assert (
+        "batchplane.dev/group-index" not in plain_pod["metadata"]["labels"] and "--issuer" not in plain_pod["spec"]["containers"][0]["args"]
+    )
+
+
+def test_an_identity_gets_the_charts_defaults() -> None:
+    spec = parse_dataplane(issued(**{"spec.loader.identity": {"issuer": ISSUER, "caConfigMap": "ca"}}))
+    assert (spec.loader.identity.audience, spec.loader.identity.token_expiration_s) == ("batchplane", 3600)
+
+
+@pytest.mark.parametrize("kube_version", ["1.30.0", "latest"])
+def test_a_loader_with_an_identity_and_every_pod_field_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
+    version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
+    obj = with_pod_fields()
+    del obj["spec"]["loader"]["tls"], obj["spec"]["loader"]["authTokens"]
+    obj["spec"]["loader"]["identity"] = dict(IDENTITY, audience="batchplane.example.com", tokenExpirationSeconds=600)
+    spec = parse_dataplane(obj)
+    d = loader_deployment(spec, spec.groups[1], replicas=1)
+    assert d["spec"]["template"]["spec"]["serviceAccountName"] == obj["spec"]["loader"]["serviceAccountName"]
+    kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_the_spec_hash_follows_the_identity() -> None:
+    base = parse_dataplane(issued())
+    digest = spec_hash(loader_deployment(base, base.groups[0], replicas=1))
+    for change in (
+        {"spec.loader.identity.issuer": "elsewhere:8443"},
+        {"spec.loader.identity.caConfigMap": "other-ca"},
+        {"spec.loader.identity.audience": "other"},
+        {"spec.loader.identity.tokenExpirationSeconds": 7200},
+    ):
+        other = parse_dataplane(issued(**change))
+        assert spec_hash(loader_deployment(other, other.groups[0], replicas=1)) != digest, change
+    without = parse_dataplane(dataplane(**{"spec.loader.tls": _DELETE, "spec.loader.authTokens": _DELETE}))
+    assert spec_hash(loader_deployment(without, without.groups[0], replicas=1)) != digest
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"spec.loader.identity": "text-and-code-operator:8443"}, "spec.loader.identity"),
+        ({"spec.loader.identity.issuer": "no-port"}, "spec.loader.identity.issuer"),
+        ({"spec.loader.identity.issuer": _DELETE}, "spec.loader.identity.issuer"),
+        ({"spec.loader.identity.caConfigMap": "Not_A_ConfigMap"}, "spec.loader.identity.caConfigMap"),
+        ({"spec.loader.identity.caConfigMap": _DELETE}, "spec.loader.identity.caConfigMap"),
+        ({"spec.loader.identity.audience": ""}, "spec.loader.identity.audience"),
+        ({"spec.loader.identity.tokenExpirationSeconds": 599}, "spec.loader.identity.tokenExpirationSeconds"),
+        ({"spec.loader.identity.tokenExpirationSeconds": "3600"}, "spec.loader.identity.tokenExpirationSeconds"),
+        ({"spec.loader.identity.tokenExpirationSeconds": True}, "spec.loader.identity.tokenExpirationSeconds"),
+        ({"spec.loader.identity.secretName": "x"}, "spec.loader.identity.secretName"),
+        ({"spec.loader.tls": {"secretName": TLS_SECRET}}, "spec.loader.identity"),  # from the issuer or a Secret, not both
+    ],
+)
+def test_a_bad_identity_is_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(issued(**changes))
+    assert info.value.field == field and str(info.value).startswith(field + ":"), str(info.value)
+
+
+def test_a_user_volume_may_not_take_the_issuers_name() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_dataplane(with_pod_fields(volumes=[{"name": "batchplane-issuer", "emptyDir": {}}], volumeMounts=[]))
+    assert info.value.field == "spec.loader.volumes[0].name" and "batchplane-issuer" in info.value.problem

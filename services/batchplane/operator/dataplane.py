@@ -10,8 +10,9 @@ UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. spec.loa
 nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraints) are read and
 checked by `batchplane.operator.podfields`. spec.loader.tls.secretName and
 spec.loader.authTokens.secretName name the Secrets loader pods mount for mutual TLS and for the
-per-role bearer tokens (absent: neither; `batchplane.operator.manifests` says how they are
-mounted). `declared_schedule` reads spec.mixture's staged or curriculum schedule, for scaling
+per-role bearer tokens (absent: neither); spec.loader.identity, instead of tls, has loader pods
+get their certificates from batchplane's issuer (the chart's tls.mode issued) with a projected
+ServiceAccount token (`batchplane.operator.manifests` says how each is mounted). `declared_schedule` reads spec.mixture's staged or curriculum schedule, for scaling
 ahead of a declared change.
 """
 
@@ -45,10 +46,20 @@ DEFAULT_INTERVAL_S = 30.0
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-#: Volumes the operator adds to loader pods for TLS and tokens (a user volume may not take them).
+#: Volumes the operator adds to loader pods for TLS, tokens and the issuer (a user volume may not
+#: take them).
 TLS_VOLUME = "batchplane-tls"
 AUTH_TOKENS_VOLUME = "batchplane-auth-tokens"
+ISSUER_VOLUME = "batchplane-issuer"
+#: Defaults of spec.loader.identity's audience and tokenExpirationSeconds (the chart's tls.issued).
+DEFAULT_AUDIENCE = "batchplane"
+DEFAULT_TOKEN_EXPIRATION_S = 3600
+#: The shortest projected token Kubernetes makes, and the longest it accepts.
+MIN_TOKEN_EXPIRATION_S = 600
+MAX_TOKEN_EXPIRATION_S = 2**32
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+#: host:port, or [IPv6]:port.
+_ADDRESS = re.compile(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+")
 _PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 #: spec.scaling field -> ScalingSettings field, for messages in the resource's spelling.
 _SCALING_FIELDS = {
@@ -65,6 +76,20 @@ _SCALING_FIELDS = {
 class SpecError(ConfigError):
     """A DataPlane the operator cannot act on; `field` is the path in the resource, e.g.
     "spec.sourceGroups[0].maxReplicas"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderIdentity:
+    """spec.loader.identity: loader pods get their certificates from batchplane's issuer."""
+
+    #: The issuer's address host:port, passed as --issuer.
+    issuer: str
+    #: ConfigMap holding the CA certificate (key ca.crt), for --issuer-ca.
+    ca_config_map: str
+    #: Audience of the pod's projected ServiceAccount token (--issuer-token-file).
+    audience: str = DEFAULT_AUDIENCE
+    #: Seconds the projected token is valid; the kubelet renews it.
+    token_expiration_s: int = DEFAULT_TOKEN_EXPIRATION_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +128,8 @@ class LoaderTemplate:
     #: spec.loader.authTokens.verifiers: the tokens' Secret also holds each role's verifier
     #: (`<role>.sha256`), so a loader pod mounts its own token and the verifiers only.
     auth_token_verifiers: bool = False
+    #: spec.loader.identity: certificates from the issuer (never with tls_secret); None: none.
+    identity: LoaderIdentity | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +341,7 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         raise SpecError("spec.loader.image", "is required (the batchplane image loaders run)", image)
     planner = _mapping(spec.get("planner", {}), "spec.planner")
     address = planner.get("address", f"{name}-planner.{namespace}.svc:{DEFAULT_PLANNER_PORT}")
-    if not (isinstance(address, str) and re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", address)):
+    if not (isinstance(address, str) and _ADDRESS.fullmatch(address)):
         raise SpecError("spec.planner.address", "must be host:port", address)
     config_map = raw.get("jobConfigMap", f"{name}-job")
     if not (isinstance(config_map, str) and config_map):
@@ -351,11 +378,19 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
     except ConfigError as exc:
         raise SpecError(exc.field, exc.problem, exc.value) from None
     mounted = {field: _secret_name(raw, field) for field in ("tls", "authTokens")}
+    identity = _identity(raw)
+    if identity is not None and mounted["tls"] is not None:
+        raise SpecError(
+            "spec.loader.identity",
+            "is set with spec.loader.tls: loader certificates come from the issuer or a Secret, not both",
+            raw["identity"],
+        )
+    reserved = (TLS_VOLUME, AUTH_TOKENS_VOLUME, ISSUER_VOLUME)
     for i, volume in enumerate(pod.volumes):
-        if volume.get("name") in (TLS_VOLUME, AUTH_TOKENS_VOLUME):
+        if volume.get("name") in reserved:
             raise SpecError(
                 f"spec.loader.volumes[{i}].name",
-                f"is used by batchplane ({TLS_VOLUME} and {AUTH_TOKENS_VOLUME} are reserved)",
+                f"is used by batchplane ({', '.join(reserved)} are reserved)",
                 volume.get("name"),
             )
     return LoaderTemplate(
@@ -374,6 +409,7 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         tls_secret=mounted["tls"],
         auth_tokens_secret=mounted["authTokens"],
         auth_token_verifiers=_verifiers(raw),
+        identity=identity,
     )
 
 
@@ -394,6 +430,39 @@ def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
     if not (isinstance(name, str) and _DNS_SUBDOMAIN.fullmatch(name) and len(name) <= 253):
         raise SpecError(f"spec.loader.{field}.secretName", "must be a Secret name (a DNS subdomain)", name)
     return name
+
+
+#: The fields of spec.loader.identity.
+_IDENTITY_FIELDS = ("issuer", "caConfigMap", "audience", "tokenExpirationSeconds")
+
+
+def _identity(loader: Mapping[str, Any]) -> LoaderIdentity | None:
+    """spec.loader.identity, or None when absent."""
+    if loader.get("identity") is None:
+        return None
+    section = _mapping(loader["identity"], "spec.loader.identity")
+    unknown = sorted(set(section) - set(_IDENTITY_FIELDS))
+    if unknown:
+        raise SpecError(
+            f"spec.loader.identity.{unknown[0]}", f"unknown field; known fields: {', '.join(_IDENTITY_FIELDS)}", section[unknown[0]]
+        )
+    issuer = section.get("issuer")
+    if not (isinstance(issuer, str) and _ADDRESS.fullmatch(issuer)):
+        raise SpecError("spec.loader.identity.issuer", "must be host:port (the issuer's address)", issuer)
+    config_map = section.get("caConfigMap")
+    if not (isinstance(config_map, str) and _DNS_SUBDOMAIN.fullmatch(config_map) and len(config_map) <= 253):
+        raise SpecError("spec.loader.identity.caConfigMap", "must be a ConfigMap name (a DNS subdomain)", config_map)
+    audience = section.get("audience", DEFAULT_AUDIENCE)
+    if not (isinstance(audience, str) and audience):
+        raise SpecError("spec.loader.identity.audience", "must be a non-empty string", audience)
+    expiration = section.get("tokenExpirationSeconds", DEFAULT_TOKEN_EXPIRATION_S)
+    if not (_is_int(expiration) and MIN_TOKEN_EXPIRATION_S <= expiration <= MAX_TOKEN_EXPIRATION_S):
+        raise SpecError(
+            "spec.loader.identity.tokenExpirationSeconds",
+            f"must be an integer from {MIN_TOKEN_EXPIRATION_S} to {MAX_TOKEN_EXPIRATION_S} (Kubernetes' bounds)",
+            expiration,
+        )
+    return LoaderIdentity(issuer=issuer, ca_config_map=config_map, audience=audience, token_expiration_s=expiration)
 
 
 def _verifiers(loader: Mapping[str, Any]) -> bool:

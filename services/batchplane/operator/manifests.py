@@ -34,6 +34,14 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   and `--token-file /etc/batchplane/auth-tokens/loader` (the one it presents to the planner);
   with spec.loader.authTokens.verifiers only the `loader` key and every role's verifier
   (`<role>.sha256`) of it: the pod holds no other role's token;
+- with spec.loader.identity (instead of tls): an in-memory emptyDir `batchplane-tls` at
+  /etc/batchplane/tls (`--tls-dir`, writable: the loader writes the certificate it is issued
+  there, and renews it), and, read-only at /etc/batchplane/issuer, the projected volume
+  `batchplane-issuer`: the pod's ServiceAccount token for the identity's audience (`token`,
+  `--issuer-token-file`) and the CA certificate of the identity's ConfigMap (`ca.crt`,
+  `--issuer-ca`); `--issuer <issuer>`; and the label `batchplane.dev/group-index: I` on the
+  Deployment and its pods, from which (with the pod's name and ServiceAccount) the issuer names
+  the pod `batchplane://loader/I/<pod>`;
 - spec.loader's pod fields (`batchplane.operator.podfields`): `env`, `envFrom` and
   `volumeMounts` appended to the loader container's own, `volumes` appended to the pod's own,
   `serviceAccountName`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName` and
@@ -54,7 +62,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchplane.core.identity import CERTIFIED_ROLES, VERIFIER_SUFFIX
-from batchplane.operator.dataplane import AUTH_TOKENS_VOLUME, API_VERSION, KIND, TLS_VOLUME, DataPlaneSpec, SourceGroup, deployment_name
+from batchplane.core.issuance import GROUP_INDEX_LABEL
+from batchplane.operator.dataplane import (
+    API_VERSION,
+    AUTH_TOKENS_VOLUME,
+    ISSUER_VOLUME,
+    KIND,
+    TLS_VOLUME,
+    DataPlaneSpec,
+    SourceGroup,
+    deployment_name,
+)
 
 #: Labels the operator sets on every loader Deployment and pod.
 LABEL_DATAPLANE = "batchplane.dev/dataplane"
@@ -73,6 +91,12 @@ JOB_FILE = f"{CONFIG_DIR}/job.yaml"
 #: (--auth-tokens; --token-file is its `loader` key).
 TLS_DIR = f"{CONFIG_DIR}/tls"
 AUTH_TOKENS_DIR = f"{CONFIG_DIR}/auth-tokens"
+#: spec.loader.identity: where the projected ServiceAccount token and the CA certificate lie.
+ISSUER_DIR = f"{CONFIG_DIR}/issuer"
+ISSUER_TOKEN = "token"
+ISSUER_CA = "ca.crt"
+#: The size limit of the in-memory emptyDir an issued certificate and key are written to.
+ISSUED_TLS_SIZE = "1Mi"
 #: The loader's role: its token's key in the tokens Secret.
 ROLE = "loader"
 #: File mode of the mounted Secrets' files: readable by root and the pod's fsGroup only.
@@ -153,10 +177,21 @@ def loader_args(spec: DataPlaneSpec, group: SourceGroup) -> list[str]:
 
 
 def security_args(spec: DataPlaneSpec) -> list[str]:
-    """--tls-dir, --auth-tokens and --token-file, as spec.loader's Secrets say."""
+    """--tls-dir, --issuer, --issuer-token-file, --issuer-ca, --auth-tokens and --token-file, as
+    spec.loader's identity and Secrets say."""
     args = []
-    if spec.loader.tls_secret:
+    identity = spec.loader.identity
+    if spec.loader.tls_secret or identity:
         args += ["--tls-dir", TLS_DIR]
+    if identity:
+        args += [
+            "--issuer",
+            identity.issuer,
+            "--issuer-token-file",
+            f"{ISSUER_DIR}/{ISSUER_TOKEN}",
+            "--issuer-ca",
+            f"{ISSUER_DIR}/{ISSUER_CA}",
+        ]
     if spec.loader.auth_tokens_secret:
         args += ["--auth-tokens", AUTH_TOKENS_DIR, "--token-file", f"{AUTH_TOKENS_DIR}/{ROLE}"]
     return args
@@ -164,8 +199,9 @@ def security_args(spec: DataPlaneSpec) -> list[str]:
 
 def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, volume mounts) of the Secrets spec.loader names: whole Secrets as read-only
-    directories, never subPath (a subPath mount never sees a renewed certificate)."""
-    volumes, mounts = [], []
+    directories, never subPath (a subPath mount never sees a renewed certificate); with
+    spec.loader.identity, the issued certificate's emptyDir and the issuer's token and CA."""
+    volumes, mounts = issuer_volumes(spec)
     for secret, volume, path in (
         (spec.loader.tls_secret, TLS_VOLUME, TLS_DIR),
         (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR),
@@ -177,6 +213,21 @@ def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[di
                 source["items"] = [{"key": key, "path": key} for key in keys]
             volumes.append({"name": volume, "secret": source})
             mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
+def issuer_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts) of spec.loader.identity: none without it."""
+    identity = spec.loader.identity
+    if identity is None:
+        return [], []
+    token = {"audience": identity.audience, "expirationSeconds": identity.token_expiration_s, "path": ISSUER_TOKEN}
+    ca = {"name": identity.ca_config_map, "items": [{"key": ISSUER_CA, "path": ISSUER_CA}]}
+    volumes = [
+        {"name": TLS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": ISSUED_TLS_SIZE}},
+        {"name": ISSUER_VOLUME, "projected": {"defaultMode": SECRET_MODE, "sources": [{"serviceAccountToken": token}, {"configMap": ca}]}},
+    ]
+    mounts = [{"name": TLS_VOLUME, "mountPath": TLS_DIR}, {"name": ISSUER_VOLUME, "mountPath": ISSUER_DIR, "readOnly": True}]
     return volumes, mounts
 
 
@@ -192,6 +243,8 @@ def loader_deployment(spec: DataPlaneSpec, group: SourceGroup, *, replicas: int)
     """
     loader = spec.loader
     labels = {**loader.pod_labels, LABEL_COMPONENT: "loader", **selector_labels(spec, group), LABEL_MANAGED_BY: MANAGER}
+    if loader.identity:  # the issuer names the pod's group by it
+        labels[GROUP_INDEX_LABEL] = str(group.index)
     health = {"path": HEALTH_PATH, "port": loader.metrics_port}
     secret_volumes, secret_mounts = security_volumes(spec)
     container: dict[str, Any] = {

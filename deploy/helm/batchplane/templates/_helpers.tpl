@@ -5,11 +5,13 @@ Templates meant for users' own pod specs (see deploy/helm/README.md):
   batchplane.podSecurityContext   the pod's securityContext: its fsGroup is the group that may enter the socket folder
   batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
   batchplane.volumes              the socket emptyDir, the job ConfigMap, a /tmp emptyDir, the sidecar's certificate and token Secrets
+                                  (tls.mode issued: its certificate emptyDir and its projected ServiceAccount token)
+  batchplane.trainerServiceAccountName  the pod's serviceAccountName (tls.mode issued: an account the issuer gives constructor identities)
   batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR, where the sidecar publishes its index, and the index's inputs
   batchplane.trainerVolumeMounts  the socket folder, for the trainer container
   batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
   batchplane.trainerPodAnnotations  scrape annotations for the sidecar's metrics port
-  batchplane.trainerEgressRules   NetworkPolicy egress rules the sidecar needs (planner, loaders, DNS)
+  batchplane.trainerEgressRules   NetworkPolicy egress rules the sidecar needs (planner, loaders, issuer, DNS)
 Each takes this chart's context: `.` inside this chart, `.Subcharts.batchplane` in a parent chart.
 */}}
 
@@ -26,8 +28,13 @@ fsGroup) before it binds; the emptyDir itself lets every user in, so the socket 
 {{- define "batchplane.indexFile" -}}/run/batchplane/constructor-index{{- end }}
 {{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
-{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir. */}}
+{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir (with tls.mode
+issued an in-memory emptyDir the part writes its issued certificate into). */}}
 {{- define "batchplane.tlsDir" -}}/etc/batchplane/tls{{- end }}
+{{/* tls.mode issued: where a part reads its projected ServiceAccount token (token) and the CA
+certificate (ca.crt) it verifies the issuer by; where the operator reads the CA (ca.crt, ca.key). */}}
+{{- define "batchplane.issuerDir" -}}/etc/batchplane/issuer{{- end }}
+{{- define "batchplane.issuerCaDir" -}}/etc/batchplane/ca{{- end }}
 {{/* Where servers mount the whole tokens Secret (--auth-tokens), and callers only their own key (--token-file). */}}
 {{- define "batchplane.authTokensDir" -}}/etc/batchplane/auth-tokens{{- end }}
 {{- define "batchplane.tokenDir" -}}/etc/batchplane/token{{- end }}
@@ -271,8 +278,41 @@ say (cross-field rules).
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if eq $v.tls.mode "issued" }}
+{{- include "batchplane.validateIssued" . }}
+{{- end }}
 {{- include "batchplane.validatePodFields" (dict "at" "loader" "fields" $v.loader "reserveVolumes" true) }}
 {{- include "batchplane.validatePodFields" (dict "at" "planner" "fields" $v.planner "reserveVolumes" false) }}
+{{- end }}
+
+{{/*
+tls.mode issued: this release's operator issues the certificates; it reads a constructor's index
+from its trainer pod, which an env:NAME source is not; no bearer tokens; and each ServiceAccount
+names one role (the issuer gives a pod the role of its account).
+*/}}
+{{- define "batchplane.validateIssued" -}}
+{{- $v := .Values }}
+{{- if not $v.operator.enabled }}
+{{- fail "tls.mode issued: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose another tls.mode (certManager or existingSecret for production)" }}
+{{- end }}
+{{- if hasPrefix "env:" $v.constructor.indexFrom }}
+{{- fail (printf "constructor.indexFrom: tls.mode issued reads each trainer pod's constructor index from the pod itself (its labels, annotations or name), which %q is not; choose indexed-job, pod-ordinal, kubeflow, jobset or leaderworkerset, or another tls.mode" $v.constructor.indexFrom) }}
+{{- end }}
+{{- if $v.auth.tokens.enabled }}
+{{- fail "auth.tokens.enabled: tls.mode issued names each pod's own identity in its certificate; bearer tokens, shared by every pod of a role, would undo that. Set auth.tokens.enabled: false, or choose another tls.mode" }}
+{{- end }}
+{{- $accounts := dict }}
+{{- $named := list (list "planner.serviceAccountName" "planner" (include "batchplane.plannerServiceAccountName" .)) (list "loader.serviceAccountName" "loader" (include "batchplane.loaderServiceAccountName" .)) (list "the trainer pods' account" "constructor" (include "batchplane.trainerServiceAccountName" .)) }}
+{{- range $i, $account := $v.tls.issued.constructorServiceAccounts }}
+{{- $named = append $named (list (printf "tls.issued.constructorServiceAccounts[%d]" $i) "constructor" $account) }}
+{{- end }}
+{{- range $entry := $named }}
+{{- $account := index $entry 2 }}
+{{- if hasKey $accounts $account }}
+{{- fail (printf "%s: ServiceAccount %q is already named by %s; with tls.mode issued the issuer gives a pod the role of its ServiceAccount, so each role needs accounts of its own" (index $entry 0) $account (get $accounts $account)) }}
+{{- end }}
+{{- $_ := set $accounts $account (index $entry 0) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -304,7 +344,7 @@ batchplane.operator.podfields, which the operator applies to spec.loader): (dict
 {{- $_ := set $seen $e.name true }}
 {{- end }}
 {{- if .reserveVolumes }}
-{{- $reservedVolumes := list "batchplane-job" "tmp" "batchplane-tls" "batchplane-auth-tokens" }}
+{{- $reservedVolumes := list "batchplane-job" "tmp" "batchplane-tls" "batchplane-auth-tokens" "batchplane-issuer" }}
 {{- $volumes := dict }}
 {{- range $i, $vol := (default list .fields.volumes) }}
 {{- if has $vol.name $reservedVolumes }}
@@ -474,7 +514,10 @@ The volumes the sidecar needs: put them in the trainer pod's volumes. The socket
 emptyDir that only the trainer container and the sidecar mount; the constructor makes its own
 folder in it (mode 2770, group: the pod's fsGroup) before it binds, so the trainer must run with
 the pod's fsGroup among its groups (batchplane.podSecurityContext sets it; it may run as another
-UID). The sidecar's certificate and token Secrets are mounted in the sidecar only.
+UID). The sidecar's certificate and token Secrets (tls.mode issued: its certificate emptyDir and
+its projected ServiceAccount token, which the issuer honours only for a pod whose
+serviceAccountName is batchplane.trainerServiceAccountName or one of
+tls.issued.constructorServiceAccounts) are mounted in the sidecar only.
 */}}
 {{- define "batchplane.volumes" -}}
 - name: batchplane-socket
@@ -657,15 +700,31 @@ app.kubernetes.io/component: operator
       protocol: TCP
 {{- end }}
 
+{{/* Egress to this release's operator's issuer port (tls.mode issued; nothing otherwise). */}}
+{{- define "batchplane.networkPolicy.toIssuer" -}}
+{{- if eq (include "batchplane.tlsIssued" .) "true" -}}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "batchplane.componentSelectorLabels" (dict "root" . "component" "operator") | nindent 10 }}
+  ports:
+    - port: {{ int .Values.tls.issued.port }}
+      protocol: TCP
+{{- end }}
+{{- end }}
+
 {{/*
 The egress rules a trainer pod's constructor sidecar needs: the planner's and the loaders' gRPC
-ports and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
+ports, the operator's issuer port (tls.mode issued) and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
 next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
   egress: {{- include "batchplane.trainerEgressRules" $bp | nindent 4 }}
 */}}
 {{- define "batchplane.trainerEgressRules" -}}
 {{ include "batchplane.networkPolicy.toPlanner" . }}
 {{ include "batchplane.networkPolicy.toLoaders" . }}
+{{- with include "batchplane.networkPolicy.toIssuer" . | trim }}
+{{ . }}
+{{- end }}
 {{ include "batchplane.networkPolicy.toDns" . }}
 {{- end }}
 
@@ -678,7 +737,8 @@ next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
 {{/* "true" when the parts speak mutual TLS between pods (tls.mode is not disabled). */}}
 {{- define "batchplane.tlsEnabled" -}}{{ ne .Values.tls.mode "disabled" }}{{- end }}
 
-{{/* The Secret of the chart's own CA (tls.mode generated or certManager without an issuerRef). */}}
+{{/* The Secret of the chart's own CA (tls.mode issued, generated, or certManager without an
+issuerRef); with tls.mode issued also the ConfigMap of its certificate alone. */}}
 {{- define "batchplane.tlsCaName" -}}
 {{- include "batchplane.componentName" (dict "root" . "suffix" "ca") }}
 {{- end }}
@@ -686,6 +746,95 @@ next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
 {{/* "true" when tls.mode certManager uses the chart's own CA (no tls.certManager.issuerRef). */}}
 {{- define "batchplane.tlsOwnIssuer" -}}
 {{- and (eq .Values.tls.mode "certManager") (not .Values.tls.certManager.issuerRef.name) }}
+{{- end }}
+
+{{/* "true" when tls.mode issued: the operator issues each pod a certificate of its own. */}}
+{{- define "batchplane.tlsIssued" -}}{{ eq .Values.tls.mode "issued" }}{{- end }}
+
+{{/* The operator's Service, which exposes its issuer port (tls.mode issued). */}}
+{{- define "batchplane.operatorServiceName" -}}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "operator") }}
+{{- end }}
+
+{{/* The ClusterRole (and its binding) letting the operator review tokens (tls.mode issued):
+cluster-scoped, so named after the namespace too. */}}
+{{- define "batchplane.issuerClusterRoleName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "batchplane.componentName" (dict "root" . "suffix" "issuer")) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The issuer's address, as the parts dial it (--issuer): the operator Service's issuer port. */}}
+{{- define "batchplane.issuerAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "batchplane.operatorServiceName" .) .Release.Namespace (int .Values.tls.issued.port) }}
+{{- end }}
+
+{{/*
+The ServiceAccounts pods run as, whose pods the issuer gives a role (tls.mode issued): the
+planner's and the loaders' (planner/loader.serviceAccountName, else `<name>-planner` and
+`<name>-loader`, which the chart makes in this mode; other modes: the namespace's default, so
+nothing), and the trainer pods' `<name>-trainer` (`default` in other modes, so a pod template may
+always name it).
+*/}}
+{{- define "batchplane.plannerServiceAccountName" -}}
+{{- if .Values.planner.serviceAccountName }}
+{{- .Values.planner.serviceAccountName }}
+{{- else if eq (include "batchplane.tlsIssued" .) "true" }}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "planner") }}
+{{- end }}
+{{- end }}
+
+{{- define "batchplane.loaderServiceAccountName" -}}
+{{- if .Values.loader.serviceAccountName }}
+{{- .Values.loader.serviceAccountName }}
+{{- else if eq (include "batchplane.tlsIssued" .) "true" }}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "loader") }}
+{{- end }}
+{{- end }}
+
+{{- define "batchplane.trainerServiceAccountName" -}}
+{{- if eq (include "batchplane.tlsIssued" .) "true" }}
+{{- include "batchplane.componentName" (dict "root" . "suffix" "trainer") }}
+{{- else -}}
+default
+{{- end }}
+{{- end }}
+
+{{/*
+The roles the issuer gives, one `ROLE=SERVICEACCOUNT` per line (the operator's --issuer-role):
+the planner's and the loaders' accounts, the trainer pods' and tls.issued.constructorServiceAccounts.
+*/}}
+{{- define "batchplane.issuerRoles" -}}
+planner={{ include "batchplane.plannerServiceAccountName" . }}
+loader={{ include "batchplane.loaderServiceAccountName" . }}
+constructor={{ include "batchplane.trainerServiceAccountName" . }}
+{{- range .Values.tls.issued.constructorServiceAccounts }}
+constructor={{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+tls.mode issued, in a pod of a part: its certificate folder (--tls-dir), an in-memory emptyDir of
+this pod only that the part writes its issued certificate and key into; and, read-only, its
+projected ServiceAccount token for the issuer (audience tls.issued.audience, renewed by the
+kubelet) beside the CA certificate (ConfigMap `<name>-ca`, no key), files mode 0440.
+*/}}
+{{- define "batchplane.issuedVolumes" -}}
+- name: batchplane-tls
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
+- name: batchplane-issuer
+  projected:
+    defaultMode: 288
+    sources:
+      - serviceAccountToken:
+          audience: {{ .Values.tls.issued.audience | quote }}
+          expirationSeconds: {{ int .Values.tls.issued.tokenExpirationSeconds }}
+          path: token
+      - configMap:
+          name: {{ include "batchplane.tlsCaName" . }}
+          items:
+            - key: ca.crt
+              path: ca.crt
 {{- end }}
 
 {{/* The Secret holding a part's certificate: (dict "root" . "component" "planner"). */}}
@@ -725,7 +874,7 @@ generated certificates the role comes from the part's token (the servers take a 
 the certificate names none), and the certificate proves it belongs to the job's CA.
 */}}
 {{- define "batchplane.tokensEnabled" -}}
-{{- or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated") }}
+{{- and (ne .Values.tls.mode "issued") (or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated")) }}
 {{- end }}
 
 {{/* The roles that have a token: one key each in the tokens Secret. */}}
@@ -733,7 +882,8 @@ the certificate names none), and the certificate proves it belongs to the job's 
 
 {{/*
 A part's flags for transport security: (dict "root" . "role" "planner" "server" true).
---tls-dir (unless tls.mode is disabled); with tokens (batchplane.tokensEnabled), a server (planner, loaders)
+--tls-dir (unless tls.mode is disabled); with tls.mode issued --issuer (the operator's issuer
+port), --issuer-token-file (the pod's projected ServiceAccount token) and --issuer-ca; with tokens (batchplane.tokensEnabled), a server (planner, loaders)
 gets --auth-tokens (its own key of the tokens Secret and every role's verifier, `<role>.sha256`,
 where the chart makes the Secret; the whole of an auth.tokens.existingSecret) and presents its own
 key as --token-file, a caller only (the constructor) --token-file with its own key alone.
@@ -742,6 +892,14 @@ key as --token-file, a caller only (the constructor) --token-file with its own k
 {{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
 - --tls-dir
 - {{ include "batchplane.tlsDir" .root }}
+{{- end }}
+{{- if eq (include "batchplane.tlsIssued" .root) "true" }}
+- --issuer
+- {{ include "batchplane.issuerAddress" .root }}
+- --issuer-token-file
+- {{ include "batchplane.issuerDir" .root }}/token
+- --issuer-ca
+- {{ include "batchplane.issuerDir" .root }}/ca.crt
 {{- end }}
 {{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
 {{- if .server }}
@@ -760,10 +918,13 @@ key as --token-file, a caller only (the constructor) --token-file with its own k
 A part's certificate and token volumes: (dict "root" . "role" "planner" "server" true). Secrets as
 directories (never subPath, which never sees a renewed certificate), files readable by root and
 the pod's fsGroup only (defaultMode 0440 = 288); a caller's token volume holds its own key only, a
-server's its own key and the verifiers (items), never another role's token.
+server's its own key and the verifiers (items), never another role's token. With tls.mode issued:
+batchplane.issuedVolumes, no Secret at all.
 */}}
 {{- define "batchplane.securityVolumes" -}}
-{{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
+{{- if eq (include "batchplane.tlsIssued" .root) "true" }}
+{{- include "batchplane.issuedVolumes" .root }}
+{{- else if eq (include "batchplane.tlsEnabled" .root) "true" }}
 - name: batchplane-tls
   secret:
     secretName: {{ include "batchplane.tlsSecretName" (dict "root" .root "component" .role) }}
@@ -799,7 +960,13 @@ server's its own key and the verifiers (items), never another role's token.
 
 {{/* Their mounts: (dict "root" . "server" true). */}}
 {{- define "batchplane.securityVolumeMounts" -}}
-{{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
+{{- if eq (include "batchplane.tlsIssued" .root) "true" }}
+- name: batchplane-tls
+  mountPath: {{ include "batchplane.tlsDir" .root }}
+- name: batchplane-issuer
+  mountPath: {{ include "batchplane.issuerDir" .root }}
+  readOnly: true
+{{- else if eq (include "batchplane.tlsEnabled" .root) "true" }}
 - name: batchplane-tls
   mountPath: {{ include "batchplane.tlsDir" .root }}
   readOnly: true
@@ -831,28 +998,12 @@ genSignedCert can write DNS names only, no URI SAN: these certificates carry `<r
 {{- $root := .root }}
 {{- $g := $root.Values.tls.generated }}
 {{- $caName := include "batchplane.tlsCaName" $root }}
-{{- $caData := get (get .found $caName | default dict) "data" | default dict }}
-{{- $ca := dict }}
-{{- $caKept := false }}
-{{- if and (get $caData "tls.crt") (get $caData "tls.key") }}
-{{- $ca = buildCustomCert (get $caData "tls.crt") (get $caData "tls.key") }}
-{{- $caKept = true }}
-{{- else }}
-{{- $ca = genCAWithKey (printf "%s batchplane CA" (include "batchplane.fullname" $root)) (int $g.caValidityDays) (genPrivateKey "ecdsa") }}
-{{- end }}
+{{- $out := dict }}
+{{- include "batchplane.tls.ca" (dict "root" $root "found" (get .found $caName) "days" $g.caValidityDays "out" $out) }}
+{{- $ca := $out.ca }}
+{{- $caKept := $out.kept }}
 {{- $caCrt := $ca.Cert | b64enc }}
-apiVersion: v1
-kind: Secret
-metadata:
-  name: {{ $caName }}
-  namespace: {{ $root.Release.Namespace }}
-  labels:
-    {{- include "batchplane.componentLabels" (dict "root" $root "component" "tls") | nindent 4 }}
-type: kubernetes.io/tls
-data:
-  ca.crt: {{ $caCrt }}
-  tls.crt: {{ $caCrt }}
-  tls.key: {{ $ca.Key | b64enc }}
+{{- include "batchplane.tls.caSecret" (dict "root" $root "ca" $ca) }}
 {{- range $component := include "batchplane.tlsComponents" $root | splitList " " }}
 {{- $name := include "batchplane.tlsSecretName" (dict "root" $root "component" $component) }}
 {{- $data := get (get $.found $name | default dict) "data" | default dict }}
@@ -877,6 +1028,62 @@ data:
   tls.key: {{ $cert.Key | b64enc }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+The chart's own CA (ECDSA P-256): (dict "root" . "found" <its Secret as `lookup` found it, or
+nothing> "days" <validity> "out" (dict)). Renders nothing; sets out.ca (genCA's object: Cert and
+Key, PEM) and out.kept (true when the found Secret's certificate and key are kept).
+*/}}
+{{- define "batchplane.tls.ca" -}}
+{{- $data := get (.found | default dict) "data" | default dict }}
+{{- if and (get $data "tls.crt") (get $data "tls.key") }}
+{{- $_ := set .out "ca" (buildCustomCert (get $data "tls.crt") (get $data "tls.key")) }}
+{{- $_ := set .out "kept" true }}
+{{- else }}
+{{- $_ := set .out "ca" (genCAWithKey (printf "%s batchplane CA" (include "batchplane.fullname" .root)) (int .days) (genPrivateKey "ecdsa")) }}
+{{- $_ := set .out "kept" false }}
+{{- end }}
+{{- end }}
+
+{{/* The CA's Secret `<name>-ca` (kubernetes.io/tls: tls.crt and tls.key, and ca.crt): (dict "root" . "ca" <genCA's object>). */}}
+{{- define "batchplane.tls.caSecret" -}}
+{{- $caCrt := .ca.Cert | b64enc }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ include "batchplane.tlsCaName" .root }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "batchplane.componentLabels" (dict "root" .root "component" "tls") | nindent 4 }}
+type: kubernetes.io/tls
+data:
+  ca.crt: {{ $caCrt }}
+  tls.crt: {{ $caCrt }}
+  tls.key: {{ .ca.Key | b64enc }}
+{{- end }}
+
+{{/*
+tls.mode issued: (dict "root" . "found" <the CA Secret as `lookup` found it, or nothing>). The CA
+Secret `<name>-ca` (kept when found, so an upgrade, or a switch from tls.mode generated, keeps
+the CA; only the operator mounts it) and the ConfigMap `<name>-ca` with its certificate alone
+(ca.crt), which the parts verify the issuer and each other by.
+*/}}
+{{- define "batchplane.tls.issuedCa" -}}
+{{- $out := dict }}
+{{- include "batchplane.tls.ca" (dict "root" .root "found" .found "days" .root.Values.tls.issued.caValidityDays "out" $out) }}
+{{- include "batchplane.tls.caSecret" (dict "root" .root "ca" $out.ca) }}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "batchplane.tlsCaName" .root }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "batchplane.componentLabels" (dict "root" .root "component" "tls") | nindent 4 }}
+data:
+  ca.crt: |
+    {{- $out.ca.Cert | trim | nindent 4 }}
 {{- end }}
 
 {{/*

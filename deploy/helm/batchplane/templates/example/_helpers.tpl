@@ -65,6 +65,7 @@ The pod spec of an example trainer: the sidecar, one trainer container, the side
 */}}
 {{- define "batchplane.example.podSpec" -}}
 {{- $root := .root -}}
+serviceAccountName: {{ include "batchplane.trainerServiceAccountName" $root }}
 automountServiceAccountToken: false
 enableServiceLinks: false
 {{- with .restartPolicy }}
