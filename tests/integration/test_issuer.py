@@ -1,28 +1,23 @@
-"""The operator as certificate issuer (tls.mode issued), run as its pod runs it: a real operator
-process serving the Issuer over TLS, and real planner, loader and constructor processes that
-get their certificates from it with `--issuer`, as the chart starts them. The Kubernetes API's
+"""The operator as certificate issuer (tls.mode issued): a real operator process serving the
+Issuer over TLS, asked as a service's enrollment (`core.enroll`) asks. The Kubernetes API's
 TokenReview and pods are a stand-in (`token_review_api`): no API server can run here.
 
 Asserted: each pod is issued its own identity and only that (the token names the pod, the
-ServiceAccount the role, the pod's labels the index); unknown tokens, unmapped accounts, bad CSRs
-and a client trusting another CA get nothing; a job whose parts hold issued certificates delivers
-every source row once, byte for byte; with a loader pod's credentials (its token, its issued
-certificate and key) an attacker can act only as that loader replica — never as another
-replica, group or role — and the CA key is in no file a service was given."""
+ServiceAccount the role, the pod's labels the index), short-lived and chained to the CA;
+unknown tokens, tokens for another audience, unmapped accounts, finished pods, bad CSRs and a
+client trusting another CA get nothing; an intermediate CA (cert-manager's) signs chains that
+peers trusting only the root accept, and a renewed one is used. A whole job run from the chart's
+own rendered pods, and the attacks with one pod's credentials, are test_chart_replay.py."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import pathlib
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -35,17 +30,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
-from harness import Batch, run_ranks, to_numpy, wait_until, write_job, write_source
+from harness import wait_until
 from token_review_api import TokenReviewApi
 
-from batchplane.client import Client
 from batchplane.core.enroll import IssuerSource
 from batchplane.core.identity import identity_of_names
 from batchplane.core.issuance import GROUP_INDEX_LABEL, POD_NAME_EXTRA, POD_UID_EXTRA, IssuancePolicy
 from batchplane.core.localca import LocalCA
-from batchplane.core.tls import CertificateFolder, Security
 from batchplane.operator.issuer import CurrentCA, IssuerMetrics, IssuerService
-from batchplane.v1 import issuer_pb2, issuer_pb2_grpc, loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
+from batchplane.v1 import issuer_pb2, issuer_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -199,135 +192,6 @@ def test_whoever_cannot_prove_a_role_gets_nothing(issuer: Issuer, tmp_path: path
     other = LocalCA(None)
     (tmp_path / "other-ca.crt").write_bytes(other.pem)
     assert _issue_code(issuer.address, tmp_path / "other-ca.crt", b"", good) == grpc.StatusCode.UNAVAILABLE
-
-
-# ---- a job whose parts hold issued certificates --------------------------------------------------
-
-
-@dataclasses.dataclass
-class Part:
-    name: str
-    process: subprocess.Popen
-    tls_dir: pathlib.Path
-    token_file: pathlib.Path
-    ready: pathlib.Path
-
-    def address(self) -> str:
-        return json.loads(self.ready.read_text())["address"]
-
-
-def start_part(issuer: Issuer, run: pathlib.Path, module: str, name: str, token: pathlib.Path, *args: str) -> Part:
-    """A service process with the --issuer flags its pod gets; its --tls-dir an empty folder of its own."""
-    tls_dir = run / "tls" / name
-    ready = run / f"{name}.ready"
-    flags = ["--config", str(run / "job.yaml"), "--metrics-port", "0", "--ready-file", str(ready), "--exit-with-parent"]
-    flags += ["--issuer", issuer.address, "--issuer-token-file", str(token), "--issuer-ca", str(issuer.ca_file), "--tls-dir", str(tls_dir)]
-    log = (run / f"{name}.log").open("wb")
-    process = subprocess.Popen([sys.executable, "-m", f"batchplane.{module}", *flags, *args], stdout=log, stderr=subprocess.STDOUT)
-    return Part(name, process, tls_dir, token, ready)
-
-
-@contextlib.contextmanager
-def running(parts: list[Part]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for part in parts:
-            part.process.terminate()
-        for part in parts:
-            try:
-                part.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                part.process.kill()
-
-
-def test_a_job_with_issued_certificates_runs_and_a_loader_pod_acts_only_as_itself(issuer: Issuer) -> None:
-    run = pathlib.Path(tempfile.mkdtemp(prefix="bpiss", dir="/tmp"))  # Unix socket paths must stay short
-    source = write_source(run / "data", "s", [24] * 90, seed=5)
-    write_job(run / "job.yaml", [source], loaders={"count": 1})
-    port = free_port()
-    planner = start_part(issuer, run, "planner", "planner", issuer.pod("bp-planner-0", ACCOUNTS["planner"]), "--port", str(port))
-    loader_token = issuer.pod("dp-loader-0-abc", ACCOUNTS["loader"], labels={GROUP_INDEX_LABEL: "0"})
-    at = f"127.0.0.1:{port}"
-    loader = start_part(issuer, run, "loader", "loader", loader_token, "--index", "0", "--replica", "dp-loader-0-abc", "--planner", at)
-    constructors = [
-        start_part(
-            issuer,
-            run,
-            "constructor",
-            f"constructor-{i}",
-            issuer.pod(f"train-{i}", ACCOUNTS["constructor"], annotations={"batch.kubernetes.io/job-completion-index": str(i)}),
-            "--index",
-            str(i),
-            "--planner",
-            at,
-            "--listen",
-            f"unix://{run}/c{i}.sock",
-        )
-        for i in range(2)
-    ]
-    parts = [planner, loader, *constructors]
-    with running(parts):
-        for part in parts:
-            wait_until(lambda p=part: p.ready.exists() or p.process.poll() is not None, timeout_s=60, what=f"{part.name} to serve")
-            assert part.process.poll() is None, (run / f"{part.name}.log").read_text()
-        assert issued_identity(loader.tls_dir) == "batchplane://loader/0/dp-loader-0-abc"
-        assert issued_identity(constructors[1].tls_dir) == "batchplane://constructor/1"
-
-        # What an attacker in the loader pod holds: its token, its certificate and key.
-        stolen = Security(CertificateFolder(loader.tls_dir))
-        with stolen.channel(at, peer="planner") as channel:
-            stub = planner_pb2_grpc.PlannerStub(channel)
-            denied = {
-                "RegisterLoader as another replica": lambda: stub.RegisterLoader(
-                    planner_pb2.RegisterLoaderRequest(loader_index=0, replica="dp-loader-0-rogue", address="127.0.0.1:1"), timeout=5
-                ),
-                "RegisterLoader for another group": lambda: stub.RegisterLoader(
-                    planner_pb2.RegisterLoaderRequest(loader_index=1, replica="dp-loader-0-abc", address="127.0.0.1:1"), timeout=5
-                ),
-                "DeregisterLoader of another replica": lambda: stub.DeregisterLoader(
-                    planner_pb2.DeregisterLoaderRequest(loader_index=0, replica="dp-loader-0-other"), timeout=5
-                ),
-                "GetPlan as a constructor": lambda: stub.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
-                "GetStatus as the operator": lambda: stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=5),
-            }
-            for what, call in denied.items():
-                with pytest.raises(grpc.RpcError) as refused:
-                    call()
-                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
-        with stolen.channel(loader.address(), peer="loader") as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                list(loader_pb2_grpc.LoaderStub(channel).FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5))
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        # Its token gets it nothing but its own identity again.
-        assert issuer.source(loader_token, run / "minted").request().identity == "batchplane://loader/0/dp-loader-0-abc"
-        # The CA key is in no file any service was given.
-        ca_key = (issuer.folder / "ca-secret" / "ca.key").read_bytes()
-        given = [f for p in parts for f in [p.token_file, *p.tls_dir.rglob("*")] if f.is_file()]
-        assert given and not any(ca_key in f.read_bytes() for f in given)
-
-        batches = collect_from(constructors, run, ranks=range(2))
-    seen: collections.Counter[int] = collections.Counter()
-    for rank_batches in batches.values():
-        for batch in rank_batches:
-            for mb in batch["microbatches"]:
-                for i, row in enumerate(mb["sample_row"].tolist()):
-                    seen[row] += 1
-                    length = int(mb["sample_length"][i])
-                    assert mb["input_ids"][i, :length].tobytes() == source.rows[row].tobytes()
-    assert seen == {row: 1 for row in range(len(source.rows))}
-
-
-def collect_from(constructors: list[Part], run: pathlib.Path, *, ranks: range) -> dict[int, list[Batch]]:
-    """Every rank's batches through the client, each rank at its constructor's socket, all at once (as trainers run)."""
-    out: dict[int, list[Batch]] = {}
-
-    def one(rank: int) -> None:
-        with Client(rank=rank, address=f"unix://{run}/c{rank}.sock", timeout_s=60) as client:
-            out[rank] = [to_numpy(batch) for batch in client]
-
-    run_ranks(one, ranks)
-    return out
 
 
 # ---- a CA that cert-manager issues and renews (an intermediate) ----------------------------------

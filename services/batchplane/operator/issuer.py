@@ -102,6 +102,11 @@ def issuer_settings(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--issuer-port needs --issuer-ca-dir (the CA's ca.crt and ca.key)")
     if not 60 <= flags["issuer_lifetime_s"] <= 366 * 86400:
         parser.error(f"--issuer-lifetime-s: must be between 60 and {366 * 86400}, got {flags['issuer_lifetime_s']:g}")
+    audience = flags["issuer_audience"]
+    if not audience or audience in ("kubernetes", "api") or audience.startswith("https://kubernetes.default.svc"):
+        parser.error(
+            f"--issuer-audience: must not be the Kubernetes API server's own ({audience!r}): tokens for it would be API credentials"
+        )
     roles: dict[str, str] = {}
     for item in flags["issuer_role"]:
         role, _, account = item.partition("=")
