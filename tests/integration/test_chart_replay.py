@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -191,6 +191,7 @@ def container(spec: dict[str, Any], part: str) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Replay:
+    mode: str
     cluster: Cluster
     pods: dict[str, Pod]
     source: Any
@@ -198,8 +199,12 @@ class Replay:
     loader: str
 
 
-@pytest.fixture(scope="module")
-def replay() -> Iterator[Replay]:
+#: TLS modes replayed -> their values (beside the job's).
+MODES = {"issued": {}, "generated": {"tls": {"mode": "generated"}}}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def replay(request: pytest.FixtureRequest) -> Iterator[Replay]:
     root = pathlib.Path(tempfile.mkdtemp(prefix="bprep", dir="/tmp"))  # Unix socket paths must stay short
     source = write_source(root / "data", "web", [32] * 96, seed=7)
     values = {
@@ -208,12 +213,15 @@ def replay() -> Iterator[Replay]:
         "trainer": {"ranksPerPod": 1},
         "batch": {"globalBatchSize": 8},
         "sourceGroups": [{"name": "text", "sources": [{"name": "web", "path": str(source.path)}]}],
+        **MODES[request.param],
     }
     (root / "values.yaml").write_text(yaml.safe_dump(values))
     helm = helm_binary()
     assert helm is not None, "make helm"
     docs = template(helm, "-f", root / "values.yaml")
-    assert one(docs, "DataPlane")["spec"]["loader"].get("identity"), "the default is tls.mode issued"
+    assert bool(one(docs, "DataPlane")["spec"]["loader"].get("identity")) == (request.param != "generated"), (
+        "the default is tls.mode issued"
+    )
     cluster = Cluster(docs, root / "pods")
     deployments = {d["metadata"]["name"]: d for d in all_of(docs, "Deployment")}
     operator_tpl = deployments[f"{RELEASE}-batchplane-operator"]["spec"]["template"]
@@ -240,11 +248,11 @@ def replay() -> Iterator[Replay]:
                 job["run_dir"] = str(pod.root / "run")
                 job_file.write_text(yaml.safe_dump(job))
         operator = container(pods["operator"].spec, "operator")
-        issuer_at = next(a for a in container(pods["planner"].spec, "planner")["args"] if a.endswith(":8443"))
-        issuer_port = cluster.address(issuer_at).rsplit(":", 1)[1]
-        cluster.start(
-            pods["operator"], operator, ports={"--issuer-port": issuer_port, "--metrics-port": "0"}, extra=("--kube-api", cluster.api.url)
-        )
+        if "--issuer-port" in operator["args"]:  # the issuer; the operator's other work needs no replay here
+            issuer_at = next(a for a in container(pods["planner"].spec, "planner")["args"] if a.endswith(":8443"))
+            issuer_port = cluster.address(issuer_at).rsplit(":", 1)[1]
+            ports = {"--issuer-port": issuer_port, "--metrics-port": "0"}
+            cluster.start(pods["operator"], operator, ports=ports, extra=("--kube-api", cluster.api.url))
         planner_at = one(docs, "DataPlane")["spec"]["planner"]["address"]
         cluster.start(
             pods["planner"],
@@ -260,7 +268,7 @@ def replay() -> Iterator[Replay]:
         for i in range(PODS):
             pod = pods[f"trainer-{i}"]
             cluster.start(pod, container(pod.spec, "constructor"), ports={"--metrics-port": "0"})
-        yield Replay(cluster, pods, source, cluster.address(planner_at), f"127.0.0.1:{loader_port}")
+        yield Replay(request.param, cluster, pods, source, cluster.address(planner_at), f"127.0.0.1:{loader_port}")
     finally:
         cluster.stop()
 
@@ -298,13 +306,15 @@ def test_the_default_chart_s_parts_run_the_job_with_certificates_of_their_own(re
                     seen[row] += 1
                     assert mb["input_ids"][i, : int(mb["sample_length"][i])].tolist() == source.rows[row].tolist()
     assert seen == {row: 1 for row in range(len(source.rows))}, cluster.log("bp-")
-    assert identity_in(tls_dir(pods["loader"], "loader")) == "batchplane://loader/0/bp-loader-text-66f8-c3"
-    assert identity_in(tls_dir(pods["planner"], "planner")) == "batchplane://planner"
-    for i in range(PODS):
-        assert identity_in(tls_dir(pods[f"trainer-{i}"], "constructor")) == f"batchplane://constructor/{i}"
+    expected = {"loader": "batchplane://loader/0/bp-loader-text-66f8-c3", "planner": "batchplane://planner"}
+    expected.update({f"trainer-{i}": f"batchplane://constructor/{i}" for i in range(PODS)})
+    for name, identity in expected.items():
+        part = "constructor" if name.startswith("trainer") else name
+        # Helm cannot write URI names: generated certificates name the role's DNS name only.
+        assert identity_in(tls_dir(pods[name], part)) == (None if replay.mode == "generated" else identity), name
 
 
-def identity_in(folder: pathlib.Path) -> str:
+def identity_in(folder: pathlib.Path) -> str | None:
     from cryptography import x509
 
     from batchplane.core.identity import identity_of_names
@@ -312,8 +322,7 @@ def identity_in(folder: pathlib.Path) -> str:
     cert = x509.load_pem_x509_certificate((folder / "tls.crt").read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     found = identity_of_names(names.get_values_for_type(x509.UniformResourceIdentifier))
-    assert found is not None
-    return found.uri()
+    return None if found is None else found.uri()
 
 
 def refused(call) -> grpc.StatusCode:
@@ -324,81 +333,133 @@ def refused(call) -> grpc.StatusCode:
     return error.value.code()
 
 
+def credentials(pod: Pod, part: str) -> Security:
+    """What an attacker in `pod` holds: its certificate folder and, where its part sends one, its token."""
+    c = container(pod.spec, part)
+    token = pod.local(c, c["args"][c["args"].index("--token-file") + 1]) if "--token-file" in c["args"] else None
+    return Security(CertificateFolder(tls_dir(pod, part)), token=pathlib.Path(token).read_text().strip() if token else None)
+
+
+#: Calls made with one pod's credentials: (whose pod, what it tries, whether it crosses a
+#: replica or index of its own role (True) or another role (False), the call).
+ATTACKS: list[tuple[str, str, bool, Callable[[planner_pb2_grpc.PlannerStub, loader_pb2_grpc.LoaderStub], Any]]] = [
+    (
+        "loader",
+        "RegisterLoader as another replica",
+        True,
+        lambda p, _: p.RegisterLoader(
+            planner_pb2.RegisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-rogue", address="127.0.0.1:1"), timeout=5
+        ),
+    ),
+    (
+        "loader",
+        "RegisterLoader for another group",
+        True,
+        lambda p, _: p.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=1, replica="r", address="127.0.0.1:1"), timeout=5),
+    ),
+    (
+        "loader",
+        "DeregisterLoader of another replica",
+        True,
+        lambda p, _: p.DeregisterLoader(planner_pb2.DeregisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-d4"), timeout=5),
+    ),
+    (
+        "loader",
+        "GetPlan as a constructor",
+        False,
+        lambda p, _: p.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
+    ),
+    (
+        "loader",
+        "RegisterConstructor",
+        False,
+        lambda p, _: p.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=0, address="unix:///x"), timeout=5),
+    ),
+    ("loader", "GetStatus as the operator", False, lambda p, _: p.GetStatus(planner_pb2.GetStatusRequest(), timeout=5)),
+    (
+        "loader",
+        "FetchSamples as a constructor",
+        False,
+        lambda _, l: list(l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5)),
+    ),
+    ("loader", "GetSummary as the planner", False, lambda _, l: l.GetSummary(loader_pb2.GetSummaryRequest(source=0), timeout=5)),
+    (
+        "trainer-1",
+        "GetPlan as constructor 0",
+        True,
+        lambda p, _: p.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
+    ),
+    (
+        "trainer-1",
+        "FetchSamples as constructor 0",
+        True,
+        lambda _, l: list(l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5)),
+    ),
+    (
+        "trainer-1",
+        "RegisterLoader",
+        False,
+        lambda p, _: p.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, replica="x", address="127.0.0.1:1"), timeout=5),
+    ),
+]
+
+
+def attack(replay: Replay, who: str, call: Callable[[planner_pb2_grpc.PlannerStub, loader_pb2_grpc.LoaderStub], Any]) -> grpc.StatusCode:
+    """The status `call` gets with the credentials of pod `who` (OK: authorization let it through)."""
+    pod = replay.pods[who]
+    security = credentials(pod, "loader" if who == "loader" else "constructor")
+    with security.channel(replay.planner, peer="planner") as to_planner, security.channel(replay.loader, peer="loader") as to_loader:
+        try:
+            call(planner_pb2_grpc.PlannerStub(to_planner), loader_pb2_grpc.LoaderStub(to_loader))
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
 def test_what_one_pod_holds_acts_only_as_that_pod(replay: Replay) -> None:
-    cluster, pods, planner_at, loader_address = replay.cluster, replay.pods, replay.planner, replay.loader
-    issued = [tls_dir(pods["loader"], "loader"), *(tls_dir(pods[f"trainer-{i}"], "constructor") for i in range(PODS))]
-    wait_until(lambda: all((folder / "tls.crt").exists() for folder in issued), timeout_s=60, what="the pods' certificates")
+    """The attack table of the mode: in issued mode a pod acts only as itself; in generated mode
+    (Helm-made certificates, one per part, and role tokens) a pod still acts only in its own role,
+    but for any replica or index of it — the weakness issued mode exists to remove."""
+    cluster, pods = replay.cluster, replay.pods
+    wait_until(
+        lambda: all((tls_dir(pods[p], part) / "tls.crt").exists() for p, part in (("loader", "loader"), ("trainer-1", "constructor"))),
+        timeout_s=60,
+        what="the pods' certificates",
+    )
+    table = {(who, what): attack(replay, who, call) for who, what, _, call in ATTACKS}
+    print(f"\nattacks in tls.mode {replay.mode}:", *(f"{who}: {what}: {code.name}" for (who, what), code in table.items()), sep="\n  ")
+    for who, what, same_role, _ in ATTACKS:
+        code = table[(who, what)]
+        if replay.mode == "generated" and same_role:
+            assert code != grpc.StatusCode.PERMISSION_DENIED, (who, what)  # per-part identities: any replica, any index
+        else:
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (who, what, code)
+    # What a loader may do, it can: the refusals are authorization, not a broken channel.
+    with credentials(pods["loader"], "loader").channel(replay.planner, peer="planner") as channel:
+        assert planner_pb2_grpc.PlannerStub(channel).GetJob(planner_pb2.GetJobRequest(), timeout=5).job.job_id
 
-    # A loader pod: its projected token and what it was issued.
-    loader = pods["loader"]
-    token_file = pathlib.Path(loader.local(container(loader.spec, "loader"), "/etc/batchplane/issuer/token"))
-    ca_file = token_file.parent / "ca.crt"
-    issuer_at = cluster.address(next(a for a in container(loader.spec, "loader")["args"] if a.endswith(":8443")))
-    minted = IssuerSource(issuer_at, token_file, ca_file, cluster.root / "minted").request()
-    assert minted.identity == "batchplane://loader/0/bp-loader-text-66f8-c3", "its token names its pod and nothing else"
-    stolen = Security(CertificateFolder(tls_dir(loader, "loader")))
-    with stolen.channel(planner_at, peer="planner") as channel:
-        stub = planner_pb2_grpc.PlannerStub(channel)
-        attacks = {
-            "RegisterLoader as another replica": lambda: stub.RegisterLoader(
-                planner_pb2.RegisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-rogue", address="127.0.0.1:1"), timeout=5
-            ),
-            "RegisterLoader for another group": lambda: stub.RegisterLoader(
-                planner_pb2.RegisterLoaderRequest(loader_index=1, replica=loader.name, address="127.0.0.1:1"), timeout=5
-            ),
-            "DeregisterLoader of another replica": lambda: stub.DeregisterLoader(
-                planner_pb2.DeregisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-d4"), timeout=5
-            ),
-            "GetPlan as constructor 0": lambda: stub.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
-            "RegisterConstructor": lambda: stub.RegisterConstructor(
-                planner_pb2.RegisterConstructorRequest(constructor_index=0, address="unix:///x"), timeout=5
-            ),
-            "GetStatus as the operator": lambda: stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=5),
-        }
-        for what, attack in attacks.items():
-            assert refused(attack) == grpc.StatusCode.PERMISSION_DENIED, what
-        assert stub.GetJob(planner_pb2.GetJobRequest(), timeout=5).job.job_id, (
-            "what a loader may do, it can: the refusals are authorization"
-        )
-    with stolen.channel(loader_address, peer="loader") as channel:
-        stub_l = loader_pb2_grpc.LoaderStub(channel)
-        assert (
-            refused(lambda: stub_l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-        assert refused(lambda: stub_l.GetSummary(loader_pb2.GetSummaryRequest(source=0), timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+    if replay.mode != "generated":  # the loader pod's token gets it nothing but its own identity again
+        loader = pods["loader"]
+        token_file = pathlib.Path(loader.local(container(loader.spec, "loader"), "/etc/batchplane/issuer/token"))
+        issuer_at = cluster.address(next(a for a in container(loader.spec, "loader")["args"] if a.endswith(":8443")))
+        minted = IssuerSource(issuer_at, token_file, token_file.parent / "ca.crt", cluster.root / "minted").request()
+        assert minted.identity == "batchplane://loader/0/bp-loader-text-66f8-c3"
 
-    # A trainer pod's sidecar: its own constructor index only.
-    sidecar = Security(CertificateFolder(tls_dir(pods["trainer-1"], "constructor")))
-    with sidecar.channel(planner_at, peer="planner") as channel:
-        stub = planner_pb2_grpc.PlannerStub(channel)
-        assert (
-            refused(lambda: stub.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-        assert (
-            refused(
-                lambda: stub.RegisterLoader(
-                    planner_pb2.RegisterLoaderRequest(loader_index=0, replica="x", address="127.0.0.1:1"), timeout=5
-                )
-            )
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-    with sidecar.channel(loader_address, peer="loader") as channel:
-        stub_l = loader_pb2_grpc.LoaderStub(channel)
-        assert (
-            refused(lambda: stub_l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-
-    # No service pod's files hold the CA key, and none holds a token but its own.
+    # No service pod's files hold the CA key, and none holds another pod's or role's token.
     ca_key = next(base64.b64decode(d["data"]["tls.key"]) for d in all_of(cluster.docs, "Secret") if d["metadata"]["name"].endswith("-ca"))
-    operator_files = [f for f in pods["operator"].root.rglob("*") if f.is_file()]
-    assert any(f.read_bytes() == ca_key for f in operator_files), "the operator holds the CA key"
+    role_tokens = {
+        k: base64.b64decode(v)
+        for d in all_of(cluster.docs, "Secret")
+        if d["metadata"]["name"].endswith("-auth-tokens")
+        for k, v in d["data"].items()
+    }
     for name, pod in pods.items():
-        if name == "operator":
-            continue
         files = [f for f in pod.root.rglob("*") if f.is_file() and f.suffix != ".parquet"]
+        if name == "operator":
+            assert replay.mode == "generated" or any(f.read_bytes() == ca_key for f in files), "the operator holds the CA key"
+            continue
         assert not any(ca_key in f.read_bytes() for f in files), name
-        tokens = {p.token for p in pods.values() if p is not pod and p.token}
-        assert not any(t.encode() in f.read_bytes() for f in files for t in tokens), name
+        own_role = "loader" if name == "loader" else "constructor" if name.startswith("trainer") else name
+        foreign = [p.token.encode() for p in pods.values() if p is not pod and p.token]
+        foreign += [t for role, t in role_tokens.items() if role != own_role and not role.endswith(".sha256")]
+        assert not any(t in f.read_bytes() for f in files for t in foreign), name
