@@ -23,17 +23,18 @@ this file says how:
   Their structure is checked against a JSON schema of the fields the chart uses (names, enums
   and required fields as in cert-manager's API), and what a schema cannot say is checked here:
   every Certificate's issuerRef names an Issuer the chart renders (or tls.certManager.issuerRef),
-  the CA Issuer's Secret is the CA Certificate's, which the self-signed Issuer signs; each part's
-  SANs (URI batchplane://<role>, DNS <role>.batchplane, the planner Service's names), usages
-  (server auth, client auth, digital signature, key encipherment), ECDSA P-256 keys, and that
-  the Secret each pod mounts is the one its Certificate writes.
+  the CA Issuer's Secret is the root CA Certificate's, which the self-signed Issuer signs; the one
+  other Certificate is the operator's intermediate CA (isCA, ECDSA P-256, rotated at renewal),
+  whose Secret the operator alone mounts, and of which every other pod projects the key ca.crt
+  (the root) alone.
 
 Transport security, for every tls.mode (issued by default, generated, certManager, existingSecret,
 disabled): every part's --tls-dir (and with tokens --auth-tokens/--token-file) parsed by the
 services' own flag parser and backed by a Secret mounted whole (never subPath) with ca.crt,
-tls.crt and tls.key; with tls.mode issued instead an in-memory emptyDir, --issuer (the operator
-Service's issuer port) and the pod's projected ServiceAccount token (the issuer's audience) with
-the CA certificate, the pod's ServiceAccount one the operator's --issuer-role (read by the
+tls.crt and tls.key; with tls.mode issued or certManager instead an in-memory emptyDir, --issuer
+(the operator Service's issuer port) and the pod's projected ServiceAccount token (the issuer's
+audience) with the CA certificate (issued: a ConfigMap; certManager: the key ca.crt alone of the
+operator's CA Secret), the pod's ServiceAccount one the operator's --issuer-role (read by the
 operator's own flag parser) gives the part's role, and the CA's key in a Secret that only the
 operator mounts; job.yaml's network.tls; the generated CA and certificates read with
 `cryptography` (chain, SANs, usages, ECDSA P-256); that generated Secrets, tokens and the issued
@@ -138,6 +139,8 @@ ISSUER_CA_DIR = "/etc/batchplane/ca"
 TLS_FILES = {"ca.crt", "tls.crt", "tls.key"}
 TOKEN_ROLES = ("planner", "loader", "constructor", "operator")
 HEALTH_PATH = "/healthz"
+#: The tls.modes in which the operator issues each pod its own certificate.
+ISSUER_MODES = ("issued", "certManager")
 #: The values of each tls.mode's case.
 TLS_CASES = {
     "default": "issued",
@@ -407,8 +410,11 @@ def validate_dataplane(doc: dict) -> None:
     schema = to_json_schema(crd_version_schema(crd()))
     jsonschema.Draft7Validator(schema).validate(doc)
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"]) and len(doc["metadata"]["name"]) <= 63
-    for group in doc["spec"]["sourceGroups"]:  # the CRD's CEL rule
+    for group in doc["spec"]["sourceGroups"]:  # the CRD's CEL rules
         assert group["maxReplicas"] >= group["minReplicas"], group
+    identity = doc["spec"]["loader"].get("identity")
+    if identity is not None:
+        assert ("caConfigMap" in identity) != ("caSecret" in identity), identity
 
 
 DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
@@ -917,9 +923,12 @@ def test_crd_is_structural_and_as_specified(kubernetes_validate: Any) -> None:
     assert {"intervalSeconds", "consecutiveIntervals", "threshold", "cooldownSeconds"} <= set(props["scaling"]["properties"])
     loader = props["loader"]["properties"]
     assert {"tls", "authTokens", "identity"} <= set(loader)
-    identity = loader["identity"]  # tls.mode issued: certificates from the operator's issuer
-    assert identity["required"] == ["issuer", "caConfigMap"]
-    assert set(identity["properties"]) == {"issuer", "caConfigMap", "audience", "tokenExpirationSeconds"}
+    identity = loader["identity"]  # tls.mode issued and certManager: certificates from the operator's issuer
+    assert identity["required"] == ["issuer"]
+    assert set(identity["properties"]) == {"issuer", "caConfigMap", "caSecret", "audience", "tokenExpirationSeconds"}
+    assert identity["x-kubernetes-validations"] == [
+        {"rule": "has(self.caConfigMap) != has(self.caSecret)", "message": "exactly one of caConfigMap and caSecret"}
+    ]
     assert identity["properties"]["tokenExpirationSeconds"]["minimum"] == 600  # Kubernetes' shortest projected token
     status = schema["properties"]["status"]["properties"]
     assert set(status["groups"]["items"]["properties"]) == {"name", "replicas", "desiredReplicas"}
@@ -1155,12 +1164,21 @@ def operator_settings(docs: list[dict]) -> Any:
     return parse_operator_args([a.replace("$(POD_NAMESPACE)", NAMESPACE).replace("$(POD_NAME)", "op-0") for a in c["args"][1:]], {})
 
 
+def operator_ca_volume(docs: list[dict]) -> dict:
+    """The operator pod's one Secret volume: the CA it signs with (--issuer-ca-dir)."""
+    pod = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    return volume
+
+
 def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: ProcessSettings) -> None:
-    """tls.mode issued (the DataPlane's spec.loader.identity): container `c` asks the operator's
-    issuer (the operator Service's issuer port) for its certificate and writes it into an
-    in-memory emptyDir of its pod; it proves who it is with the pod's projected ServiceAccount
-    token for the issuer's audience and verifies the issuer by the CA certificate (the ConfigMap
-    `<name>-ca`, no key), both read-only; and its pod runs as a ServiceAccount the operator's
+    """tls.mode issued or certManager (the DataPlane's spec.loader.identity): container `c` asks
+    the operator's issuer (the operator Service's issuer port) for its certificate and writes it
+    into an in-memory emptyDir of its pod; it proves who it is with the pod's projected
+    ServiceAccount token for the issuer's audience and verifies the issuer by the CA certificate,
+    both read-only: issued, the ConfigMap `<name>-ca` (no key); certManager, the key ca.crt (the
+    root) of the Secret of the operator's intermediate CA, that key alone (the kubelet projects
+    no other: never its tls.key); and its pod runs as a ServiceAccount the operator's
     --issuer-role gives `role`."""
     identity = one(docs, "DataPlane")["spec"]["loader"]["identity"]
     issuer = operator_settings(docs).issuer
@@ -1177,8 +1195,8 @@ def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: 
     assert mount["readOnly"] is True and "subPath" not in mount
     projected = volumes[mount["name"]]["projected"]
     tokens = [source["serviceAccountToken"] for source in projected["sources"] if "serviceAccountToken" in source]
-    config_maps = [source["configMap"] for source in projected["sources"] if "configMap" in source]
-    assert len(tokens) == len(config_maps) == 1 and len(projected["sources"]) == 2, projected  # no Secret
+    anchors = [source for source in projected["sources"] if "serviceAccountToken" not in source]
+    assert len(tokens) == len(anchors) == 1 and len(projected["sources"]) == 2, projected
     assert projected["defaultMode"] == 0o440
     assert tokens[0] == {
         "audience": issuer.policy.audience,
@@ -1186,9 +1204,16 @@ def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: 
         "path": settings.issuer_token_file.name,
     }
     assert identity["audience"] == issuer.policy.audience
-    assert config_maps[0] == {"name": identity["caConfigMap"], "items": [{"key": "ca.crt", "path": settings.issuer_ca.name}]}
-    ca = [d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"] == identity["caConfigMap"]]
-    assert len(ca) == 1 and set(ca[0]["data"]) == {"ca.crt"} and "PRIVATE KEY" not in ca[0]["data"]["ca.crt"]
+    only_the_certificate = [{"key": "ca.crt", "path": settings.issuer_ca.name}]
+    if "caSecret" in identity:  # certManager: the root, from the Secret cert-manager writes for the operator
+        assert anchors[0] == {"secret": {"name": identity["caSecret"], "items": only_the_certificate}}
+        (written_by,) = [d for d in all_of(docs, "Certificate") if d["spec"]["secretName"] == identity["caSecret"]]
+        assert written_by["spec"]["isCA"] is True and "caConfigMap" not in identity
+        assert identity["caSecret"] == operator_ca_volume(docs)["secret"]["secretName"]  # the CA the operator signs with
+    else:  # issued: the Helm-made CA's certificate, alone in a ConfigMap
+        assert anchors[0] == {"configMap": {"name": identity["caConfigMap"], "items": only_the_certificate}}
+        ca = [d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"] == identity["caConfigMap"]]
+        assert len(ca) == 1 and set(ca[0]["data"]) == {"ca.crt"} and "PRIVATE KEY" not in ca[0]["data"]["ca.crt"]
     account = spec.get("serviceAccountName", "default")
     assert issuer.policy.roles.get(account) == role, f"{c['name']}: ServiceAccount {account} is not one the issuer gives the {role} role"
 
@@ -1208,7 +1233,6 @@ def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: 
             assert "subPath" not in m and "subPathExpr" not in m, f"{c['name']}: Secret {m['name']} mounted with subPath"
             assert m.get("readOnly") is True and volumes[m["name"]]["secret"]["defaultMode"] == 0o440, m
     secrets = {d["metadata"]["name"]: d for d in all_of(docs, "Secret")}
-    certificates = {d["spec"]["secretName"]: d for d in all_of(docs, "Certificate")}
     if "identity" in loader:
         assert not tls
         check_issued(c, spec, docs, role=role, settings=settings)
@@ -1222,9 +1246,6 @@ def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: 
             assert set(data) == TLS_FILES and secrets[name]["type"] == "kubernetes.io/tls"
             dns, _ = leaf_names(base64.b64decode(data["tls.crt"]))
             assert f"{role}.batchplane" in dns, (name, dns)
-        elif name in certificates:  # tls.mode certManager: cert-manager writes the Secret
-            assert certificates[name]["spec"]["uris"] == [f"batchplane://{role}"], name
-            assert f"{role}.batchplane" in certificates[name]["spec"]["dnsNames"], name
         else:  # tls.mode existingSecret: the user's
             assert not all_of(docs, "Certificate") and name not in secrets
     else:
@@ -1275,7 +1296,7 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
     job = job_from_configmap(docs, tmp_path)
     assert job.network.tls is (mode != "disabled")
     loader = one(docs, "DataPlane")["spec"]["loader"]
-    assert ("tls" in loader) is (mode not in ("disabled", "issued")) and ("identity" in loader) is (mode == "issued")
+    assert ("tls" in loader) is (mode not in ("disabled", *ISSUER_MODES)) and ("identity" in loader) is (mode in ISSUER_MODES)
     assert ("authTokens" in loader) is (values["auth"]["tokens"]["enabled"] or mode == "generated")
     planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
     check_security(planner["containers"][0], planner, docs, role="planner", server=True)
@@ -1284,7 +1305,7 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
         check_security(pod["containers"][0], pod, docs, role="loader", server=True)
         # the issuer names a loader pod by its group's index (this label), its name and account
         index = pod["containers"][0]["args"][pod["containers"][0]["args"].index("--index") + 1]
-        assert d["spec"]["template"]["metadata"]["labels"].get("batchplane.dev/group-index") == (index if mode == "issued" else None)
+        assert d["spec"]["template"]["metadata"]["labels"].get("batchplane.dev/group-index") == (index if mode in ISSUER_MODES else None)
     fullname = one(docs, "DataPlane")["metadata"]["name"]
     for doc in all_of(docs, "Deployment"):
         if doc["metadata"]["name"].endswith("-operator"):
@@ -1293,13 +1314,14 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
             secrets = [v for v in pod["volumes"] if "secret" in v]
             issuer = operator_settings(docs).issuer
             assert "--tls-dir" not in c["args"]
-            if mode != "issued":
+            if mode not in ISSUER_MODES:
                 assert not secrets and issuer is None
                 continue
-            # the issuer: the CA's certificate and key from its Secret, which no other pod mounts
+            # the issuer: the CA's certificate and key from its Secret, which no other pod mounts:
+            # issued, the Helm-made CA; certManager, the intermediate CA cert-manager issues
             (volume,) = secrets
             assert volume["secret"] == {
-                "secretName": f"{fullname}-ca",
+                "secretName": f"{fullname}-ca" if mode == "issued" else f"{fullname}-issuer-ca",
                 "defaultMode": 0o440,
                 "items": [{"key": "tls.crt", "path": "ca.crt"}, {"key": "tls.key", "path": "ca.key"}],
             }
@@ -1318,25 +1340,38 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
 
 
 def test_only_the_operator_can_read_the_ca_key(docs: list[dict], case: str) -> None:
-    """Whatever tls.mode, no pod mounts the CA's Secret (its key mints any identity of the job) but,
-    with tls.mode issued, the operator, which signs with it; and with tls.mode issued no other pod
-    mounts any Secret at all (no other role's token, no shared certificate)."""
+    """Whatever tls.mode, no pod mounts a CA's key (it mints any identity of the job) but, with
+    tls.mode issued or certManager, the operator, which signs with it (issued: the Helm-made CA
+    `<name>-ca`; certManager: the intermediate `<name>-issuer-ca`; the chart's own root of
+    certManager, `<name>-ca`, no pod at all). In those modes no other pod mounts any key of any
+    Secret (no other role's token, no shared certificate) but, with certManager, the key ca.crt of
+    `<name>-issuer-ca` (the root: a certificate, no key)."""
     mode = load_values(case)["tls"]["mode"]
     fullname = one(docs, "DataPlane")["metadata"]["name"]
+    cas = {f"{fullname}-ca", f"{fullname}-issuer-ca"}
     pods = [(where, spec) for where, _, spec in pod_specs(docs)]
     pods += [(f"Deployment/{d['metadata']['name']}", d["spec"]["template"]["spec"]) for d in loader_deployments(docs)]
-    holders, secret_holders = [], set()
+    key_holders, projected = [], {}  # who may read a CA's key; pod -> (Secret, its keys) it projects
     for where, spec in pods:
         for v in spec["volumes"]:
-            sources = [v] + v.get("projected", {}).get("sources", [])
-            names = {s["secret"].get("secretName", s["secret"].get("name")) for s in sources if "secret" in s}
-            holders += [where] if f"{fullname}-ca" in names else []
-            secret_holders |= {where} if names else set()
+            sources = [v["secret"] | {"name": v["secret"]["secretName"]}] if "secret" in v else []
+            sources += [s["secret"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+            for source in sources:
+                keys = {item["key"] for item in source["items"]} if "items" in source else {"(every key)"}
+                projected.setdefault(where, set()).add((source["name"], frozenset(keys)))
+                if source["name"] in cas and keys != {"ca.crt"}:
+                    key_holders.append((where, source["name"]))
     operator = f"Deployment/{fullname}-operator"
-    assert holders == ([operator] if mode == "issued" else [])
+    signing = {"issued": f"{fullname}-ca", "certManager": f"{fullname}-issuer-ca"}.get(mode)
+    assert key_holders == ([(operator, signing)] if signing else [])
+    if signing:
+        others = {pair for where, pairs in projected.items() if where != operator for pair in pairs}
+        assert others == ({(signing, frozenset({"ca.crt"}))} if mode == "certManager" else set()), others
+        assert len(projected) == (len(pods) if mode == "certManager" else 1)  # certManager: every pod has the root
     if mode == "issued":
-        assert secret_holders == {operator}
         assert [d["metadata"]["name"] for d in all_of(docs, "Secret")] == [f"{fullname}-ca"]
+    elif mode == "certManager":
+        assert not all_of(docs, "Secret")  # cert-manager writes them: the root's and the operator's CA
 
 
 def test_no_probe_speaks_grpc(docs: list[dict]) -> None:
@@ -1365,10 +1400,11 @@ def test_no_probe_speaks_grpc(docs: list[dict]) -> None:
 @pytest.mark.parametrize("case", sorted(TLS_CASES))
 def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> None:
     """What each tls.mode renders: issued: the CA Secret alone (for the operator), the ConfigMap of
-    its certificate, and a ServiceAccount per role; generated: a CA Secret and one kubernetes.io/tls Secret per part
-    (and the tokens Secret: its certificates cannot name roles); certManager: Issuers and
-    Certificates, no Secret; existingSecret: nothing, the parts mount the named Secrets; disabled:
-    nothing and no TLS flag."""
+    its certificate, and a ServiceAccount per role; certManager: the same accounts, and instead of
+    the CA Secret and ConfigMap the Issuers and the Certificates of the root and of the operator's
+    intermediate CA, no Secret, no per-part Certificate; generated: a CA Secret and one
+    kubernetes.io/tls Secret per part (and the tokens Secret: its certificates cannot name roles);
+    existingSecret: nothing, the parts mount the named Secrets; disabled: nothing and no TLS flag."""
     mode = TLS_CASES[case]
     values = load_values(case)
     docs = template(helm, *values_args(case))
@@ -1377,23 +1413,24 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
     tokens = [] if values["auth"]["tokens"]["existingSecret"] else [f"{fullname}-auth-tokens"]
     parts = ("planner", "loader", "constructor")
     accounts = {d["metadata"]["name"]: d for d in all_of(docs, "ServiceAccount")}
-    if mode == "issued":
-        assert secrets == [f"{fullname}-ca"] and not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
-        assert set(one(docs, "ConfigMap", "-ca")["data"]) == {"ca.crt"}
+    ca_config_maps = [d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"].endswith("-ca")]
+    if mode in ISSUER_MODES:
         assert set(accounts) == {f"{fullname}-{a}" for a in ("operator", "planner", "loader", "trainer")}
         assert all(a["automountServiceAccountToken"] is False for n, a in accounts.items() if not n.endswith("-operator"))
     else:
-        assert set(accounts) <= {f"{fullname}-operator"} and not [
-            d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"].endswith("-ca")
-        ]
+        assert set(accounts) <= {f"{fullname}-operator"}
+    if mode == "issued":
+        assert secrets == [f"{fullname}-ca"] and not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
+        assert set(one(docs, "ConfigMap", "-ca")["data"]) == {"ca.crt"}
+    else:
+        assert not ca_config_maps
     if mode == "generated":
         assert secrets == sorted([f"{fullname}-ca", *(f"{fullname}-{p}-tls" for p in parts), *tokens])
         assert not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
     elif mode == "certManager":
-        assert secrets == (sorted(tokens) if values["auth"]["tokens"]["enabled"] else [])
-        assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == sorted(
-            [f"{fullname}-ca", *(f"{fullname}-{p}-tls" for p in parts)]
-        )
+        assert secrets == [] and not values["auth"]["tokens"]["enabled"]
+        assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == [f"{fullname}-ca", f"{fullname}-issuer-ca"]
+        assert all(d["spec"]["isCA"] for d in all_of(docs, "Certificate"))  # no per-part certificate
     elif mode == "existingSecret":
         assert secrets == [] and not all_of(docs, "Certificate")
         planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
@@ -1606,9 +1643,14 @@ def test_the_issued_mode_ca_is_kept_when_lookup_finds_it(helm: pathlib.Path, tmp
 @pytest.mark.parametrize("issuer", ["own", "issuerRef"])
 def test_cert_manager_resources(helm: pathlib.Path, issuer: str) -> None:
     """tls.mode certManager, with the chart's own CA chain or an existing issuer: every issuerRef
-    resolves, the chain is self-signed Issuer -> CA Certificate -> CA Issuer -> the parts'
-    Certificates, each part's SANs, usages and keys, and the Secret each pod mounts is written
-    by its Certificate. (Structure: CERT_MANAGER_SCHEMAS, through validate_document.)"""
+    resolves, the chain is self-signed Issuer -> root CA Certificate -> CA Issuer -> the one
+    Certificate of the operator's intermediate CA (isCA, ECDSA P-256 made anew at each renewal,
+    tls.certManager's duration and renewBefore); no Certificate per part (that would give every
+    loader one shared identity). Its Secret is mounted by the operator alone, as its CA folder
+    (tls.crt as ca.crt, tls.key as ca.key); every other pod (the planner, the operator-made loaders,
+    the example's trainer pods) projects its key ca.crt (the root) and no other key of any Secret;
+    the DataPlane names it as spec.loader.identity.caSecret. (Structure: CERT_MANAGER_SCHEMAS,
+    through validate_document.)"""
     args = ["-f", CHART / "ci" / "tls-cert-manager-values.yaml"]
     if issuer == "issuerRef":
         args += ["--set", "tls.certManager.issuerRef.name=corp-ca", "--set", "tls.certManager.issuerRef.kind=ClusterIssuer"]
@@ -1619,39 +1661,45 @@ def test_cert_manager_resources(helm: pathlib.Path, issuer: str) -> None:
     for doc in [*issuers.values(), *certificates.values()]:
         validate_cert_manager(doc)
     fullname = one(docs, "DataPlane")["metadata"]["name"]
-    parts = {c["spec"]["uris"][0].removeprefix("batchplane://"): c for c in certificates.values() if not c["spec"].get("isCA")}
-    assert sorted(parts) == ["constructor", "loader", "planner"]
+    assert all(c["spec"].get("isCA") is True for c in certificates.values()) and not any("uris" in c["spec"] for c in certificates.values())
+    intermediate = certificates.pop(f"{fullname}-issuer-ca")
     if issuer == "own":
-        (ca,) = [c for c in certificates.values() if c["spec"].get("isCA")]
-        self_signed = issuers[ca["spec"]["issuerRef"]["name"]]
-        assert ca["spec"]["issuerRef"]["kind"] == "Issuer" and self_signed["spec"] == {"selfSigned": {}}
-        assert ca["spec"]["privateKey"] == {"algorithm": "ECDSA", "size": 256} and go_duration_s(ca["spec"]["duration"]) >= 365 * 86400
-        ca_issuers = [i for i in issuers.values() if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
+        (root,) = certificates.values()
+        self_signed = issuers[root["spec"]["issuerRef"]["name"]]
+        assert root["spec"]["issuerRef"]["kind"] == "Issuer" and self_signed["spec"] == {"selfSigned": {}}
+        assert root["spec"]["privateKey"] == {"algorithm": "ECDSA", "size": 256} and go_duration_s(root["spec"]["duration"]) >= 365 * 86400
+        assert root["spec"]["secretName"] == f"{fullname}-ca"
+        ca_issuers = [i for i in issuers.values() if i["spec"].get("ca", {}).get("secretName") == root["spec"]["secretName"]]
         assert len(ca_issuers) == 1 and len(issuers) == 2
         expected_ref = {"name": ca_issuers[0]["metadata"]["name"], "kind": "Issuer", "group": "cert-manager.io"}
     else:
-        assert not issuers and not [c for c in certificates.values() if c["spec"].get("isCA")]
+        assert not issuers and not certificates
         expected_ref = {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
-    service = one(docs, "Service", "-planner")["metadata"]["name"]
-    for part, cert in parts.items():
-        spec = cert["spec"]
-        assert spec["issuerRef"] == expected_ref, part
-        assert spec["uris"] == [f"batchplane://{part}"]
-        names = [f"{part}.batchplane"]
-        if part == "planner":
-            names += [service, f"{service}.{NAMESPACE}", f"{service}.{NAMESPACE}.svc", f"{service}.{NAMESPACE}.svc.cluster.local"]
-        assert spec["dnsNames"] == names
-        assert spec["usages"] == ["server auth", "client auth", "digital signature", "key encipherment"]
-        assert spec["privateKey"] == {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}
-        assert (spec["duration"], spec["renewBefore"]) == (values["duration"], values["renewBefore"])
-        assert spec["secretName"] == f"{fullname}-{part}-tls"
-    # the Secrets the pods mount are the ones the Certificates write
-    planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
-    assert secret_volume(planner, planner["containers"][0], TLS_DIR)[1]["secret"]["secretName"] == parts["planner"]["spec"]["secretName"]
-    assert one(docs, "DataPlane")["spec"]["loader"]["tls"]["secretName"] == parts["loader"]["spec"]["secretName"]
-    example = one(docs, "Job", "-example")["spec"]["template"]["spec"]
-    sidecar = container(example, "batchplane-constructor")
-    assert secret_volume(example, sidecar, TLS_DIR)[1]["secret"]["secretName"] == parts["constructor"]["spec"]["secretName"]
+    spec = intermediate["spec"]
+    assert spec["issuerRef"] == expected_ref and spec["isCA"] is True
+    assert spec["usages"] == ["cert sign", "crl sign", "digital signature"]
+    assert spec["privateKey"] == {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}  # the issuer signs with EC keys
+    assert (spec["duration"], spec["renewBefore"]) == (values["duration"], values["renewBefore"])
+    secret = spec["secretName"]
+    assert secret == f"{fullname}-issuer-ca"
+    # the operator alone mounts it, as its CA folder
+    operator = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    assert operator_ca_volume(docs)["secret"] == {
+        "secretName": secret,
+        "defaultMode": 0o440,
+        "items": [{"key": "tls.crt", "path": "ca.crt"}, {"key": "tls.key", "path": "ca.key"}],
+    }
+    assert operator_settings(docs).issuer.ca_dir == pathlib.Path(ISSUER_CA_DIR)
+    # the others: the root (the key ca.crt) and nothing else of any Secret
+    identity = one(docs, "DataPlane")["spec"]["loader"]["identity"]
+    assert identity["caSecret"] == secret and "caConfigMap" not in identity
+    pods = [(where, pod) for where, _, pod in pod_specs(docs) if pod is not operator]
+    pods += [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in loader_deployments(docs)]
+    assert {"planner", "loader", "constructor"} <= {c["args"][0] for _, pod in pods for c in containers(pod) if c.get("args")}
+    for where, pod in pods:
+        assert not [v for v in pod["volumes"] if "secret" in v], where
+        sources = [s for v in pod["volumes"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+        assert sources == [{"secret": {"name": secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]}}], where
 
 
 # ---- network policies ---------------------------------------------------------------------------
@@ -1755,8 +1803,8 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
     """The NetworkPolicies, evaluated over the job's pods (their rendered labels; loaders as the
     operator labels them), the Prometheus scraper and the cluster DNS (as the values select them),
     a stranger pod in the namespace, the object store and the API server: each part may reach
-    exactly what it needs, and nothing else gets in. With tls.mode issued that includes the
-    operator's issuer port, from this release's planner, loaders and trainer pods only."""
+    exactly what it needs, and nothing else gets in. With tls.mode issued or certManager that
+    includes the operator's issuer port, from this release's planner, loaders and trainer pods only."""
     values = load_values(case)
     np = values["networkPolicy"]
     docs = template(helm, *values_args(case))
@@ -1814,9 +1862,9 @@ def test_network_policies_allow_exactly_the_job_s_traffic(helm: pathlib.Path, ca
         assert not connects(policies, part, store, 22), part.name
     if np["objectStore"]["cidrs"] != ["0.0.0.0/0"]:
         assert not connects(policies, loader, elsewhere, 443)
-    issued, issuer_port = values["tls"]["mode"] == "issued", values["tls"]["issued"]["port"]
+    issued, issuer_port = values["tls"]["mode"] in ISSUER_MODES, values["tls"]["issued"]["port"]
     if operator:
-        # the issuer (tls.mode issued): the parts that ask for certificates, nobody else
+        # the issuer (tls.mode issued or certManager): the parts that ask for certificates, nobody else
         for who in (planner, loader, user_trainer, *([example] if example else [])):
             assert connects(policies, who, operator, issuer_port) is issued, who.name
         for who in (stranger, prometheus):
@@ -2017,9 +2065,9 @@ spec:
 
 
 def test_operator_rbac_is_least_privilege(docs: list[dict], case: str) -> None:
-    """The operator's Role: what it calls in its namespace (with tls.mode issued also reading the
-    pods that ask for certificates); cluster-wide only the issuer's TokenReviews."""
-    issued = load_values(case)["tls"]["mode"] == "issued"
+    """The operator's Role: what it calls in its namespace (with tls.mode issued or certManager also
+    reading the pods that ask for certificates); cluster-wide only the issuer's TokenReviews."""
+    issued = load_values(case)["tls"]["mode"] in ISSUER_MODES
     if not (issued and load_values(case)["operator"]["enabled"]):
         assert not all_of(docs, "ClusterRole") and not all_of(docs, "ClusterRoleBinding")
     if not load_values(case)["operator"]["enabled"]:
@@ -2138,10 +2186,12 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
     assert ("WARNING: networkPolicy.enabled is false" in text) == (not values["networkPolicy"]["enabled"])
     if mode == "existingSecret":
         assert all(name in text for name in values["tls"]["existingSecret"].values())
-    if mode == "issued":
+    if mode in ISSUER_MODES:
         fullname = one(template(helm, *values_args(case)), "DataPlane")["metadata"]["name"]
-        assert f"port {values['tls']['issued']['port']} of Service {fullname}-operator" in text and f"ConfigMap {fullname}-ca" in text
+        assert f"port {values['tls']['issued']['port']} of Service {fullname}-operator" in text
         assert f"pods as {fullname}-trainer" in text
+        assert (f"ConfigMap {fullname}-ca" in text) is (mode == "issued")
+        assert (f"Secret {fullname}-issuer-ca is mounted by the operator" in text) is (mode == "certManager")
     assert 'serviceAccountName: {{ include "batchplane.trainerServiceAccountName" . }}' in text
     assert ("Bearer tokens: Secret" in text) == (values["auth"]["tokens"]["enabled"] or mode == "generated")
 
@@ -2256,6 +2306,27 @@ TEMPLATE_ERRORS = [
         "constructor.indexFrom: tls.mode issued reads each trainer pod's constructor index from the pod itself",
     ),
     ({"auth": {"tokens": {"enabled": True}}}, "auth.tokens.enabled: tls.mode issued names each pod's own identity"),
+    # tls.mode certManager: the same issuer, signing with cert-manager's intermediate CA
+    ({"tls": {"mode": "certManager"}, "operator": {"enabled": False}}, "tls.mode certManager: the operator is the certificate issuer"),
+    (
+        {"tls": {"mode": "certManager"}, "constructor": {"indexFrom": "env:NODE_RANK"}},
+        "constructor.indexFrom: tls.mode certManager reads each trainer pod's constructor index from the pod itself",
+    ),
+    (
+        {"tls": {"mode": "certManager"}, "auth": {"tokens": {"enabled": True}}},
+        "auth.tokens.enabled: tls.mode certManager names each pod's own identity",
+    ),
+    # a token for the issuer must not be one the API server accepts
+    *[
+        ({"tls": {"mode": mode, "issued": {"audience": audience}}}, f'tls.issued.audience: "{audience}" is the Kubernetes API server')
+        for mode in ISSUER_MODES
+        for audience in ("https://kubernetes.default.svc", "https://kubernetes.default.svc.cluster.local", "kubernetes", "api")
+    ],
+    ({"tls": {"issued": {"audience": None}}}, "tls.issued.audience: empty: a projected token without an audience"),
+    (
+        {"tls": {"clusterDomain": "corp.example", "issued": {"audience": "https://kubernetes.default.svc.corp.example"}}},
+        'tls.issued.audience: "https://kubernetes.default.svc.corp.example" is the Kubernetes API server',
+    ),
     (
         {"planner": {"serviceAccountName": "shared"}, "loader": {"serviceAccountName": "shared"}},
         'loader.serviceAccountName: ServiceAccount "shared" is already named by planner.serviceAccountName',

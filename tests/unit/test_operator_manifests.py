@@ -8,8 +8,8 @@ Deployment, refused where they clash with the operator's own, and removed again 
 and the loaders' transport security: spec.loader.tls and spec.loader.authTokens mounted as whole
 Secrets (never subPath) behind --tls-dir, --auth-tokens and --token-file, or spec.loader.identity
 (certificates from the issuer: an in-memory emptyDir, a projected ServiceAccount token and the CA
-ConfigMap behind --tls-dir, --issuer, --issuer-token-file and --issuer-ca, and the pod label
-naming the group's index), and probes on the metrics port's /healthz (kubelet's gRPC probe cannot
+certificate, from a ConfigMap or the one key ca.crt of a Secret, behind --tls-dir, --issuer,
+--issuer-token-file and --issuer-ca, and the pod label naming the group's index), and probes on the metrics port's /healthz (kubelet's gRPC probe cannot
 pass mutual TLS)."""
 
 from __future__ import annotations
@@ -741,6 +741,25 @@ def test_loader_pods_with_an_identity_ask_the_issuer(index: int) -> None:
     )
 
 
+def test_a_ca_secret_projects_its_ca_crt_alone(kubernetes_validate: Any) -> None:
+    """spec.loader.identity.caSecret (the chart's tls.mode certManager: the Secret cert-manager
+    writes for the operator's CA, its tls.key included): the pod's issuer volume projects the
+    key ca.crt of it and nothing else, so the pod never holds the CA's key; no Secret volume."""
+    spec = parse_dataplane(issued(**{"spec.loader.identity": {"issuer": ISSUER, "caSecret": "text-and-code-issuer-ca"}}))
+    assert (spec.loader.identity.ca_secret, spec.loader.identity.ca_config_map) == ("text-and-code-issuer-ca", None)
+    d = loader_deployment(spec, spec.groups[0], replicas=1)
+    pod = d["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    settings = parse_process_args("loader", [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "p") for a in c["args"][1:]])
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["batchplane-issuer"]["projected"]["sources"] == [
+        {"serviceAccountToken": {"audience": "batchplane", "expirationSeconds": 3600, "path": settings.issuer_token_file.name}},
+        {"secret": {"name": "text-and-code-issuer-ca", "items": [{"key": "ca.crt", "path": settings.issuer_ca.name}]}},
+    ]
+    assert secret_mounts(d) == {} and settings.issuer == ISSUER
+    kubernetes_validate.validate(d, kubernetes_validate.latest_version(), strict=True)
+
+
 def test_an_identity_gets_the_charts_defaults() -> None:
     spec = parse_dataplane(issued(**{"spec.loader.identity": {"issuer": ISSUER, "caConfigMap": "ca"}}))
     assert (spec.loader.identity.audience, spec.loader.identity.token_expiration_s) == ("batchplane", 3600)
@@ -764,6 +783,7 @@ def test_the_spec_hash_follows_the_identity() -> None:
     for change in (
         {"spec.loader.identity.issuer": "elsewhere:8443"},
         {"spec.loader.identity.caConfigMap": "other-ca"},
+        {"spec.loader.identity.caConfigMap": _DELETE, "spec.loader.identity.caSecret": IDENTITY["caConfigMap"]},
         {"spec.loader.identity.audience": "other"},
         {"spec.loader.identity.tokenExpirationSeconds": 7200},
     ):
@@ -780,7 +800,10 @@ def test_the_spec_hash_follows_the_identity() -> None:
         ({"spec.loader.identity.issuer": "no-port"}, "spec.loader.identity.issuer"),
         ({"spec.loader.identity.issuer": _DELETE}, "spec.loader.identity.issuer"),
         ({"spec.loader.identity.caConfigMap": "Not_A_ConfigMap"}, "spec.loader.identity.caConfigMap"),
-        ({"spec.loader.identity.caConfigMap": _DELETE}, "spec.loader.identity.caConfigMap"),
+        ({"spec.loader.identity.caConfigMap": _DELETE}, "spec.loader.identity.caConfigMap"),  # one of them is required
+        ({"spec.loader.identity.caSecret": "text-and-code-issuer-ca"}, "spec.loader.identity.caSecret"),  # not both
+        ({"spec.loader.identity.caConfigMap": _DELETE, "spec.loader.identity.caSecret": "Not_A_Secret"}, "spec.loader.identity.caSecret"),
+        ({"spec.loader.identity.caConfigMap": _DELETE, "spec.loader.identity.caSecret": None}, "spec.loader.identity.caSecret"),
         ({"spec.loader.identity.audience": ""}, "spec.loader.identity.audience"),
         ({"spec.loader.identity.tokenExpirationSeconds": 599}, "spec.loader.identity.tokenExpirationSeconds"),
         ({"spec.loader.identity.tokenExpirationSeconds": "3600"}, "spec.loader.identity.tokenExpirationSeconds"),

@@ -11,9 +11,11 @@ nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraint
 checked by `batchplane.operator.podfields`. spec.loader.tls.secretName and
 spec.loader.authTokens.secretName name the Secrets loader pods mount for mutual TLS and for the
 per-role bearer tokens (absent: neither); spec.loader.identity, instead of tls, has loader pods
-get their certificates from batchplane's issuer (the chart's tls.mode issued) with a projected
-ServiceAccount token (`batchplane.operator.manifests` says how each is mounted). `declared_schedule` reads spec.mixture's staged or curriculum schedule, for scaling
-ahead of a declared change.
+get their certificates from batchplane's issuer (the chart's tls.mode issued and certManager) with
+a projected ServiceAccount token, and verify it by the CA certificate of a ConfigMap
+(caConfigMap) or of a Secret's key ca.crt (caSecret); `batchplane.operator.manifests` says how
+each is mounted. `declared_schedule` reads spec.mixture's staged or curriculum schedule, for
+scaling ahead of a declared change.
 """
 
 from __future__ import annotations
@@ -84,8 +86,11 @@ class LoaderIdentity:
 
     #: The issuer's address host:port, passed as --issuer.
     issuer: str
-    #: ConfigMap holding the CA certificate (key ca.crt), for --issuer-ca.
-    ca_config_map: str
+    #: The CA certificate, for --issuer-ca: the ConfigMap holding it (key ca.crt), or the Secret
+    #: whose key ca.crt alone is projected (its other keys, e.g. a CA's tls.key, never are).
+    #: Exactly one is set.
+    ca_config_map: str | None = None
+    ca_secret: str | None = None
     #: Audience of the pod's projected ServiceAccount token (--issuer-token-file).
     audience: str = DEFAULT_AUDIENCE
     #: Seconds the projected token is valid; the kubelet renews it.
@@ -433,7 +438,7 @@ def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:
 
 
 #: The fields of spec.loader.identity.
-_IDENTITY_FIELDS = ("issuer", "caConfigMap", "audience", "tokenExpirationSeconds")
+_IDENTITY_FIELDS = ("issuer", "caConfigMap", "caSecret", "audience", "tokenExpirationSeconds")
 
 
 def _identity(loader: Mapping[str, Any]) -> LoaderIdentity | None:
@@ -449,9 +454,18 @@ def _identity(loader: Mapping[str, Any]) -> LoaderIdentity | None:
     issuer = section.get("issuer")
     if not (isinstance(issuer, str) and _ADDRESS.fullmatch(issuer)):
         raise SpecError("spec.loader.identity.issuer", "must be host:port (the issuer's address)", issuer)
-    config_map = section.get("caConfigMap")
-    if not (isinstance(config_map, str) and _DNS_SUBDOMAIN.fullmatch(config_map) and len(config_map) <= 253):
-        raise SpecError("spec.loader.identity.caConfigMap", "must be a ConfigMap name (a DNS subdomain)", config_map)
+    if "caConfigMap" in section and "caSecret" in section:
+        raise SpecError(
+            "spec.loader.identity.caSecret",
+            "is set with caConfigMap: the CA certificate comes from a ConfigMap or a Secret, not both",
+            section["caSecret"],
+        )
+    field, kind = ("caSecret", "Secret") if "caSecret" in section else ("caConfigMap", "ConfigMap")
+    ca = section.get(field)
+    if not (isinstance(ca, str) and _DNS_SUBDOMAIN.fullmatch(ca) and len(ca) <= 253):
+        raise SpecError(
+            f"spec.loader.identity.{field}", f"must be a {kind} name (a DNS subdomain); one of caConfigMap and caSecret is required", ca
+        )
     audience = section.get("audience", DEFAULT_AUDIENCE)
     if not (isinstance(audience, str) and audience):
         raise SpecError("spec.loader.identity.audience", "must be a non-empty string", audience)
@@ -462,7 +476,13 @@ def _identity(loader: Mapping[str, Any]) -> LoaderIdentity | None:
             f"must be an integer from {MIN_TOKEN_EXPIRATION_S} to {MAX_TOKEN_EXPIRATION_S} (Kubernetes' bounds)",
             expiration,
         )
-    return LoaderIdentity(issuer=issuer, ca_config_map=config_map, audience=audience, token_expiration_s=expiration)
+    return LoaderIdentity(
+        issuer=issuer,
+        ca_config_map=ca if field == "caConfigMap" else None,
+        ca_secret=ca if field == "caSecret" else None,
+        audience=audience,
+        token_expiration_s=expiration,
+    )
 
 
 def _verifiers(loader: Mapping[str, Any]) -> bool:

@@ -38,10 +38,11 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   /etc/batchplane/tls (`--tls-dir`, writable: the loader writes the certificate it is issued
   there, and renews it), and, read-only at /etc/batchplane/issuer, the projected volume
   `batchplane-issuer`: the pod's ServiceAccount token for the identity's audience (`token`,
-  `--issuer-token-file`) and the CA certificate of the identity's ConfigMap (`ca.crt`,
-  `--issuer-ca`); `--issuer <issuer>`; and the label `batchplane.dev/group-index: I` on the
-  Deployment and its pods, from which (with the pod's name and ServiceAccount) the issuer names
-  the pod `batchplane://loader/I/<pod>`;
+  `--issuer-token-file`) and the CA certificate (`ca.crt`, `--issuer-ca`): the key `ca.crt` of
+  the identity's caConfigMap, or of its caSecret (that key alone: the pod never sees the
+  Secret's others, e.g. a CA's tls.key); `--issuer <issuer>`; and the label
+  `batchplane.dev/group-index: I` on the Deployment and its pods, from which (with the pod's name
+  and ServiceAccount) the issuer names the pod `batchplane://loader/I/<pod>`;
 - spec.loader's pod fields (`batchplane.operator.podfields`): `env`, `envFrom` and
   `volumeMounts` appended to the loader container's own, `volumes` appended to the pod's own,
   `serviceAccountName`, `nodeSelector`, `tolerations`, `affinity`, `priorityClassName` and
@@ -222,10 +223,15 @@ def issuer_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict
     if identity is None:
         return [], []
     token = {"audience": identity.audience, "expirationSeconds": identity.token_expiration_s, "path": ISSUER_TOKEN}
-    ca = {"name": identity.ca_config_map, "items": [{"key": ISSUER_CA, "path": ISSUER_CA}]}
+    items = [{"key": ISSUER_CA, "path": ISSUER_CA}]  # the certificate alone, never another key
+    ca = (
+        {"secret": {"name": identity.ca_secret, "items": items}}
+        if identity.ca_secret
+        else {"configMap": {"name": identity.ca_config_map, "items": items}}
+    )
     volumes = [
         {"name": TLS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": ISSUED_TLS_SIZE}},
-        {"name": ISSUER_VOLUME, "projected": {"defaultMode": SECRET_MODE, "sources": [{"serviceAccountToken": token}, {"configMap": ca}]}},
+        {"name": ISSUER_VOLUME, "projected": {"defaultMode": SECRET_MODE, "sources": [{"serviceAccountToken": token}, ca]}},
     ]
     mounts = [{"name": TLS_VOLUME, "mountPath": TLS_DIR}, {"name": ISSUER_VOLUME, "mountPath": ISSUER_DIR, "readOnly": True}]
     return volumes, mounts

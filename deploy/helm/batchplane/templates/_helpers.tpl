@@ -5,8 +5,8 @@ Templates meant for users' own pod specs (see deploy/helm/README.md):
   batchplane.podSecurityContext   the pod's securityContext: its fsGroup is the group that may enter the socket folder
   batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
   batchplane.volumes              the socket emptyDir, the job ConfigMap, a /tmp emptyDir, the sidecar's certificate and token Secrets
-                                  (tls.mode issued: its certificate emptyDir and its projected ServiceAccount token)
-  batchplane.trainerServiceAccountName  the pod's serviceAccountName (tls.mode issued: an account the issuer gives constructor identities)
+                                  (tls.mode issued or certManager: its certificate emptyDir, its projected ServiceAccount token and the CA certificate)
+  batchplane.trainerServiceAccountName  the pod's serviceAccountName (tls.mode issued or certManager: an account the issuer gives constructor identities)
   batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR, where the sidecar publishes its index, and the index's inputs
   batchplane.trainerVolumeMounts  the socket folder, for the trainer container
   batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
@@ -28,11 +28,13 @@ fsGroup) before it binds; the emptyDir itself lets every user in, so the socket 
 {{- define "batchplane.indexFile" -}}/run/batchplane/constructor-index{{- end }}
 {{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
-{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir (with tls.mode
-issued an in-memory emptyDir the part writes its issued certificate into). */}}
+{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir (with the
+operator as issuer, batchplane.tlsIssued, an in-memory emptyDir the part writes its issued
+certificate into). */}}
 {{- define "batchplane.tlsDir" -}}/etc/batchplane/tls{{- end }}
-{{/* tls.mode issued: where a part reads its projected ServiceAccount token (token) and the CA
-certificate (ca.crt) it verifies the issuer by; where the operator reads the CA (ca.crt, ca.key). */}}
+{{/* batchplane.tlsIssued: where a part reads its projected ServiceAccount token (token) and the CA
+certificate (ca.crt) it verifies the issuer by; where the operator reads the CA it signs with
+(ca.crt, ca.key). */}}
 {{- define "batchplane.issuerDir" -}}/etc/batchplane/issuer{{- end }}
 {{- define "batchplane.issuerCaDir" -}}/etc/batchplane/ca{{- end }}
 {{/* Where servers mount the whole tokens Secret (--auth-tokens), and callers only their own key (--token-file). */}}
@@ -278,7 +280,7 @@ say (cross-field rules).
 {{- end }}
 {{- end }}
 {{- end }}
-{{- if eq $v.tls.mode "issued" }}
+{{- if eq (include "batchplane.tlsIssued" .) "true" }}
 {{- include "batchplane.validateIssued" . }}
 {{- end }}
 {{- include "batchplane.validatePodFields" (dict "at" "loader" "fields" $v.loader "reserveVolumes" true) }}
@@ -286,20 +288,29 @@ say (cross-field rules).
 {{- end }}
 
 {{/*
-tls.mode issued: this release's operator issues the certificates; it reads a constructor's index
-from its trainer pod, which an env:NAME source is not; no bearer tokens; and each ServiceAccount
-names one role (the issuer gives a pod the role of its account).
+batchplane.tlsIssued (tls.mode issued or certManager): this release's operator issues the
+certificates; it reads a constructor's index from its trainer pod, which an env:NAME source is
+not; no bearer tokens; a token audience the API server does not accept (a token for the issuer
+must not be one for the API server); and each ServiceAccount names one role (the issuer gives a
+pod the role of its account).
 */}}
 {{- define "batchplane.validateIssued" -}}
 {{- $v := .Values }}
+{{- $mode := $v.tls.mode }}
 {{- if not $v.operator.enabled }}
-{{- fail "tls.mode issued: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose another tls.mode (certManager or existingSecret for production)" }}
+{{- fail (printf "tls.mode %s: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose another tls.mode (existingSecret for production)" $mode) }}
 {{- end }}
 {{- if hasPrefix "env:" $v.constructor.indexFrom }}
-{{- fail (printf "constructor.indexFrom: tls.mode issued reads each trainer pod's constructor index from the pod itself (its labels, annotations or name), which %q is not; choose indexed-job, pod-ordinal, kubeflow, jobset or leaderworkerset, or another tls.mode" $v.constructor.indexFrom) }}
+{{- fail (printf "constructor.indexFrom: tls.mode %s reads each trainer pod's constructor index from the pod itself (its labels, annotations or name), which %q is not; choose indexed-job, pod-ordinal, kubeflow, jobset or leaderworkerset, or another tls.mode" $mode $v.constructor.indexFrom) }}
 {{- end }}
 {{- if $v.auth.tokens.enabled }}
-{{- fail "auth.tokens.enabled: tls.mode issued names each pod's own identity in its certificate; bearer tokens, shared by every pod of a role, would undo that. Set auth.tokens.enabled: false, or choose another tls.mode" }}
+{{- fail (printf "auth.tokens.enabled: tls.mode %s names each pod's own identity in its certificate; bearer tokens, shared by every pod of a role, would undo that. Set auth.tokens.enabled: false, or choose another tls.mode" $mode) }}
+{{- end }}
+{{- $apiAudiences := list "https://kubernetes.default.svc" (printf "https://kubernetes.default.svc.%s" $v.tls.clusterDomain) "kubernetes" "api" }}
+{{- if not $v.tls.issued.audience }}
+{{- fail "tls.issued.audience: empty: a projected token without an audience is one for the Kubernetes API server, and every pod hands its token to the issuer. Choose an audience of batchplane's own, e.g. batchplane" }}
+{{- else if has $v.tls.issued.audience $apiAudiences }}
+{{- fail (printf "tls.issued.audience: %q is the Kubernetes API server's own audience: every pod hands its token to the issuer, and a token for that audience would be usable against the API server. Choose an audience of batchplane's own, e.g. batchplane (refused: %s)" $v.tls.issued.audience (join ", " $apiAudiences)) }}
 {{- end }}
 {{- $accounts := dict }}
 {{- $named := list (list "planner.serviceAccountName" "planner" (include "batchplane.plannerServiceAccountName" .)) (list "loader.serviceAccountName" "loader" (include "batchplane.loaderServiceAccountName" .)) (list "the trainer pods' account" "constructor" (include "batchplane.trainerServiceAccountName" .)) }}
@@ -309,7 +320,7 @@ names one role (the issuer gives a pod the role of its account).
 {{- range $entry := $named }}
 {{- $account := index $entry 2 }}
 {{- if hasKey $accounts $account }}
-{{- fail (printf "%s: ServiceAccount %q is already named by %s; with tls.mode issued the issuer gives a pod the role of its ServiceAccount, so each role needs accounts of its own" (index $entry 0) $account (get $accounts $account)) }}
+{{- fail (printf "%s: ServiceAccount %q is already named by %s; with tls.mode %s the issuer gives a pod the role of its ServiceAccount, so each role needs accounts of its own" (index $entry 0) $account (get $accounts $account) $v.tls.mode) }}
 {{- end }}
 {{- $_ := set $accounts $account (index $entry 0) }}
 {{- end }}
@@ -514,9 +525,9 @@ The volumes the sidecar needs: put them in the trainer pod's volumes. The socket
 emptyDir that only the trainer container and the sidecar mount; the constructor makes its own
 folder in it (mode 2770, group: the pod's fsGroup) before it binds, so the trainer must run with
 the pod's fsGroup among its groups (batchplane.podSecurityContext sets it; it may run as another
-UID). The sidecar's certificate and token Secrets (tls.mode issued: its certificate emptyDir and
-its projected ServiceAccount token, which the issuer honours only for a pod whose
-serviceAccountName is batchplane.trainerServiceAccountName or one of
+UID). The sidecar's certificate and token Secrets (tls.mode issued or certManager: its
+certificate emptyDir, the CA certificate and its projected ServiceAccount token, which the issuer
+honours only for a pod whose serviceAccountName is batchplane.trainerServiceAccountName or one of
 tls.issued.constructorServiceAccounts) are mounted in the sidecar only.
 */}}
 {{- define "batchplane.volumes" -}}
@@ -700,7 +711,7 @@ app.kubernetes.io/component: operator
       protocol: TCP
 {{- end }}
 
-{{/* Egress to this release's operator's issuer port (tls.mode issued; nothing otherwise). */}}
+{{/* Egress to this release's operator's issuer port (batchplane.tlsIssued; nothing otherwise). */}}
 {{- define "batchplane.networkPolicy.toIssuer" -}}
 {{- if eq (include "batchplane.tlsIssued" .) "true" -}}
 - to:
@@ -715,7 +726,7 @@ app.kubernetes.io/component: operator
 
 {{/*
 The egress rules a trainer pod's constructor sidecar needs: the planner's and the loaders' gRPC
-ports, the operator's issuer port (tls.mode issued) and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
+ports, the operator's issuer port (tls.mode issued or certManager) and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
 next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
   egress: {{- include "batchplane.trainerEgressRules" $bp | nindent 4 }}
 */}}
@@ -738,7 +749,7 @@ next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
 {{- define "batchplane.tlsEnabled" -}}{{ ne .Values.tls.mode "disabled" }}{{- end }}
 
 {{/* The Secret of the chart's own CA (tls.mode issued, generated, or certManager without an
-issuerRef); with tls.mode issued also the ConfigMap of its certificate alone. */}}
+issuerRef: the root); with tls.mode issued also the ConfigMap of its certificate alone. */}}
 {{- define "batchplane.tlsCaName" -}}
 {{- include "batchplane.componentName" (dict "root" . "suffix" "ca") }}
 {{- end }}
@@ -748,15 +759,47 @@ issuerRef); with tls.mode issued also the ConfigMap of its certificate alone. */
 {{- and (eq .Values.tls.mode "certManager") (not .Values.tls.certManager.issuerRef.name) }}
 {{- end }}
 
-{{/* "true" when tls.mode issued: the operator issues each pod a certificate of its own. */}}
-{{- define "batchplane.tlsIssued" -}}{{ eq .Values.tls.mode "issued" }}{{- end }}
+{{/*
+"true" when the operator issues each pod a certificate of its own: tls.mode issued (signed with
+the CA Helm makes) or certManager (signed with the intermediate CA cert-manager issues and
+renews, batchplane.issuerCaSecretName).
+*/}}
+{{- define "batchplane.tlsIssued" -}}{{ has .Values.tls.mode (list "issued" "certManager") }}{{- end }}
 
-{{/* The operator's Service, which exposes its issuer port (tls.mode issued). */}}
+{{/*
+The Secret of the CA the operator signs with (batchplane.tlsIssued; only the operator mounts it,
+its tls.crt and tls.key as ca.crt and ca.key): tls.mode issued the Helm-made root `<name>-ca`;
+certManager the intermediate `<name>-issuer-ca` (tls.crt: it and the CAs above it; ca.crt: the root).
+*/}}
+{{- define "batchplane.issuerCaSecretName" -}}
+{{- include "batchplane.componentName" (dict "root" . "suffix" (ternary "issuer-ca" "ca" (eq .Values.tls.mode "certManager"))) }}
+{{- end }}
+
+{{/*
+Where the parts read the trust anchor they verify the issuer and each other by (its key ca.crt,
+nothing else), as YAML: `source` (the projected volume's source kind), `field` (the DataPlane's
+spec.loader.identity field) and `name`. tls.mode issued: the ConfigMap `<name>-ca`, the CA's
+certificate alone; certManager: the key ca.crt (the root) of the operator's CA Secret, whose
+other keys the kubelet never projects.
+*/}}
+{{- define "batchplane.issuerTrustAnchor" -}}
+{{- if eq .Values.tls.mode "certManager" -}}
+source: secret
+field: caSecret
+name: {{ include "batchplane.issuerCaSecretName" . }}
+{{- else -}}
+source: configMap
+field: caConfigMap
+name: {{ include "batchplane.tlsCaName" . }}
+{{- end }}
+{{- end }}
+
+{{/* The operator's Service, which exposes its issuer port (batchplane.tlsIssued). */}}
 {{- define "batchplane.operatorServiceName" -}}
 {{- include "batchplane.componentName" (dict "root" . "suffix" "operator") }}
 {{- end }}
 
-{{/* The ClusterRole (and its binding) letting the operator review tokens (tls.mode issued):
+{{/* The ClusterRole (and its binding) letting the operator review tokens (batchplane.tlsIssued):
 cluster-scoped, so named after the namespace too. */}}
 {{- define "batchplane.issuerClusterRoleName" -}}
 {{- printf "%s-%s" .Release.Namespace (include "batchplane.componentName" (dict "root" . "suffix" "issuer")) | trunc 63 | trimSuffix "-" }}
@@ -768,9 +811,9 @@ cluster-scoped, so named after the namespace too. */}}
 {{- end }}
 
 {{/*
-The ServiceAccounts pods run as, whose pods the issuer gives a role (tls.mode issued): the
+The ServiceAccounts pods run as, whose pods the issuer gives a role (batchplane.tlsIssued): the
 planner's and the loaders' (planner/loader.serviceAccountName, else `<name>-planner` and
-`<name>-loader`, which the chart makes in this mode; other modes: the namespace's default, so
+`<name>-loader`, which the chart makes in these modes; other modes: the namespace's default, so
 nothing), and the trainer pods' `<name>-trainer` (`default` in other modes, so a pod template may
 always name it).
 */}}
@@ -812,10 +855,11 @@ constructor={{ . }}
 {{- end }}
 
 {{/*
-tls.mode issued, in a pod of a part: its certificate folder (--tls-dir), an in-memory emptyDir of
-this pod only that the part writes its issued certificate and key into; and, read-only, its
-projected ServiceAccount token for the issuer (audience tls.issued.audience, renewed by the
-kubelet) beside the CA certificate (ConfigMap `<name>-ca`, no key), files mode 0440.
+batchplane.tlsIssued, in a pod of a part: its certificate folder (--tls-dir), an in-memory
+emptyDir of this pod only that the part writes its issued certificate and key into; and,
+read-only, its projected ServiceAccount token for the issuer (audience tls.issued.audience,
+renewed by the kubelet) beside the CA certificate (batchplane.issuerTrustAnchor: the key ca.crt
+alone, never a key), files mode 0440.
 */}}
 {{- define "batchplane.issuedVolumes" -}}
 - name: batchplane-tls
@@ -830,8 +874,9 @@ kubelet) beside the CA certificate (ConfigMap `<name>-ca`, no key), files mode 0
           audience: {{ .Values.tls.issued.audience | quote }}
           expirationSeconds: {{ int .Values.tls.issued.tokenExpirationSeconds }}
           path: token
-      - configMap:
-          name: {{ include "batchplane.tlsCaName" . }}
+      {{- $anchor := include "batchplane.issuerTrustAnchor" . | fromYaml }}
+      - {{ $anchor.source }}:
+          name: {{ $anchor.name }}
           items:
             - key: ca.crt
               path: ca.crt
@@ -874,7 +919,7 @@ generated certificates the role comes from the part's token (the servers take a 
 the certificate names none), and the certificate proves it belongs to the job's CA.
 */}}
 {{- define "batchplane.tokensEnabled" -}}
-{{- and (ne .Values.tls.mode "issued") (or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated")) }}
+{{- and (ne (include "batchplane.tlsIssued" .) "true") (or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated")) }}
 {{- end }}
 
 {{/* The roles that have a token: one key each in the tokens Secret. */}}
@@ -882,7 +927,7 @@ the certificate names none), and the certificate proves it belongs to the job's 
 
 {{/*
 A part's flags for transport security: (dict "root" . "role" "planner" "server" true).
---tls-dir (unless tls.mode is disabled); with tls.mode issued --issuer (the operator's issuer
+--tls-dir (unless tls.mode is disabled); with batchplane.tlsIssued --issuer (the operator's issuer
 port), --issuer-token-file (the pod's projected ServiceAccount token) and --issuer-ca; with tokens (batchplane.tokensEnabled), a server (planner, loaders)
 gets --auth-tokens (its own key of the tokens Secret and every role's verifier, `<role>.sha256`,
 where the chart makes the Secret; the whole of an auth.tokens.existingSecret) and presents its own
@@ -918,8 +963,8 @@ key as --token-file, a caller only (the constructor) --token-file with its own k
 A part's certificate and token volumes: (dict "root" . "role" "planner" "server" true). Secrets as
 directories (never subPath, which never sees a renewed certificate), files readable by root and
 the pod's fsGroup only (defaultMode 0440 = 288); a caller's token volume holds its own key only, a
-server's its own key and the verifiers (items), never another role's token. With tls.mode issued:
-batchplane.issuedVolumes, no Secret at all.
+server's its own key and the verifiers (items), never another role's token. With
+batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's ca.crt key.
 */}}
 {{- define "batchplane.securityVolumes" -}}
 {{- if eq (include "batchplane.tlsIssued" .root) "true" }}
