@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
+import datetime
 import os
 import pathlib
 import re
@@ -36,12 +37,17 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from harness import Batch, run_ranks, to_numpy, wait_until, write_source
 from test_helm_chart import NAMESPACE, RELEASE, all_of, helm_binary, loader_deployments, one, template
 from token_review_api import TokenReviewApi
 
 from batchplane.client import Client
 from batchplane.core.enroll import IssuerSource
+from batchplane.core.localca import LocalCA
 from batchplane.core.tls import CertificateFolder, Security
 from batchplane.v1 import loader_pb2, loader_pb2_grpc, planner_pb2, planner_pb2_grpc
 
@@ -200,7 +206,35 @@ class Replay:
 
 
 #: TLS modes replayed -> their values (beside the job's).
-MODES = {"issued": {}, "generated": {"tls": {"mode": "generated"}}}
+MODES = {"issued": {}, "certManager": {"tls": {"mode": "certManager"}}, "generated": {"tls": {"mode": "generated"}}}
+
+
+def signing_ca_secret(name: str) -> dict[str, Any]:
+    """The Secret cert-manager writes for the chart's CA Certificate `name` (isCA, signed by the
+    chart's root CA Issuer): tls.crt the intermediate, tls.key its key, ca.crt the root."""
+    root = LocalCA(None, name="root")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(root.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(root.key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    data = {"tls.crt": cert.public_bytes(serialization.Encoding.PEM), "tls.key": pem_key, "ca.crt": root.pem}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -219,9 +253,13 @@ def replay(request: pytest.FixtureRequest) -> Iterator[Replay]:
     helm = helm_binary()
     assert helm is not None, "make helm"
     docs = template(helm, "-f", root / "values.yaml")
-    assert bool(one(docs, "DataPlane")["spec"]["loader"].get("identity")) == (request.param != "generated"), (
-        "the default is tls.mode issued"
-    )
+    identity = one(docs, "DataPlane")["spec"]["loader"].get("identity")
+    assert bool(identity) == (request.param != "generated"), "the default is tls.mode issued"
+    if identity and "caSecret" in identity:  # made by cert-manager in a cluster, as it would make it here
+        certificate = next(
+            d for d in all_of(docs, "Certificate") if d["spec"].get("isCA") and d["spec"]["secretName"] == identity["caSecret"]
+        )
+        docs.append(signing_ca_secret(certificate["spec"]["secretName"]))
     cluster = Cluster(docs, root / "pods")
     deployments = {d["metadata"]["name"]: d for d in all_of(docs, "Deployment")}
     operator_tpl = deployments[f"{RELEASE}-batchplane-operator"]["spec"]["template"]
