@@ -178,6 +178,20 @@ def sample_ids(batches: list[Batch]) -> list[list[list[tuple[int, int]]]]:
     return [[list(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())) for mb in b["microbatches"]] for b in batches]
 
 
+def assert_rows_as_written(got: dict[int, list[Batch]], sources: Sequence[SourceData]) -> int:
+    """Every sample the ranks received has the token ids of its (source, row) as written to
+    Parquet; returns how many samples were checked."""
+    checked = 0
+    for batches in got.values():
+        for batch in batches:
+            for mb in batch["microbatches"]:
+                for i, (k, r) in enumerate(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())):
+                    length = int(mb["sample_length"][i])
+                    assert mb["input_ids"][i, :length].tobytes() == sources[k].rows[r].tobytes(), (k, r)
+                    checked += 1
+    return checked
+
+
 def assert_same_batches(got: dict[int, list[Batch]], expected: dict[int, list[Batch]]) -> None:
     """Every rank received the same steps as in `expected`, with byte-identical tensors (I2, I4)."""
     assert got.keys() == expected.keys()

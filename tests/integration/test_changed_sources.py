@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from harness import SourceData, collect, sample_ids, skewed_lengths, start_cluster, write_job, write_source
+from harness import SourceData, assert_rows_as_written, collect, sample_ids, skewed_lengths, start_cluster, write_job, write_source
 
 from batchplane.client import DataPlaneError
 from batchplane.core.storage import LocalStorage
@@ -158,11 +158,6 @@ def test_a_declared_change_restarts_the_source_and_delivers_its_new_rows_once(tm
     web = collections.Counter(s for s in first_ids.elements() if s[0] == 0) + collections.Counter(s for s in after.elements() if s[0] == 0)
     assert set(web) == {(0, r) for r in range(len(sources[0].rows))} and max(web.values()) == 1
     # The tokens delivered are the new data's rows, byte for byte.
-    for rb in second.values():
-        for b in rb:
-            for mb in b["microbatches"]:
-                for i, (k, r) in enumerate(zip(mb["sample_source"].tolist(), mb["sample_row"].tolist())):
-                    length = int(mb["sample_length"][i])
-                    assert mb["input_ids"][i, :length].tobytes() == sources[k].rows[r].tobytes(), (k, r)
+    assert_rows_as_written(second, sources)
     heads = LocalStorage(tmp_path / "run" / "ledger")
     assert len(_heads(tmp_path)) == 2 and b'"restarted":["py"]' in heads.get("gen-000002/head.json")

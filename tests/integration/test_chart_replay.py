@@ -206,13 +206,21 @@ class Replay:
 
 
 #: TLS modes replayed -> their values (beside the job's).
-MODES = {"issued": {}, "certManager": {"tls": {"mode": "certManager"}}, "generated": {"tls": {"mode": "generated"}}}
+MODES = {
+    "issued": {},
+    "certManager": {"tls": {"mode": "certManager"}},
+    "existingSecret": {"tls": {"mode": "existingSecret", "existingSecret": {"ca": "corp-pki-ca"}}},
+    "generated": {"tls": {"mode": "generated"}},
+}
 
 
-def signing_ca_secret(name: str) -> dict[str, Any]:
-    """The Secret cert-manager writes for the chart's CA Certificate `name` (isCA, signed by the
-    chart's root CA Issuer): tls.crt the intermediate, tls.key its key, ca.crt the root."""
+def signing_ca_secret(name: str, *, intermediate: bool) -> dict[str, Any]:
+    """The CA Secret the operator signs with, as it lies in a cluster: cert-manager's for the
+    chart's CA Certificate (an intermediate signed by the chart's root: tls.crt the intermediate,
+    tls.key its key, ca.crt the root), or a user's root CA (tls.crt and ca.crt the root)."""
     root = LocalCA(None, name="root")
+    if not intermediate:
+        return _secret(name, {"tls.crt": root.pem, "tls.key": _pem(root.key), "ca.crt": root.pem})
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
@@ -226,8 +234,14 @@ def signing_ca_secret(name: str) -> dict[str, Any]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(root.key, hashes.SHA256())
     )
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    data = {"tls.crt": cert.public_bytes(serialization.Encoding.PEM), "tls.key": pem_key, "ca.crt": root.pem}
+    return _secret(name, {"tls.crt": cert.public_bytes(serialization.Encoding.PEM), "tls.key": _pem(key), "ca.crt": root.pem})
+
+
+def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _secret(name: str, data: dict[str, bytes]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -255,11 +269,8 @@ def replay(request: pytest.FixtureRequest) -> Iterator[Replay]:
     docs = template(helm, "-f", root / "values.yaml")
     identity = one(docs, "DataPlane")["spec"]["loader"].get("identity")
     assert bool(identity) == (request.param != "generated"), "the default is tls.mode issued"
-    if identity and "caSecret" in identity:  # made by cert-manager in a cluster, as it would make it here
-        certificate = next(
-            d for d in all_of(docs, "Certificate") if d["spec"].get("isCA") and d["spec"]["secretName"] == identity["caSecret"]
-        )
-        docs.append(signing_ca_secret(certificate["spec"]["secretName"]))
+    if identity and "caSecret" in identity:  # made by cert-manager, or the user's own, in a cluster
+        docs.append(signing_ca_secret(identity["caSecret"], intermediate=request.param == "certManager"))
     cluster = Cluster(docs, root / "pods")
     deployments = {d["metadata"]["name"]: d for d in all_of(docs, "Deployment")}
     operator_tpl = deployments[f"{RELEASE}-batchplane-operator"]["spec"]["template"]
@@ -492,7 +503,7 @@ def test_what_one_pod_holds_acts_only_as_that_pod(replay: Replay) -> None:
         for k, v in d["data"].items()
     }
     for name, pod in pods.items():
-        files = [f for f in pod.root.rglob("*") if f.is_file() and f.suffix != ".parquet"]
+        files = [f for v in pod.spec.get("volumes", []) for f in (pod.root / v["name"]).rglob("*") if f.is_file()]  # what it mounts
         if name == "operator":
             assert replay.mode == "generated" or any(f.read_bytes() == ca_key for f in files), "the operator holds the CA key"
             continue

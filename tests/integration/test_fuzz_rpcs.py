@@ -345,6 +345,16 @@ def _register_loader(draw: st.DrawFn, facts: JobFacts) -> Message:
 
 
 @st.composite
+def _altered(draw: st.DrawFn, facts: JobFacts) -> planner_pb2.AlteredSamples:
+    """A report of altered samples from a source's loader (each group has one replica, its last:
+    the planner fences none of them, and the job goes on)."""
+    source = draw(st.integers(0, len(facts.sources) - 1))
+    i = next(i for i, ks in enumerate(facts.loader_sources) if source in ks)
+    seq = draw(st.integers(0, facts.sources[source].num_rows - 1))
+    return planner_pb2.AlteredSamples(loader_address=facts.loader_addresses[i], source=source, seq=seq, step=draw(_steps(facts)), count=1)
+
+
+@st.composite
 def _get_plan(draw: st.DrawFn, facts: JobFacts) -> Message:
     step = draw(_steps(facts))
     return planner_pb2.GetPlanRequest(
@@ -354,6 +364,7 @@ def _get_plan(draw: st.DrawFn, facts: JobFacts) -> Message:
         resume=draw(_resume(facts)),
         delivered_below=draw(st.integers(0, step)),
         rewind=draw(st.booleans()),
+        altered=draw(st.lists(_altered(facts), max_size=2)),
     )
 
 

@@ -26,17 +26,19 @@ this file says how:
   the CA Issuer's Secret is the root CA Certificate's, which the self-signed Issuer signs; the one
   other Certificate is the operator's intermediate CA (isCA, ECDSA P-256, rotated at renewal),
   whose Secret the operator alone mounts, and of which every other pod projects the key ca.crt
-  (the root) alone.
+  (the root) alone. tls.mode existingSecret renders what certManager does but for these kinds,
+  with the user's CA Secret in place of that intermediate's.
 
 Transport security, for every tls.mode (issued by default, generated, certManager, existingSecret,
-disabled): every part's --tls-dir (and with tokens --auth-tokens/--token-file) parsed by the
+disabled): every part's --tls-dir (and with tokens --auth-tokens/--token-file, a server's own key
+and the verifiers, a caller's own key: items, never the whole tokens Secret) parsed by the
 services' own flag parser and backed by a Secret mounted whole (never subPath) with ca.crt,
-tls.crt and tls.key; with tls.mode issued or certManager instead an in-memory emptyDir, --issuer
-(the operator Service's issuer port) and the pod's projected ServiceAccount token (the issuer's
-audience) with the CA certificate (issued: a ConfigMap; certManager: the key ca.crt alone of the
-operator's CA Secret), the pod's ServiceAccount one the operator's --issuer-role (read by the
-operator's own flag parser) gives the part's role, and the CA's key in a Secret that only the
-operator mounts; job.yaml's network.tls; the generated CA and certificates read with
+tls.crt and tls.key; with tls.mode issued, certManager or existingSecret instead an in-memory
+emptyDir, --issuer (the operator Service's issuer port) and the pod's projected ServiceAccount
+token (the issuer's audience) with the CA certificate (issued: a ConfigMap; certManager and
+existingSecret: the key ca.crt alone of the operator's CA Secret), the pod's ServiceAccount one
+the operator's --issuer-role (read by the operator's own flag parser) gives the part's role, and
+the CA's key in a Secret that only the operator mounts; job.yaml's network.tls; the generated CA and certificates read with
 `cryptography` (chain, SANs, usages, ECDSA P-256); that generated Secrets, tokens and the issued
 mode's CA are kept when `lookup` finds them. `helm template` cannot run `lookup` (it never reaches a cluster, and
 `--dry-run=server` needs an API server, which these tests do not have), so lookup's result is
@@ -140,7 +142,13 @@ TLS_FILES = {"ca.crt", "tls.crt", "tls.key"}
 TOKEN_ROLES = ("planner", "loader", "constructor", "operator")
 HEALTH_PATH = "/healthz"
 #: The tls.modes in which the operator issues each pod its own certificate.
-ISSUER_MODES = ("issued", "certManager")
+ISSUER_MODES = ("issued", "certManager", "existingSecret")
+#: Values that make each of them render (existingSecret needs the name of the user's CA Secret).
+ISSUER_VALUES = {
+    "issued": {},
+    "certManager": {"tls": {"mode": "certManager"}},
+    "existingSecret": {"tls": {"mode": "existingSecret", "existingSecret": {"ca": "corp-ca"}}},
+}
 #: The values of each tls.mode's case.
 TLS_CASES = {
     "default": "issued",
@@ -1164,6 +1172,16 @@ def operator_settings(docs: list[dict]) -> Any:
     return parse_operator_args([a.replace("$(POD_NAMESPACE)", NAMESPACE).replace("$(POD_NAME)", "op-0") for a in c["args"][1:]], {})
 
 
+def signing_ca_secret(values: Mapping[str, Any], fullname: str) -> str | None:
+    """The Secret of the CA the operator signs with, by tls.mode: issued the Helm-made root,
+    certManager cert-manager's intermediate, existingSecret the user's; None without an issuer."""
+    return {
+        "issued": f"{fullname}-ca",
+        "certManager": f"{fullname}-issuer-ca",
+        "existingSecret": values["tls"]["existingSecret"]["ca"],
+    }.get(values["tls"]["mode"])
+
+
 def operator_ca_volume(docs: list[dict]) -> dict:
     """The operator pod's one Secret volume: the CA it signs with (--issuer-ca-dir)."""
     pod = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
@@ -1172,14 +1190,15 @@ def operator_ca_volume(docs: list[dict]) -> dict:
 
 
 def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: ProcessSettings) -> None:
-    """tls.mode issued or certManager (the DataPlane's spec.loader.identity): container `c` asks
-    the operator's issuer (the operator Service's issuer port) for its certificate and writes it
-    into an in-memory emptyDir of its pod; it proves who it is with the pod's projected
-    ServiceAccount token for the issuer's audience and verifies the issuer by the CA certificate,
-    both read-only: issued, the ConfigMap `<name>-ca` (no key); certManager, the key ca.crt (the
-    root) of the Secret of the operator's intermediate CA, that key alone (the kubelet projects
-    no other: never its tls.key); and its pod runs as a ServiceAccount the operator's
-    --issuer-role gives `role`."""
+    """tls.mode issued, certManager or existingSecret (the DataPlane's spec.loader.identity):
+    container `c` asks the operator's issuer (the operator Service's issuer port) for its
+    certificate and writes it into an in-memory emptyDir of its pod; it proves who it is with the
+    pod's projected ServiceAccount token for the issuer's audience and verifies the issuer by the
+    CA certificate, both read-only: issued, the ConfigMap `<name>-ca` (no key); certManager and
+    existingSecret, the key ca.crt (the root) of the Secret of the CA the operator signs with
+    (cert-manager's intermediate, or the user's), that key alone (the kubelet projects no other:
+    never its tls.key); and its pod runs as a ServiceAccount the operator's --issuer-role gives
+    `role`."""
     identity = one(docs, "DataPlane")["spec"]["loader"]["identity"]
     issuer = operator_settings(docs).issuer
     service = one(docs, "Service", "-operator")
@@ -1205,11 +1224,15 @@ def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: 
     }
     assert identity["audience"] == issuer.policy.audience
     only_the_certificate = [{"key": "ca.crt", "path": settings.issuer_ca.name}]
-    if "caSecret" in identity:  # certManager: the root, from the Secret cert-manager writes for the operator
+    if "caSecret" in identity:  # the root, from the Secret of the CA the operator signs with
         assert anchors[0] == {"secret": {"name": identity["caSecret"], "items": only_the_certificate}}
-        (written_by,) = [d for d in all_of(docs, "Certificate") if d["spec"]["secretName"] == identity["caSecret"]]
-        assert written_by["spec"]["isCA"] is True and "caConfigMap" not in identity
+        assert "caConfigMap" not in identity
         assert identity["caSecret"] == operator_ca_volume(docs)["secret"]["secretName"]  # the CA the operator signs with
+        written_by = [d for d in all_of(docs, "Certificate") if d["spec"]["secretName"] == identity["caSecret"]]
+        if written_by:  # certManager: the intermediate CA cert-manager issues
+            assert len(written_by) == 1 and written_by[0]["spec"]["isCA"] is True
+        else:  # existingSecret: the user's CA, which the chart neither makes nor needs to see
+            assert not all_of(docs, "Certificate") and identity["caSecret"] not in {d["metadata"]["name"] for d in all_of(docs, "Secret")}
     else:  # issued: the Helm-made CA's certificate, alone in a ConfigMap
         assert anchors[0] == {"configMap": {"name": identity["caConfigMap"], "items": only_the_certificate}}
         ca = [d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"] == identity["caConfigMap"]]
@@ -1241,31 +1264,26 @@ def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: 
         _, volume = secret_volume(spec, c, TLS_DIR)
         assert "items" not in volume["secret"], "the whole Secret: ca.crt, tls.crt, tls.key"
         name = volume["secret"]["secretName"]
-        if name in secrets:  # tls.mode generated
-            data = secrets[name]["data"]
-            assert set(data) == TLS_FILES and secrets[name]["type"] == "kubernetes.io/tls"
-            dns, _ = leaf_names(base64.b64decode(data["tls.crt"]))
-            assert f"{role}.batchplane" in dns, (name, dns)
-        else:  # tls.mode existingSecret: the user's
-            assert not all_of(docs, "Certificate") and name not in secrets
+        assert name in secrets, f"{name}: per-part certificates are Helm's only (tls.mode generated)"
+        data = secrets[name]["data"]
+        assert set(data) == TLS_FILES and secrets[name]["type"] == "kubernetes.io/tls"
+        dns, _ = leaf_names(base64.b64decode(data["tls.crt"]))
+        assert f"{role}.batchplane" in dns, (name, dns)
     else:
         assert settings.tls_dir is None and not any(v["name"] == "batchplane-tls" for v in spec["volumes"]), c["args"]
         assert settings.issuer is None, c["args"]
     if tokens:
         secret = loader["authTokens"]["secretName"]
-        made = secret in secrets  # the chart's Secret: each role's token and its verifier
-        if made:
+        if secret in secrets:  # the chart's Secret: each role's token and its verifier
             check_token_secret(secrets[secret]["data"])
-        assert loader["authTokens"].get("verifiers", False) is made
+        # the chart's or auth.tokens.existingSecret alike: each role's token and verifier, mounted by items
+        assert loader["authTokens"].get("verifiers", False) is True
         if server:  # its own token to present, and what it accepts: the verifiers, never another role's token
             assert settings.auth_tokens == pathlib.Path("/etc/batchplane/auth-tokens")
             _, volume = secret_volume(spec, c, str(settings.auth_tokens))
             assert volume["secret"]["secretName"] == secret
-            if made:
-                keys = [role, *(f"{r}.sha256" for r in TOKEN_ROLES)]
-                assert volume["secret"]["items"] == [{"key": k, "path": k} for k in keys]
-            else:  # auth.tokens.existingSecret: the user's Secret, whole (its tokens are hashed as read)
-                assert "items" not in volume["secret"]
+            keys = [role, *(f"{r}.sha256" for r in TOKEN_ROLES)]
+            assert volume["secret"]["items"] == [{"key": k, "path": k} for k in keys]
             assert settings.token_file == settings.auth_tokens / role
         else:  # only its own role's token
             assert settings.auth_tokens is None
@@ -1318,10 +1336,11 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
                 assert not secrets and issuer is None
                 continue
             # the issuer: the CA's certificate and key from its Secret, which no other pod mounts:
-            # issued, the Helm-made CA; certManager, the intermediate CA cert-manager issues
+            # issued, the Helm-made CA; certManager, the intermediate CA cert-manager issues;
+            # existingSecret, the user's
             (volume,) = secrets
             assert volume["secret"] == {
-                "secretName": f"{fullname}-ca" if mode == "issued" else f"{fullname}-issuer-ca",
+                "secretName": signing_ca_secret(values, fullname),
                 "defaultMode": 0o440,
                 "items": [{"key": "tls.crt", "path": "ca.crt"}, {"key": "tls.key", "path": "ca.key"}],
             }
@@ -1341,14 +1360,17 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
 
 def test_only_the_operator_can_read_the_ca_key(docs: list[dict], case: str) -> None:
     """Whatever tls.mode, no pod mounts a CA's key (it mints any identity of the job) but, with
-    tls.mode issued or certManager, the operator, which signs with it (issued: the Helm-made CA
-    `<name>-ca`; certManager: the intermediate `<name>-issuer-ca`; the chart's own root of
-    certManager, `<name>-ca`, no pod at all). In those modes no other pod mounts any key of any
-    Secret (no other role's token, no shared certificate) but, with certManager, the key ca.crt of
-    `<name>-issuer-ca` (the root: a certificate, no key)."""
-    mode = load_values(case)["tls"]["mode"]
+    tls.mode issued, certManager or existingSecret, the operator, which signs with it (issued: the
+    Helm-made CA `<name>-ca`; certManager: the intermediate `<name>-issuer-ca`; the chart's own
+    root of certManager, `<name>-ca`, no pod at all; existingSecret: the user's,
+    tls.existingSecret.ca). In those modes no other pod mounts any key of any Secret (no other
+    role's token, no shared certificate) but, with certManager and existingSecret, the key ca.crt
+    of the operator's CA Secret (the root: a certificate, no key)."""
+    values = load_values(case)
+    mode = values["tls"]["mode"]
     fullname = one(docs, "DataPlane")["metadata"]["name"]
-    cas = {f"{fullname}-ca", f"{fullname}-issuer-ca"}
+    signing = signing_ca_secret(values, fullname)
+    cas = {f"{fullname}-ca", f"{fullname}-issuer-ca", *([signing] if signing else [])}
     pods = [(where, spec) for where, _, spec in pod_specs(docs)]
     pods += [(f"Deployment/{d['metadata']['name']}", d["spec"]["template"]["spec"]) for d in loader_deployments(docs)]
     key_holders, projected = [], {}  # who may read a CA's key; pod -> (Secret, its keys) it projects
@@ -1362,16 +1384,16 @@ def test_only_the_operator_can_read_the_ca_key(docs: list[dict], case: str) -> N
                 if source["name"] in cas and keys != {"ca.crt"}:
                     key_holders.append((where, source["name"]))
     operator = f"Deployment/{fullname}-operator"
-    signing = {"issued": f"{fullname}-ca", "certManager": f"{fullname}-issuer-ca"}.get(mode)
     assert key_holders == ([(operator, signing)] if signing else [])
     if signing:
+        anchored = mode != "issued"  # the pods' trust anchor: the key ca.crt of the signing CA's Secret
         others = {pair for where, pairs in projected.items() if where != operator for pair in pairs}
-        assert others == ({(signing, frozenset({"ca.crt"}))} if mode == "certManager" else set()), others
-        assert len(projected) == (len(pods) if mode == "certManager" else 1)  # certManager: every pod has the root
+        assert others == ({(signing, frozenset({"ca.crt"}))} if anchored else set()), others
+        assert len(projected) == (len(pods) if anchored else 1)  # every pod has the root
     if mode == "issued":
         assert [d["metadata"]["name"] for d in all_of(docs, "Secret")] == [f"{fullname}-ca"]
-    elif mode == "certManager":
-        assert not all_of(docs, "Secret")  # cert-manager writes them: the root's and the operator's CA
+    elif mode in ISSUER_MODES:
+        assert not all_of(docs, "Secret")  # cert-manager writes them (the root's and the operator's CA), or the user
 
 
 def test_no_probe_speaks_grpc(docs: list[dict]) -> None:
@@ -1402,9 +1424,10 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
     """What each tls.mode renders: issued: the CA Secret alone (for the operator), the ConfigMap of
     its certificate, and a ServiceAccount per role; certManager: the same accounts, and instead of
     the CA Secret and ConfigMap the Issuers and the Certificates of the root and of the operator's
-    intermediate CA, no Secret, no per-part Certificate; generated: a CA Secret and one
-    kubernetes.io/tls Secret per part (and the tokens Secret: its certificates cannot name roles);
-    existingSecret: nothing, the parts mount the named Secrets; disabled: nothing and no TLS flag."""
+    intermediate CA, no Secret, no per-part Certificate; existingSecret: the same accounts and
+    nothing else, the operator signing with the user's CA Secret, whose ca.crt the parts trust;
+    generated: a CA Secret and one kubernetes.io/tls Secret per part (and the tokens Secret: its
+    certificates cannot name roles); disabled: nothing and no TLS flag."""
     mode = TLS_CASES[case]
     values = load_values(case)
     docs = template(helm, *values_args(case))
@@ -1432,14 +1455,11 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
         assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == [f"{fullname}-ca", f"{fullname}-issuer-ca"]
         assert all(d["spec"]["isCA"] for d in all_of(docs, "Certificate"))  # no per-part certificate
     elif mode == "existingSecret":
-        assert secrets == [] and not all_of(docs, "Certificate")
-        planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
-        assert (
-            secret_volume(planner, planner["containers"][0], TLS_DIR)[1]["secret"]["secretName"]
-            == values["tls"]["existingSecret"]["planner"]
-        )
-        assert one(docs, "DataPlane")["spec"]["loader"]["tls"]["secretName"] == values["tls"]["existingSecret"]["loader"]
-        assert one(docs, "DataPlane")["spec"]["loader"]["authTokens"]["secretName"] == values["auth"]["tokens"]["existingSecret"]
+        assert secrets == [] and not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
+        ca = values["tls"]["existingSecret"]["ca"]
+        loader = one(docs, "DataPlane")["spec"]["loader"]
+        assert loader["identity"]["caSecret"] == operator_ca_volume(docs)["secret"]["secretName"] == ca
+        assert "tls" not in loader and "authTokens" not in loader
     elif mode == "disabled":
         assert secrets == [] and not all_of(docs, "Certificate")
         text = yaml.safe_dump_all([d for d in docs if d["kind"] != "CustomResourceDefinition"])
@@ -1454,6 +1474,57 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
     for example in [d for d in docs if d["metadata"]["name"].endswith("-example") and d["kind"] == "Job"]:
         tpl = example["spec"]["template"]["spec"]
         check_security(container(tpl, "batchplane-constructor"), tpl, docs, role="constructor", server=False)
+
+
+def test_existing_secret_mode_is_cert_manager_mode_with_the_users_ca(helm: pathlib.Path) -> None:
+    """tls.mode existingSecret renders exactly what certManager does (the same pods, accounts,
+    flags, issuer, NetworkPolicies, DataPlane and example trainer) but for cert-manager's Issuers
+    and Certificates: where certManager's operator signs with the intermediate `<name>-issuer-ca`,
+    existingSecret's signs with the user's Secret (tls.existingSecret.ca, which rendering does not
+    need to exist), mounted by the operator alone, and every other pod projects its ca.crt alone."""
+    cert_manager = template(helm, "--set", "tls.mode=certManager", "--set", "example.enabled=true")
+    existing = template(helm, "--set", "tls.mode=existingSecret", "--set", "tls.existingSecret.ca=corp-ca", "--set", "example.enabled=true")
+    fullname = one(existing, "DataPlane")["metadata"]["name"]
+    kinds = {(d["apiVersion"], d["kind"]) for d in existing}
+    assert {(d["apiVersion"], d["kind"]) for d in cert_manager} - kinds == CERT_MANAGER_KINDS and not kinds & CERT_MANAGER_KINDS
+    rest = [d for d in cert_manager if (d["apiVersion"], d["kind"]) not in CERT_MANAGER_KINDS]
+    assert yaml.safe_dump_all(existing) == yaml.safe_dump_all(rest).replace(f"{fullname}-issuer-ca", "corp-ca")
+    # where the user's Secret is used: the operator's CA volume, and every other pod's trust anchor
+    assert operator_ca_volume(existing)["secret"]["secretName"] == "corp-ca"
+    assert one(existing, "DataPlane")["spec"]["loader"]["identity"]["caSecret"] == "corp-ca"
+    for where, _, spec in pod_specs(existing):
+        if not where.endswith("-operator"):
+            anchors = [s["secret"] for v in spec["volumes"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+            assert anchors == [{"name": "corp-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}], where
+
+
+def test_an_existing_tokens_secret_is_mounted_by_items(helm: pathlib.Path, kubernetes_validate: Any) -> None:
+    """auth.tokens.existingSecret (bearer tokens are on with tls.mode generated) is mounted as the
+    chart's own tokens Secret is, never whole: a server (the planner, every loader the operator
+    makes) its own role's key and every role's verifier `<role>.sha256`, the constructor sidecar
+    its own key alone; so no pod holds another role's token. The DataPlane says the Secret holds
+    verifiers, and the chart makes no tokens Secret of its own."""
+    docs = template(helm, "--set", "tls.mode=generated", "--set", "auth.tokens.existingSecret=corp-tokens", "--set", "example.enabled=true")
+    fullname = one(docs, "DataPlane")["metadata"]["name"]
+    assert f"{fullname}-auth-tokens" not in {d["metadata"]["name"] for d in all_of(docs, "Secret")}
+    assert one(docs, "DataPlane")["spec"]["loader"]["authTokens"] == {"secretName": "corp-tokens", "verifiers": True}
+    planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
+    check_security(planner["containers"][0], planner, docs, role="planner", server=True)
+    loaders = [d["spec"]["template"]["spec"] for d in loader_deployments(docs)]
+    for pod in loaders:
+        check_security(pod["containers"][0], pod, docs, role="loader", server=True)
+    example = one(docs, "Job", "-example")["spec"]["template"]["spec"]
+    check_security(container(example, "batchplane-constructor"), example, docs, role="constructor", server=False)
+    mounted = 0
+    for spec in [planner, example, *loaders]:
+        volumes = [v["secret"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "corp-tokens"]
+        tokens = {item["key"] for v in volumes for item in v["items"] if not item["key"].endswith(".sha256")}
+        assert len(volumes) == 1 and len(tokens) == 1, volumes  # by items, one role's token
+        mounted += 1
+        for version in ("1.30.0", kubernetes_validate.latest_version()):
+            template_doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "p"}, "template": {"spec": spec}}
+            kubernetes_validate.validate(template_doc, version, strict=True)
+    assert mounted == 2 + len(loaders)
 
 
 def test_default_values_lock_the_job_down(helm: pathlib.Path, kubernetes_validate: Any) -> None:
@@ -2184,14 +2255,14 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
         mode == "disabled" and not values["networkPolicy"]["enabled"]
     )
     assert ("WARNING: networkPolicy.enabled is false" in text) == (not values["networkPolicy"]["enabled"])
-    if mode == "existingSecret":
-        assert all(name in text for name in values["tls"]["existingSecret"].values())
     if mode in ISSUER_MODES:
         fullname = one(template(helm, *values_args(case)), "DataPlane")["metadata"]["name"]
         assert f"port {values['tls']['issued']['port']} of Service {fullname}-operator" in text
         assert f"pods as {fullname}-trainer" in text
         assert (f"ConfigMap {fullname}-ca" in text) is (mode == "issued")
-        assert (f"Secret {fullname}-issuer-ca is mounted by the operator" in text) is (mode == "certManager")
+        signing = signing_ca_secret(values, fullname)
+        assert (f"Secret {signing} is mounted by the operator" in text) is (mode != "issued")
+        assert ("The operator signs with your CA" in text) is (mode == "existingSecret")
     assert 'serviceAccountName: {{ include "batchplane.trainerServiceAccountName" . }}' in text
     assert ("Bearer tokens: Secret" in text) == (values["auth"]["tokens"]["enabled"] or mode == "generated")
 
@@ -2234,7 +2305,7 @@ SCHEMA_ERRORS = [
     ({"tls": {"certManager": {"duration": "90d"}}}, "tls.certManager.duration"),
     ({"tls": {"certManager": {"issuerRef": {"kind": "Issuer"}}}}, "tls.certManager.issuerRef"),
     ({"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuers"}}}}, "tls.certManager.issuerRef.kind"),
-    ({"tls": {"existingSecret": {"planner": "Not_A_Secret"}}}, "tls.existingSecret.planner"),
+    ({"tls": {"existingSecret": {"ca": "Not_A_Secret"}}}, "tls.existingSecret.ca"),
     ({"tls": {"existingSecret": {"operator": "x"}}}, "tls.existingSecret: Additional property operator"),
     ({"auth": {"tokens": {"enabled": "yes"}}}, "auth.tokens.enabled"),
     ({"networkPolicy": {"objectStore": {"cidrs": ["s3.amazonaws.com"]}}}, "networkPolicy.objectStore.cidrs.0"),
@@ -2286,10 +2357,16 @@ TEMPLATE_ERRORS = [
     ({"job": {"settings": {"network": {"tls": False}}}}, "job.settings.network.tls: set by the chart"),
     ({"job": {"settings": {"network": {"insecure": True}}}}, "job.settings.network.insecure: set by the chart"),
     ({"tls": {"mode": "disabled"}}, "tls.mode disabled serves plaintext gRPC on every pod's IP: anyone who reaches a pod could read"),
-    (
-        {"tls": {"mode": "existingSecret", "existingSecret": {"planner": "p", "loader": "l"}}},
-        "tls.existingSecret.constructor: name the constructor's Secret",
-    ),
+    # tls.mode existingSecret: the user's CA, named; the per-part Secrets it took before are refused
+    ({"tls": {"mode": "existingSecret"}}, "tls.existingSecret.ca: empty: tls.mode existingSecret needs your CA's Secret"),
+    *[
+        (
+            {"tls": {"mode": "existingSecret", "existingSecret": {"ca": "corp-ca", part: "corp-part"}}},
+            f"tls.existingSecret.{part}: per-part Secrets are no longer taken",
+        )
+        for part in ("planner", "loader", "constructor")
+    ],
+    ({"tls": {"existingSecret": {"loader": "corp-loader"}}}, "Remove it and use tls.existingSecret.ca"),
     (
         {"loader": {"volumes": [{"name": "batchplane-tls", "emptyDir": {}}]}},
         'loader.volumes[0].name: "batchplane-tls" is used by batchplane',
@@ -2306,19 +2383,28 @@ TEMPLATE_ERRORS = [
         "constructor.indexFrom: tls.mode issued reads each trainer pod's constructor index from the pod itself",
     ),
     ({"auth": {"tokens": {"enabled": True}}}, "auth.tokens.enabled: tls.mode issued names each pod's own identity"),
-    # tls.mode certManager: the same issuer, signing with cert-manager's intermediate CA
-    ({"tls": {"mode": "certManager"}, "operator": {"enabled": False}}, "tls.mode certManager: the operator is the certificate issuer"),
-    (
-        {"tls": {"mode": "certManager"}, "constructor": {"indexFrom": "env:NODE_RANK"}},
-        "constructor.indexFrom: tls.mode certManager reads each trainer pod's constructor index from the pod itself",
-    ),
-    (
-        {"tls": {"mode": "certManager"}, "auth": {"tokens": {"enabled": True}}},
-        "auth.tokens.enabled: tls.mode certManager names each pod's own identity",
-    ),
+    # tls.mode certManager and existingSecret: the same issuer, signing with cert-manager's intermediate CA or the user's
+    *[
+        entry
+        for mode in ISSUER_MODES[1:]
+        for entry in (
+            (deep_merge(ISSUER_VALUES[mode], {"operator": {"enabled": False}}), f"tls.mode {mode}: the operator is the certificate issuer"),
+            (
+                deep_merge(ISSUER_VALUES[mode], {"constructor": {"indexFrom": "env:NODE_RANK"}}),
+                f"constructor.indexFrom: tls.mode {mode} reads each trainer pod's constructor index from the pod itself",
+            ),
+            (
+                deep_merge(ISSUER_VALUES[mode], {"auth": {"tokens": {"enabled": True}}}),
+                f"auth.tokens.enabled: tls.mode {mode} names each pod's own identity",
+            ),
+        )
+    ],
     # a token for the issuer must not be one the API server accepts
     *[
-        ({"tls": {"mode": mode, "issued": {"audience": audience}}}, f'tls.issued.audience: "{audience}" is the Kubernetes API server')
+        (
+            deep_merge(ISSUER_VALUES[mode], {"tls": {"issued": {"audience": audience}}}),
+            f'tls.issued.audience: "{audience}" is the Kubernetes API server',
+        )
         for mode in ISSUER_MODES
         for audience in ("https://kubernetes.default.svc", "https://kubernetes.default.svc.cluster.local", "kubernetes", "api")
     ],

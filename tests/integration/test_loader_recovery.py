@@ -71,7 +71,7 @@ def _ask(stream: SourceStream, start: int, end: int, **progress: int) -> None:
     planned_steps, delivered_below."""
     progress.setdefault("planned_seq", start)
     while start < end:
-        rows, _, _, _, _ = stream.summary(from_seq=start, max_samples=end - start, wait_s=10, **progress)
+        rows = stream.summary(from_seq=start, max_samples=end - start, wait_s=10, **progress).rows
         start += len(rows)
 
 

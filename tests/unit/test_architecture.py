@@ -84,6 +84,7 @@ PURE = (
     "batchplane.planner.length",
     "batchplane.planner.source_changes",
     "batchplane.planner.digests",
+    "batchplane.planner.fence_votes",
     "batchplane.constructor.progress",
     "batchplane.constructor.blocked",
     "batchplane.constructor.waits",

@@ -108,16 +108,24 @@ def _request(from_seq: int = 0, max_samples: int = 8) -> loader_pb2.GetSummaryRe
     return loader_pb2.GetSummaryRequest(source=0, from_seq=from_seq, max_samples=max_samples)
 
 
+_NO_DIGEST = np.zeros(0, np.int64)
+
+
 def _response(
-    start: int = 0, n: int = 8, *, rows=None, lengths=None, end: bool = False, bad_reason=None, **features
+    start: int = 0, n: int = 8, *, rows=None, lengths=None, end: bool = False, bad_reason=None, digest=_NO_DIGEST, **features
 ) -> loader_pb2.GetSummaryResponse:
+    """A summary answer; `digest` default: one per row, nonzero exactly for lengths other than 0; None: none sent."""
+    lengths = np.full(n, 5, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if digest is _NO_DIGEST:
+        digest = np.where(lengths[:n] != 0, np.arange(1, len(lengths[:n]) + 1) * 7919, 0).astype(np.int64)
     return loader_pb2.GetSummaryResponse(
         start_seq=start,
         row=encode_array(np.arange(start, start + n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)),
-        length=encode_array(np.full(n, 5, np.int32) if lengths is None else np.asarray(lengths, np.int32)),
+        length=encode_array(lengths),
         end_of_stream=end,
         features={k: encode_array(np.asarray(v, np.float64)) for k, v in features.items()},
         bad_reason=None if bad_reason is None else encode_array(np.asarray(bad_reason)),
+        digest=None if digest is None else encode_array(np.asarray(digest)),
     )
 
 
@@ -135,6 +143,11 @@ def _response(
         (_response(cost=[float("nan")] * 8), "not finite"),
         (_response(bad_reason=np.zeros(7, np.uint8)), "7 bad reasons for 8 rows"),
         (_response(bad_reason=np.zeros(9, np.uint8)), "9 bad reasons for 8 rows"),
+        (_response(digest=None), "no digests for 8 rows"),
+        (_response(digest=np.arange(1, 8, dtype=np.int64)), "7 digests for 8 rows"),
+        (_response(digest=np.arange(1, 10, dtype=np.int64)), "9 digests for 8 rows"),
+        (_response(digest=np.arange(8, dtype=np.int64)), "digests of 0 for good samples"),
+        (_response(lengths=[5, 0, 5, 5, 5, 5, 5, 5], digest=np.arange(1, 9, dtype=np.int64)), "other than 0 for bad ones"),
     ],
 )
 def test_f_a_summary_that_is_not_what_was_asked_is_refused(response, problem) -> None:
@@ -157,17 +170,35 @@ def test_f_bad_reasons_of_another_dtype_or_shape_are_refused(bad_reason) -> None
         parse_summary(_response(bad_reason=bad_reason), _request(), _target())
 
 
+@pytest.mark.parametrize(
+    "digest",
+    [np.arange(1, 9, dtype=np.float64), np.arange(1, 9, dtype=np.int32), np.ones((2, 4), np.int64)],
+    ids=["float64", "int32", "2d"],
+)
+def test_f_digests_of_another_dtype_or_shape_are_refused_naming_the_field(digest) -> None:
+    with pytest.raises((WireFormatError, MalformedSummary), match="digest"):
+        parse_summary(_response(digest=digest), _request(), _target())
+
+
+def test_f_digests_are_taken_as_sent_and_an_empty_answer_may_carry_none() -> None:
+    sent = np.array([3, 0, -5, 2**62, 0, 1, 9, -(2**63)], np.int64)
+    *_, digests = parse_summary(_response(lengths=[5, 0, 5, 5, 0, 5, 5, 5], digest=sent), _request(), _target())
+    assert digests.tolist() == sent.tolist()
+    rows, _, _, _, digests = parse_summary(_response(n=0, digest=None), _request(), _target())
+    assert len(rows) == 0 and len(digests) == 0
+
+
 def test_f_bad_reasons_are_taken_or_zero_when_not_sent() -> None:
     codes = np.array([0, 1, 2, 3, 4, 5, 0, 200], np.uint8)  # 200: a code of a later version, "unknown"
-    *_, reasons = parse_summary(_response(lengths=[0, 0, 0, 0, 0, 0, 5, 0], bad_reason=codes), _request(), _target())
+    _, _, _, reasons, _ = parse_summary(_response(lengths=[0, 0, 0, 0, 0, 0, 5, 0], bad_reason=codes), _request(), _target())
     assert reasons.tolist() == codes.tolist()
     for sent in (None, np.zeros(0, np.uint8)):  # an older loader
-        *_, reasons = parse_summary(_response(bad_reason=sent), _request(), _target())
+        _, _, _, reasons, _ = parse_summary(_response(bad_reason=sent), _request(), _target())
         assert reasons.dtype == np.uint8 and reasons.tolist() == [0] * 8
 
 
 def test_f_an_end_of_stream_only_where_the_stream_ends() -> None:
-    rows, _, _, _ = parse_summary(_response(start=32, end=True), _request(32), _target())
+    rows, _, _, _, _ = parse_summary(_response(start=32, end=True), _request(32), _target())
     assert len(rows) == 8
     with pytest.raises(MalformedSummary, match="never ends"):
         parse_summary(_response(end=True), _request(), _target(stream_end=None))
@@ -256,35 +287,15 @@ def test_report_refusals_say_why() -> None:
 
 def test_check_summary_takes_what_was_asked() -> None:
     rows = np.arange(4, dtype=np.int64)
-    check_summary(rows, np.zeros(4, np.int32), {}, start_seq=0, end_of_stream=False, from_seq=0, max_samples=4, num_rows=4, stream_end=None)
+    asked = {"start_seq": 0, "end_of_stream": False, "from_seq": 0, "max_samples": 4, "num_rows": 4, "stream_end": None}
+    digests = np.zeros(4, np.int64)  # bad samples (length 0) have none
+    check_summary(rows, np.zeros(4, np.int32), {}, **asked, digests=digests)
     check_summary(rows[:0], np.zeros(0, np.int32), {}, start_seq=8, end_of_stream=True, from_seq=8, max_samples=4, num_rows=4, stream_end=8)
-    check_summary(
-        rows,
-        np.zeros(4, np.int32),
-        {},
-        start_seq=0,
-        end_of_stream=False,
-        from_seq=0,
-        max_samples=4,
-        num_rows=4,
-        stream_end=None,
-        reasons=np.ones(4, np.uint8),
-    )
+    check_summary(rows, np.zeros(4, np.int32), {}, **asked, reasons=np.ones(4, np.uint8), digests=digests)
     for reasons, problem in (
         (np.ones(3, np.uint8), "3 bad reasons for 4 rows"),
         (np.ones(4, np.int32), "dtype int32"),
         (np.ones((4, 1), np.uint8), r"shape \(4, 1\)"),
     ):
         with pytest.raises(MalformedSummary, match=problem):
-            check_summary(
-                rows,
-                np.zeros(4, np.int32),
-                {},
-                start_seq=0,
-                end_of_stream=False,
-                from_seq=0,
-                max_samples=4,
-                num_rows=4,
-                stream_end=None,
-                reasons=reasons,
-            )
+            check_summary(rows, np.zeros(4, np.int32), {}, **asked, reasons=reasons)

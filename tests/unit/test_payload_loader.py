@@ -131,7 +131,7 @@ def _summary(stream: SourceStream) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     parts, end = [], False
     while not end:
         at = sum(len(p[0]) for p in parts)
-        rows, lengths, reasons, _, end = stream.summary(from_seq=at, planned_seq=0, max_samples=ROWS, wait_s=30)
+        rows, lengths, reasons, _, end, _ = stream.summary(from_seq=at, planned_seq=0, max_samples=ROWS, wait_s=30)
         assert len(rows) or end, "the reader answers within wait_s"
         parts.append((rows, lengths, reasons))
     rows, lengths, reasons = (np.concatenate([p[k] for p in parts]) for k in range(3))

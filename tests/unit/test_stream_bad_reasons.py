@@ -121,7 +121,7 @@ def _expected(rows: np.ndarray, policy: str) -> np.ndarray:
 @pytest.mark.parametrize("policy", ["reject", "truncate", "split"])
 def test_each_bad_sample_carries_its_reason_and_good_ones_zero(open_stream, policy) -> None:
     stream, metrics = open_stream(policy)
-    rows, lengths, reasons, _, end = stream.summary(from_seq=0, planned_seq=0, max_samples=ROWS, wait_s=10)
+    rows, lengths, reasons, _, end, _ = stream.summary(from_seq=0, planned_seq=0, max_samples=ROWS, wait_s=10)
     assert end and sorted(rows.tolist()) == list(range(ROWS))
     assert rows.tolist() != list(range(ROWS)), "shuffled: a position's reason must follow its row"
     assert reasons.dtype == np.uint8
@@ -136,8 +136,8 @@ def test_each_bad_sample_carries_its_reason_and_good_ones_zero(open_stream, poli
 
 def test_a_summary_from_the_middle_of_a_window_slices_the_reasons_with_the_rows(open_stream) -> None:
     stream, _ = open_stream("reject")
-    all_rows, _, all_reasons, _, _ = stream.summary(from_seq=0, planned_seq=0, max_samples=ROWS, wait_s=10)
-    rows, _, reasons, _, _ = stream.summary(from_seq=7, planned_seq=0, max_samples=6, wait_s=10)
+    all_rows, _, all_reasons, _, _, _ = stream.summary(from_seq=0, planned_seq=0, max_samples=ROWS, wait_s=10)
+    rows, _, reasons, _, _, _ = stream.summary(from_seq=7, planned_seq=0, max_samples=6, wait_s=10)
     assert rows.tolist() == all_rows[7:13].tolist()
     assert reasons.tolist() == all_reasons[7:13].tolist()
 
@@ -149,9 +149,10 @@ def test_the_reasons_travel_to_the_planners_store(open_stream) -> None:
     request = loader_pb2.GetSummaryRequest(source=0, from_seq=0, planned_seq=0, max_samples=ROWS, wait_ms=10_000)
     response = servicer.GetSummary(request, None)
     target = SummaryTarget("loader:1", ROWS, Routing.of(["0"]), (0, "0"), num_rows=ROWS, stream_end=ROWS)
-    rows, lengths, features, reasons = parse_summary(response, request, target)
+    rows, lengths, features, reasons, digests = parse_summary(response, request, target)
     assert reasons.tolist() == _expected(rows, "reject").tolist()
     store = SummaryStore(1, lookahead=ROWS)
     store.start((0,))
-    store.add(0, response.start_seq, rows, lengths, response.end_of_stream, features, reasons=reasons)
+    store.add(0, response.start_seq, rows, lengths, response.end_of_stream, features, reasons=reasons, digests=digests)
     assert store.reasons(0, 0, ROWS).tolist() == reasons.tolist()
+    assert ((digests == 0) == (lengths == 0)).all() and store.digests(0, 0, ROWS).tolist() == digests.tolist()

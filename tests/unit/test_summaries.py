@@ -407,6 +407,7 @@ class _ReadingLoader:
                 start_seq=request.from_seq,
                 row=encode_array(np.arange(request.from_seq, request.from_seq + n, dtype=np.int64)),
                 length=encode_array(np.full(n, 5, np.int32)),
+                digest=encode_array(np.arange(request.from_seq, request.from_seq + n, dtype=np.int64) + 1),
             )
 
         return call

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61tchplane/v1/common.proto\x12\rbatchplane.v1\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xc2\x01\n\tSampleSet\x12$\n\x06source\x18\x01 \x01(\x0b\x32\x14.batchplane.v1.Array\x12!\n\x03seq\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array\x12!\n\x03row\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06length\x18\x04 \x01(\x0b\x32\x14.batchplane.v1.Array\x12#\n\x05\x65poch\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\"\x9a\x01\n\nSourceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x11\n\tnum_files\x18\x03 \x01(\x05\x12\x16\n\x0enum_row_groups\x18\x04 \x01(\x05\x12\x17\n\x0frow_group_sizes\x18\x05 \x03(\x03\x12(\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x19.batchplane.v1.SourceFile\"N\n\nSourceFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x10\n\x08mtime_ns\x18\x03 \x01(\x03\x12\x0c\n\x04rows\x18\x04 \x01(\x03\".\n\x05Route\x12\x13\n\x0b\x66rom_window\x18\x01 \x01(\x03\x12\x10\n\x08replicas\x18\x02 \x03(\t\"o\n\x04Mesh\x12\n\n\x02\x64p\x18\x01 \x01(\x05\x12\n\n\x02\x63p\x18\x02 \x01(\x05\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\r\n\x05order\x18\x05 \x01(\t\x12\x12\n\ncp_slicing\x18\x06 \x01(\t\x12\x14\n\x0c\x62roadcast_at\x18\x07 \x03(\t\"\xd9\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07sources\x18\x03 \x03(\t\x12!\n\x04mesh\x18\x04 \x01(\x0b\x32\x13.batchplane.v1.Mesh\x12\x19\n\x11global_batch_size\x18\x05 \x01(\x05\x12\x14\n\x0cmicrobatches\x18\x06 \x01(\x05\x12#\n\x05hooks\x18\x07 \x01(\x0b\x32\x14.batchplane.v1.Hooks\x12>\n\x0c\x66ingerprints\x18\x08 \x03(\x0b\x32(.batchplane.v1.JobInfo.FingerprintsEntry\x12*\n\x06\x66ormat\x18\t \x01(\x0b\x32\x1a.batchplane.v1.BatchFormat\x1a\x33\n\x11\x46ingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x01\n\x0b\x42\x61tchFormat\x12\x0e\n\x06pad_id\x18\x01 \x01(\x03\x12\x11\n\tignore_id\x18\x02 \x01(\x03\x12\x0e\n\x06labels\x18\x03 \x01(\t\x12\x0f\n\x07packing\x18\x04 \x01(\x08\x12\x13\n\x0bpack_length\x18\x05 \x01(\x03\x12\x12\n\nmax_length\x18\x06 \x01(\x03\x12\x15\n\rlength_policy\x18\x07 \x01(\t\x12-\n\x07payload\x18\x08 \x03(\x0b\x32\x1c.batchplane.v1.PayloadColumn\"W\n\rPayloadColumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0c\n\x04\x66ill\x18\x05 \x01(\x01\"P\n\tJobLength\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x10\n\x08infinite\x18\x02 \x01(\x08\x12\x0f\n\x07unknown\x18\x03 \x01(\t\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\"<\n\x05Hooks\x12\x16\n\x0eloader_do_plan\x18\x01 \x01(\t\x12\x1b\n\x13\x63onstructor_do_plan\x18\x02 \x01(\t\"\x86\x01\n\rReportRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x38\n\x06losses\x18\x02 \x03(\x0b\x32(.batchplane.v1.ReportRequest.LossesEntry\x1a-\n\x0bLossesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61tchplane/v1/common.proto\x12\rbatchplane.v1\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xe8\x01\n\tSampleSet\x12$\n\x06source\x18\x01 \x01(\x0b\x32\x14.batchplane.v1.Array\x12!\n\x03seq\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array\x12!\n\x03row\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06length\x18\x04 \x01(\x0b\x32\x14.batchplane.v1.Array\x12#\n\x05\x65poch\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06\x64igest\x18\x06 \x01(\x0b\x32\x14.batchplane.v1.Array\"\x9a\x01\n\nSourceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x11\n\tnum_files\x18\x03 \x01(\x05\x12\x16\n\x0enum_row_groups\x18\x04 \x01(\x05\x12\x17\n\x0frow_group_sizes\x18\x05 \x03(\x03\x12(\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x19.batchplane.v1.SourceFile\"N\n\nSourceFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x10\n\x08mtime_ns\x18\x03 \x01(\x03\x12\x0c\n\x04rows\x18\x04 \x01(\x03\".\n\x05Route\x12\x13\n\x0b\x66rom_window\x18\x01 \x01(\x03\x12\x10\n\x08replicas\x18\x02 \x03(\t\"o\n\x04Mesh\x12\n\n\x02\x64p\x18\x01 \x01(\x05\x12\n\n\x02\x63p\x18\x02 \x01(\x05\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\r\n\x05order\x18\x05 \x01(\t\x12\x12\n\ncp_slicing\x18\x06 \x01(\t\x12\x14\n\x0c\x62roadcast_at\x18\x07 \x03(\t\"\xd9\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07sources\x18\x03 \x03(\t\x12!\n\x04mesh\x18\x04 \x01(\x0b\x32\x13.batchplane.v1.Mesh\x12\x19\n\x11global_batch_size\x18\x05 \x01(\x05\x12\x14\n\x0cmicrobatches\x18\x06 \x01(\x05\x12#\n\x05hooks\x18\x07 \x01(\x0b\x32\x14.batchplane.v1.Hooks\x12>\n\x0c\x66ingerprints\x18\x08 \x03(\x0b\x32(.batchplane.v1.JobInfo.FingerprintsEntry\x12*\n\x06\x66ormat\x18\t \x01(\x0b\x32\x1a.batchplane.v1.BatchFormat\x1a\x33\n\x11\x46ingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x01\n\x0b\x42\x61tchFormat\x12\x0e\n\x06pad_id\x18\x01 \x01(\x03\x12\x11\n\tignore_id\x18\x02 \x01(\x03\x12\x0e\n\x06labels\x18\x03 \x01(\t\x12\x0f\n\x07packing\x18\x04 \x01(\x08\x12\x13\n\x0bpack_length\x18\x05 \x01(\x03\x12\x12\n\nmax_length\x18\x06 \x01(\x03\x12\x15\n\rlength_policy\x18\x07 \x01(\t\x12-\n\x07payload\x18\x08 \x03(\x0b\x32\x1c.batchplane.v1.PayloadColumn\"W\n\rPayloadColumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0c\n\x04\x66ill\x18\x05 \x01(\x01\"P\n\tJobLength\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x10\n\x08infinite\x18\x02 \x01(\x08\x12\x0f\n\x07unknown\x18\x03 \x01(\t\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\"<\n\x05Hooks\x12\x16\n\x0eloader_do_plan\x18\x01 \x01(\t\x12\x1b\n\x13\x63onstructor_do_plan\x18\x02 \x01(\t\"\x86\x01\n\rReportRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x38\n\x06losses\x18\x02 \x03(\x0b\x32(.batchplane.v1.ReportRequest.LossesEntry\x1a-\n\x0bLossesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -30,31 +30,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_CHUNK']._serialized_start=98
   _globals['_CHUNK']._serialized_end=119
   _globals['_SAMPLESET']._serialized_start=122
-  _globals['_SAMPLESET']._serialized_end=316
-  _globals['_SOURCEINFO']._serialized_start=319
-  _globals['_SOURCEINFO']._serialized_end=473
-  _globals['_SOURCEFILE']._serialized_start=475
-  _globals['_SOURCEFILE']._serialized_end=553
-  _globals['_ROUTE']._serialized_start=555
-  _globals['_ROUTE']._serialized_end=601
-  _globals['_MESH']._serialized_start=603
-  _globals['_MESH']._serialized_end=714
-  _globals['_JOBINFO']._serialized_start=717
-  _globals['_JOBINFO']._serialized_end=1062
-  _globals['_JOBINFO_FINGERPRINTSENTRY']._serialized_start=1011
-  _globals['_JOBINFO_FINGERPRINTSENTRY']._serialized_end=1062
-  _globals['_BATCHFORMAT']._serialized_start=1065
-  _globals['_BATCHFORMAT']._serialized_end=1257
-  _globals['_PAYLOADCOLUMN']._serialized_start=1259
-  _globals['_PAYLOADCOLUMN']._serialized_end=1346
-  _globals['_JOBLENGTH']._serialized_start=1348
-  _globals['_JOBLENGTH']._serialized_end=1428
-  _globals['_HOOKS']._serialized_start=1430
-  _globals['_HOOKS']._serialized_end=1490
-  _globals['_REPORTREQUEST']._serialized_start=1493
-  _globals['_REPORTREQUEST']._serialized_end=1627
-  _globals['_REPORTREQUEST_LOSSESENTRY']._serialized_start=1582
-  _globals['_REPORTREQUEST_LOSSESENTRY']._serialized_end=1627
-  _globals['_REPORTRESPONSE']._serialized_start=1629
-  _globals['_REPORTRESPONSE']._serialized_end=1679
+  _globals['_SAMPLESET']._serialized_end=354
+  _globals['_SOURCEINFO']._serialized_start=357
+  _globals['_SOURCEINFO']._serialized_end=511
+  _globals['_SOURCEFILE']._serialized_start=513
+  _globals['_SOURCEFILE']._serialized_end=591
+  _globals['_ROUTE']._serialized_start=593
+  _globals['_ROUTE']._serialized_end=639
+  _globals['_MESH']._serialized_start=641
+  _globals['_MESH']._serialized_end=752
+  _globals['_JOBINFO']._serialized_start=755
+  _globals['_JOBINFO']._serialized_end=1100
+  _globals['_JOBINFO_FINGERPRINTSENTRY']._serialized_start=1049
+  _globals['_JOBINFO_FINGERPRINTSENTRY']._serialized_end=1100
+  _globals['_BATCHFORMAT']._serialized_start=1103
+  _globals['_BATCHFORMAT']._serialized_end=1295
+  _globals['_PAYLOADCOLUMN']._serialized_start=1297
+  _globals['_PAYLOADCOLUMN']._serialized_end=1384
+  _globals['_JOBLENGTH']._serialized_start=1386
+  _globals['_JOBLENGTH']._serialized_end=1466
+  _globals['_HOOKS']._serialized_start=1468
+  _globals['_HOOKS']._serialized_end=1528
+  _globals['_REPORTREQUEST']._serialized_start=1531
+  _globals['_REPORTREQUEST']._serialized_end=1665
+  _globals['_REPORTREQUEST_LOSSESENTRY']._serialized_start=1620
+  _globals['_REPORTREQUEST_LOSSESENTRY']._serialized_end=1665
+  _globals['_REPORTRESPONSE']._serialized_start=1667
+  _globals['_REPORTRESPONSE']._serialized_end=1717
 # @@protoc_insertion_point(module_scope)

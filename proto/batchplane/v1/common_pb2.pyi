@@ -22,18 +22,20 @@ class Chunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class SampleSet(_message.Message):
-    __slots__ = ("source", "seq", "row", "length", "epoch")
+    __slots__ = ("source", "seq", "row", "length", "epoch", "digest")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     source: Array
     seq: Array
     row: Array
     length: Array
     epoch: Array
-    def __init__(self, source: _Optional[_Union[Array, _Mapping]] = ..., seq: _Optional[_Union[Array, _Mapping]] = ..., row: _Optional[_Union[Array, _Mapping]] = ..., length: _Optional[_Union[Array, _Mapping]] = ..., epoch: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    digest: Array
+    def __init__(self, source: _Optional[_Union[Array, _Mapping]] = ..., seq: _Optional[_Union[Array, _Mapping]] = ..., row: _Optional[_Union[Array, _Mapping]] = ..., length: _Optional[_Union[Array, _Mapping]] = ..., epoch: _Optional[_Union[Array, _Mapping]] = ..., digest: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
     __slots__ = ("name", "num_rows", "num_files", "num_row_groups", "row_group_sizes", "files")

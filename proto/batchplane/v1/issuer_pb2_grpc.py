@@ -6,7 +6,8 @@ from batchplane.v1 import issuer_pb2 as batchplane_dot_v1_dot_issuer__pb2
 
 
 class IssuerStub(object):
-    """Missing associated documentation comment in .proto file."""
+    """Signs each pod a certificate naming its own identity.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -22,7 +23,8 @@ class IssuerStub(object):
 
 
 class IssuerServicer(object):
-    """Missing associated documentation comment in .proto file."""
+    """Signs each pod a certificate naming its own identity.
+    """
 
     def Issue(self, request, context):
         """A certificate for the key of `csr`, naming the identity the token's pod is given.
@@ -50,7 +52,8 @@ def add_IssuerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Issuer(object):
-    """Missing associated documentation comment in .proto file."""
+    """Signs each pod a certificate naming its own identity.
+    """
 
     @staticmethod
     def Issue(request,

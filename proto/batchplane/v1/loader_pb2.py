@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from batchplane.v1 import common_pb2 as batchplane_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61tchplane/v1/loader.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\"\xd6\x01\n\x11GetSummaryRequest\x12\x0e\n\x06source\x18\x01 \x01(\x05\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\x12\x13\n\x0bplanned_seq\x18\x03 \x01(\x03\x12\x13\n\x0bmax_samples\x18\x04 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x05\x12$\n\x06routes\x18\x06 \x03(\x0b\x32\x14.batchplane.v1.Route\x12\x15\n\rplanned_steps\x18\x07 \x01(\x03\x12\x17\n\x0f\x64\x65livered_below\x18\x08 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\"\xbb\x02\n\x12GetSummaryResponse\x12\x11\n\tstart_seq\x18\x01 \x01(\x03\x12!\n\x03row\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06length\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12\x15\n\rend_of_stream\x18\x04 \x01(\x08\x12\x41\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32/.batchplane.v1.GetSummaryResponse.FeaturesEntry\x12(\n\nbad_reason\x18\x06 \x01(\x0b\x32\x14.batchplane.v1.Array\x1a\x45\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array:\x02\x38\x01\"\xda\x01\n\x13\x46\x65tchSamplesRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12)\n\x07samples\x18\x03 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12\x1a\n\x12release_below_step\x18\x04 \x01(\x03\x12$\n\x06\x63opies\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\x12-\n\tfollowing\x18\x06 \x03(\x0b\x32\x1a.batchplane.v1.StepSamples\"l\n\x0bStepSamples\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x07samples\x18\x02 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12$\n\x06\x63opies\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\"S\n\x0b\x46\x65tchHeader\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x03\x12\x18\n\x10\x66ollowing_served\x18\x03 \x01(\x05\"s\n\x14\x46\x65tchSamplesResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.batchplane.v1.FetchHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.ChunkH\x00\x42\x06\n\x04part2\xb6\x01\n\x06Loader\x12Q\n\nGetSummary\x12 .batchplane.v1.GetSummaryRequest\x1a!.batchplane.v1.GetSummaryResponse\x12Y\n\x0c\x46\x65tchSamples\x12\".batchplane.v1.FetchSamplesRequest\x1a#.batchplane.v1.FetchSamplesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61tchplane/v1/loader.proto\x12\rbatchplane.v1\x1a\x1a\x62\x61tchplane/v1/common.proto\"\xd6\x01\n\x11GetSummaryRequest\x12\x0e\n\x06source\x18\x01 \x01(\x05\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\x12\x13\n\x0bplanned_seq\x18\x03 \x01(\x03\x12\x13\n\x0bmax_samples\x18\x04 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x05\x12$\n\x06routes\x18\x06 \x03(\x0b\x32\x14.batchplane.v1.Route\x12\x15\n\rplanned_steps\x18\x07 \x01(\x03\x12\x17\n\x0f\x64\x65livered_below\x18\x08 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\"\xe1\x02\n\x12GetSummaryResponse\x12\x11\n\tstart_seq\x18\x01 \x01(\x03\x12!\n\x03row\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06length\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\x12\x15\n\rend_of_stream\x18\x04 \x01(\x08\x12\x41\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32/.batchplane.v1.GetSummaryResponse.FeaturesEntry\x12(\n\nbad_reason\x18\x06 \x01(\x0b\x32\x14.batchplane.v1.Array\x12$\n\x06\x64igest\x18\x07 \x01(\x0b\x32\x14.batchplane.v1.Array\x1a\x45\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.Array:\x02\x38\x01\"\xda\x01\n\x13\x46\x65tchSamplesRequest\x12\x19\n\x11\x63onstructor_index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12)\n\x07samples\x18\x03 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12\x1a\n\x12release_below_step\x18\x04 \x01(\x03\x12$\n\x06\x63opies\x18\x05 \x01(\x0b\x32\x14.batchplane.v1.Array\x12-\n\tfollowing\x18\x06 \x03(\x0b\x32\x1a.batchplane.v1.StepSamples\"l\n\x0bStepSamples\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x07samples\x18\x02 \x01(\x0b\x32\x18.batchplane.v1.SampleSet\x12$\n\x06\x63opies\x18\x03 \x01(\x0b\x32\x14.batchplane.v1.Array\"S\n\x0b\x46\x65tchHeader\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x03\x12\x18\n\x10\x66ollowing_served\x18\x03 \x01(\x05\"s\n\x14\x46\x65tchSamplesResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.batchplane.v1.FetchHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.batchplane.v1.ChunkH\x00\x42\x06\n\x04part2\xb6\x01\n\x06Loader\x12Q\n\nGetSummary\x12 .batchplane.v1.GetSummaryRequest\x1a!.batchplane.v1.GetSummaryResponse\x12Y\n\x0c\x46\x65tchSamples\x12\".batchplane.v1.FetchSamplesRequest\x1a#.batchplane.v1.FetchSamplesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -27,17 +27,17 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_GETSUMMARYREQUEST']._serialized_start=74
   _globals['_GETSUMMARYREQUEST']._serialized_end=288
   _globals['_GETSUMMARYRESPONSE']._serialized_start=291
-  _globals['_GETSUMMARYRESPONSE']._serialized_end=606
-  _globals['_GETSUMMARYRESPONSE_FEATURESENTRY']._serialized_start=537
-  _globals['_GETSUMMARYRESPONSE_FEATURESENTRY']._serialized_end=606
-  _globals['_FETCHSAMPLESREQUEST']._serialized_start=609
-  _globals['_FETCHSAMPLESREQUEST']._serialized_end=827
-  _globals['_STEPSAMPLES']._serialized_start=829
-  _globals['_STEPSAMPLES']._serialized_end=937
-  _globals['_FETCHHEADER']._serialized_start=939
-  _globals['_FETCHHEADER']._serialized_end=1022
-  _globals['_FETCHSAMPLESRESPONSE']._serialized_start=1024
-  _globals['_FETCHSAMPLESRESPONSE']._serialized_end=1139
-  _globals['_LOADER']._serialized_start=1142
-  _globals['_LOADER']._serialized_end=1324
+  _globals['_GETSUMMARYRESPONSE']._serialized_end=644
+  _globals['_GETSUMMARYRESPONSE_FEATURESENTRY']._serialized_start=575
+  _globals['_GETSUMMARYRESPONSE_FEATURESENTRY']._serialized_end=644
+  _globals['_FETCHSAMPLESREQUEST']._serialized_start=647
+  _globals['_FETCHSAMPLESREQUEST']._serialized_end=865
+  _globals['_STEPSAMPLES']._serialized_start=867
+  _globals['_STEPSAMPLES']._serialized_end=975
+  _globals['_FETCHHEADER']._serialized_start=977
+  _globals['_FETCHHEADER']._serialized_end=1060
+  _globals['_FETCHSAMPLESRESPONSE']._serialized_start=1062
+  _globals['_FETCHSAMPLESRESPONSE']._serialized_end=1177
+  _globals['_LOADER']._serialized_start=1180
+  _globals['_LOADER']._serialized_end=1362
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class GetSummaryRequest(_message.Message):
     def __init__(self, source: _Optional[int] = ..., from_seq: _Optional[int] = ..., planned_seq: _Optional[int] = ..., max_samples: _Optional[int] = ..., wait_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[_common_pb2.Route, _Mapping]]] = ..., planned_steps: _Optional[int] = ..., delivered_below: _Optional[int] = ..., follow: bool = ...) -> None: ...
 
 class GetSummaryResponse(_message.Message):
-    __slots__ = ("start_seq", "row", "length", "end_of_stream", "features", "bad_reason")
+    __slots__ = ("start_seq", "row", "length", "end_of_stream", "features", "bad_reason", "digest")
     class FeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,13 +43,15 @@ class GetSummaryResponse(_message.Message):
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BAD_REASON_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     start_seq: int
     row: _common_pb2.Array
     length: _common_pb2.Array
     end_of_stream: bool
     features: _containers.MessageMap[str, _common_pb2.Array]
     bad_reason: _common_pb2.Array
-    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: bool = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ..., bad_reason: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    digest: _common_pb2.Array
+    def __init__(self, start_seq: _Optional[int] = ..., row: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., length: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., end_of_stream: bool = ..., features: _Optional[_Mapping[str, _common_pb2.Array]] = ..., bad_reason: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., digest: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class FetchSamplesRequest(_message.Message):
     __slots__ = ("constructor_index", "step", "samples", "release_below_step", "copies", "following")

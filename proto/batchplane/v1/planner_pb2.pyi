@@ -105,7 +105,7 @@ class GetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_common_pb2.JobInfo, _Mapping]] = ..., ready: bool = ..., length: _Optional[_Union[_common_pb2.JobLength, _Mapping]] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind", "max_steps")
+    __slots__ = ("constructor_index", "step", "wait_ms", "resume", "delivered_below", "rewind", "max_steps", "altered")
     class ResumeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class GetPlanRequest(_message.Message):
     DELIVERED_BELOW_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ALTERED_FIELD_NUMBER: _ClassVar[int]
     constructor_index: int
     step: int
     wait_ms: int
@@ -127,7 +128,22 @@ class GetPlanRequest(_message.Message):
     delivered_below: int
     rewind: bool
     max_steps: int
-    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ..., max_steps: _Optional[int] = ...) -> None: ...
+    altered: _containers.RepeatedCompositeFieldContainer[AlteredSamples]
+    def __init__(self, constructor_index: _Optional[int] = ..., step: _Optional[int] = ..., wait_ms: _Optional[int] = ..., resume: _Optional[_Mapping[str, str]] = ..., delivered_below: _Optional[int] = ..., rewind: bool = ..., max_steps: _Optional[int] = ..., altered: _Optional[_Iterable[_Union[AlteredSamples, _Mapping]]] = ...) -> None: ...
+
+class AlteredSamples(_message.Message):
+    __slots__ = ("loader_address", "source", "seq", "step", "count")
+    LOADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    loader_address: str
+    source: int
+    seq: int
+    step: int
+    count: int
+    def __init__(self, loader_address: _Optional[str] = ..., source: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("dp_rank", "samples", "microbatch_offsets", "fetchers", "loaders", "copies")

@@ -10,7 +10,8 @@ the system's):
 - the samples: each source is `--rows` rows (default 10,000,000) in row groups of 10,000,
   consumed in the loaders' order (`SampleOrder`, seed `--seed`, windows of 4 row groups: the
   configuration's default), so the rows a record names are as scattered as a job's; lengths
-  lognormal (median e^6.5, about 665 tokens), at most 8,192, drawn per step from
+  lognormal (median e^6.5, about 665 tokens), at most 8,192, and digests (64 random bits, as a
+  loader's `core.digest` looks), drawn per step from
   `numpy.random.default_rng([seed, dp, batch, sources, step])`;
 - the plan: `default_strategy` with `--method` (default greedy), `--microbatches` (default 4)
   microbatches per rank, quadratic cost, over a mesh of DP data-parallel ranks. The method only
@@ -250,6 +251,7 @@ def _measure(config: Config, folder: pathlib.Path, args: argparse.Namespace, pro
                     row=rows[i].at(start, count),
                     length=np.minimum(np.rint(rng.lognormal(6.5, 1.0, count)) + 1, CONTEXT).astype(np.int32),
                     epoch=(np.arange(start, start + count) // args.rows).astype(np.int32),
+                    digest=rng.integers(-(2**63), 2**63 - 1, count, dtype=np.int64),
                 )
                 for i, (start, count) in enumerate(zip(allocation.starts, allocation.counts))
                 if count

@@ -42,6 +42,7 @@ class Bucket(NamedTuple):
     fetchers: int
     loaders: np.ndarray  # int32 [n]
     copies: np.ndarray  # int32 [n]: constructors fetching each sample (RankPlan.copies, else fetchers)
+    digest: np.ndarray | None = None  # int64 [n]: what each sample's content must digest to (None: not checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ def to_fetch(plan: StepPlan, served: Served, *, address: str) -> FetchGroup:
     if missing:
         raise FailedPrecondition(f"the plan of step {plan.step} lacks buckets {missing} this constructor's ranks consume")
     wanted = sorted({v.bucket for v in variants.values() if v.tensors})
-    groups = [FetchGroup(b.source, b.seq, b.length, b.copies, b.loaders) for b in (plan.buckets[w] for w in wanted)]
+    groups = [FetchGroup(b.source, b.seq, b.length, b.copies, b.loaders, b.digest) for b in (plan.buckets[w] for w in wanted)]
     return fetch_list(groups + [part_group(p) for p in plan.parts if p.columns], address=address)
 
 

@@ -2,6 +2,11 @@
 `constructors.fetch_steps`) fetched in parallel from the loader replicas that hold them, one
 call per loader, and releases at loaders that served earlier steps (which ones, and when one
 is let go: the pure `releases.LoaderReleases`, driven here under a lock).
+
+What every loader sends is checked against the plan's digests (`integrity.check_digests`)
+before it is used: a replica that sends altered samples fails the fetch, is counted and logged,
+and is reported to the planner with every plan asked for (`altered`) until a plan no longer
+names it (the planner fenced it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchplane.constructor.build import Fetched
+from batchplane.constructor.integrity import AlteredSamples, check_digests
 from batchplane.constructor.metrics import ConstructorMetrics
 from batchplane.constructor.releases import LoaderReleases
 from batchplane.constructor.responses import Wanted, fetched_samples, receive_samples
@@ -25,7 +31,7 @@ from batchplane.constructor.subbatch import FetchGroup
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition, Unavailable
 from batchplane.core.rpc import call_with_retry, reraise
-from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc
+from batchplane.v1 import common_pb2, loader_pb2, loader_pb2_grpc, planner_pb2
 from batchplane.wire import encode_array
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,8 @@ log = logging.getLogger(__name__)
 #: How long a fetch retries an unreachable loader before the step is built again from a fresh
 #: plan, which names the loader's shadow once the planner has promoted it.
 FETCH_RETRY_S = 0.25
+#: Loader replicas reported for altered samples at once (`GetPlanRequest.altered` takes 8).
+MAX_ALTERED = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +67,12 @@ class _Part:
     seqs: np.ndarray
     copies: np.ndarray
     lengths: np.ndarray
+    digests: np.ndarray | None = None
 
     @classmethod
     def of(cls, step: int, group: FetchGroup, mask: np.ndarray) -> _Part:
-        return cls(step, group.source[mask], group.seq[mask], group.copies[mask], group.length[mask])
+        digests = None if group.digest is None else group.digest[mask]
+        return cls(step, group.source[mask], group.seq[mask], group.copies[mask], group.length[mask], digests)
 
     @classmethod
     def none(cls, step: int) -> _Part:
@@ -133,6 +143,7 @@ class Fetcher:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()  # the channels and the releases
         self._releases = LoaderReleases()
+        self._altered: dict[str, planner_pb2.AlteredSamples] = {}  # address -> what it sent, until a plan no longer names it
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
 
     def fetch(self, steps: Sequence[StepFetch]) -> dict[int, Fetched]:
@@ -151,8 +162,13 @@ class Fetcher:
             FailedPrecondition: holders outside a plan's loader addresses; a loader that does
                 not hold what the plan says it does.
             Unavailable: a loader without an address or out of reach; retry from a fresh plan.
+            AlteredSamples: a loader sent samples other than the plan's digests; retry from a
+                fresh plan.
         """
         first = steps[0].step
+        with self._lock:  # a replica the plans no longer name was fenced: no need to report it again
+            named = {a for wanted in steps for a in wanted.addresses}
+            self._altered = {a: report for a, report in self._altered.items() if a in named}
         parts: dict[str, list[_Part]] = {}
         for wanted in steps:
             for address, mask in _by_loader(wanted):
@@ -179,6 +195,36 @@ class Fetcher:
         self._metrics.fetch_latency.observe(time.perf_counter() - begin)
         self._metrics.fetch_steps.observe(len(fetched))
         return fetched
+
+    def altered(self) -> list[planner_pb2.AlteredSamples]:
+        """The loader replicas that sent altered samples and that the plans still name: what the
+        next plan request reports (`GetPlanRequest.altered`)."""
+        with self._lock:
+            return list(self._altered.values())
+
+    def _found_altered(self, exc: AlteredSamples) -> None:
+        """Counts, logs (once per replica) and keeps for the planner the altered samples a loader sent."""
+        source, seq = int(exc.sources[0]), int(exc.seqs[0])
+        group = self._job.loader_of(source)
+        self._metrics.digest_mismatches.labels(str(group), exc.address).inc(len(exc.seqs))
+        report = planner_pb2.AlteredSamples(loader_address=exc.address, source=source, seq=seq, step=exc.step, count=len(exc.seqs))
+        with self._lock:
+            new = exc.address not in self._altered
+            self._altered.pop(exc.address, None)
+            self._altered[exc.address] = report
+            while len(self._altered) > MAX_ALTERED:
+                self._altered.pop(next(iter(self._altered)))
+        if new:
+            log.error(
+                "loader replica at %s (group %d) sent %d sample(s) of step %d whose content differs from the plan's digests, first: "
+                "source %r position %d; none is built into a batch; reporting it to the planner to fence it, fetching again",
+                exc.address,
+                group,
+                len(exc.seqs),
+                exc.step,
+                self._job.source_names[source],
+                seq,
+            )
 
     def release_everywhere(self, step: int) -> None:
         """Every loader that served the constructor frees what it holds for it (the end of
@@ -229,15 +275,18 @@ class Fetcher:
             following=[loader_pb2.StepSamples(step=p.step, samples=p.sample_set(), copies=p.copies_array()) for p in rest],
         )
         stub = self._loader(address)
-        wanted = [Wanted(p.sources, p.seqs, p.lengths) for p in parts]
+        wanted = [Wanted(p.sources, p.seqs, p.lengths, p.digests) for p in parts]
+        columns = self._job.batch.payload
 
         def attempt() -> list[pa.Table]:
             stream = stub.FetchSamples(request, timeout=self._job.network.rpc_timeout_s)
             tables, nbytes = receive_samples(
-                stream, address=address, wanted=wanted, columns=self._job.batch.payload, max_bytes=self._job.loaders.buffer_bytes
+                stream, address=address, wanted=wanted, columns=columns, max_bytes=self._job.loaders.buffer_bytes
             )
             self._metrics.received_bytes.inc(nbytes)
             self._metrics.samples_received.inc(sum(t.num_rows for t in tables))
+            for part, table, want in zip(parts, tables, wanted):
+                check_digests(table, want, step=part.step, address=address, columns=columns)
             return tables
 
         try:
@@ -247,6 +296,9 @@ class Fetcher:
                 deadline_s=min(self._job.network.rpc_timeout_s, FETCH_RETRY_S),
                 should_stop=self._stopped,
             )
+        except AlteredSamples as exc:
+            self._found_altered(exc)
+            raise
         except grpc.RpcError as exc:
             error = reraise(exc, f"loader at {address}")
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):

@@ -94,6 +94,13 @@ class ConstructorMetrics:
             ["peer"],
             registry=registry,
         )
+        self.digest_mismatches = Counter(
+            "batchplane_constructor_digest_mismatches_total",
+            "Samples a loader replica sent whose content differs from the plan's digests (never built into a batch; the "
+            "replica is reported to the planner, which fences it), by loader group and the replica's address.",
+            ["group", "address"],
+            registry=registry,
+        )
         self.shm_slabs = Gauge(
             "batchplane_constructor_shm_slabs",
             "Shared-memory slabs allocated now (free or in use; reused, at most constructors.shm_bytes together).",

@@ -361,8 +361,7 @@ class StepPipeline:
     def job_length(self, *, wait_ms: int) -> common_pb2.JobLength:
         """How many steps the job has, as the planner says (waiting up to `wait_ms` for its loaders)."""
         request = planner_pb2.GetJobRequest(wait_ms=wait_ms)
-        response = self._call_planner(lambda: self._planner.GetJob(request, timeout=wait_ms / 1000 + 10), "GetJob from")
-        return response.length
+        return self._call_planner(lambda: self._planner.GetJob(request, timeout=wait_ms / 1000 + 10), "GetJob from").length
 
     def _get_plan(self, ask: PlanRequest, *, abandoned: Callable[[], bool]) -> planner_pb2.GetPlanResponse:
         request = planner_pb2.GetPlanRequest(
@@ -373,6 +372,7 @@ class StepPipeline:
             resume=ask.resume,
             delivered_below=ask.delivered_below,
             rewind=ask.rewind,
+            altered=self._fetcher.altered(),
         )
 
         def get_plan() -> planner_pb2.GetPlanResponse:

@@ -35,6 +35,7 @@ from batchplane.constructor.bounds import (
 from batchplane.constructor.build import Bucket, Fetched, StepPlan
 from batchplane.constructor.subbatch import SubPart
 from batchplane.core import payload as payload_schema
+from batchplane.core.digest import DTYPE as DIGEST_DTYPE
 from batchplane.core.config import JobSettings
 from batchplane.core.payload import PayloadColumn
 from batchplane.v1 import common_pb2, loader_pb2, planner_pb2
@@ -73,11 +74,13 @@ class Wanted:
         sources: int32 [n], their sources.
         seqs: int64 [n], their positions.
         lengths: int32 [n], their planned token counts.
+        digests: int64 [n], what their content digests to (`core.digest`); None: not checked.
     """
 
     sources: np.ndarray
     seqs: np.ndarray
     lengths: np.ndarray
+    digests: np.ndarray | None = None
 
 
 def receive_samples(
@@ -232,14 +235,18 @@ def sample_columns(table: pa.Table, columns: Sequence[PayloadColumn]) -> dict[st
 
 
 def _sample_arrays(s: common_pb2.SampleSet) -> dict[str, np.ndarray]:
-    """A plan's SampleSet decoded, by field name (raises WireFormatError)."""
-    return {
+    """A plan's SampleSet decoded, by field name; "samples.digest" only where the plan has
+    digests (raises WireFormatError)."""
+    arrays = {
         "samples.source": decode_array(s.source, field="samples.source", dtype="int32", ndim=1),
         "samples.seq": decode_array(s.seq, field="samples.seq", dtype="int64", ndim=1),
         "samples.row": decode_array(s.row, field="samples.row", dtype="int64", ndim=1),
         "samples.epoch": decode_array(s.epoch, field="samples.epoch", dtype="int32", ndim=1),
         "samples.length": decode_array(s.length, field="samples.length", dtype="int32", ndim=1),
     }
+    if s.HasField("digest"):
+        arrays["samples.digest"] = decode_array(s.digest, field="samples.digest", dtype=np.dtype(DIGEST_DTYPE).name, ndim=1)
+    return arrays
 
 
 def plan_buckets(
@@ -293,6 +300,7 @@ def plan_buckets(
             fetchers,
             arrays["loaders"],
             copies if copies is not None else np.full(n, fetchers, np.int32),
+            arrays.get("samples.digest"),
         )
     return buckets
 
@@ -380,6 +388,7 @@ def plan_subplans(
                 columns=columns,
                 loaders=loaders if columns else None,
                 copies=copies if columns else None,
+                digest=arrays.get("samples.digest"),
             )
         )
     for name in {p.name for p in parts}:

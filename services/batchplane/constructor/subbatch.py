@@ -45,6 +45,7 @@ class SubPart:
         columns: Payload columns it delivers (empty: identities only).
         loaders: int32 [n] with columns: each sample's holder in `loader_addresses`.
         copies: int32 [n] with columns: constructors fetching each sample.
+        digest: int64 [n]: what each sample's content digests to (`core.digest`; None: not checked).
     """
 
     name: str
@@ -60,6 +61,7 @@ class SubPart:
     columns: tuple[str, ...] = ()
     loaders: np.ndarray | None = None
     copies: np.ndarray | None = None
+    digest: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +75,15 @@ class SubBatch:
 
 @dataclasses.dataclass(frozen=True)
 class FetchGroup:
-    """Samples to fetch with their planned lengths, copies and holders ([n] each)."""
+    """Samples to fetch with their planned lengths, copies, holders and digests ([n] each;
+    `digest` None: not checked)."""
 
     source: np.ndarray
     seq: np.ndarray
     length: np.ndarray
     copies: np.ndarray
     holders: np.ndarray
+    digest: np.ndarray | None = None
 
 
 def fetch_list(groups: Sequence[FetchGroup], *, address: str) -> FetchGroup:
@@ -87,8 +91,10 @@ def fetch_list(groups: Sequence[FetchGroup], *, address: str) -> FetchGroup:
 
     Args:
         address: The planner's address, for the error.
+    The union has digests only where every group has them.
+
     Raises:
-        MalformedResponse: a sample listed with different lengths, copies or holders.
+        MalformedResponse: a sample listed with different lengths, copies, holders or digests.
     """
     if not groups:
         empty = np.zeros(0, np.int32)
@@ -98,12 +104,13 @@ def fetch_list(groups: Sequence[FetchGroup], *, address: str) -> FetchGroup:
     length = np.concatenate([g.length for g in groups]).astype(np.int32, copy=False)
     copies = np.concatenate([g.copies for g in groups]).astype(np.int32, copy=False)
     holders = np.concatenate([g.holders for g in groups]).astype(np.int32, copy=False)
+    digest = None if any(g.digest is None for g in groups) else np.concatenate([g.digest for g in groups if g.digest is not None])
     order = np.lexsort((np.arange(len(seq)), seq, source))  # stable: a key's first listing first
     s, q = source[order], seq[order]
     first = np.ones(len(order), bool)
     first[1:] = (s[1:] != s[:-1]) | (q[1:] != q[:-1])
     lead = order[np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))]  # each listing's first listing
-    for name, a in (("lengths", length), ("copies", copies), ("loaders", holders)):
+    for name, a in (("lengths", length), ("copies", copies), ("loaders", holders), *([("digests", digest)] if digest is not None else [])):
         bad = np.flatnonzero(a[order] != a[lead])
         if len(bad):
             i = int(order[bad[0]])
@@ -111,14 +118,14 @@ def fetch_list(groups: Sequence[FetchGroup], *, address: str) -> FetchGroup:
                 "planner", address, f"sample (source {int(source[i])}, seq {int(seq[i])}) is listed with different {name}"
             )
     keep = np.sort(order[first])
-    return FetchGroup(source[keep], seq[keep], length[keep], copies[keep], holders[keep])
+    return FetchGroup(source[keep], seq[keep], length[keep], copies[keep], holders[keep], None if digest is None else digest[keep])
 
 
 def part_group(part: SubPart) -> FetchGroup:
     """What a delivering part adds to the fetch."""
     if part.loaders is None or part.copies is None:
         raise ValueError(f"part {part.name!r} bucket {part.bucket} delivers no columns")
-    return FetchGroup(part.source, part.seq, part.length, part.copies, part.loaders)
+    return FetchGroup(part.source, part.seq, part.length, part.copies, part.loaders, part.digest)
 
 
 def delivered_columns(parts: Sequence[SubPart]) -> frozenset[str]:

@@ -29,8 +29,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from batchplane.core.errors import BatchplaneError, ConfigError, Unavailable
-from batchplane.core.identity import identity_of_names, server_name
+from batchplane.core.identity import identity_of_names
 from batchplane.core.localca import write_certificate_folder
+from batchplane.core.rpc import create_issuer_channel
 from batchplane.core.tls import read_token
 from batchplane.v1 import issuer_pb2, issuer_pb2_grpc
 
@@ -83,9 +84,7 @@ class IssuerSource:
             raise ConfigError("--issuer-ca", f"cannot be read: {exc}", str(self.ca_file)) from None
         key = ec.generate_private_key(ec.SECP256R1())
         csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(key, hashes.SHA256())
-        credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-        options = [("grpc.ssl_target_name_override", server_name("operator"))]
-        with grpc.secure_channel(self.address, credentials, options=options) as channel:
+        with create_issuer_channel(self.address, ca=ca) as channel:
             request = issuer_pb2.IssueRequest(csr=csr.public_bytes(serialization.Encoding.PEM), token=token)
             response = issuer_pb2_grpc.IssuerStub(channel).Issue(request, timeout=REQUEST_TIMEOUT_S)
         try:

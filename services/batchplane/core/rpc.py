@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from batchplane.core import errors
 from batchplane.core.authz import authorize
 from batchplane.core.config import NetworkSettings
+from batchplane.core.identity import server_name
 from batchplane.core.tls import Security
 from batchplane.local_transport import local_channel
 from batchplane.v1 import common_pb2
@@ -331,6 +332,15 @@ def create_channel(settings: RpcSettings, address: str, *, peer: str) -> grpc.Ch
     if peer == "constructor":
         return local_channel(address, options=options)
     return settings.security.channel(address, peer=peer, options=options)
+
+
+def create_issuer_channel(address: str, *, ca: bytes) -> grpc.Channel:
+    """A channel to batchplane's certificate issuer (the operator, core.enroll): TLS that checks
+    the issuer's certificate (it names `operator.batchplane` and chains to `ca`) and presents
+    none, since a process asks before it has one; the request's ServiceAccount token is its
+    credential."""
+    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name("operator"))]
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
 
 
 def serving_status(health_servicer: health.HealthServicer) -> bool:

@@ -9,17 +9,23 @@ summaries (`core.bad`: the ledger records it), are counted in metrics and logged
 group and rows. So is a sample longer than `batch.max_length` under
 `batch.length_policy` "reject" (reason too_long); under "truncate" it is cut to its first
 max_length tokens before anyone sees it, counted and logged once per row group.
+
+Each good sample's digest (`core.digest`) is computed here, once, over what the loader will
+serve of it; summaries carry it to the planner (`summary_of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from batchplane.core import bad
+from batchplane.core.digest import DTYPE as DIGEST_DTYPE, sample_digests
 from batchplane.core.order import SampleOrder
 from batchplane.loader.metrics import LoaderMetrics
 from batchplane.loader.reporting import SampleReport
@@ -53,6 +59,8 @@ class BufferedWindow:
     columns: dict[str, pa.Array] = dataclasses.field(default_factory=dict)
     #: Read by a fetch outside the buffer (`locate`): dropped once the fetch has taken from it.
     transient: bool = False
+    #: int64 [n]: each sample's digest (`core.digest`), 0 for a bad one.
+    digests: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, DIGEST_DTYPE))
 
     @property
     def seq_end(self) -> int:
@@ -112,6 +120,7 @@ class WindowReader:
         lengths = lengths_of(ids)
         columns = self.transform.limit_columns(columns, over=over, lengths=lengths)
         reasons[over & (lengths == 0) & (reasons == 0)] = bad.TOO_LONG  # rejected by limit (a cut one keeps tokens)
+        digests = sample_digests(ids, columns, self.transform.payload, good=lengths > 0)  # of what fetches serve
         seq_start = epoch * self.num_rows + window.start
         # Positions before the stream's start were consumed before it (a resumed job): never
         # fetched, so not counted; a window wholly before it is one read again for a fetch.
@@ -129,10 +138,12 @@ class WindowReader:
             + rows.nbytes
             + lengths.nbytes
             + reasons.nbytes
+            + digests.nbytes
             + sum(f.nbytes for f in features.values())
             + sum(c.nbytes for c in columns.values()),
             unreleased=int(np.count_nonzero(lengths[first_counted:] > 0)),
             columns=columns,
+            digests=digests,
         )
 
     def _read_row_group(self, g: int) -> TransformOutput | int:
@@ -173,3 +184,31 @@ def _bad_reasons(ids: pa.ListArray, groups: np.ndarray) -> np.ndarray:
     reasons[free & ~valid] = bad.REJECTED
     reasons[free & valid & (lengths_of(ids) == 0)] = bad.EMPTY
     return reasons
+
+
+class Summary(NamedTuple):
+    """What a summary request is answered: consecutive positions' rows (int64), lengths (int32),
+    bad samples' reasons (uint8 `core.bad` codes, 0 for good ones), features by name (float64),
+    whether the stream ends after them, and digests (int64 `core.digest`, 0 for bad samples)."""
+
+    rows: np.ndarray
+    lengths: np.ndarray
+    reasons: np.ndarray
+    features: dict[str, np.ndarray]
+    end_of_stream: bool
+    digests: np.ndarray
+
+
+def summary_of(pieces: Sequence[tuple[BufferedWindow, int, int]], names: Sequence[str], *, end_of_stream: bool) -> Summary:
+    """The summary of windows' positions (window, first, end index) one after another;
+    `names`: the transform's features (0 where a window lacks one)."""
+    rows = [w.rows[lo:hi] for w, lo, hi in pieces]
+    features = {name: [w.features[name][lo:hi] if name in w.features else np.zeros(hi - lo) for w, lo, hi in pieces] for name in names}
+    return Summary(
+        np.concatenate(rows) if rows else np.zeros(0, np.int64),
+        np.concatenate([w.lengths[lo:hi] for w, lo, hi in pieces]) if pieces else np.zeros(0, np.int32),
+        np.concatenate([w.reasons[lo:hi] for w, lo, hi in pieces]) if pieces else np.zeros(0, bad.DTYPE),
+        {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in features.items()},
+        end_of_stream,
+        np.concatenate([w.digests[lo:hi] for w, lo, hi in pieces]) if pieces else np.zeros(0, DIGEST_DTYPE),
+    )

@@ -98,7 +98,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
                 routes=routes,
             )
             return loader_pb2.GetSummaryResponse(start_seq=request.from_seq)
-        rows, lengths, reasons, features, end = stream.summary(
+        summary = stream.summary(
             from_seq=request.from_seq,
             planned_seq=request.planned_seq,
             max_samples=min(request.max_samples or MAX_SUMMARY_SAMPLES, MAX_SUMMARY_SAMPLES),
@@ -109,11 +109,12 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
         )
         return loader_pb2.GetSummaryResponse(
             start_seq=request.from_seq,
-            row=encode_array(rows),
-            length=encode_array(lengths),
-            bad_reason=encode_array(reasons),
-            end_of_stream=end,
-            features={name: encode_array(values) for name, values in features.items()},
+            row=encode_array(summary.rows),
+            length=encode_array(summary.lengths),
+            bad_reason=encode_array(summary.reasons),
+            end_of_stream=summary.end_of_stream,
+            features={name: encode_array(values) for name, values in summary.features.items()},
+            digest=encode_array(summary.digests),
         )
 
     def FetchSamples(

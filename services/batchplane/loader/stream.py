@@ -39,12 +39,11 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from batchplane.core import bad
 from batchplane.core.errors import NotFound, Unavailable
 from batchplane.core.order import SampleOrder
 from batchplane.core.routing import Routing, window_span
 from batchplane.loader.metrics import LoaderMetrics
-from batchplane.loader.reading import BufferedWindow, WindowReader
+from batchplane.loader.reading import BufferedWindow, Summary, WindowReader, summary_of
 from batchplane.loader.source import ParquetSource
 from batchplane.loader.transforms import BoundTransform
 from batchplane.loader.windows import HeldWindow, Progress, WindowBook
@@ -144,9 +143,9 @@ class SourceStream:
         routes: Routing | None = None,
         planned_steps: int = 0,
         delivered_below: int = 0,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], bool]:
-        """Rows, lengths, bad reasons and features of positions from `from_seq` on, as far as
-        read. A window not held (never read, or dropped) is read now.
+    ) -> Summary:
+        """Rows, lengths, bad reasons, features and digests of positions from `from_seq` on, as
+        far as read. A window not held (never read, or dropped) is read now.
 
         Args:
             routes: The source's current routes (None: keep the last ones); `from_seq` lies in
@@ -155,9 +154,8 @@ class SourceStream:
                 an earlier one.
             delivered_below: Every rank was handed every step below it.
         Returns:
-            (rows int64 [n], lengths int32 [n], reasons uint8 [n] (`core.bad` codes, 0 for good
-            samples), features {name: float64 [n]}, end_of_stream after them); n may be 0 after
-            waiting `wait_s` for the reader.
+            The summary (`reading.Summary`) of n positions; n may be 0 after waiting `wait_s`
+            for the reader.
         """
         progress = Progress(planned_seq, planned_steps, delivered_below)
         with self._cond:
@@ -169,15 +167,7 @@ class SourceStream:
             pieces, seq = self._windows.summarize(from_seq, max_samples)
             names = self._reader.feature_names or ()
             self._cond.notify_all()  # the planner has seen these windows
-        rows = [w.rows[lo:hi] for w, lo, hi in pieces]
-        lengths = [w.lengths[lo:hi] for w, lo, hi in pieces]
-        reasons = [w.reasons[lo:hi] for w, lo, hi in pieces]
-        features = {name: [w.features[name][lo:hi] if name in w.features else np.zeros(hi - lo) for w, lo, hi in pieces] for name in names}
-        rows_out = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        lengths_out = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-        reasons_out = np.concatenate(reasons) if reasons else np.zeros(0, bad.DTYPE)
-        features_out = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in features.items()}
-        return rows_out, lengths_out, reasons_out, features_out, self._windows.is_end(seq)
+        return summary_of(pieces, names, end_of_stream=self._windows.is_end(seq))
 
     def follow(
         self, *, from_seq: int, count: int, planned_seq: int, planned_steps: int, delivered_below: int, routes: Routing | None

@@ -11,9 +11,9 @@ nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraint
 checked by `batchplane.operator.podfields`. spec.loader.tls.secretName and
 spec.loader.authTokens.secretName name the Secrets loader pods mount for mutual TLS and for the
 per-role bearer tokens (absent: neither); spec.loader.identity, instead of tls, has loader pods
-get their certificates from batchplane's issuer (the chart's tls.mode issued and certManager) with
-a projected ServiceAccount token, and verify it by the CA certificate of a ConfigMap
-(caConfigMap) or of a Secret's key ca.crt (caSecret); `batchplane.operator.manifests` says how
+get their certificates from batchplane's issuer (the chart's tls.mode issued, certManager and
+existingSecret) with a projected ServiceAccount token, and verify it by the CA certificate of a
+ConfigMap (caConfigMap) or of a Secret's key ca.crt (caSecret); `batchplane.operator.manifests` says how
 each is mounted. `declared_schedule` reads spec.mixture's staged or curriculum schedule, for
 scaling ahead of a declared change.
 """

@@ -224,16 +224,19 @@ def issuer_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict
         return [], []
     token = {"audience": identity.audience, "expirationSeconds": identity.token_expiration_s, "path": ISSUER_TOKEN}
     items = [{"key": ISSUER_CA, "path": ISSUER_CA}]  # the certificate alone, never another key
-    ca = (
+    ca: dict[str, Any] = (
         {"secret": {"name": identity.ca_secret, "items": items}}
         if identity.ca_secret
         else {"configMap": {"name": identity.ca_config_map, "items": items}}
     )
-    volumes = [
+    volumes: list[dict[str, Any]] = [
         {"name": TLS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": ISSUED_TLS_SIZE}},
         {"name": ISSUER_VOLUME, "projected": {"defaultMode": SECRET_MODE, "sources": [{"serviceAccountToken": token}, ca]}},
     ]
-    mounts = [{"name": TLS_VOLUME, "mountPath": TLS_DIR}, {"name": ISSUER_VOLUME, "mountPath": ISSUER_DIR, "readOnly": True}]
+    mounts: list[dict[str, Any]] = [
+        {"name": TLS_VOLUME, "mountPath": TLS_DIR},
+        {"name": ISSUER_VOLUME, "mountPath": ISSUER_DIR, "readOnly": True},
+    ]
     return volumes, mounts
 
 

@@ -264,12 +264,12 @@ class PlanBook:
     def _reopen(self, step: int, resume: Mapping[str, str], reader: LedgerReader) -> Reopened:
         """Where planning continues from to reach `step`, and this run's generation of the ledger
         (`restore.reopen`, which continues `self.ledger` from the durable one); hands planning
-        the adaptive state."""
+        the adaptive state, and the builder the digests the steps planned again are held to."""
         job, ledger, sources = self._job, self.ledger, self._membership
         opened = reopen(
             step, job=job, mixture=self._mixture, reader=reader, resume=resume, rule=self._adaptive, ledger=ledger, sources=sources
         )
-        self.resumed_across, adaptive = opened.start.changed, opened.start.adaptive
+        self.resumed_across, adaptive, self._builder.recorded = opened.start.changed, opened.start.adaptive, opened.recorded
         if adaptive is not None:
             with self._cond:
                 self._planning.adaptive_restored(adaptive.state, applied_through=adaptive.applied_through, reports=adaptive.reports)

@@ -46,8 +46,11 @@ Each bound and why it holds for every correct peer:
   each once; sizes and times >= 0 or -1 (not given), rows >= 0 adding up to the source's rows.
 - **Summaries** (`check_summary`): a loader's answer must be what was asked: starting at the
   position asked, no more samples than asked, equal lengths, rows of the source, lengths >= 0,
-  finite features, bad reasons as uint8 codes, one per sample or none (an older loader), and an
-  end of stream only where the stream ends.
+  finite features, bad reasons as uint8 codes, one per sample or none (an older loader), a
+  digest per sample, 0 exactly for the bad ones, and an end of stream only where the stream ends.
+- **Altered samples** (`check_altered`): a constructor reports the loader replicas that sent it
+  samples other than the plan's digests as it finds them, each before it asks for the step's
+  plan again: a handful a request (`MAX_ALTERED_REPORTS`), each an address and a source of the job.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ MAX_ADDRESS_CHARS = 512
 MAX_RESUME_ENTRIES = 32
 #: Characters of a fingerprint group name or digest (digests have 16 hex digits).
 MAX_FINGERPRINT_CHARS = 128
+#: Altered-samples reports of one GetPlan request (`GetPlanRequest.altered`).
+MAX_ALTERED_REPORTS = 8
 #: Files of one source a registration may report (see the module docstring).
 MAX_SOURCE_FILES = 100_000
 #: Characters of a source file's name (relative to the source's location): Linux's PATH_MAX.
@@ -168,6 +173,22 @@ def check_address(field: str, value: str) -> str:
     if not value.isprintable() or any(c.isspace() for c in value):
         raise InvalidArgument(f"{field} must have printable characters and no blanks only")
     return value
+
+
+def check_altered(reports: Sequence[Any], *, sources: int) -> None:
+    """Checks a GetPlan request's reports of altered samples (`GetPlanRequest.altered`: objects
+    with loader_address and source).
+
+    Raises:
+        InvalidArgument: more than MAX_ALTERED_REPORTS, an address that cannot be one, or a
+            source outside the job's `sources` (the message names the field).
+    """
+    if len(reports) > MAX_ALTERED_REPORTS:
+        raise InvalidArgument(f"altered has {len(reports)} entries, at most {MAX_ALTERED_REPORTS}")
+    for i, report in enumerate(reports):
+        check_address(f"altered[{i}].loader_address", report.loader_address)
+        if not 0 <= report.source < sources:
+            raise InvalidArgument(f"altered[{i}].source must be in [0, {sources}), got {report.source}")
 
 
 def check_source_files(source: str, num_rows: int, files: Sequence[Any]) -> tuple[FileFacts, ...]:
@@ -308,11 +329,14 @@ def check_summary(
     num_rows: int | None,
     stream_end: int | None,
     reasons: np.ndarray | None = None,
+    digests: np.ndarray | None = None,
 ) -> None:
     """Checks a loader's summary response against its request (decoded arrays, no copy).
 
     Args:
         reasons: The bad samples' reason codes (`core.bad`; None or empty: not sent).
+        digests: The samples' digests (`core.digest`; None: not sent, which only an answer of no
+            samples may do): one per row, 0 exactly for the bad samples (length 0).
         from_seq: The position asked from; the answer must start there.
         max_samples: The most samples asked for.
         num_rows: The source's rows (None: unknown, rows are only checked >= 0).
@@ -332,6 +356,12 @@ def check_summary(
             raise MalformedSummary(f"bad reasons of dtype {reasons.dtype} and shape {reasons.shape}, not {np.dtype(bad.DTYPE)} [n]")
         if len(reasons) not in (0, n):
             raise MalformedSummary(f"{len(reasons)} bad reasons for {n} rows")
+    if n and digests is None:
+        raise MalformedSummary(f"no digests for {n} rows")
+    if digests is not None and len(digests) != n:
+        raise MalformedSummary(f"{len(digests)} digests for {n} rows")
+    if digests is not None and n and np.any((digests == 0) != (lengths == 0)):
+        raise MalformedSummary("digests of 0 for good samples or other than 0 for bad ones (length 0)")
     for name, values in features.items():
         if len(values) != n:
             raise MalformedSummary(f"feature {name[:MAX_FINGERPRINT_CHARS]!r}: {len(values)} values for {n} rows")

@@ -1,14 +1,16 @@
 """Builds the plans of one planning window (`planning.next_window`): waits for the summaries of
-its samples in the summary store, substitutes its bad samples (`substitute`), and runs the job's
-strategy over them (see `dgraph`). What to plan, and what is kept, is `planning`'s; recording the
+its samples in the summary store, holds samples planned before to the digests the ledger
+recorded of them (`digests.held_to`, after a restart or a rewind), substitutes its bad samples
+(`substitute`), and runs the job's strategy over them (see `dgraph`). What to plan, and what is kept, is `planning`'s; recording the
 plans in the ledger is `book.PlanBook`'s. Waits on the store; holds no lock and no plan state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from batchplane.core.config import JobSettings
 from batchplane.core.mesh import ClientPlaceTree
 from batchplane.planner.cost import make_cost_fn
 from batchplane.planner.dgraph import Strategy
+from batchplane.planner.digests import Identity, held_to
 from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
@@ -26,6 +29,8 @@ from batchplane.planner.planning import WindowPlan
 from batchplane.planner.substitute import check_policy, entries, substitute
 from batchplane.planner.summaries import SummaryStore, wait_for_summary
 from batchplane.planner.window import Window, home_steps, taken, without
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +96,9 @@ class WindowBuilder:
         self._waiting = waiting
         self._before_waiting = before_waiting
         self._cost_fn = make_cost_fn(job.balance.cost.kind, linear=job.balance.cost.linear, quadratic=job.balance.cost.quadratic)
+        #: The digests the ledger recorded of samples planned before this start or rewind
+        #: (`restore.recorded_digests`), which they are planned with again.
+        self.recorded: Mapping[Identity, int] = {}
 
     def build(self, planned: WindowPlan, *, stream_ends: Sequence[int | None]) -> Built | None:
         """The plans of `planned`'s window; None when stopped or rewound while waiting.
@@ -103,7 +111,7 @@ class WindowBuilder:
         table = self._allocated_samples(window.ranges)
         if table is None:
             return None
-        table = without(table, window.skip)
+        table = self._held_to_ledger(without(table, window.skip))
         home = np.zeros(len(table), np.int64) if window.leftover else home_steps(table, allocations)
         substituted: dict[int, list[dict]] = {}
         if not window.leftover and self._job.batch.bad_samples.policy != "skip":
@@ -123,6 +131,21 @@ class WindowBuilder:
             if plan.step >= planned.keep_from  # (those before: planned again only to plan the rest identically)
         ]
         return Built(window, afters, kept, substituted, recorded, waited, planned_s)
+
+    def _held_to_ledger(self, table: SampleTable) -> SampleTable:
+        """`table` with the digests the ledger recorded of its samples (`digests.held_to`); says
+        where the loaders now summarize other ones."""
+        table, changed = held_to(table, self.recorded)
+        if len(changed):
+            i = int(changed[0])
+            log.warning(
+                "%d sample(s) planned again are summarized with other digests than the ledger recorded when they were first planned "
+                "(first: source %r position %d): planned with the recorded ones, so constructors refuse content that differs from it",
+                len(changed),
+                self._job.sources[int(table.source[i])].name,
+                int(table.seq[i]),
+            )
+        return table
 
     def _substitute(
         self, window: Window, last: Allocation, table: SampleTable, home: np.ndarray, *, stream_ends: Sequence[int | None]
@@ -200,6 +223,7 @@ class WindowBuilder:
             if got is None:
                 return None
             rows, lengths, features = got
+            digests = self._store.digests(k, start, count)
             seq = np.arange(start, start + count, dtype=np.int64)
             tables.append(
                 SampleTable(
@@ -209,6 +233,7 @@ class WindowBuilder:
                     length=lengths,
                     epoch=(seq // self._membership.num_rows(k)).astype(np.int32),
                     features=features,
+                    digest=np.zeros(0, np.int64) if digests is None else digests,
                 )
             )
         self._waiting("")

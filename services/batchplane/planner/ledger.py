@@ -21,6 +21,7 @@ import numpy as np
 
 from batchplane.planner.adaptive import AdaptiveState, state_to_json as adaptive_to_json
 from batchplane.planner.balance import METHODS, partition, spread
+from batchplane.planner.digests import record_digests
 from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.mixture import Allocation, MixtureState
 from batchplane.planner.plan import Balancing, StepPlan, assign
@@ -164,6 +165,8 @@ class Ledger:
           the mixture allocated to the step;
         - tokens: {source: tokens of its good samples}; bad: samples left out as bad;
         - ranks: per bucket, per microbatch, [source, row, epoch] of each sample;
+        - digests: beside "ranks", each sample's digest as its loader summarized it (16 hex
+          digits, `digests.record_digests`); absent when the samples carry none;
         - after: the mixture state after the step (`state_to_json`);
         - consumed: {source: [[first, end), ...]}: every seq consumed up to this step, across
           resumes (a snapshot: a resume restores it from the step before);
@@ -246,6 +249,9 @@ class Ledger:
             "after": state_to_json(after),
             "consumed": {name: c.to_list() for name, c in zip(self.source_names, self.consumed) if not c.is_empty},
         }
+        digests = record_digests(plan)
+        if digests is not None:
+            record["digests"] = digests
         if window is not None:
             record["window"] = window
             record["samples"] = {name: spans.to_list() for name, spans in zip(self.source_names, taken) if not spans.is_empty}

@@ -17,6 +17,9 @@ is asked for, a live replica of its group serves the failed one's windows under 
 and windows from the frontier on are routed over the live replicas only. With none live, the next
 replica to join adopts them (a cluster's replacement pod, which comes back under a new name). A
 failed replica that registers again (a local restart, under its id) serves its windows again.
+
+A replica that sent a constructor samples other than the plan's digests is *fenced* (`fence`):
+adopted like a failed one, and never again routed to, promoted or let register under its id.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class Membership:
         self._shadows: dict[tuple[int, str], str] = {}  # (group, replica) -> its shadow's address
         self._promoted: set[tuple[int, str]] = set()  # replicas a shadow took over
         self._failed: dict[tuple[int, str], str | None] = {}  # (group, failed replica) -> its adopter (None: none yet)
+        self._fenced: set[tuple[int, str]] = set()  # (group, replica) that sent altered samples: failed for good
         self._constructor_ranks: dict[int, tuple[int, ...]] = {}
         self._rejoined: dict[int, int] = {}
         self._files: dict[int, tuple[FileFacts, ...]] = {}  # source -> its files, as first reported
@@ -138,7 +142,8 @@ class Membership:
             InvalidArgument: an index outside the job, sources other than the configuration
                 assigns it, an empty source, or a source whose row count or row groups differ
                 from the group's other replicas' (its files changed under a running job).
-            FailedPrecondition: the replica left the group and registers as the same process.
+            FailedPrecondition: the replica left the group and registers as the same process, or
+                was fenced (`fence`).
         """
         replica = replica or str(index)
         job = self._job
@@ -149,6 +154,8 @@ class Membership:
         if got != expected:
             raise InvalidArgument(f"loader {index} must serve sources {expected}, it reported {got}")
         with self._lock:
+            if (index, shadow_of or replica) in self._fenced:
+                raise FailedPrecondition(f"replica {shadow_of or replica!r} of loader group {index} was fenced: it sent altered samples")
             displaced = self._vouched_over(index, sources)
             if displaced:
                 self._forget_group(index)
@@ -264,6 +271,25 @@ class Membership:
             self._failed[(index, replica)] = adopter
             self._reroute(index)
             return adopter
+
+    def fence(self, index: int, address: str) -> tuple[str, str | None] | None:
+        """The replica of group `index` serving at `address` sent a constructor altered samples:
+        it is fenced for good and a live replica of the group serves its windows (as `adopt`).
+
+        Returns:
+            (its id, its adopter's id); None, with nothing done, when no replica of the group serves
+            at `address` (fenced already, or unknown) or it is the group's last live one (its
+            windows would wait for a replica that may never come: constructors go on refusing it).
+        """
+        with self._lock:
+            live = [r for r in self._replicas.get(index, {}) if (index, r) not in self._failed]
+            serving = [r for r in live if self._replicas[index][r] == address]
+            serving += [r for (g, r), a in self._departed.items() if g == index and a == address and (g, r) not in self._failed]
+            if not serving or not set(live) - {serving[0]}:
+                return None
+            self._fenced.add((index, serving[0]))
+            self._shadows.pop((index, serving[0]), None)
+        return serving[0], self.adopt(index, serving[0])
 
     def failed(self, index: int, replica: str) -> bool:
         """Whether replica `replica` of group `index` was declared failed and has not registered again."""

@@ -66,6 +66,13 @@ class PlannerMetrics:
             ["group"],
             registry=registry,
         )
+        self.fences = Counter(
+            "batchplane_planner_loader_fences_total",
+            "Loader replicas fenced because a constructor found samples they sent that differ from the plan's digests "
+            "(another replica of the group serves their windows; they may not register again), by loader group.",
+            ["group"],
+            registry=registry,
+        )
         self.promotions = Counter(
             "batchplane_planner_shadow_promotions_total",
             "Shadow loaders promoted to serve in place of a failed replica, by loader group.",

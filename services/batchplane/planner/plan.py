@@ -25,13 +25,14 @@ from typing import Any, TypedDict
 import numpy as np
 
 from batchplane.core import lengths as sample_lengths
+from batchplane.core.digest import DTYPE as DIGEST_DTYPE
 from batchplane.planner.balance import partition
 from batchplane.planner.cost import CostFn, sample_costs
 from batchplane.planner.padded import Rows, group, rebalance, rows_of
 from batchplane.planner.token_budget import token_budget
 
 
-_COLUMNS = (("source", np.int32), ("seq", np.int64), ("row", np.int64), ("length", np.int32), ("epoch", np.int32))
+_COLUMNS = (("source", np.int32), ("seq", np.int64), ("row", np.int64), ("length", np.int32), ("epoch", np.int32), ("digest", DIGEST_DTYPE))
 
 
 class LengthLimit(TypedDict):
@@ -45,7 +46,9 @@ class LengthLimit(TypedDict):
 @dataclasses.dataclass(frozen=True)
 class SampleTable:
     """Samples as parallel arrays: source index (int32), seq (int64), row (int64), length
-    (int32, 0 for a bad sample), epoch (int32), and per-sample features by name (float64)."""
+    (int32, 0 for a bad sample), epoch (int32), per-sample features by name (float64) and digest
+    (int64, `core.digest`, as the loader summarized the sample; 0 for a bad one, and for all
+    where none is given)."""
 
     source: np.ndarray
     seq: np.ndarray
@@ -53,6 +56,11 @@ class SampleTable:
     length: np.ndarray
     epoch: np.ndarray
     features: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    digest: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, DIGEST_DTYPE))
+
+    def __post_init__(self) -> None:
+        if not len(self.digest) and len(self.seq):
+            object.__setattr__(self, "digest", np.zeros(len(self.seq), DIGEST_DTYPE))
 
     @classmethod
     def empty(cls) -> SampleTable:

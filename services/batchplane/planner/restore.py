@@ -3,7 +3,8 @@ mixture's state before a step (the record of the step before, or a fast-forward 
 lacks it), the adaptive mixing state with the training reports stored since, all of it assembled
 for a start or a rewind (`restore_start`), whether the sources are still those the ledger
 recorded (`check_sources`, comparing with `source_changes`), the floor a restarted planner
-resumes at, and the oldest step a rewind can re-plan. Reads the ledger; decides nothing about
+resumes at, the oldest step a rewind can re-plan, and the digests of the samples of the steps
+planned again (`recorded_digests`). Reads the ledger; decides nothing about
 requests (that is `progress`) and holds no state (that is `book.PlanBook`, which applies what
 `restore_start` returns under its lock).
 """
@@ -19,6 +20,7 @@ from typing import Protocol
 from batchplane.core.config import JobSettings
 from batchplane.core.errors import FailedPrecondition
 from batchplane.planner.adaptive import AdaptiveRule, AdaptiveState, state_from_json as adaptive_from_json
+from batchplane.planner.digests import Identity, digests_of
 from batchplane.planner.intervals import IntervalSet
 from batchplane.planner.journal import Generation, LedgerReader, LedgerWriter
 from batchplane.planner.ledger import Ledger, state_from_json
@@ -228,11 +230,13 @@ class Sources(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Reopened:
     """A start or a rewind: where planning continues from, the ledger's new generation it writes
-    to, and the changed sources that start over at its step (`check_sources`)."""
+    to, the changed sources that start over at its step (`check_sources`), and the digests the
+    steps planned again are held to (`recorded_digests`)."""
 
     start: StartPoint
     writer: LedgerWriter
     restarted: tuple[str, ...]
+    recorded: Mapping[Identity, int] = dataclasses.field(default_factory=dict)
 
 
 def reopen(
@@ -261,8 +265,39 @@ def reopen(
         log.error("%s", exc)
         raise
     start = restore_start(step, job=job, mixture=mixture, reader=reader, resume=resume, rule=rule, ledger=ledger, restarted=restarted)
+    recorded = recorded_digests(reader, step, job=job, restarted=restarted)  # before the new generation folds the earlier ones
     writer = new_generation(reader, step, job=job, source_facts=sources.commit_sources(), restarted=restarted)
-    return Reopened(start, writer, restarted)
+    return Reopened(start, writer, restarted, recorded)
+
+
+#: The most samples whose recorded digests a start or a rewind holds the steps it plans again to
+#: (`recorded_digests`): about 10 MB of the planner's memory, 256 steps of 256 samples ...
+MAX_REPLAY_SAMPLES = 1 << 16
+#: ... from at most this many steps' records (thinned ones hold none), read at the start.
+MAX_REPLAY_STEPS = 1024
+
+
+def recorded_digests(reader: LedgerReader, step: int, *, job: JobSettings, restarted: Collection[str] = ()) -> dict[Identity, int]:
+    """The digests the ledger recorded of the samples of the steps from `step` on, which a
+    start or a rewind at `step` plans again (`digests.held_to`), by sample identity: of the steps
+    planned with the job's data settings, without the sources that start over (`restarted`),
+    at most MAX_REPLAY_SAMPLES samples of MAX_REPLAY_STEPS steps (those nearest `step`; later
+    ones are held to what the loaders summarize)."""
+    out: dict[Identity, int] = {}
+    for record in reader.records(step, step + MAX_REPLAY_STEPS - 1):
+        owner = reader.owner(record["step"])
+        if owner is None or owner.fingerprints.get("data") != job.fingerprints["data"]:
+            continue
+        found = digests_of(record, job.source_names, skip=restarted)
+        if len(out) + len(found) > MAX_REPLAY_SAMPLES:
+            log.info(
+                "steps from %d on are planned again with the digests their loaders summarize (the ledger's of %d samples are held)",
+                record["step"],
+                len(out),
+            )
+            break
+        out.update(found)
+    return out
 
 
 def _started_over(state: MixtureState, sources: Sequence[int]) -> MixtureState:

@@ -84,7 +84,9 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     def connect(address: str) -> grpc.Channel:
         return create_channel(rpc, address, peer="loader")
 
-    watch = ReplicaWatch(membership, job.loaders.failover, metrics, connect=connect, shadows=job.loaders.shadow)
+    watch = ReplicaWatch(
+        membership, job.loaders.failover, metrics, connect=connect, shadows=job.loaders.shadow, constructors=job.constructor_count
+    )
     puller = SummaryPuller(
         store,
         num_sources=len(job.sources),
@@ -95,7 +97,7 @@ def start_planner(job: JobSettings, process: ProcessSettings, registry: Collecto
     server, port, health = create_grpc_server(
         rpc, host=process.listen or job.network.host, port=process.port, metrics=ServerMetrics("planner", registry)
     )
-    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book, store, metrics), server)
+    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(job, membership, book, store, metrics, fence=watch.fence), server)
     server.start()
     set_serving(health, "batchplane.v1.Planner")
     address = process.advertise or process.listen or f"{job.network.host}:{port}"

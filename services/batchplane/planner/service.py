@@ -18,6 +18,7 @@ from batchplane.planner.book import PlanBook
 from batchplane.planner.bounds import (
     MAX_NAME_CHARS,
     check_address,
+    check_altered,
     check_max_steps,
     check_name,
     check_resume,
@@ -74,21 +75,30 @@ def job_info(job: JobSettings, strategy: Strategy) -> common_pb2.JobInfo:
     )
 
 
-def sample_set(table: SampleTable) -> common_pb2.SampleSet:
+def sample_set(table: SampleTable, *, digests: bool = True) -> common_pb2.SampleSet:
+    """A plan's samples; `digests`: with their digests (the constructors check what loaders send)."""
     return common_pb2.SampleSet(
         source=encode_array(table.source),
         seq=encode_array(table.seq),
         row=encode_array(table.row),
         length=encode_array(table.length),
         epoch=encode_array(table.epoch),
+        digest=encode_array(table.digest) if digests else None,
     )
 
 
 def subplan_parts(
-    plan: StepPlan, ranks: tuple[int, ...], book: PlanBook, *, holders: Callable[[SampleTable], np.ndarray], copies: np.ndarray | None
+    plan: StepPlan,
+    ranks: tuple[int, ...],
+    book: PlanBook,
+    *,
+    holders: Callable[[SampleTable], np.ndarray],
+    copies: np.ndarray | None,
+    digests: bool = True,
 ) -> list[planner_pb2.SubPlanPart]:
     """The secondary graphs' parts for the buckets `ranks` consume; a graph that delivers
-    payload columns says who holds each sample (`holders`) and how many fetch it (`copies`)."""
+    payload columns says who holds each sample (`holders`) and how many fetch it (`copies`);
+    `digests`: the samples' digests with them (`sample_set`)."""
     parts = []
     for sub in plan.subplans:
         for bucket in sorted({book.mesh.bucket_of(r, sub.axis) for r in ranks}):
@@ -99,7 +109,7 @@ def subplan_parts(
                 axis=sub.axis,
                 metadata=sub.metadata,
                 bucket=bucket,
-                samples=sample_set(samples),
+                samples=sample_set(samples, digests=digests),
                 values=encode_array(sub.values[index]),
             )
             if sub.columns:
@@ -111,8 +121,28 @@ def subplan_parts(
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
-    def __init__(self, job: JobSettings, membership: Membership, book: PlanBook, store: SummaryStore, metrics: PlannerMetrics) -> None:
+    """The Planner service.
+
+    Args:
+        fence: Fences a loader replica a constructor reports for altered samples
+            (`watch.ReplicaWatch.fence`; default: none is).
+    """
+
+    def __init__(
+        self,
+        job: JobSettings,
+        membership: Membership,
+        book: PlanBook,
+        store: SummaryStore,
+        metrics: PlannerMetrics,
+        *,
+        fence: Callable[..., None] = lambda group, address, **_: None,
+    ) -> None:
         self._job = job
+        self._fence = fence
+        # A loader_do_plan hook rewrites what loaders send: their samples cannot match the
+        # digests of what they read, so plans carry none and constructors check none.
+        self._digests = not book.strategy.hook_names().get("loader_do_plan")
         self._store = store
         self._metrics = metrics
         self._info = job_info(job, book.strategy)
@@ -225,6 +255,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             raise NotFound(f"constructor {request.constructor_index} has not registered")
         check_step("step", request.step)
         max_steps = check_max_steps(request.max_steps, self._job.constructors.fetch_steps)
+        check_altered(request.altered, sources=len(self._job.sources))
+        for a in request.altered:  # before planning: this answer names the replicas serving in their place
+            where = f"{a.count} sample(s) of step {a.step}, first: source {self._job.source_names[a.source]!r} position {a.seq}"
+            self._fence(self._job.loader_of(a.source), a.loader_address, constructor=request.constructor_index, where=where)
         if request.step % self._stride != request.constructor_index % self._stride:
             raise InvalidArgument(
                 f"step {request.step} is journal producer {request.step % self._stride}'s, not constructor "
@@ -255,7 +289,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             samples, offsets = plan.rank_samples(bucket)
             rank_plan = planner_pb2.RankPlan(
                 dp_rank=bucket,
-                samples=sample_set(samples),
+                samples=sample_set(samples, digests=self._digests),
                 microbatch_offsets=encode_array(offsets),
                 fetchers=self._fetchers[bucket],
                 loaders=encode_array(self._holders(samples, addresses)),
@@ -263,7 +297,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             if copies is not None:
                 rank_plan.copies.CopyFrom(encode_array(copies[plan.bucket_index(bucket)]))
             rank_plans.append(rank_plan)
-        subplans = subplan_parts(plan, ranks, self._book, holders=lambda samples: self._holders(samples, addresses), copies=copies)
+        subplans = subplan_parts(
+            plan, ranks, self._book, holders=lambda samples: self._holders(samples, addresses), copies=copies, digests=self._digests
+        )
         return planner_pb2.GetPlanResponse(
             step=plan.step,
             ranks=rank_plans,

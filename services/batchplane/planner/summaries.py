@@ -1,5 +1,5 @@
 """The planner's view of the loaders' buffers: per source, the rows, lengths and bad samples'
-reasons of the samples from the planner's cursor on, pulled window by window from the replica
+reasons and digests (`core.digest`) of the samples from the planner's cursor on, pulled window by window from the replica
 each window is routed to.
 
 `SummaryStore` holds what is known (no I/O). `SummaryPuller` keeps it filled a look-ahead past
@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from batchplane.core import bad
+from batchplane.core.digest import DTYPE as DIGEST_DTYPE
 from batchplane.core.routing import Routing
 from batchplane.planner.bounds import MAX_NAME_CHARS, MalformedSummary, check_summary
 from batchplane.planner.membership import SummaryTarget
@@ -47,6 +48,7 @@ class _Known:
     rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     reasons: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bad.DTYPE))  # core.bad codes
+    digests: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, DIGEST_DTYPE))  # core.digest, 0: bad or unknown
     features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     end: int | None = None  # the stream ends here, once known
     cursor: int = 0  # the planner's next seq
@@ -94,6 +96,7 @@ class SummaryStore:
                 known.rows = known.rows[:0]
                 known.lengths = known.lengths[:0]
                 known.reasons = known.reasons[:0]
+                known.digests = known.digests[:0]
                 known.features = {}
             self.planned_steps = step
             self.delivered_below = delivered_below
@@ -121,6 +124,7 @@ class SummaryStore:
                 drop = min(cursor - known.base, len(known.rows))
                 if drop > 0:
                     known.rows, known.lengths, known.reasons = known.rows[drop:], known.lengths[drop:], known.reasons[drop:]
+                    known.digests = known.digests[drop:]
                     known.features = {name: values[drop:] for name, values in known.features.items()}
                     known.base += drop
                 known.cursor = cursor
@@ -139,10 +143,11 @@ class SummaryStore:
         end_of_stream: bool,
         features: dict[str, np.ndarray] | None = None,
         reasons: np.ndarray | None = None,
+        digests: np.ndarray | None = None,
     ) -> None:
         """Appends what a loader reported; entries that are already known or stale are ignored.
         A feature missing from one report is 0 for its samples; so are `reasons` (uint8 `core.bad`
-        codes, one per sample) when None or empty."""
+        codes, one per sample) and `digests` (int64 `core.digest`) when None or empty."""
         with self.cond:
             known = self._known[source]
             skip = known.known_through - start_seq
@@ -160,6 +165,8 @@ class SummaryStore:
                 known.lengths = np.concatenate([known.lengths, lengths[skip:]])
                 new_reasons = reasons[skip:] if reasons is not None and len(reasons) else np.zeros(len(rows) - skip, bad.DTYPE)
                 known.reasons = np.concatenate([known.reasons, new_reasons.astype(bad.DTYPE, copy=False)])
+                new_digests = digests[skip:] if digests is not None and len(digests) else np.zeros(len(rows) - skip, DIGEST_DTYPE)
+                known.digests = np.concatenate([known.digests, new_digests.astype(DIGEST_DTYPE, copy=False)])
             if end_of_stream:
                 known.end = start_seq + len(rows)
             self.cond.notify_all()
@@ -194,6 +201,17 @@ class SummaryStore:
             known, lo = self._at(source, start, count)
             return None if known is None else known.reasons[lo : lo + count]
 
+    def digests(self, source: int, start: int, count: int) -> np.ndarray | None:
+        """int64 [count]: the `core.digest` digests of seqs [start, start + count) (0 for a bad
+        sample), or None while not all known.
+
+        Raises:
+            ValueError: `start` lies before what the store keeps (as `get`).
+        """
+        with self.cond:
+            known, lo = self._at(source, start, count)
+            return None if known is None else known.digests[lo : lo + count]
+
     def _at(self, source: int, start: int, count: int) -> tuple[_Known | None, int]:
         """The source's known metadata and the index of seq `start` in it; (None, 0) while seqs
         [start, start + count) are not all known (lock held).
@@ -210,10 +228,11 @@ class SummaryStore:
 
 def parse_summary(
     response: loader_pb2.GetSummaryResponse, request: loader_pb2.GetSummaryRequest, target: SummaryTarget
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    """A loader's summary answer as (rows, lengths, features, bad reasons), views of its bytes
-    (no copy), once it is what `request` asked of `target`. The reasons are uint8 `core.bad`
-    codes, one per sample; zeros (unknown) when the loader sent none (an older loader).
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """A loader's summary answer as (rows, lengths, features, bad reasons, digests), views of
+    its bytes (no copy), once it is what `request` asked of `target`. The reasons are uint8
+    `core.bad` codes, one per sample; zeros (unknown) when the loader sent none (an older
+    loader). The digests are int64 `core.digest` digests, one per sample (0: a bad one).
 
     Raises:
         MalformedSummary, WireFormatError: it is not (the message says why).
@@ -228,6 +247,9 @@ def parse_summary(
         if response.HasField("bad_reason")
         else None
     )
+    digests = (
+        decode_array(response.digest, field="digest", dtype=np.dtype(DIGEST_DTYPE).name, ndim=1) if response.HasField("digest") else None
+    )
     check_summary(
         rows,
         lengths,
@@ -239,10 +261,11 @@ def parse_summary(
         num_rows=target.num_rows,
         stream_end=target.stream_end,
         reasons=reasons,
+        digests=digests,
     )
     if reasons is None or len(reasons) != len(rows):
         reasons = np.zeros(len(rows), bad.DTYPE)
-    return rows, lengths, features, reasons
+    return rows, lengths, features, reasons, np.zeros(0, DIGEST_DTYPE) if digests is None else digests
 
 
 def route_messages(routing: Routing) -> list[common_pb2.Route]:
@@ -352,7 +375,7 @@ class SummaryPuller:
             self._stopped.wait(backoff)
             return min(backoff * 2, 0.5 if target.shadow else 2.0)
         try:
-            rows, lengths, features, reasons = parse_summary(response, request, target)
+            rows, lengths, features, reasons, digests = parse_summary(response, request, target)
         except (MalformedSummary, WireFormatError) as exc:  # refused: the replica answered, but not what was asked
             log.warning(
                 "GetSummary(source %d from %d) at loader %s: a malformed answer, refused: %s", source, from_seq, target.address, exc
@@ -361,7 +384,7 @@ class SummaryPuller:
             self._stopped.wait(backoff)
             return min(backoff * 2, 2.0)
         self._observe(target.owner, target.address, True)
-        self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features, reasons=reasons)
+        self._store.add(source, response.start_seq, rows, lengths, response.end_of_stream, features, reasons=reasons, digests=digests)
         if target.shadow and len(rows):
             request.follow, request.max_samples, request.wait_ms = True, len(rows), 0
             self._pass_on(target.shadow, request)

@@ -10,6 +10,9 @@ replica of its group (`Membership.adopt`), or by the next to join. From then on 
 new server, and constructors, whose fetches from the dead replica fail, ask for the plan again
 and fetch from it. A replica restarted under its id (the local launcher's way) serves its
 windows again as soon as it registers.
+
+A replica a constructor reports for sending samples other than the plan's digests (`fence`) is
+fenced at once: adopted like a failed one, and never let back in under its id.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchplane.core.config import FailoverSettings
+from batchplane.planner.fence_votes import FenceVotes
 from batchplane.planner.failover import FailureDetector, probe_due
 from batchplane.planner.membership import Membership
 from batchplane.planner.metrics import PlannerMetrics
@@ -37,6 +41,9 @@ LONE_SHADOW_S = 3.0
 #: How long a replica may run without a shadow, with `loaders.shadow` set, before a warning.
 UNSHADOWED_WARN_S = 10.0
 
+#: Reported addresses not fenced that the watch remembers having said so of.
+MAX_NOT_FENCED = 1024
+
 
 class ReplicaWatch:
     """The planner's failure detection and failover for loader replicas.
@@ -47,6 +54,7 @@ class ReplicaWatch:
         metrics: The planner's metrics.
         connect: Opens a channel to a loader at an address.
         shadows: `loaders.shadow`: every replica should have a shadow (warns when one has none).
+        constructors: How many constructors pull data (`fence_votes.FenceVotes`).
     """
 
     def __init__(
@@ -57,8 +65,10 @@ class ReplicaWatch:
         *,
         connect: Callable[[str], grpc.Channel],
         shadows: bool = False,
+        constructors: int = 1,
     ) -> None:
         self._membership = membership
+        self._votes = FenceVotes(constructors)
         self._connect = connect
         self._shadows = shadows
         self._unshadowed: dict[tuple[int, str], float | None] = {}  # replica -> since when it has no shadow (None: warned)
@@ -70,6 +80,7 @@ class ReplicaWatch:
         self._connected: dict[str, bool] = {}  # address -> its channel is READY (grpc's callbacks)
         self._answered: dict[str, float] = {}  # address -> when it last answered a probe, since its last failure
         self._lone: dict[tuple[int, str], float] = {}  # shadow without its replica -> since when
+        self._not_fenced: set[tuple[int, str]] = set()  # (group, address) reported but not fenced, said once
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="replica-watch", daemon=True)
         self._thread.start()
@@ -126,6 +137,56 @@ class ReplicaWatch:
             group,
             address,
             now - since,
+        )
+
+    def fence(self, group: int, address: str, *, constructor: int, where: str) -> None:
+        """Constructor `constructor` reports that the replica of loader group `group` at `address`
+        sent it altered samples (`where` says which): fences it (`Membership.fence`), unless it
+        is not (or no longer) a live replica of the group, or the group's last live one; once
+        enough constructors reported it (`fence_votes.FenceVotes`)."""
+        with self._lock:
+            first = self._votes.reporters(group, address) == 0
+            quorum = self._votes.report(group, address, constructor)
+            fenced = self._membership.fence(group, address) if quorum else None
+        if not quorum:
+            if first:  # said once: a constructor reports it with every plan it asks for
+                log.warning(
+                    "constructor %d reports altered samples from loader %s of group %d (%s): fenced once %d constructors report it",
+                    constructor,
+                    address,
+                    group,
+                    where,
+                    self._votes.needed,
+                )
+            return
+        if fenced is None:
+            if (group, address) in self._not_fenced:
+                return
+            if len(self._not_fenced) >= MAX_NOT_FENCED:  # what a hostile constructor names is not kept without bound
+                self._not_fenced.clear()
+            self._not_fenced.add((group, address))  # said once: a constructor reports it with every plan it asks for
+            log.warning(
+                "constructor %d reports altered samples from loader %s (%s): not fenced, as it is no live replica of group %d "
+                "(fenced already, replaced or unknown) or its last one (constructors go on refusing what it sends)",
+                constructor,
+                address,
+                where,
+                group,
+            )
+            return
+        replica, adopter = fenced
+        self._metrics.fences.labels(str(group)).inc()
+        self._metrics.loader_failures.labels(str(group)).inc()
+        self._detector.forget(((group, replica), address))
+        log.error(
+            "loader replica %r of group %d at %s sent constructor %d altered samples (%s): fenced; replica %r serves its windows, "
+            "and it may not register again",
+            replica,
+            group,
+            address,
+            constructor,
+            where,
+            adopter,
         )
 
     def _probe_loop(self) -> None:

@@ -5,8 +5,8 @@ Templates meant for users' own pod specs (see deploy/helm/README.md):
   batchplane.podSecurityContext   the pod's securityContext: its fsGroup is the group that may enter the socket folder
   batchplane.constructorSidecar   the constructor, for the pod's initContainers (native sidecar)
   batchplane.volumes              the socket emptyDir, the job ConfigMap, a /tmp emptyDir, the sidecar's certificate and token Secrets
-                                  (tls.mode issued or certManager: its certificate emptyDir, its projected ServiceAccount token and the CA certificate)
-  batchplane.trainerServiceAccountName  the pod's serviceAccountName (tls.mode issued or certManager: an account the issuer gives constructor identities)
+                                  (tls.mode issued, certManager or existingSecret: its certificate emptyDir, its projected ServiceAccount token and the CA certificate)
+  batchplane.trainerServiceAccountName  the pod's serviceAccountName (tls.mode issued, certManager or existingSecret: an account the issuer gives constructor identities)
   batchplane.trainerEnv           BATCHPLANE_CONSTRUCTOR, where the sidecar publishes its index, and the index's inputs
   batchplane.trainerVolumeMounts  the socket folder, for the trainer container
   batchplane.trainerLabels        the labels the NetworkPolicy admits trainer pods by
@@ -28,9 +28,9 @@ fsGroup) before it binds; the emptyDir itself lets every user in, so the socket 
 {{- define "batchplane.indexFile" -}}/run/batchplane/constructor-index{{- end }}
 {{- define "batchplane.configDir" -}}/etc/batchplane{{- end }}
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
-{{/* Where the certificate Secret (ca.crt, tls.crt, tls.key) is mounted: --tls-dir (with the
+{{/* Where a part reads its certificate (ca.crt, tls.crt, tls.key): --tls-dir (with the
 operator as issuer, batchplane.tlsIssued, an in-memory emptyDir the part writes its issued
-certificate into). */}}
+certificate into; tls.mode generated, its certificate Secret). */}}
 {{- define "batchplane.tlsDir" -}}/etc/batchplane/tls{{- end }}
 {{/* batchplane.tlsIssued: where a part reads its projected ServiceAccount token (token) and the CA
 certificate (ca.crt) it verifies the issuer by; where the operator reads the CA it signs with
@@ -273,12 +273,13 @@ say (cross-field rules).
 {{- fail (printf "example.jobsetJobs: must divide the %s trainer pods, got %d" (include "batchplane.trainerPods" .) (int $v.example.jobsetJobs)) }}
 {{- end }}
 {{- end }}
-{{- if eq $v.tls.mode "existingSecret" }}
 {{- range $component := include "batchplane.tlsComponents" . | splitList " " }}
-{{- if not (get $v.tls.existingSecret $component) }}
-{{- fail (printf "tls.existingSecret.%s: name the %s's Secret (keys ca.crt, tls.crt, tls.key); tls.mode existingSecret needs one for each of %s" $component $component (include "batchplane.tlsComponents" $ | splitList " " | join ", ")) }}
+{{- if get $v.tls.existingSecret $component }}
+{{- fail (printf "tls.existingSecret.%s: per-part Secrets are no longer taken (one certificate per part lets any pod of a part act for every replica of it). Remove it and use tls.existingSecret.ca: your CA's Secret, with which the operator issues each pod a certificate of its own" $component) }}
 {{- end }}
 {{- end }}
+{{- if and (eq $v.tls.mode "existingSecret") (not $v.tls.existingSecret.ca) }}
+{{- fail "tls.existingSecret.ca: empty: tls.mode existingSecret needs your CA's Secret (type kubernetes.io/tls: tls.crt the CA certificate the operator signs with, a root or an intermediate followed by the chain above it; tls.key its ECDSA P-256 key; ca.crt the root every part trusts)" }}
 {{- end }}
 {{- if eq (include "batchplane.tlsIssued" .) "true" }}
 {{- include "batchplane.validateIssued" . }}
@@ -288,8 +289,8 @@ say (cross-field rules).
 {{- end }}
 
 {{/*
-batchplane.tlsIssued (tls.mode issued or certManager): this release's operator issues the
-certificates; it reads a constructor's index from its trainer pod, which an env:NAME source is
+batchplane.tlsIssued (tls.mode issued, certManager or existingSecret): this release's operator
+issues the certificates; it reads a constructor's index from its trainer pod, which an env:NAME source is
 not; no bearer tokens; a token audience the API server does not accept (a token for the issuer
 must not be one for the API server); and each ServiceAccount names one role (the issuer gives a
 pod the role of its account).
@@ -298,7 +299,7 @@ pod the role of its account).
 {{- $v := .Values }}
 {{- $mode := $v.tls.mode }}
 {{- if not $v.operator.enabled }}
-{{- fail (printf "tls.mode %s: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose another tls.mode (existingSecret for production)" $mode) }}
+{{- fail (printf "tls.mode %s: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose tls.mode generated (not for production)" $mode) }}
 {{- end }}
 {{- if hasPrefix "env:" $v.constructor.indexFrom }}
 {{- fail (printf "constructor.indexFrom: tls.mode %s reads each trainer pod's constructor index from the pod itself (its labels, annotations or name), which %q is not; choose indexed-job, pod-ordinal, kubeflow, jobset or leaderworkerset, or another tls.mode" $mode $v.constructor.indexFrom) }}
@@ -525,7 +526,7 @@ The volumes the sidecar needs: put them in the trainer pod's volumes. The socket
 emptyDir that only the trainer container and the sidecar mount; the constructor makes its own
 folder in it (mode 2770, group: the pod's fsGroup) before it binds, so the trainer must run with
 the pod's fsGroup among its groups (batchplane.podSecurityContext sets it; it may run as another
-UID). The sidecar's certificate and token Secrets (tls.mode issued or certManager: its
+UID). The sidecar's certificate and token Secrets (tls.mode issued, certManager or existingSecret: its
 certificate emptyDir, the CA certificate and its projected ServiceAccount token, which the issuer
 honours only for a pod whose serviceAccountName is batchplane.trainerServiceAccountName or one of
 tls.issued.constructorServiceAccounts) are mounted in the sidecar only.
@@ -726,7 +727,7 @@ app.kubernetes.io/component: operator
 
 {{/*
 The egress rules a trainer pod's constructor sidecar needs: the planner's and the loaders' gRPC
-ports, the operator's issuer port (tls.mode issued or certManager) and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
+ports, the operator's issuer port (tls.mode issued, certManager or existingSecret) and the cluster DNS. For a NetworkPolicy of your own trainer pods (policyTypes: [Egress]),
 next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
   egress: {{- include "batchplane.trainerEgressRules" $bp | nindent 4 }}
 */}}
@@ -749,7 +750,8 @@ next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
 {{- define "batchplane.tlsEnabled" -}}{{ ne .Values.tls.mode "disabled" }}{{- end }}
 
 {{/* The Secret of the chart's own CA (tls.mode issued, generated, or certManager without an
-issuerRef: the root); with tls.mode issued also the ConfigMap of its certificate alone. */}}
+issuerRef: the root; never with existingSecret, whose CA is yours); with tls.mode issued also the
+ConfigMap of its certificate alone. */}}
 {{- define "batchplane.tlsCaName" -}}
 {{- include "batchplane.componentName" (dict "root" . "suffix" "ca") }}
 {{- end }}
@@ -760,37 +762,42 @@ issuerRef: the root); with tls.mode issued also the ConfigMap of its certificate
 {{- end }}
 
 {{/*
-"true" when the operator issues each pod a certificate of its own: tls.mode issued (signed with
-the CA Helm makes) or certManager (signed with the intermediate CA cert-manager issues and
-renews, batchplane.issuerCaSecretName).
+"true" when the operator issues each pod a certificate of its own. The modes differ only in the
+CA it signs with (batchplane.issuerCaSecretName): tls.mode issued the CA Helm makes, certManager
+the intermediate CA cert-manager issues and renews, existingSecret yours (tls.existingSecret.ca).
 */}}
-{{- define "batchplane.tlsIssued" -}}{{ has .Values.tls.mode (list "issued" "certManager") }}{{- end }}
+{{- define "batchplane.tlsIssued" -}}{{ has .Values.tls.mode (list "issued" "certManager" "existingSecret") }}{{- end }}
 
 {{/*
 The Secret of the CA the operator signs with (batchplane.tlsIssued; only the operator mounts it,
 its tls.crt and tls.key as ca.crt and ca.key): tls.mode issued the Helm-made root `<name>-ca`;
-certManager the intermediate `<name>-issuer-ca` (tls.crt: it and the CAs above it; ca.crt: the root).
+certManager the intermediate `<name>-issuer-ca`; existingSecret yours, tls.existingSecret.ca (a
+root or an intermediate). tls.crt: the CA and the CAs above it; ca.crt: the root.
 */}}
 {{- define "batchplane.issuerCaSecretName" -}}
+{{- if eq .Values.tls.mode "existingSecret" }}
+{{- .Values.tls.existingSecret.ca }}
+{{- else }}
 {{- include "batchplane.componentName" (dict "root" . "suffix" (ternary "issuer-ca" "ca" (eq .Values.tls.mode "certManager"))) }}
+{{- end }}
 {{- end }}
 
 {{/*
 Where the parts read the trust anchor they verify the issuer and each other by (its key ca.crt,
 nothing else), as YAML: `source` (the projected volume's source kind), `field` (the DataPlane's
 spec.loader.identity field) and `name`. tls.mode issued: the ConfigMap `<name>-ca`, the CA's
-certificate alone; certManager: the key ca.crt (the root) of the operator's CA Secret, whose
-other keys the kubelet never projects.
+certificate alone; certManager and existingSecret: the key ca.crt (the root) of the operator's CA
+Secret, whose other keys the kubelet never projects.
 */}}
 {{- define "batchplane.issuerTrustAnchor" -}}
-{{- if eq .Values.tls.mode "certManager" -}}
-source: secret
-field: caSecret
-name: {{ include "batchplane.issuerCaSecretName" . }}
-{{- else -}}
+{{- if eq .Values.tls.mode "issued" -}}
 source: configMap
 field: caConfigMap
 name: {{ include "batchplane.tlsCaName" . }}
+{{- else -}}
+source: secret
+field: caSecret
+name: {{ include "batchplane.issuerCaSecretName" . }}
 {{- end }}
 {{- end }}
 
@@ -882,13 +889,9 @@ alone, never a key), files mode 0440.
               path: ca.crt
 {{- end }}
 
-{{/* The Secret holding a part's certificate: (dict "root" . "component" "planner"). */}}
+{{/* The Secret holding a part's certificate (tls.mode generated): (dict "root" . "component" "planner"). */}}
 {{- define "batchplane.tlsSecretName" -}}
-{{- if eq .root.Values.tls.mode "existingSecret" }}
-{{- get .root.Values.tls.existingSecret .component }}
-{{- else }}
 {{- include "batchplane.componentName" (dict "root" .root "suffix" (printf "%s-tls" .component)) }}
-{{- end }}
 {{- end }}
 
 {{/*
@@ -929,9 +932,8 @@ the certificate names none), and the certificate proves it belongs to the job's 
 A part's flags for transport security: (dict "root" . "role" "planner" "server" true).
 --tls-dir (unless tls.mode is disabled); with batchplane.tlsIssued --issuer (the operator's issuer
 port), --issuer-token-file (the pod's projected ServiceAccount token) and --issuer-ca; with tokens (batchplane.tokensEnabled), a server (planner, loaders)
-gets --auth-tokens (its own key of the tokens Secret and every role's verifier, `<role>.sha256`,
-where the chart makes the Secret; the whole of an auth.tokens.existingSecret) and presents its own
-key as --token-file, a caller only (the constructor) --token-file with its own key alone.
+gets --auth-tokens (its own key of the tokens Secret and every role's verifier, `<role>.sha256`)
+and presents its own key as --token-file, a caller only (the constructor) --token-file with its own key alone.
 */}}
 {{- define "batchplane.securityArgs" -}}
 {{- if eq (include "batchplane.tlsEnabled" .root) "true" }}
@@ -981,8 +983,8 @@ batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's
   secret:
     secretName: {{ include "batchplane.authTokensSecretName" .root }}
     defaultMode: 288
-    {{- if not .root.Values.auth.tokens.existingSecret }}
-    {{- /* its own token, and the verifiers (SHA-256) of the tokens it accepts: no other role's token */}}
+    {{- /* its own token, and the verifiers (SHA-256) of the tokens it accepts: no other role's
+    token, whether the chart made the Secret or you did (auth.tokens.existingSecret) */}}
     items:
       - key: {{ .role }}
         path: {{ .role }}
@@ -990,7 +992,6 @@ batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's
       - key: {{ $r }}.sha256
         path: {{ $r }}.sha256
       {{- end }}
-    {{- end }}
 {{- else }}
 - name: batchplane-token
   secret:
