@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import datetime
 import os
 import pathlib
 import re
@@ -38,9 +37,7 @@ import grpc
 import pytest
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from ca_material import intermediate as intermediate_ca, pem_key
 from harness import Batch, run_ranks, to_numpy, wait_until, write_source
 from test_helm_chart import NAMESPACE, RELEASE, all_of, helm_binary, loader_deployments, one, template
 from token_review_api import TokenReviewApi
@@ -220,25 +217,9 @@ def signing_ca_secret(name: str, *, intermediate: bool) -> dict[str, Any]:
     tls.key its key, ca.crt the root), or a user's root CA (tls.crt and ca.crt the root)."""
     root = LocalCA(None, name="root")
     if not intermediate:
-        return _secret(name, {"tls.crt": root.pem, "tls.key": _pem(root.key), "ca.crt": root.pem})
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(root.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(root.key, hashes.SHA256())
-    )
-    return _secret(name, {"tls.crt": cert.public_bytes(serialization.Encoding.PEM), "tls.key": _pem(key), "ca.crt": root.pem})
-
-
-def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return _secret(name, {"tls.crt": root.pem, "tls.key": pem_key(root.key), "ca.crt": root.pem})
+    cert, key = intermediate_ca(root, name)
+    return _secret(name, {"tls.crt": cert, "tls.key": key, "ca.crt": root.pem})
 
 
 def _secret(name: str, data: dict[str, bytes]) -> dict[str, Any]:
@@ -364,7 +345,6 @@ def test_the_default_chart_s_parts_run_the_job_with_certificates_of_their_own(re
 
 
 def identity_in(folder: pathlib.Path) -> str | None:
-    from cryptography import x509
 
     from batchplane.core.identity import identity_of_names
 

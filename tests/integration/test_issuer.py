@@ -27,9 +27,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
+from ca_material import intermediate
 from harness import wait_until
 from token_review_api import TokenReviewApi
 
@@ -200,25 +200,12 @@ def test_whoever_cannot_prove_a_role_gets_nothing(issuer: Issuer, tmp_path: path
 def intermediate_ca(root: LocalCA, folder: pathlib.Path, *, name: str) -> LocalCA:
     """An intermediate CA signed by `root`, written as the chart mounts cert-manager's CA Secret
     (tls.crt as ca.crt, holding the intermediate and the root; tls.key as ca.key)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(root.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(root.key, hashes.SHA256())
-    )
+    cert, key = intermediate(root, name)
     folder.mkdir(parents=True, exist_ok=True)
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     swap = folder / "swap"
     swap.mkdir()
-    (swap / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM) + root.pem)
-    (swap / "ca.key").write_bytes(pem_key)
+    (swap / "ca.crt").write_bytes(cert + root.pem)
+    (swap / "ca.key").write_bytes(key)
     for name in ("ca.crt", "ca.key"):  # replaced by rename, as the kubelet swaps a Secret's files
         os.replace(swap / name, folder / name)
     swap.rmdir()
