@@ -59,7 +59,8 @@ def test_a_rogue_replica_is_detected_by_digest_fenced_and_no_altered_token_reach
         try:
             got, _ = collect(cluster.endpoints_path, [0, 1])
             # Its next heartbeat (it registers again every network.heartbeat_s) is refused.
-            wait_until(lambda: "FAILED_PRECONDITION" in rogue_log.read_text(), timeout_s=30, what="the rogue's registration refused")
+            refused = "refuses this loader: replica 'rogue' of loader group 0 was fenced"
+            wait_until(lambda: refused in rogue_log.read_text(), timeout_s=30, what="the rogue's registration refused, saying why")
             host = cluster.job.network.host
             sent = scrape(f"http://{host}:{ready['metrics_port']}/metrics")
             found = [scrape(f"http://{host}:{p.metrics_port}/metrics") for p in cluster.constructors]

@@ -113,10 +113,10 @@ class RunningLoader:
                         if r.source in self.streams:
                             self.streams[r.source].asked_through(r.through_seq)
                 except grpc.RpcError as exc:
-                    if known:
-                        log.warning(
-                            "the planner at %s does not answer (%s); registering again until it does", process.planner, exc.code().name
-                        )
+                    if known:  # a refusal says why (e.g. this replica was fenced); anything else: it does not answer
+                        refused = exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED)
+                        what = f"refuses this loader: {exc.details()}" if refused else f"does not answer ({exc.code().name})"
+                        log.warning("the planner at %s %s; registering again until it takes it", process.planner, what)
                     known = False
                     continue
                 if not known:
