@@ -214,7 +214,10 @@ def test_a_planner_killed_mid_ledger_write_resumes_with_every_sample_once(
     cluster = start_cluster(config)
     try:
         monkeypatch.setenv("BATCHPLANE_ENDPOINTS", str(cluster.endpoints_path))
-        trainers = [Trainer(rank, step_s=0.02) for rank in (0, 1)]
+        # 0.05 s a step: the planner's grouped writes (the steps planned in one go) spread over
+        # about 4 s, so the poll below catches one in the making even when a loaded machine
+        # gives this thread few time slices (at 0.02 s it once saw the job's last write go by).
+        trainers = [Trainer(rank, step_s=0.05) for rank in (0, 1)]
         for t in trainers:
             t.start()
         try:
