@@ -11,11 +11,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from batchplane.core.localca import LocalCA
-
-
-def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+from batchplane.core.localca import LocalCA, pem_key
 
 
 def intermediate(root: LocalCA, name: str, *, days: int = 30) -> tuple[bytes, bytes]:

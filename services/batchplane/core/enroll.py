@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from batchplane.core.errors import BatchplaneError, ConfigError, Unavailable
 from batchplane.core.identity import identity_of_names
-from batchplane.core.localca import write_certificate_folder
+from batchplane.core.localca import pem_key, write_certificate_folder
 from batchplane.core.rpc import create_issuer_channel
 from batchplane.core.tls import read_token
 from batchplane.v1 import issuer_pb2, issuer_pb2_grpc
@@ -95,8 +95,7 @@ class IssuerSource:
             raise Unavailable(f"the issuer at {self.address} sent a certificate that is not usable: {exc}") from None
         if identity is None or cert.public_key() != key.public_key():
             raise Unavailable(f"the issuer at {self.address} sent a certificate naming no identity or not for this process's key")
-        pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        write_certificate_folder(self.folder, ca=ca, cert=response.certificate, key=pem_key)
+        write_certificate_folder(self.folder, ca=ca, cert=response.certificate, key=pem_key(key))
         return Enrolled(identity.uri(), cert.not_valid_before_utc, cert.not_valid_after_utc)
 
 

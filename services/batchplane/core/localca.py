@@ -37,7 +37,8 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as PEM (PKCS #8, unencrypted): what a certificate folder's tls.key holds."""
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
@@ -94,7 +95,7 @@ class LocalCA:
         )
         self.file = self.pem
         if folder is not None:
-            _write_private(folder / "ca.key", _pem_key(self.key))
+            _write_private(folder / "ca.key", pem_key(self.key))
             (folder / CA_FILE).write_bytes(self.pem)
 
     @classmethod
@@ -134,7 +135,7 @@ class LocalCA:
         what is there atomically; returns `folder`."""
         key = ec.generate_private_key(ec.SECP256R1())
         cert = self.sign(identity, key.public_key(), lifetime=datetime.timedelta(days=days))
-        write_certificate_folder(folder, ca=self.pem, cert=cert, key=_pem_key(key))
+        write_certificate_folder(folder, ca=self.pem, cert=cert, key=pem_key(key))
         return folder
 
     def sign(self, identity: Identity, public_key: ec.EllipticCurvePublicKey, *, lifetime: datetime.timedelta) -> bytes:

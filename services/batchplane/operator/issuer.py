@@ -26,14 +26,13 @@ from typing import Any
 
 import grpc
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import CollectorRegistry, Counter
 
 from batchplane.core.errors import ConfigError, InvalidArgument, Unauthenticated, Unavailable
 from batchplane.core.identity import Identity
 from batchplane.core.issuance import ISSUED_ROLES, IssuancePolicy, IssuanceRefused, identity_for, reviewed
-from batchplane.core.localca import LocalCA
+from batchplane.core.localca import LocalCA, pem_key
 from batchplane.core.rpc import RpcSettings, ServerMetrics, create_grpc_server
 from batchplane.core.tls import Security, files_stamp
 from batchplane.operator.kubernetes import KubernetesError
@@ -274,10 +273,9 @@ class _ServingCertificate(Security):
         key = ec.generate_private_key(ec.SECP256R1())
         ca = self._ca()
         cert = ca.sign(Identity("operator"), key.public_key(), lifetime=datetime.timedelta(seconds=self._lifetime_s)) + ca.chain
-        pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
         with self._lock:
             self._renew_at = time.monotonic() + self._lifetime_s * RENEW_AT
-        return grpc.ssl_server_certificate_configuration([(pem_key, cert)])
+        return grpc.ssl_server_certificate_configuration([(pem_key(key), cert)])
 
 
 def start_issuer(
