@@ -1,5 +1,6 @@
 """What every test process shares: one OpenMP thread for torch, in the test process and the
-processes it starts (trainers, torchrun's workers), unless OMP_NUM_THREADS says otherwise.
+processes it starts (trainers, torchrun's workers), unless OMP_NUM_THREADS says otherwise; and
+Python's faulthandler in each of them, so a process killed as hung says where it stood.
 
 The models the tests train are tiny: a second intra-op thread buys nothing on them, and on a
 loaded machine (or beside `make test`'s other pytest-xdist workers) its busy-waiting costs a
@@ -16,6 +17,9 @@ import pathlib
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Python process the tests start prints its threads' stacks on a fatal signal: a hung
+# trainer is sent SIGABRT before it is killed (disturbed.wait_trainer), so a failure says where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 TESTS = pathlib.Path(__file__).parent
 

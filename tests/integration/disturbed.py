@@ -1,7 +1,8 @@
 """Disturbed runs for the integration tests: parts of a running data plane killed (SIGKILL) at
 chosen steps while paced trainers take batches, and the outcome compared with an undisturbed run
 of the same job (the same batches per rank, the same plans in the ledger); and one killer of a
-trainer's whole process tree (torchrun and its workers)."""
+trainer's whole process tree (torchrun and its workers), and one waiter for it that says where
+it hung."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from harness import Batch, assert_same_batches, collect, ledger_records, running_cluster, wait_until
+from harness import TRAINER_TIMEOUT_S, Batch, assert_same_batches, collect, ledger_records, running_cluster, wait_until
 
 from batchplane.launcher.local import LocalCluster, ServiceProcess
 
@@ -194,6 +195,26 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     proc.wait(timeout=30)
     wait_until(lambda: not any(running(pid) for pid in pids[1:]), timeout_s=30, what="every process of the killed trainer to be gone")
     return pids
+
+
+def wait_trainer(proc: subprocess.Popen, log: pathlib.Path, *, timeout_s: float = TRAINER_TIMEOUT_S) -> int:
+    """Waits for a trainer's process tree (`proc`, started with its output in `log`) to end and
+    returns its exit code, killing the tree however the wait ends. One still running after
+    `timeout_s` fails the test with where every process of it stood: each is sent SIGABRT, on
+    which Python's faulthandler (PYTHONFAULTHANDLER, set for every process the tests start)
+    prints every thread's stack into `log`, whose end the failure shows."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(3)  # the stacks are written
+        raise AssertionError(
+            f"{' '.join(map(str, proc.args))} ran past {timeout_s:.0f} s; its output ends:\n{log.read_text(errors='replace')[-20000:]}"
+        ) from None
+    finally:
+        kill_tree(proc)
 
 
 def descendants(pid: int) -> list[int]:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from disturbed import kill_tree
+from disturbed import kill_tree, wait_trainer
 from harness import (
     TRAINER_TIMEOUT_S,
     SourceData,
@@ -106,11 +106,7 @@ def start_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str) ->
 
 def run_torchrun(out: pathlib.Path, endpoints: pathlib.Path, *options: str, timeout_s: float = TRAINER_TIMEOUT_S) -> None:
     proc = start_torchrun(out, endpoints, *options)
-    try:
-        code = proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    code = wait_trainer(proc, out / "torchrun.log", timeout_s=timeout_s)
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-6000:]}"
 
 

@@ -23,9 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from disturbed import kill_tree
+from disturbed import wait_trainer
 from harness import (
-    TRAINER_TIMEOUT_S,
     SourceData,
     assert_same_batches,
     collect,
@@ -160,11 +159,7 @@ def test_the_hf_trainer_marks_each_checkpoint_it_saves_and_its_ranks_exit_cleanl
         ]
         with open(out / "torchrun.log", "wb") as log:
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=TRAINER_TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc)
+        code = wait_trainer(proc, out / "torchrun.log")
         text = (out / "torchrun.log").read_text(errors="replace")
         assert code == 0 and "terminate called" not in text, f"torchrun exited with {code}:\n{text[-6000:]}"
         saves = sorted(int(p.name.split("-")[1]) for p in (out / "hf").glob("checkpoint-*"))

@@ -21,8 +21,8 @@ import subprocess
 import sys
 
 import pytest
-from disturbed import kill_tree
-from harness import TRAINER_TIMEOUT_S, start_cluster, wait_until, write_job, write_source
+from disturbed import kill_tree, wait_trainer
+from harness import start_cluster, wait_until, write_job, write_source
 
 pytestmark = pytest.mark.integration
 
@@ -96,10 +96,7 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def run_to_end(proc: subprocess.Popen, out: pathlib.Path) -> None:
-    try:
-        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
-    finally:
-        kill_tree(proc)
+    code = wait_trainer(proc, out / "torchrun.log")
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-4000:]}"
 
 

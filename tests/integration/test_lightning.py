@@ -20,8 +20,8 @@ import sys
 
 import pytest
 import torch
-from disturbed import kill_tree
-from harness import TRAINER_TIMEOUT_S, corrupt_row_group, run_ranks, running_cluster, start_cluster, write_job, write_source
+from disturbed import wait_trainer
+from harness import corrupt_row_group, run_ranks, running_cluster, start_cluster, write_job, write_source
 from trainers.hashes import tensor_hashes
 
 from batchplane.client import Client
@@ -48,10 +48,7 @@ def run_trainer(endpoints: pathlib.Path, out: pathlib.Path, ckpt_dir: pathlib.Pa
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    try:
-        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
-    finally:
-        kill_tree(proc)
+    code = wait_trainer(proc, log)
     assert code == 0, f"the Lightning trainer exited with {code}:\n{log.read_text()[-4000:]}"
 
 

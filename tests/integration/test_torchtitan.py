@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from disturbed import kill_tree
-from harness import TRAINER_TIMEOUT_S, SourceData, start_cluster, write_job
+from disturbed import wait_trainer
+from harness import SourceData, start_cluster, write_job
 
 from batchplane.client import Client, InvalidRequestError
 from batchplane.client.torchtitan import BatchplaneDataLoader
@@ -82,10 +82,7 @@ def run_torchtitan(endpoints: pathlib.Path, dump: pathlib.Path, out: pathlib.Pat
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    try:
-        code = proc.wait(timeout=TRAINER_TIMEOUT_S)
-    finally:
-        kill_tree(proc)
+    code = wait_trainer(proc, out / "torchrun.log")
     assert code == 0, f"torchrun exited with {code}:\n{(out / 'torchrun.log').read_text()[-5000:]}"
     return {r: json.loads((out / f"done{r}.json").read_text()) for r in (0, 1)}
 
