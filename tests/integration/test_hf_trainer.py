@@ -347,8 +347,8 @@ def damaged_sources(root: pathlib.Path, rng: np.random.Generator) -> tuple[list[
 
 
 def test_a_job_with_unreadable_row_groups_ends_where_its_data_does_with_a_final_save(tmp_path) -> None:
-    """Issue 40: with rows damaged, substitution ends the data before the length counted at the
-    start. The Trainer (save every 7 steps) and a plain loop both stop at the real end, train
+    """Issue 40: with rows damaged, substitution may end the data before the length counted at
+    the start. The Trainer (save every 7 steps) and a plain loop both stop at the real end, train
     every good row once, save there, and their clients then know the exact length."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     sources, lost = damaged_sources(tmp_path / "data", np.random.default_rng(seed))
@@ -366,7 +366,11 @@ def test_a_job_with_unreadable_row_groups_ends_where_its_data_does_with_a_final_
     delivered = len(logs[0])
     assert set(seen) == good and max(seen.values()) == 1, f"seed {seed}: every good row once"
     assert [line["step"] for line in logs[1]] == list(range(delivered)), f"seed {seed}"
-    assert delivered < counted == STEPS, f"seed {seed}: {len(lost)} rows lost end the data before the {counted} steps counted"
+    # The count at the start is an upper bound (README, "len(client)"): a bad row whose substitute
+    # is found ends the data earlier; one met in the last planning window, with no data past it
+    # to take a substitute from, leaves its step a sample short instead (seed 2092985239 damages
+    # only rows there: 60 steps of 60). Either way the run stops at the real end.
+    assert delivered <= counted == STEPS, f"seed {seed}: {len(lost)} rows lost, {delivered} steps delivered of {counted} counted"
     for rank in (0, 1):
         ended = json.loads((tmp_path / "out" / f"ended-rank{rank}.json").read_text())
         assert ended == {"global_step": delivered, "num_steps": delivered, "ended": True}, f"seed {seed}, rank {rank}"
