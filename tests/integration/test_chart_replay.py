@@ -1,5 +1,6 @@
 """The chart's default security replayed from outside: render the chart (tls.mode issued, the
-default) and run its operator, planner, a loader of the DataPlane's group and the trainer pods'
+default; certManager; existingSecret; and issued with operator.enabled false, where this
+release's operator pods are its issuer alone) and run its operator, planner, a loader of the DataPlane's group and the trainer pods'
 constructor sidecars as processes with exactly the args, environment and mounted files their
 pods get — the CA Secret's keys in the operator's --issuer-ca-dir, the CA ConfigMap and a
 projected token in each service pod, an empty --tls-dir — then attack with what one pod holds.
@@ -207,7 +208,9 @@ MODES = {
     "issued": {},
     "certManager": {"tls": {"mode": "certManager"}},
     "existingSecret": {"tls": {"mode": "existingSecret", "existingSecret": {"ca": "corp-pki-ca"}}},
-    "generated": {"tls": {"mode": "generated"}},
+    # Another release's operator reconciles the DataPlane: this release's operator pods are its
+    # issuer alone (--no-reconcile), with the issuer's RBAC only.
+    "issuerAlone": {"operator": {"enabled": False}},
 }
 
 
@@ -249,7 +252,7 @@ def replay(request: pytest.FixtureRequest) -> Iterator[Replay]:
     assert helm is not None, "make helm"
     docs = template(helm, "-f", root / "values.yaml")
     identity = one(docs, "DataPlane")["spec"]["loader"].get("identity")
-    assert bool(identity) == (request.param != "generated"), "the default is tls.mode issued"
+    assert identity, "every TLS mode of the chart issues each pod its own certificate"
     if identity and "caSecret" in identity:  # made by cert-manager, or the user's own, in a cluster
         docs.append(signing_ca_secret(identity["caSecret"], intermediate=request.param == "certManager"))
     cluster = Cluster(docs, root / "pods")
@@ -336,12 +339,13 @@ def test_the_default_chart_s_parts_run_the_job_with_certificates_of_their_own(re
                     seen[row] += 1
                     assert mb["input_ids"][i, : int(mb["sample_length"][i])].tolist() == source.rows[row].tolist()
     assert seen == {row: 1 for row in range(len(source.rows))}, cluster.log("bp-")
+    operator_args = container(pods["operator"].spec, "operator")["args"]
+    assert ("--no-reconcile" in operator_args) == ("--prometheus" not in operator_args) == (replay.mode == "issuerAlone")
     expected = {"loader": "batchplane://loader/0/bp-loader-text-66f8-c3", "planner": "batchplane://planner"}
     expected.update({f"trainer-{i}": f"batchplane://constructor/{i}" for i in range(PODS)})
     for name, identity in expected.items():
         part = "constructor" if name.startswith("trainer") else name
-        # Helm cannot write URI names: generated certificates name the role's DNS name only.
-        assert identity_in(tls_dir(pods[name], part)) == (None if replay.mode == "generated" else identity), name
+        assert identity_in(tls_dir(pods[name], part)) == identity, name
 
 
 def identity_in(folder: pathlib.Path) -> str | None:
@@ -369,13 +373,12 @@ def credentials(pod: Pod, part: str) -> Security:
     return Security(CertificateFolder(tls_dir(pod, part)), token=pathlib.Path(token).read_text().strip() if token else None)
 
 
-#: Calls made with one pod's credentials: (whose pod, what it tries, whether it crosses a
-#: replica or index of its own role (True) or another role (False), the call).
-ATTACKS: list[tuple[str, str, bool, Callable[[planner_pb2_grpc.PlannerStub, loader_pb2_grpc.LoaderStub], Any]]] = [
+#: Calls made with one pod's credentials, each crossing to another replica or index of its own
+#: role or to another role: (whose pod, what it tries, the call).
+ATTACKS: list[tuple[str, str, Callable[[planner_pb2_grpc.PlannerStub, loader_pb2_grpc.LoaderStub], Any]]] = [
     (
         "loader",
         "RegisterLoader as another replica",
-        True,
         lambda p, _: p.RegisterLoader(
             planner_pb2.RegisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-rogue", address="127.0.0.1:1"), timeout=5
         ),
@@ -383,51 +386,43 @@ ATTACKS: list[tuple[str, str, bool, Callable[[planner_pb2_grpc.PlannerStub, load
     (
         "loader",
         "RegisterLoader for another group",
-        True,
         lambda p, _: p.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=1, replica="r", address="127.0.0.1:1"), timeout=5),
     ),
     (
         "loader",
         "DeregisterLoader of another replica",
-        True,
         lambda p, _: p.DeregisterLoader(planner_pb2.DeregisterLoaderRequest(loader_index=0, replica="bp-loader-text-66f8-d4"), timeout=5),
     ),
     (
         "loader",
         "GetPlan as a constructor",
-        False,
         lambda p, _: p.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
     ),
     (
         "loader",
         "RegisterConstructor",
-        False,
         lambda p, _: p.RegisterConstructor(planner_pb2.RegisterConstructorRequest(constructor_index=0, address="unix:///x"), timeout=5),
     ),
-    ("loader", "GetStatus as the operator", False, lambda p, _: p.GetStatus(planner_pb2.GetStatusRequest(), timeout=5)),
+    ("loader", "GetStatus as the operator", lambda p, _: p.GetStatus(planner_pb2.GetStatusRequest(), timeout=5)),
     (
         "loader",
         "FetchSamples as a constructor",
-        False,
         lambda _, l: list(l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5)),
     ),
-    ("loader", "GetSummary as the planner", False, lambda _, l: l.GetSummary(loader_pb2.GetSummaryRequest(source=0), timeout=5)),
+    ("loader", "GetSummary as the planner", lambda _, l: l.GetSummary(loader_pb2.GetSummaryRequest(source=0), timeout=5)),
     (
         "trainer-1",
         "GetPlan as constructor 0",
-        True,
         lambda p, _: p.GetPlan(planner_pb2.GetPlanRequest(constructor_index=0, step=0), timeout=5),
     ),
     (
         "trainer-1",
         "FetchSamples as constructor 0",
-        True,
         lambda _, l: list(l.FetchSamples(loader_pb2.FetchSamplesRequest(constructor_index=0), timeout=5)),
     ),
     (
         "trainer-1",
         "RegisterLoader",
-        False,
         lambda p, _: p.RegisterLoader(planner_pb2.RegisterLoaderRequest(loader_index=0, replica="x", address="127.0.0.1:1"), timeout=5),
     ),
 ]
@@ -446,49 +441,39 @@ def attack(replay: Replay, who: str, call: Callable[[planner_pb2_grpc.PlannerStu
 
 
 def test_what_one_pod_holds_acts_only_as_that_pod(replay: Replay) -> None:
-    """The attack table of the mode: in issued mode a pod acts only as itself; in generated mode
-    (Helm-made certificates, one per part, and role tokens) a pod still acts only in its own role,
-    but for any replica or index of it — the weakness issued mode exists to remove."""
+    """The attack table of the mode: a pod acts only as itself, in its own role and for its own
+    replica or index alone (the chart's retired tls.mode generated, one Helm-made certificate per
+    part and role tokens, let any pod of a part act for every replica or index of it)."""
     cluster, pods = replay.cluster, replay.pods
     wait_until(
         lambda: all((tls_dir(pods[p], part) / "tls.crt").exists() for p, part in (("loader", "loader"), ("trainer-1", "constructor"))),
         timeout_s=60,
         what="the pods' certificates",
     )
-    table = {(who, what): attack(replay, who, call) for who, what, _, call in ATTACKS}
+    table = {(who, what): attack(replay, who, call) for who, what, call in ATTACKS}
     print(f"\nattacks in tls.mode {replay.mode}:", *(f"{who}: {what}: {code.name}" for (who, what), code in table.items()), sep="\n  ")
-    for who, what, same_role, _ in ATTACKS:
-        code = table[(who, what)]
-        if replay.mode == "generated" and same_role:
-            assert code != grpc.StatusCode.PERMISSION_DENIED, (who, what)  # per-part identities: any replica, any index
-        else:
-            assert code == grpc.StatusCode.PERMISSION_DENIED, (who, what, code)
+    for (who, what), code in table.items():
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (who, what, code)
     # What a loader may do, it can: the refusals are authorization, not a broken channel.
     with credentials(pods["loader"], "loader").channel(replay.planner, peer="planner") as channel:
         assert planner_pb2_grpc.PlannerStub(channel).GetJob(planner_pb2.GetJobRequest(), timeout=5).job.job_id
 
-    if replay.mode != "generated":  # the loader pod's token gets it nothing but its own identity again
-        loader = pods["loader"]
-        token_file = pathlib.Path(loader.local(container(loader.spec, "loader"), "/etc/batchplane/issuer/token"))
-        issuer_at = cluster.address(next(a for a in container(loader.spec, "loader")["args"] if a.endswith(":8443")))
-        minted = IssuerSource(issuer_at, token_file, token_file.parent / "ca.crt", cluster.root / "minted").request()
-        assert minted.identity == "batchplane://loader/0/bp-loader-text-66f8-c3"
+    # The loader pod's token gets it nothing but its own identity again.
+    loader = pods["loader"]
+    token_file = pathlib.Path(loader.local(container(loader.spec, "loader"), "/etc/batchplane/issuer/token"))
+    issuer_at = cluster.address(next(a for a in container(loader.spec, "loader")["args"] if a.endswith(":8443")))
+    minted = IssuerSource(issuer_at, token_file, token_file.parent / "ca.crt", cluster.root / "minted").request()
+    assert minted.identity == "batchplane://loader/0/bp-loader-text-66f8-c3"
 
-    # No service pod's files hold the CA key, and none holds another pod's or role's token.
+    # No service pod's files hold the CA key, and none holds another pod's token; no bearer
+    # tokens Secret exists.
+    assert not [d for d in all_of(cluster.docs, "Secret") if d["metadata"]["name"].endswith("-auth-tokens")]
     ca_key = next(base64.b64decode(d["data"]["tls.key"]) for d in all_of(cluster.docs, "Secret") if d["metadata"]["name"].endswith("-ca"))
-    role_tokens = {
-        k: base64.b64decode(v)
-        for d in all_of(cluster.docs, "Secret")
-        if d["metadata"]["name"].endswith("-auth-tokens")
-        for k, v in d["data"].items()
-    }
     for name, pod in pods.items():
         files = [f for v in pod.spec.get("volumes", []) for f in (pod.root / v["name"]).rglob("*") if f.is_file()]  # what it mounts
         if name == "operator":
-            assert replay.mode == "generated" or any(f.read_bytes() == ca_key for f in files), "the operator holds the CA key"
+            assert any(f.read_bytes() == ca_key for f in files), "the operator holds the CA key"
             continue
         assert not any(ca_key in f.read_bytes() for f in files), name
-        own_role = "loader" if name == "loader" else "constructor" if name.startswith("trainer") else name
         foreign = [p.token.encode() for p in pods.values() if p is not pod and p.token]
-        foreign += [t for role, t in role_tokens.items() if role != own_role and not role.endswith(".sha256")]
         assert not any(t in f.read_bytes() for f in files for t in foreign), name

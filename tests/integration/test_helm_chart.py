@@ -29,18 +29,17 @@ this file says how:
   (the root) alone. tls.mode existingSecret renders what certManager does but for these kinds,
   with the user's CA Secret in place of that intermediate's.
 
-Transport security, for every tls.mode (issued by default, generated, certManager, existingSecret,
-disabled): every part's --tls-dir (and with tokens --auth-tokens/--token-file, a server's own key
-and the verifiers, a caller's own key: items, never the whole tokens Secret) parsed by the
-services' own flag parser and backed by a Secret mounted whole (never subPath) with ca.crt,
-tls.crt and tls.key; with tls.mode issued, certManager or existingSecret instead an in-memory
-emptyDir, --issuer (the operator Service's issuer port) and the pod's projected ServiceAccount
+Transport security, for every tls.mode (issued by default, also with operator.enabled false,
+where this release's operator pods are its issuer alone; certManager, existingSecret, disabled,
+and disabled with tokens): every part's flags parsed by the services' own flag parser; with
+tokens --auth-tokens/--token-file (a server's own key and the verifiers, a caller's own key:
+items, never the whole tokens Secret); with tls.mode issued, certManager or existingSecret
+--tls-dir on an in-memory emptyDir, --issuer (the operator Service's issuer port) and the pod's projected ServiceAccount
 token (the issuer's audience) with the CA certificate (issued: a ConfigMap; certManager and
 existingSecret: the key ca.crt alone of the operator's CA Secret), the pod's ServiceAccount one
 the operator's --issuer-role (read by the operator's own flag parser) gives the part's role, and
-the CA's key in a Secret that only the operator mounts; job.yaml's network.tls; the generated CA and certificates read with
-`cryptography` (chain, SANs, usages, ECDSA P-256); that generated Secrets, tokens and the issued
-mode's CA are kept when `lookup` finds them. `helm template` cannot run `lookup` (it never reaches a cluster, and
+the CA's key in a Secret that only the operator mounts; job.yaml's network.tls; that tokens and
+the issued mode's CA are kept when `lookup` finds them. `helm template` cannot run `lookup` (it never reaches a cluster, and
 `--dry-run=server` needs an API server, which these tests do not have), so lookup's result is
 handed to the same named templates by a probe template instead. Probes are HTTP /healthz on the
 metrics port (kubelet's gRPC probe cannot pass mutual TLS). The NetworkPolicies are evaluated
@@ -138,7 +137,6 @@ TLS_DIR = "/etc/batchplane/tls"
 #: operator the CA's certificate and key.
 ISSUER_DIR = "/etc/batchplane/issuer"
 ISSUER_CA_DIR = "/etc/batchplane/ca"
-TLS_FILES = {"ca.crt", "tls.crt", "tls.key"}
 TOKEN_ROLES = ("planner", "loader", "constructor", "operator")
 HEALTH_PATH = "/healthz"
 #: The tls.modes in which the operator issues each pod its own certificate.
@@ -152,7 +150,8 @@ ISSUER_VALUES = {
 #: The values of each tls.mode's case.
 TLS_CASES = {
     "default": "issued",
-    "tls-generated-values.yaml": "generated",
+    "tls-disabled-tokens-values.yaml": "disabled",
+    "cp-tp-mesh-values.yaml": "issued",  # operator.enabled false: its operator pods are the issuer alone
     "tls-cert-manager-values.yaml": "certManager",
     "tls-existing-secret-values.yaml": "existingSecret",
     "tls-disabled-values.yaml": "disabled",
@@ -1126,10 +1125,13 @@ def test_commands_fit_the_services_flags(docs: list[dict], tmp_path: pathlib.Pat
         if doc["metadata"]["name"].endswith("-operator"):
             operator = doc["spec"]["template"]["spec"]["containers"][0]
             assert "command" not in operator and operator["args"][0] == "operator" and "operator" in PARTS
-            assert operator["args"][1:3] == ["--namespace", "$(POD_NAMESPACE)"] and operator["args"][3] == "--prometheus"
+            assert operator["args"][1:3] == ["--namespace", "$(POD_NAMESPACE)"]
             assert env_of(operator)["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
             settings = operator_settings(docs)  # the operator's own parser reads them
             assert settings.namespace == NAMESPACE and settings.metrics_port == 9100
+            # it reconciles (reading Prometheus) where operator.enabled, else it is the issuer alone
+            assert settings.reconcile is bool(settings.prometheus) is ("--no-reconcile" not in operator["args"])
+            assert settings.reconcile or settings.issuer is not None
 
 
 # ---- transport security -------------------------------------------------------------------------
@@ -1143,15 +1145,6 @@ def secret_volume(spec: dict, c: dict, path: str) -> tuple[dict, dict]:
     mount, volume = found[0]
     assert "secret" in volume, f"{c['name']}: {path} is not a Secret: {volume}"
     return mount, volume
-
-
-def leaf_names(pem: bytes) -> tuple[list[str], list[str]]:
-    """(DNS names, URIs) of a PEM certificate's subject alternative names."""
-    from cryptography import x509
-
-    cert = x509.load_pem_x509_certificate(pem)
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    return san.get_values_for_type(x509.DNSName), san.get_values_for_type(x509.UniformResourceIdentifier)
 
 
 def check_token_secret(data: dict[str, str]) -> None:
@@ -1243,12 +1236,13 @@ def check_issued(c: dict, spec: dict, docs: list[dict], *, role: str, settings: 
 
 def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: bool) -> None:
     """Container `c` (a part of `role`) gets the transport security the chart's DataPlane says the
-    job has (spec.loader.tls: TLS on; spec.loader.identity: TLS from the issuer, check_issued;
-    spec.loader.authTokens: tokens), through its flags as the services' own parser reads them,
-    each backed by a Secret mounted whole (never subPath: a subPath mount never sees a renewed
-    certificate) and readable by the pod's fsGroup only."""
+    job has (spec.loader.identity: TLS from the issuer, check_issued; spec.loader.authTokens:
+    tokens), through its flags as the services' own parser reads them, each Secret mounted by
+    items (never subPath: a subPath mount never sees a renewed file) and readable by the pod's
+    fsGroup only."""
     loader = one(docs, "DataPlane")["spec"]["loader"]
-    tls, tokens = "tls" in loader, "authTokens" in loader
+    assert "tls" not in loader, "a certificate Secret shared by every loader pod"
+    tokens = "authTokens" in loader
     settings = part_settings(c, c["args"][0])
     volumes = {v["name"]: v for v in spec["volumes"]}
     for m in c.get("volumeMounts", []):
@@ -1257,18 +1251,7 @@ def check_security(c: dict, spec: dict, docs: list[dict], *, role: str, server: 
             assert m.get("readOnly") is True and volumes[m["name"]]["secret"]["defaultMode"] == 0o440, m
     secrets = {d["metadata"]["name"]: d for d in all_of(docs, "Secret")}
     if "identity" in loader:
-        assert not tls
         check_issued(c, spec, docs, role=role, settings=settings)
-    elif tls:
-        assert settings.tls_dir == pathlib.Path(TLS_DIR), c["args"]
-        _, volume = secret_volume(spec, c, TLS_DIR)
-        assert "items" not in volume["secret"], "the whole Secret: ca.crt, tls.crt, tls.key"
-        name = volume["secret"]["secretName"]
-        assert name in secrets, f"{name}: per-part certificates are Helm's only (tls.mode generated)"
-        data = secrets[name]["data"]
-        assert set(data) == TLS_FILES and secrets[name]["type"] == "kubernetes.io/tls"
-        dns, _ = leaf_names(base64.b64decode(data["tls.crt"]))
-        assert f"{role}.batchplane" in dns, (name, dns)
     else:
         assert settings.tls_dir is None and not any(v["name"] == "batchplane-tls" for v in spec["volumes"]), c["args"]
         assert settings.issuer is None, c["args"]
@@ -1314,8 +1297,8 @@ def test_every_part_gets_its_transport_security(docs: list[dict], case: str, tmp
     job = job_from_configmap(docs, tmp_path)
     assert job.network.tls is (mode != "disabled")
     loader = one(docs, "DataPlane")["spec"]["loader"]
-    assert ("tls" in loader) is (mode not in ("disabled", *ISSUER_MODES)) and ("identity" in loader) is (mode in ISSUER_MODES)
-    assert ("authTokens" in loader) is (values["auth"]["tokens"]["enabled"] or mode == "generated")
+    assert "tls" not in loader and ("identity" in loader) is (mode in ISSUER_MODES)
+    assert ("authTokens" in loader) is values["auth"]["tokens"]["enabled"]
     planner = one(docs, "Deployment", "-planner")["spec"]["template"]["spec"]
     check_security(planner["containers"][0], planner, docs, role="planner", server=True)
     for d in loader_deployments(docs):
@@ -1426,15 +1409,13 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
     the CA Secret and ConfigMap the Issuers and the Certificates of the root and of the operator's
     intermediate CA, no Secret, no per-part Certificate; existingSecret: the same accounts and
     nothing else, the operator signing with the user's CA Secret, whose ca.crt the parts trust;
-    generated: a CA Secret and one kubernetes.io/tls Secret per part (and the tokens Secret: its
-    certificates cannot name roles); disabled: nothing and no TLS flag."""
+    disabled: nothing and no TLS flag (with auth.tokens the tokens Secret alone)."""
     mode = TLS_CASES[case]
     values = load_values(case)
     docs = template(helm, *values_args(case))
     fullname = one(docs, "DataPlane")["metadata"]["name"]
     secrets = sorted(d["metadata"]["name"] for d in all_of(docs, "Secret"))
-    tokens = [] if values["auth"]["tokens"]["existingSecret"] else [f"{fullname}-auth-tokens"]
-    parts = ("planner", "loader", "constructor")
+    tokens = [f"{fullname}-auth-tokens"] if values["auth"]["tokens"]["enabled"] and not values["auth"]["tokens"]["existingSecret"] else []
     accounts = {d["metadata"]["name"]: d for d in all_of(docs, "ServiceAccount")}
     ca_config_maps = [d for d in all_of(docs, "ConfigMap") if d["metadata"]["name"].endswith("-ca")]
     if mode in ISSUER_MODES:
@@ -1447,10 +1428,7 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
         assert set(one(docs, "ConfigMap", "-ca")["data"]) == {"ca.crt"}
     else:
         assert not ca_config_maps
-    if mode == "generated":
-        assert secrets == sorted([f"{fullname}-ca", *(f"{fullname}-{p}-tls" for p in parts), *tokens])
-        assert not all_of(docs, "Certificate") and not all_of(docs, "Issuer")
-    elif mode == "certManager":
+    if mode == "certManager":
         assert secrets == [] and not values["auth"]["tokens"]["enabled"]
         assert sorted(d["spec"]["secretName"] for d in all_of(docs, "Certificate")) == [f"{fullname}-ca", f"{fullname}-issuer-ca"]
         assert all(d["spec"]["isCA"] for d in all_of(docs, "Certificate"))  # no per-part certificate
@@ -1461,9 +1439,9 @@ def test_each_tls_mode_renders_what_it_says(helm: pathlib.Path, case: str) -> No
         assert loader["identity"]["caSecret"] == operator_ca_volume(docs)["secret"]["secretName"] == ca
         assert "tls" not in loader and "authTokens" not in loader
     elif mode == "disabled":
-        assert secrets == [] and not all_of(docs, "Certificate")
+        assert secrets == tokens and not all_of(docs, "Certificate")
         text = yaml.safe_dump_all([d for d in docs if d["kind"] != "CustomResourceDefinition"])
-        assert "--tls-dir" not in text and "batchplane-tls" not in text and "--token-file" not in text
+        assert "--tls-dir" not in text and "batchplane-tls" not in text and ("--token-file" in text) == bool(tokens)
         assert yaml.safe_load(one(docs, "ConfigMap", "-job")["data"]["job.yaml"])["network"] == {
             "host": "0.0.0.0",
             "tls": False,
@@ -1499,12 +1477,12 @@ def test_existing_secret_mode_is_cert_manager_mode_with_the_users_ca(helm: pathl
 
 
 def test_an_existing_tokens_secret_is_mounted_by_items(helm: pathlib.Path, kubernetes_validate: Any) -> None:
-    """auth.tokens.existingSecret (bearer tokens are on with tls.mode generated) is mounted as the
+    """auth.tokens.existingSecret (bearer tokens, with tls.mode disabled) is mounted as the
     chart's own tokens Secret is, never whole: a server (the planner, every loader the operator
     makes) its own role's key and every role's verifier `<role>.sha256`, the constructor sidecar
     its own key alone; so no pod holds another role's token. The DataPlane says the Secret holds
     verifiers, and the chart makes no tokens Secret of its own."""
-    docs = template(helm, "--set", "tls.mode=generated", "--set", "auth.tokens.existingSecret=corp-tokens", "--set", "example.enabled=true")
+    docs = template(helm, "-f", CHART / "ci" / "tls-disabled-tokens-values.yaml", "--set", "auth.tokens.existingSecret=corp-tokens")
     fullname = one(docs, "DataPlane")["metadata"]["name"]
     assert f"{fullname}-auth-tokens" not in {d["metadata"]["name"] for d in all_of(docs, "Secret")}
     assert one(docs, "DataPlane")["spec"]["loader"]["authTokens"] == {"secretName": "corp-tokens", "verifiers": True}
@@ -1547,54 +1525,6 @@ def test_default_values_lock_the_job_down(helm: pathlib.Path, kubernetes_validat
                 validate_document(doc, docs, version, kubernetes_validate)
 
 
-def test_generated_certificates_chain_to_their_ca(helm: pathlib.Path) -> None:
-    """tls.mode generated, read with `cryptography`: a self-signed ECDSA P-256 CA; per part an
-    ECDSA P-256 certificate it issued, for server and client auth, naming `<role>.batchplane`
-    (and the planner Service's names), valid tls.generated.validityDays. Helm cannot write URI
-    SANs: none is there, so the tokens name the role."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID
-
-    values = load_values("tls-generated-values.yaml")["tls"]
-    docs = template(helm, "-f", CHART / "ci" / "tls-generated-values.yaml")
-    fullname = one(docs, "DataPlane")["metadata"]["name"]
-    data = {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()} for d in all_of(docs, "Secret")}
-    ca = x509.load_pem_x509_certificate(data[f"{fullname}-ca"]["tls.crt"])
-    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
-    assert isinstance(ca.public_key(), ec.EllipticCurvePublicKey) and ca.public_key().curve.name == "secp256r1"
-    ca.verify_directly_issued_by(ca)
-    service = one(docs, "Service", "-planner")["metadata"]["name"]
-    for part in ("planner", "loader", "constructor"):
-        secret = data[f"{fullname}-{part}-tls"]
-        assert secret["ca.crt"] == data[f"{fullname}-ca"]["tls.crt"]
-        leaf = x509.load_pem_x509_certificate(secret["tls.crt"])
-        leaf.verify_directly_issued_by(ca)
-        key = serialization.load_pem_private_key(secret["tls.key"], None)
-        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
-        assert key.public_key().public_numbers() == leaf.public_key().public_numbers()
-        assert leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
-        usage = leaf.extensions.get_extension_for_class(x509.KeyUsage).value
-        assert usage.digital_signature and usage.key_encipherment and not usage.key_cert_sign
-        assert set(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == {
-            ExtendedKeyUsageOID.SERVER_AUTH,
-            ExtendedKeyUsageOID.CLIENT_AUTH,
-        }
-        dns, uris = leaf_names(secret["tls.crt"])
-        expected = [f"{part}.batchplane"]
-        if part == "planner":
-            expected += [service, f"{service}.{NAMESPACE}", f"{service}.{NAMESPACE}.svc", f"{service}.{NAMESPACE}.svc.cluster.local"]
-        assert dns == expected and uris == []
-        days = (leaf.not_valid_after_utc - leaf.not_valid_before_utc) / datetime.timedelta(days=1)
-        assert abs(days - values["generated"]["validityDays"]) <= 1
-    # the planner's address, as the loaders and constructors dial it, is one of its names
-    host = one(docs, "DataPlane")["spec"]["planner"]["address"].rsplit(":", 1)[0]
-    assert host in leaf_names(data[f"{fullname}-planner-tls"]["tls.crt"])[0]
-
-
 def probe_chart(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
     """A copy of the chart with one more template, templates/probe.yaml."""
     chart = tmp_path / "batchplane"
@@ -1603,45 +1533,7 @@ def probe_chart(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
     return chart
 
 
-def test_generated_secrets_are_kept_when_lookup_finds_them(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """An upgrade keeps the CA and the certificates: templates/tls/generated-secrets.yaml hands
-    what `lookup` finds to batchplane.tls.generatedSecrets. `helm template` cannot look anything
-    up (no cluster; `--dry-run=server` would need an API server), so a probe template hands it
-    Secrets as lookup would return them, through .Values.global (which the schema leaves open)."""
-    chart = probe_chart(
-        tmp_path, '{{ include "batchplane.tls.generatedSecrets" (dict "root" . "found" (.Values.global.found | default dict)) }}\n'
-    )
-
-    def render(found: dict) -> dict[str, dict]:
-        values = tmp_path / "found.yaml"
-        values.write_text(yaml.safe_dump({"global": {"found": found}}))
-        out = template(helm, "--show-only", "templates/probe.yaml", "-f", values, chart=chart)
-        return {d["metadata"]["name"]: d for d in out}
-
-    first = render({})
-    names = sorted(first)
-    ca_name = next(n for n in names if n.endswith("-ca"))
-    assert render({})[ca_name]["data"] != first[ca_name]["data"]  # nothing found: a new CA each time
-    kept = render(first)  # everything found: everything kept, byte for byte
-    assert {n: d["data"] for n, d in kept.items()} == {n: d["data"] for n, d in first.items()}
-    only_ca = render({ca_name: first[ca_name]})  # the CA found, a part's Secret lost: re-issued by the same CA
-    assert only_ca[ca_name]["data"] == first[ca_name]["data"]
-    from cryptography import x509
-
-    ca = x509.load_pem_x509_certificate(base64.b64decode(first[ca_name]["data"]["tls.crt"]))
-    for name in names:
-        if name != ca_name:
-            assert only_ca[name]["data"]["tls.crt"] != first[name]["data"]["tls.crt"]
-            x509.load_pem_x509_certificate(base64.b64decode(only_ca[name]["data"]["tls.crt"])).verify_directly_issued_by(ca)
-    lost_ca = render({n: d for n, d in first.items() if n != ca_name})  # the CA lost: everything re-issued
-    assert all(lost_ca[n]["data"]["tls.crt"] != first[n]["data"]["tls.crt"] for n in names)
-    stranger = copy.deepcopy(first)  # a part's Secret issued by another CA is not kept
-    leaf = next(n for n in names if n != ca_name)
-    stranger[leaf]["data"]["ca.crt"] = render({})[ca_name]["data"]["tls.crt"]
-    assert render(stranger)[leaf]["data"]["tls.crt"] != first[leaf]["data"]["tls.crt"]
-
-
-def test_generated_tokens_are_kept_when_lookup_finds_them(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_the_tokens_are_kept_when_lookup_finds_them(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """The tokens Secret: 48 random characters per role, kept when `lookup` finds them (the probe
     stands in for lookup as above); a role missing from the found Secret gets a new token."""
     chart = probe_chart(
@@ -1668,14 +1560,13 @@ def test_generated_tokens_are_kept_when_lookup_finds_them(helm: pathlib.Path, tm
     # and the real template is what hands lookup's result to it
     text = (CHART / "templates" / "auth" / "tokens-secret.yaml").read_text()
     assert 'include "batchplane.auth.tokensData" (dict "root" . "found" (lookup "v1" "Secret" .Release.Namespace $name))' in text
-    assert 'lookup "v1" "Secret" $.Release.Namespace $name' in (CHART / "templates" / "tls" / "generated-secrets.yaml").read_text()
 
 
 def test_the_issued_mode_ca_is_kept_when_lookup_finds_it(helm: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """tls.mode issued: the Secret <name>-ca (the CA's key, for the operator) and the ConfigMap
     <name>-ca (its certificate alone) hold one self-signed ECDSA P-256 CA, valid
-    tls.issued.caValidityDays; what `lookup` finds of the Secret is kept (also one tls.mode
-    generated made: same name, same keys), nothing found makes a new one. (A probe template
+    tls.issued.caValidityDays; what `lookup` finds of the Secret is kept, nothing found makes a
+    new one. (A probe template
     stands in for lookup, as above.)"""
     import datetime
 
@@ -2136,17 +2027,20 @@ spec:
 
 
 def test_operator_rbac_is_least_privilege(docs: list[dict], case: str) -> None:
-    """The operator's Role: what it calls in its namespace (with tls.mode issued or certManager also
-    reading the pods that ask for certificates); cluster-wide only the issuer's TokenReviews."""
+    """The operator's Role: what it calls in its namespace to reconcile (operator.enabled), and with
+    tls.mode issued, certManager or existingSecret reading the pods that ask for certificates (an
+    issuer alone, operator.enabled false, nothing else); cluster-wide only the issuer's
+    TokenReviews."""
     issued = load_values(case)["tls"]["mode"] in ISSUER_MODES
-    if not (issued and load_values(case)["operator"]["enabled"]):
+    reconciles = load_values(case)["operator"]["enabled"]
+    if not issued:
         assert not all_of(docs, "ClusterRole") and not all_of(docs, "ClusterRoleBinding")
-    if not load_values(case)["operator"]["enabled"]:
+    if not (reconciles or issued):
         assert not [d for d in docs if d["metadata"]["name"].endswith("-operator")]
         return
     role = one(docs, "Role", "-operator")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
-    assert rules == {
+    reconciling = {
         (("batchplane.dev",), ("dataplanes",), ("get", "list")),
         (("batchplane.dev",), ("dataplanes/status",), ("patch",)),
         (("batchplane.dev",), ("dataplanes/finalizers",), ("update",)),
@@ -2155,11 +2049,14 @@ def test_operator_rbac_is_least_privilege(docs: list[dict], case: str) -> None:
         (("coordination.k8s.io",), ("leases",), ("create",)),  # leader election: its Lease, and only that one
         (("coordination.k8s.io",), ("leases",), ("get", "patch")),
         (("",), ("events",), ("create", "patch")),  # Events on the DataPlanes
-        *([(("",), ("pods",), ("get",))] if issued else []),  # the issuer reads the pod that asks
     }
-    lease = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert rules == (reconciling if reconciles else set()) | ({(("",), ("pods",), ("get",))} if issued else set())
+    args = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     named = [r for r in role["rules"] if r.get("resourceNames")]
-    assert [(r["resources"], r["resourceNames"]) for r in named] == [(["leases"], [lease[lease.index("--lease-name") + 1]])]
+    if reconciles:
+        assert [(r["resources"], r["resourceNames"]) for r in named] == [(["leases"], [args[args.index("--lease-name") + 1]])]
+    else:
+        assert not named and "--no-reconcile" in args and "--lease-name" not in args
     binding = one(docs, "RoleBinding", "-operator")
     account = one(docs, "ServiceAccount", "-operator")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
@@ -2250,7 +2147,7 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
     values = load_values(case)
     mode = values["tls"]["mode"]
     assert ("WARNING: TLS IS DISABLED" in text) == (mode == "disabled")
-    assert ("WARNING: NOT FOR PRODUCTION" in text) == (mode == "generated")
+    assert ("as its certificate issuer alone" in text) == (mode in ISSUER_MODES and not values["operator"]["enabled"])
     assert (f"tls.mode {mode}" in text) and ("nothing stands in its way" in text) == (
         mode == "disabled" and not values["networkPolicy"]["enabled"]
     )
@@ -2264,7 +2161,7 @@ def test_notes_render(helm: pathlib.Path, case: str, tmp_path: pathlib.Path) -> 
         assert (f"Secret {signing} is mounted by the operator" in text) is (mode != "issued")
         assert ("The operator signs with your CA" in text) is (mode == "existingSecret")
     assert 'serviceAccountName: {{ include "batchplane.trainerServiceAccountName" . }}' in text
-    assert ("Bearer tokens: Secret" in text) == (values["auth"]["tokens"]["enabled"] or mode == "generated")
+    assert ("Bearer tokens: Secret" in text) == values["auth"]["tokens"]["enabled"]
 
 
 # ---- values the chart must refuse ------------------------------------------------------------------
@@ -2376,8 +2273,6 @@ TEMPLATE_ERRORS = [
         'loader.volumes[0].name: "batchplane-issuer" is used by batchplane',
     ),
     # tls.mode issued (the default): the issuer is this release's operator, which reads a constructor's index from its pod
-    ({"operator": {"enabled": False}}, "tls.mode issued: the operator is the certificate issuer"),
-    ({"operator": {"enabled": False}}, "Set operator.enabled: true"),
     (
         {"constructor": {"indexFrom": "env:NODE_RANK"}},
         "constructor.indexFrom: tls.mode issued reads each trainer pod's constructor index from the pod itself",
@@ -2388,7 +2283,6 @@ TEMPLATE_ERRORS = [
         entry
         for mode in ISSUER_MODES[1:]
         for entry in (
-            (deep_merge(ISSUER_VALUES[mode], {"operator": {"enabled": False}}), f"tls.mode {mode}: the operator is the certificate issuer"),
             (
                 deep_merge(ISSUER_VALUES[mode], {"constructor": {"indexFrom": "env:NODE_RANK"}}),
                 f"constructor.indexFrom: tls.mode {mode} reads each trainer pod's constructor index from the pod itself",
@@ -2524,8 +2418,8 @@ def test_the_planner_gets_bucket_credentials(helm: pathlib.Path) -> None:
     assert pod["automountServiceAccountToken"] is False  # a ServiceAccount alone mounts no API token
     default = one(template(helm), "Deployment", "-planner")["spec"]["template"]["spec"]
     assert default["serviceAccountName"] == f"{RELEASE}-batchplane-planner" and "envFrom" not in default["containers"][0]  # tls.mode issued
-    generated = one(template(helm, "-f", CHART / "ci" / "tls-generated-values.yaml"), "Deployment", "-planner")["spec"]["template"]["spec"]
-    assert "serviceAccountName" not in generated  # the namespace's default
+    plain = one(template(helm, "-f", CHART / "ci" / "tls-disabled-values.yaml"), "Deployment", "-planner")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in plain  # the namespace's default
     opted_in = one(template(helm, "--set", "planner.automountServiceAccountToken=true"), "Deployment", "-planner")["spec"]["template"][
         "spec"
     ]

@@ -53,3 +53,25 @@ def test_an_issuer_without_its_ca_does_not_start(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--issuer-port", "8443"], {})
     assert "--issuer-ca-dir" in capsys.readouterr().err
+
+
+def test_no_reconcile_serves_the_issuer_alone_and_needs_no_prometheus() -> None:
+    """--no-reconcile (the chart's operator pods where operator.enabled is false): the issuer
+    alone, so Prometheus is not needed; without an issuer, or with --once, it has nothing to do."""
+    settings = parse_args(["--namespace", "training", "--no-reconcile", *ISSUER], {})
+    assert settings.reconcile is False and settings.issuer is not None and settings.prometheus == ""
+    assert parse_args(BASE, {}).reconcile is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--namespace", "training"], "--prometheus"),  # reconciling reads Prometheus
+        (["--namespace", "training", "--no-reconcile"], "--issuer-port"),  # nothing to serve
+        (["--namespace", "training", "--no-reconcile", "--once", *ISSUER], "--once"),
+    ],
+)
+def test_an_operator_with_nothing_to_do_does_not_start(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv, {})
+    assert stopped.value.code == 2 and flag in capsys.readouterr().err

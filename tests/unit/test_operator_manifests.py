@@ -5,12 +5,13 @@ kubernetes-validate for Kubernetes 1.30 and the newest version it knows, the spe
 declared schedule, bad specs refused with the field named, spec.loader's pod fields (env,
 volumes, serviceAccountName, nodeSelector, ...: batchplane.operator.podfields) carried into the
 Deployment, refused where they clash with the operator's own, and removed again by an update,
-and the loaders' transport security: spec.loader.tls and spec.loader.authTokens mounted as whole
-Secrets (never subPath) behind --tls-dir, --auth-tokens and --token-file, or spec.loader.identity
-(certificates from the issuer: an in-memory emptyDir, a projected ServiceAccount token and the CA
-certificate, from a ConfigMap or the one key ca.crt of a Secret, behind --tls-dir, --issuer,
---issuer-token-file and --issuer-ca, and the pod label naming the group's index), and probes on the metrics port's /healthz (kubelet's gRPC probe cannot
-pass mutual TLS)."""
+and the loaders' transport security: spec.loader.identity (certificates from the issuer: an
+in-memory emptyDir, a projected ServiceAccount token and the CA certificate, from a ConfigMap or
+the one key ca.crt of a Secret, behind --tls-dir, --issuer, --issuer-token-file and --issuer-ca,
+and the pod label naming the group's index), spec.loader.authTokens mounted as a whole Secret
+(never subPath) behind --auth-tokens and --token-file, spec.loader.tls (a certificate Secret
+every loader pod shared) refused; and probes on the metrics port's /healthz (kubelet's gRPC
+probe cannot pass mutual TLS)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from batchplane.operator.manifests import (
 )
 from batchplane.operator.policy import ScalingSettings
 
-TLS_SECRET = "text-and-code-loader-tls"
 TOKENS_SECRET = "text-and-code-auth-tokens"
+ISSUER = "text-and-code-operator.training.svc:8443"
+IDENTITY = {"issuer": ISSUER, "caConfigMap": "text-and-code-ca", "audience": "batchplane", "tokenExpirationSeconds": 3600}
 
 NAMESPACE = "training"
 UID = "6f1c0a52-0d1e-4c55-9b1e-2a8c0f3d4e5f"
@@ -115,9 +117,8 @@ DATAPLANE: dict[str, Any] = {
             "runAsGroup": 10001,
             "podLabels": POD_LABELS,
             "podAnnotations": POD_ANNOTATIONS,
-            # the chart's default tls.mode generated: certificates and the tokens that name roles
-            "tls": {"secretName": TLS_SECRET},
-            "authTokens": {"secretName": TOKENS_SECRET},
+            # the chart's default tls.mode issued: each pod's certificate from the issuer
+            "identity": dict(IDENTITY),
         },
     },
 }
@@ -301,7 +302,7 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
             "blockOwnerDeletion": True,
         }
     ]
-    assert meta["labels"] == {**POD_LABELS, LABEL_GROUP: group.name, LABEL_MANAGED_BY: MANAGER}
+    assert meta["labels"] == {**POD_LABELS, LABEL_GROUP: group.name, LABEL_MANAGED_BY: MANAGER, "batchplane.dev/group-index": str(index)}
     assert meta["annotations"] == {ANNOTATION_SPEC_HASH: spec_hash(d)}
     assert dspec["replicas"] == 3
     assert dspec["selector"]["matchLabels"] == {LABEL_DATAPLANE: "text-and-code", LABEL_GROUP: group.name}
@@ -323,8 +324,8 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
         "loader", "-c", "/etc/batchplane/job.yaml", "--index", str(index), "--replica", "$(POD_NAME)",
         "--planner", "text-and-code-planner.training.svc:50051",
         "--port", "50052", "--advertise", "$(POD_IP):50052", "--metrics-port", "9100",
-        "--tls-dir", "/etc/batchplane/tls",
-        "--auth-tokens", "/etc/batchplane/auth-tokens", "--token-file", "/etc/batchplane/auth-tokens/loader",
+        "--tls-dir", "/etc/batchplane/tls", "--issuer", ISSUER,
+        "--issuer-token-file", "/etc/batchplane/issuer/token", "--issuer-ca", "/etc/batchplane/issuer/ca.crt",
     ]  # fmt: skip
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -349,17 +350,20 @@ def test_the_loader_deployment_follows_the_contract(index: int, tmp_path: pathli
         c[probe]["httpGet"] == {"path": "/healthz", "port": settings.metrics_port}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe")
     )
-    assert (settings.tls_dir, settings.auth_tokens, settings.token_file) == (
-        pathlib.Path("/etc/batchplane/tls"), pathlib.Path("/etc/batchplane/auth-tokens"), pathlib.Path("/etc/batchplane/auth-tokens/loader")
-    )  # fmt: skip
+    assert (settings.tls_dir, settings.issuer, settings.auth_tokens, settings.token_file) == (
+        pathlib.Path("/etc/batchplane/tls"),
+        ISSUER,
+        None,
+        None,
+    )
     assert c["resources"] == DATAPLANE["spec"]["sourceGroups"][index]["resources"]
     assert c["securityContext"] == CONTAINER_SECURITY
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/etc/batchplane"]]["configMap"] == {"name": "text-and-code-job"}
     assert volumes[mounts["/tmp"]]["emptyDir"] == {}
-    assert volumes[mounts["/etc/batchplane/tls"]]["secret"] == {"secretName": TLS_SECRET, "defaultMode": 0o440}
-    assert volumes[mounts["/etc/batchplane/auth-tokens"]]["secret"] == {"secretName": TOKENS_SECRET, "defaultMode": 0o440}
+    assert volumes[mounts["/etc/batchplane/tls"]]["emptyDir"]["medium"] == "Memory"
+    assert not any("secret" in v for v in volumes.values()), "no Secret in a loader pod"
     # the pod name (Deployment name + ReplicaSet hash + pod suffix) fits
     assert len(meta["name"]) + len("-0123456789-abcde") <= 253
 
@@ -586,22 +590,15 @@ def secret_mounts(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str
     return {m["mountPath"]: (m, volumes[m["name"]]["secret"]) for m in c["volumeMounts"] if "secret" in volumes[m["name"]]}
 
 
-@pytest.mark.parametrize(
-    ("tls", "tokens"),
-    [(True, True), (True, False), (False, True), (False, False)],
-    ids=["tls+tokens", "tls", "tokens", "neither"],
-)
-def test_loader_pods_mount_the_secrets_the_dataplane_names(tls: bool, tokens: bool) -> None:
-    """spec.loader.tls gives --tls-dir on the certificate Secret, spec.loader.authTokens gives
-    --auth-tokens on the whole tokens Secret and --token-file on its `loader` key; each Secret is
-    mounted whole as a read-only directory (never subPath, which never sees a renewed
-    certificate), readable by root and the pod's fsGroup only. Neither: no flag, no Secret (the
-    chart's tls.mode disabled)."""
-    changes: dict[str, Any] = {}
-    if not tls:
-        changes["spec.loader.tls"] = _DELETE
-    if not tokens:
-        changes["spec.loader.authTokens"] = _DELETE
+@pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "neither"])
+def test_without_an_identity_loader_pods_mount_only_the_tokens_secret_the_dataplane_names(tokens: bool) -> None:
+    """Without spec.loader.identity (the chart's tls.mode disabled) no TLS flag; spec.loader.authTokens
+    gives --auth-tokens on the whole tokens Secret and --token-file on its `loader` key, the Secret
+    mounted whole as a read-only directory (never subPath, which never sees a renewed file),
+    readable by root and the pod's fsGroup only. Neither: no flag, no Secret."""
+    changes: dict[str, Any] = {"spec.loader.identity": _DELETE}
+    if tokens:
+        changes["spec.loader.authTokens"] = {"secretName": TOKENS_SECRET}
     spec = parse_dataplane(dataplane(**changes))
     d = loader_deployment(spec, spec.groups[0], replicas=1)
     (c,) = d["spec"]["template"]["spec"]["containers"]
@@ -610,38 +607,49 @@ def test_loader_pods_mount_the_secrets_the_dataplane_names(tls: bool, tokens: bo
     for mount, source in mounts.values():
         assert "subPath" not in mount and "subPathExpr" not in mount and mount["readOnly"] is True
         assert "items" not in source and source["defaultMode"] == 0o440
+    assert settings.tls_dir is None and "--tls-dir" not in c["args"] and settings.issuer is None
     expected = {}
-    if tls:
-        assert settings.tls_dir == pathlib.Path("/etc/batchplane/tls")
-        expected[str(settings.tls_dir)] = TLS_SECRET
-    else:
-        assert settings.tls_dir is None and "--tls-dir" not in c["args"]
     if tokens:
         assert settings.token_file == settings.auth_tokens / "loader"  # its own key of the Secret it serves with
         expected[str(settings.auth_tokens)] = TOKENS_SECRET
     else:
         assert settings.auth_tokens is None and settings.token_file is None
     assert {path: source["secretName"] for path, (_, source) in mounts.items()} == expected
-    assert (spec.loader.tls_secret, spec.loader.auth_tokens_secret) == ((TLS_SECRET if tls else None), (TOKENS_SECRET if tokens else None))
+    assert spec.loader.auth_tokens_secret == (TOKENS_SECRET if tokens else None)
+
+
+def test_a_certificate_secret_shared_by_every_loader_is_refused_naming_identity() -> None:
+    """spec.loader.tls (one certificate Secret every loader pod mounted, as the chart's retired
+    tls.mode generated made) lets any loader pod act for every replica: refused, naming
+    spec.loader.identity, with or without an identity beside it."""
+    for changes in (
+        {"spec.loader.tls": {"secretName": "text-and-code-loader-tls"}},
+        {"spec.loader.tls": {"secretName": "x"}, "spec.loader.identity": _DELETE},
+    ):
+        with pytest.raises(SpecError) as info:
+            parse_dataplane(dataplane(**changes))
+        assert info.value.field == "spec.loader.tls" and "spec.loader.identity" in info.value.problem, str(info.value)
 
 
 @pytest.mark.parametrize("kube_version", ["1.30.0", "latest"])
 def test_a_loader_with_its_secrets_and_every_pod_field_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
     version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
-    spec = parse_dataplane(with_pod_fields())
-    d = loader_deployment(spec, spec.groups[0], replicas=1)
-    assert set(secret_mounts(d)) == {"/etc/batchplane/tls", "/etc/batchplane/auth-tokens"}
-    kubernetes_validate.validate(d, version, strict=True)
+    with_tokens = with_pod_fields(authTokens={"secretName": TOKENS_SECRET})
+    del with_tokens["spec"]["loader"]["identity"]
+    for obj in (with_pod_fields(), with_tokens):
+        spec = parse_dataplane(obj)
+        d = loader_deployment(spec, spec.groups[0], replicas=1)
+        assert set(secret_mounts(d)) == (set() if spec.loader.identity else {"/etc/batchplane/auth-tokens"})
+        kubernetes_validate.validate(d, version, strict=True)
 
 
 def test_the_spec_hash_follows_the_secrets() -> None:
     """A DataPlane that names other Secrets (or none) rolls its loader Deployments."""
     base = spec_hash(loader_deployment(parse_dataplane(DATAPLANE), parse_dataplane(DATAPLANE).groups[0], replicas=1))
     for change in (
-        {"spec.loader.tls": {"secretName": "other-tls"}},
-        {"spec.loader.tls": _DELETE},
-        {"spec.loader.authTokens": {"secretName": "other-tokens"}},
-        {"spec.loader.authTokens": _DELETE},
+        {"spec.loader.identity": _DELETE},
+        {"spec.loader.authTokens": {"secretName": "tokens"}},
+        {"spec.loader.identity": _DELETE, "spec.loader.authTokens": {"secretName": "other-tokens"}},
     ):
         other = parse_dataplane(dataplane(**change))
         assert spec_hash(loader_deployment(other, other.groups[0], replicas=1)) != base, change
@@ -650,10 +658,10 @@ def test_the_spec_hash_follows_the_secrets() -> None:
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"spec.loader.tls": {"secretName": "Not_A_Secret"}}, "spec.loader.tls.secretName"),
-        ({"spec.loader.tls": {}}, "spec.loader.tls.secretName"),
-        ({"spec.loader.tls": "text-and-code-loader-tls"}, "spec.loader.tls"),
-        ({"spec.loader.tls": {"secretName": "x", "subPath": "tls.crt"}}, "spec.loader.tls.subPath"),
+        ({"spec.loader.authTokens": {"secretName": "Not_A_Secret"}}, "spec.loader.authTokens.secretName"),
+        ({"spec.loader.authTokens": {}}, "spec.loader.authTokens.secretName"),
+        ({"spec.loader.authTokens": "text-and-code-auth-tokens"}, "spec.loader.authTokens"),
+        ({"spec.loader.authTokens": {"secretName": "x", "subPath": "loader"}}, "spec.loader.authTokens.subPath"),
         ({"spec.loader.authTokens": {"secretName": 7}}, "spec.loader.authTokens.secretName"),
     ],
 )
@@ -691,14 +699,6 @@ def test_a_loader_pod_holds_its_own_token_and_the_verifiers_only_when_the_secret
 
 # ---- loader pods with an identity from the issuer (tls.mode issued) ----------------------------------
 
-ISSUER = "text-and-code-operator.training.svc:8443"
-IDENTITY = {"issuer": ISSUER, "caConfigMap": "text-and-code-ca", "audience": "batchplane", "tokenExpirationSeconds": 3600}
-
-
-def issued(**changes: Any) -> dict[str, Any]:
-    """DATAPLANE as the chart renders it with tls.mode issued: spec.loader.identity, no Secrets."""
-    return dataplane(**{"spec.loader.tls": _DELETE, "spec.loader.authTokens": _DELETE, "spec.loader.identity": dict(IDENTITY), **changes})
-
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_loader_pods_with_an_identity_ask_the_issuer(index: int) -> None:
@@ -707,8 +707,8 @@ def test_loader_pods_with_an_identity_ask_the_issuer(index: int) -> None:
     token for the identity's audience and verifies the issuer by the CA ConfigMap's certificate
     (read-only, no Secret at all), and carries the label naming its group's index, from which
     the issuer names it batchplane://loader/<index>/<pod>."""
-    spec = parse_dataplane(issued())
-    assert spec.loader.identity is not None and spec.loader.tls_secret is None
+    spec = parse_dataplane(dataplane())
+    assert spec.loader.identity is not None
     d = loader_deployment(spec, spec.groups[index], replicas=1)
     pod = d["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -734,7 +734,7 @@ def test_loader_pods_with_an_identity_ask_the_issuer(index: int) -> None:
     assert labels["batchplane.dev/group-index"] == str(index) == c["args"][c["args"].index("--index") + 1]
     assert d["spec"]["selector"]["matchLabels"] == {LABEL_DATAPLANE: "text-and-code", LABEL_GROUP: spec.groups[index].name}
     # a DataPlane without an identity: no such label, no issuer flags
-    plain = parse_dataplane(DATAPLANE)
+    plain = parse_dataplane(dataplane(**{"spec.loader.identity": _DELETE}))
     plain_pod = loader_deployment(plain, plain.groups[index], replicas=1)["spec"]["template"]
     assert (
         "batchplane.dev/group-index" not in plain_pod["metadata"]["labels"] and "--issuer" not in plain_pod["spec"]["containers"][0]["args"]
@@ -745,7 +745,7 @@ def test_a_ca_secret_projects_its_ca_crt_alone(kubernetes_validate: Any) -> None
     """spec.loader.identity.caSecret (the chart's tls.mode certManager: the Secret cert-manager
     writes for the operator's CA, its tls.key included): the pod's issuer volume projects the
     key ca.crt of it and nothing else, so the pod never holds the CA's key; no Secret volume."""
-    spec = parse_dataplane(issued(**{"spec.loader.identity": {"issuer": ISSUER, "caSecret": "text-and-code-issuer-ca"}}))
+    spec = parse_dataplane(dataplane(**{"spec.loader.identity": {"issuer": ISSUER, "caSecret": "text-and-code-issuer-ca"}}))
     assert (spec.loader.identity.ca_secret, spec.loader.identity.ca_config_map) == ("text-and-code-issuer-ca", None)
     d = loader_deployment(spec, spec.groups[0], replicas=1)
     pod = d["spec"]["template"]["spec"]
@@ -761,7 +761,7 @@ def test_a_ca_secret_projects_its_ca_crt_alone(kubernetes_validate: Any) -> None
 
 
 def test_an_identity_gets_the_charts_defaults() -> None:
-    spec = parse_dataplane(issued(**{"spec.loader.identity": {"issuer": ISSUER, "caConfigMap": "ca"}}))
+    spec = parse_dataplane(dataplane(**{"spec.loader.identity": {"issuer": ISSUER, "caConfigMap": "ca"}}))
     assert (spec.loader.identity.audience, spec.loader.identity.token_expiration_s) == ("batchplane", 3600)
 
 
@@ -769,7 +769,6 @@ def test_an_identity_gets_the_charts_defaults() -> None:
 def test_a_loader_with_an_identity_and_every_pod_field_validates_strictly(kube_version: str, kubernetes_validate: Any) -> None:
     version = kubernetes_validate.latest_version() if kube_version == "latest" else kube_version
     obj = with_pod_fields()
-    del obj["spec"]["loader"]["tls"], obj["spec"]["loader"]["authTokens"]
     obj["spec"]["loader"]["identity"] = dict(IDENTITY, audience="batchplane.example.com", tokenExpirationSeconds=600)
     spec = parse_dataplane(obj)
     d = loader_deployment(spec, spec.groups[1], replicas=1)
@@ -778,7 +777,7 @@ def test_a_loader_with_an_identity_and_every_pod_field_validates_strictly(kube_v
 
 
 def test_the_spec_hash_follows_the_identity() -> None:
-    base = parse_dataplane(issued())
+    base = parse_dataplane(dataplane())
     digest = spec_hash(loader_deployment(base, base.groups[0], replicas=1))
     for change in (
         {"spec.loader.identity.issuer": "elsewhere:8443"},
@@ -787,9 +786,9 @@ def test_the_spec_hash_follows_the_identity() -> None:
         {"spec.loader.identity.audience": "other"},
         {"spec.loader.identity.tokenExpirationSeconds": 7200},
     ):
-        other = parse_dataplane(issued(**change))
+        other = parse_dataplane(dataplane(**change))
         assert spec_hash(loader_deployment(other, other.groups[0], replicas=1)) != digest, change
-    without = parse_dataplane(dataplane(**{"spec.loader.tls": _DELETE, "spec.loader.authTokens": _DELETE}))
+    without = parse_dataplane(dataplane(**{"spec.loader.identity": _DELETE}))
     assert spec_hash(loader_deployment(without, without.groups[0], replicas=1)) != digest
 
 
@@ -809,12 +808,11 @@ def test_the_spec_hash_follows_the_identity() -> None:
         ({"spec.loader.identity.tokenExpirationSeconds": "3600"}, "spec.loader.identity.tokenExpirationSeconds"),
         ({"spec.loader.identity.tokenExpirationSeconds": True}, "spec.loader.identity.tokenExpirationSeconds"),
         ({"spec.loader.identity.secretName": "x"}, "spec.loader.identity.secretName"),
-        ({"spec.loader.tls": {"secretName": TLS_SECRET}}, "spec.loader.identity"),  # from the issuer or a Secret, not both
     ],
 )
 def test_a_bad_identity_is_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as info:
-        parse_dataplane(issued(**changes))
+        parse_dataplane(dataplane(**changes))
     assert info.value.field == field and str(info.value).startswith(field + ":"), str(info.value)
 
 

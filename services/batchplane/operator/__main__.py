@@ -3,7 +3,8 @@
     python -m batchplane.operator --namespace NS --prometheus URL [--interval-s N]
         [--metrics-port 9100] [--kube-api URL --token-file F --ca-file F] [--once]
         [--lease-name NAME --identity POD --lease-duration-s 15 --renew-deadline-s 10
-         --retry-period-s 2 | --no-leader-elect] [--log-format text|json]
+         --retry-period-s 2 | --no-leader-elect] [--log-format text|json] [--issuer-* ...]
+    python -m batchplane.operator --namespace NS --no-reconcile --issuer-port P --issuer-* ...
 
 In a pod it talks to the API with its ServiceAccount (in-cluster configuration); --kube-api
 (with optional --token-file and --ca-file) points it elsewhere, e.g. at `kubectl proxy`. It
@@ -14,6 +15,13 @@ Several replicas may run: they elect a leader through the Lease --lease-name of 
 (`batchplane.operator.election`), and only the leader reconciles; its identity is the pod's name
 ($POD_NAME, else the host name). `--once` acquires the Lease for its pass (and fails when
 another operator holds it); --no-leader-elect reconciles without a Lease (one replica only).
+
+With --issuer-* it is also the job's certificate issuer (`batchplane.operator.issuer`), on every
+replica. --no-reconcile runs the issuer alone: no DataPlane is reconciled, Prometheus is not
+read and no Lease is taken, so the pod needs only the issuer's RBAC (TokenReview, reading pods).
+The chart runs it so where this release does not reconcile its DataPlane (operator.enabled
+false: another release's operator in the namespace does), and its pods still get certificates
+naming each one alone.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
 from batchplane.core import logformat
 from batchplane.core.errors import ConfigError
@@ -57,8 +65,10 @@ class OperatorSettings:
 
     #: The namespace whose DataPlanes it reconciles.
     namespace: str
-    #: Prometheus's base URL.
+    #: Prometheus's base URL ("" with reconcile off).
     prometheus: str
+    #: Reconcile DataPlanes; False: serve the issuer only (--no-reconcile).
+    reconcile: bool = True
     #: Seconds between passes; None: the smallest spec.scaling.intervalSeconds of the DataPlanes.
     interval_s: float | None = None
     #: Port of the metrics endpoint (0: any free port).
@@ -108,7 +118,15 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
         default=env.get("POD_NAMESPACE") or in_cluster_namespace(),
         help="namespace to reconcile (default: $POD_NAMESPACE, or the pod's own)",
     )
-    parser.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://prometheus-operated.monitoring.svc:9090")
+    parser.add_argument(
+        "--prometheus", default="", help="Prometheus base URL, e.g. http://prometheus-operated.monitoring.svc:9090 (required to reconcile)"
+    )
+    parser.add_argument(
+        "--reconcile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reconcile the namespace's DataPlanes (default: on); --no-reconcile serves the certificate issuer alone (needs --issuer-port)",
+    )
     parser.add_argument(
         "--interval-s",
         type=_positive,
@@ -167,6 +185,14 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> OperatorSe
     if not ns.namespace:
         parser.error("--namespace is required outside a pod (or set POD_NAMESPACE)")
     ns.issuer = issuer_settings(ns, parser)
+    if ns.reconcile and not ns.prometheus:
+        parser.error(
+            "--prometheus is required: the operator scales loaders from what Prometheus holds (or --no-reconcile: the issuer alone)"
+        )
+    if not ns.reconcile and ns.issuer is None:
+        parser.error("--no-reconcile serves the certificate issuer alone: give --issuer-port and the other --issuer-* flags")
+    if not ns.reconcile and ns.once:
+        parser.error("--once runs one reconcile pass: it does not go with --no-reconcile")
     if (ns.token_file or ns.ca_file) and not ns.kube_api:
         parser.error("--token-file and --ca-file go with --kube-api (in a pod the ServiceAccount's are used)")
     if not 0 <= ns.metrics_port <= 65535:
@@ -196,12 +222,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             config = in_cluster_config(os.environ, timeout_s=settings.kube_timeout_s)
         api = KubernetesClient(config)
-        reader = PrometheusReader(settings.prometheus, settings.prometheus_timeout_s)
-        observations = PrometheusObservations(reader, rate_window_s=settings.rate_window_s)
+        observations = None
+        if settings.reconcile:
+            reader = PrometheusReader(settings.prometheus, settings.prometheus_timeout_s)
+            observations = PrometheusObservations(reader, rate_window_s=settings.rate_window_s)
     except (KubernetesError, ValueError) as exc:
         log.error("cannot start the operator: %s", exc)
         return EXIT_BAD_INPUT
     registry = process_registry("operator", build_info(os.environ))
+    if observations is None:
+        return _issue_only(settings, api, registry)
     metrics = OperatorMetrics(registry)
     leader = None
     if settings.leader_elect:
@@ -236,14 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("cannot start the operator's issuer: %s", exc)
             return EXIT_BAD_INPUT
     server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        set_from_signal(stop)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _stop_on_signals()
     log.info(
         "operator %s for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics, %s",
         settings.identity,
@@ -266,6 +289,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         issuer.stop(1).wait()
     log.info("operator stopped")
     return 0
+
+
+def _issue_only(settings: OperatorSettings, api: KubernetesClient, registry: CollectorRegistry) -> int:
+    """--no-reconcile: serves the certificate issuer and the metrics until SIGTERM/SIGINT."""
+    assert settings.issuer is not None  # parse_args requires it
+    try:
+        issuer, _ = start_issuer(settings.issuer, review=api.review_token, get_pod=api.get_pod, registry=registry)
+    except (ConfigError, OSError) as exc:
+        log.error("cannot start the operator's issuer: %s", exc)
+        return EXIT_BAD_INPUT
+    server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
+    stop = _stop_on_signals()
+    log.info(
+        "operator %s for namespace %s: the certificate issuer alone (--no-reconcile), API %s, metrics on http://%s:%d/metrics",
+        settings.identity,
+        settings.namespace,
+        api.config.api_url,
+        settings.metrics_host,
+        server.server_port,
+    )
+    stop.wait()
+    server.shutdown()
+    issuer.stop(1).wait()
+    log.info("operator stopped")
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set on SIGTERM or SIGINT."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        set_from_signal(stop)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
 
 
 def _once(operator: Operator, leader: LeaderElection | None) -> int:

@@ -8,13 +8,14 @@ Fields the resource leaves out get the chart's values: the planner at
 UID/GID 10001, a 30 s scaling interval and `ScalingSettings`' defaults. spec.loader's pod fields
 (env, envFrom, volumes, volumeMounts, serviceAccountName, automountServiceAccountToken,
 nodeSelector, tolerations, affinity, priorityClassName, topologySpreadConstraints) are read and
-checked by `batchplane.operator.podfields`. spec.loader.tls.secretName and
-spec.loader.authTokens.secretName name the Secrets loader pods mount for mutual TLS and for the
-per-role bearer tokens (absent: neither); spec.loader.identity, instead of tls, has loader pods
-get their certificates from batchplane's issuer (the chart's tls.mode issued, certManager and
-existingSecret) with a projected ServiceAccount token, and verify it by the CA certificate of a
-ConfigMap (caConfigMap) or of a Secret's key ca.crt (caSecret); `batchplane.operator.manifests` says how
-each is mounted. `declared_schedule` reads spec.mixture's staged or curriculum schedule, for
+checked by `batchplane.operator.podfields`. spec.loader.identity has loader pods get their
+certificates from batchplane's issuer (the chart's tls.mode issued, certManager and
+existingSecret) with a projected ServiceAccount token, each pod one naming it alone, and verify
+it by the CA certificate of a ConfigMap (caConfigMap) or of a Secret's key ca.crt (caSecret);
+absent, loaders get no TLS flags (tls.mode disabled). spec.loader.authTokens.secretName names the
+Secret of the per-role bearer tokens they mount (absent: none). spec.loader.tls (one certificate
+Secret every loader pod mounted) is refused, naming identity: any pod holding it could act for
+every replica. `batchplane.operator.manifests` says how each is mounted. `declared_schedule` reads spec.mixture's staged or curriculum schedule, for
 scaling ahead of a declared change.
 """
 
@@ -124,16 +125,13 @@ class LoaderTemplate:
     #: The pod fields of spec.loader (env, volumes, serviceAccountName, nodeSelector, ...;
     #: batchplane.operator.podfields), validated.
     pod: PodOptions = dataclasses.field(default_factory=PodOptions)
-    #: spec.loader.tls.secretName: the loader's certificate Secret (keys ca.crt, tls.crt,
-    #: tls.key), mounted as a directory for --tls-dir; None: no TLS flags (tls.mode disabled).
-    tls_secret: str | None = None
     #: spec.loader.authTokens.secretName: the Secret of per-role bearer tokens (one key per role),
     #: mounted whole for --auth-tokens, with the loader's own key as --token-file; None: none.
     auth_tokens_secret: str | None = None
     #: spec.loader.authTokens.verifiers: the tokens' Secret also holds each role's verifier
     #: (`<role>.sha256`), so a loader pod mounts its own token and the verifiers only.
     auth_token_verifiers: bool = False
-    #: spec.loader.identity: certificates from the issuer (never with tls_secret); None: none.
+    #: spec.loader.identity: certificates from the issuer; None: no TLS flags (tls.mode disabled).
     identity: LoaderIdentity | None = None
 
 
@@ -382,14 +380,15 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         pod = parse_pod_options(raw, at="spec.loader")
     except ConfigError as exc:
         raise SpecError(exc.field, exc.problem, exc.value) from None
-    mounted = {field: _secret_name(raw, field) for field in ("tls", "authTokens")}
-    identity = _identity(raw)
-    if identity is not None and mounted["tls"] is not None:
+    if raw.get("tls") is not None:
         raise SpecError(
-            "spec.loader.identity",
-            "is set with spec.loader.tls: loader certificates come from the issuer or a Secret, not both",
-            raw["identity"],
+            "spec.loader.tls",
+            "is no longer taken: one certificate Secret mounted by every loader pod lets any of them act for every replica; "
+            "use spec.loader.identity (the issuer gives each pod a certificate naming it alone; the chart's tls.mode issued)",
+            raw["tls"],
         )
+    auth_tokens = _secret_name(raw, "authTokens")
+    identity = _identity(raw)
     reserved = (TLS_VOLUME, AUTH_TOKENS_VOLUME, ISSUER_VOLUME)
     for i, volume in enumerate(pod.volumes):
         if volume.get("name") in reserved:
@@ -411,15 +410,14 @@ def _parse_loader(spec: Mapping[str, Any], name: str, namespace: str) -> LoaderT
         pod_labels=maps["podLabels"],
         pod_annotations=maps["podAnnotations"],
         pod=pod,
-        tls_secret=mounted["tls"],
-        auth_tokens_secret=mounted["authTokens"],
+        auth_tokens_secret=auth_tokens,
         auth_token_verifiers=_verifiers(raw),
         identity=identity,
     )
 
 
-#: The fields of spec.loader.tls and spec.loader.authTokens.
-_SECRET_FIELDS = {"tls": ("secretName",), "authTokens": ("secretName", "verifiers")}
+#: The fields of spec.loader.authTokens.
+_SECRET_FIELDS = {"authTokens": ("secretName", "verifiers")}
 
 
 def _secret_name(loader: Mapping[str, Any], field: str) -> str | None:

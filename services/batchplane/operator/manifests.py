@@ -24,17 +24,13 @@ A loader Deployment, for group G (index I in `spec.sourceGroups`) of DataPlane D
   mutual TLS), the group's resources, the job ConfigMap at /etc/batchplane and an emptyDir at
   /tmp, non-root with a read-only root filesystem, no privilege escalation, all capabilities
   dropped and the RuntimeDefault seccomp profile;
-- with spec.loader.tls.secretName: that Secret (ca.crt, tls.crt, tls.key) as volume
-  `batchplane-tls`, mounted read-only as a directory at /etc/batchplane/tls (never with
-  subPath: a subPath mount never sees a renewed certificate) and `--tls-dir
-  /etc/batchplane/tls`;
 - with spec.loader.authTokens.secretName: that Secret (one bearer token per role) as volume
   `batchplane-auth-tokens`, mounted read-only as a directory at /etc/batchplane/auth-tokens,
   with `--auth-tokens /etc/batchplane/auth-tokens` (the tokens the loader's server accepts)
   and `--token-file /etc/batchplane/auth-tokens/loader` (the one it presents to the planner);
   with spec.loader.authTokens.verifiers only the `loader` key and every role's verifier
   (`<role>.sha256`) of it: the pod holds no other role's token;
-- with spec.loader.identity (instead of tls): an in-memory emptyDir `batchplane-tls` at
+- with spec.loader.identity: an in-memory emptyDir `batchplane-tls` at
   /etc/batchplane/tls (`--tls-dir`, writable: the loader writes the certificate it is issued
   there, and renews it), and, read-only at /etc/batchplane/issuer, the projected volume
   `batchplane-issuer`: the pod's ServiceAccount token for the identity's audience (`token`,
@@ -88,8 +84,8 @@ ANNOTATION_SPEC_HASH = "batchplane.dev/spec-hash"
 #: Where the job ConfigMap is mounted in loader pods, and the job file in it.
 CONFIG_DIR = "/etc/batchplane"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
-#: Where the loader's certificate Secret is mounted (--tls-dir), and the tokens Secret
-#: (--auth-tokens; --token-file is its `loader` key).
+#: Where the loader writes its issued certificate (--tls-dir), and where the tokens Secret is
+#: mounted (--auth-tokens; --token-file is its `loader` key).
 TLS_DIR = f"{CONFIG_DIR}/tls"
 AUTH_TOKENS_DIR = f"{CONFIG_DIR}/auth-tokens"
 #: spec.loader.identity: where the projected ServiceAccount token and the CA certificate lie.
@@ -182,10 +178,10 @@ def security_args(spec: DataPlaneSpec) -> list[str]:
     spec.loader's identity and Secrets say."""
     args = []
     identity = spec.loader.identity
-    if spec.loader.tls_secret or identity:
-        args += ["--tls-dir", TLS_DIR]
     if identity:
         args += [
+            "--tls-dir",
+            TLS_DIR,
             "--issuer",
             identity.issuer,
             "--issuer-token-file",
@@ -199,21 +195,18 @@ def security_args(spec: DataPlaneSpec) -> list[str]:
 
 
 def security_volumes(spec: DataPlaneSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, volume mounts) of the Secrets spec.loader names: whole Secrets as read-only
-    directories, never subPath (a subPath mount never sees a renewed certificate); with
-    spec.loader.identity, the issued certificate's emptyDir and the issuer's token and CA."""
+    """(volumes, volume mounts) of spec.loader's identity (the issued certificate's emptyDir and
+    the issuer's token and CA) and of its tokens Secret (a read-only directory, never subPath: a
+    subPath mount never sees a renewed file)."""
     volumes, mounts = issuer_volumes(spec)
-    for secret, volume, path in (
-        (spec.loader.tls_secret, TLS_VOLUME, TLS_DIR),
-        (spec.loader.auth_tokens_secret, AUTH_TOKENS_VOLUME, AUTH_TOKENS_DIR),
-    ):
-        if secret:
-            source: dict[str, Any] = {"secretName": secret, "defaultMode": SECRET_MODE}
-            if volume == AUTH_TOKENS_VOLUME and spec.loader.auth_token_verifiers:  # its own token, the others' verifiers only
-                keys = [ROLE, *(f"{role}{VERIFIER_SUFFIX}" for role in CERTIFIED_ROLES)]
-                source["items"] = [{"key": key, "path": key} for key in keys]
-            volumes.append({"name": volume, "secret": source})
-            mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+    secret = spec.loader.auth_tokens_secret
+    if secret:
+        source: dict[str, Any] = {"secretName": secret, "defaultMode": SECRET_MODE}
+        if spec.loader.auth_token_verifiers:  # its own token, the others' verifiers only
+            keys = [ROLE, *(f"{role}{VERIFIER_SUFFIX}" for role in CERTIFIED_ROLES)]
+            source["items"] = [{"key": key, "path": key} for key in keys]
+        volumes.append({"name": AUTH_TOKENS_VOLUME, "secret": source})
+        mounts.append({"name": AUTH_TOKENS_VOLUME, "mountPath": AUTH_TOKENS_DIR, "readOnly": True})
     return volumes, mounts
 
 

@@ -30,7 +30,7 @@ fsGroup) before it binds; the emptyDir itself lets every user in, so the socket 
 {{- define "batchplane.stateDir" -}}/var/lib/batchplane{{- end }}
 {{/* Where a part reads its certificate (ca.crt, tls.crt, tls.key): --tls-dir (with the
 operator as issuer, batchplane.tlsIssued, an in-memory emptyDir the part writes its issued
-certificate into; tls.mode generated, its certificate Secret). */}}
+certificate into). */}}
 {{- define "batchplane.tlsDir" -}}/etc/batchplane/tls{{- end }}
 {{/* batchplane.tlsIssued: where a part reads its projected ServiceAccount token (token) and the CA
 certificate (ca.crt) it verifies the issuer by; where the operator reads the CA it signs with
@@ -273,7 +273,7 @@ say (cross-field rules).
 {{- fail (printf "example.jobsetJobs: must divide the %s trainer pods, got %d" (include "batchplane.trainerPods" .) (int $v.example.jobsetJobs)) }}
 {{- end }}
 {{- end }}
-{{- range $component := include "batchplane.tlsComponents" . | splitList " " }}
+{{- range $component := list "planner" "loader" "constructor" }}
 {{- if get $v.tls.existingSecret $component }}
 {{- fail (printf "tls.existingSecret.%s: per-part Secrets are no longer taken (one certificate per part lets any pod of a part act for every replica of it). Remove it and use tls.existingSecret.ca: your CA's Secret, with which the operator issues each pod a certificate of its own" $component) }}
 {{- end }}
@@ -290,7 +290,7 @@ say (cross-field rules).
 
 {{/*
 batchplane.tlsIssued (tls.mode issued, certManager or existingSecret): this release's operator
-issues the certificates; it reads a constructor's index from its trainer pod, which an env:NAME source is
+pods issue the certificates (with operator.enabled false they serve the issuer alone); it reads a constructor's index from its trainer pod, which an env:NAME source is
 not; no bearer tokens; a token audience the API server does not accept (a token for the issuer
 must not be one for the API server); and each ServiceAccount names one role (the issuer gives a
 pod the role of its account).
@@ -298,9 +298,6 @@ pod the role of its account).
 {{- define "batchplane.validateIssued" -}}
 {{- $v := .Values }}
 {{- $mode := $v.tls.mode }}
-{{- if not $v.operator.enabled }}
-{{- fail (printf "tls.mode %s: the operator is the certificate issuer (it alone holds the CA key and signs each pod's certificate), but operator.enabled is false. Set operator.enabled: true (one operator per namespace: this release's), or choose tls.mode generated (not for production)" $mode) }}
-{{- end }}
 {{- if hasPrefix "env:" $v.constructor.indexFrom }}
 {{- fail (printf "constructor.indexFrom: tls.mode %s reads each trainer pod's constructor index from the pod itself (its labels, annotations or name), which %q is not; choose indexed-job, pod-ordinal, kubeflow, jobset or leaderworkerset, or another tls.mode" $mode $v.constructor.indexFrom) }}
 {{- end }}
@@ -743,13 +740,10 @@ next to the rules the trainer itself needs (its peers, checkpoint storage, ...):
 
 {{/* ---- transport security: certificates and tokens ----------------------------------------- */}}
 
-{{/* The parts with a certificate of their own (the operator makes no gRPC call). */}}
-{{- define "batchplane.tlsComponents" -}}planner loader constructor{{- end }}
-
 {{/* "true" when the parts speak mutual TLS between pods (tls.mode is not disabled). */}}
 {{- define "batchplane.tlsEnabled" -}}{{ ne .Values.tls.mode "disabled" }}{{- end }}
 
-{{/* The Secret of the chart's own CA (tls.mode issued, generated, or certManager without an
+{{/* The Secret of the chart's own CA (tls.mode issued, or certManager without an
 issuerRef: the root; never with existingSecret, whose CA is yours); with tls.mode issued also the
 ConfigMap of its certificate alone. */}}
 {{- define "batchplane.tlsCaName" -}}
@@ -767,6 +761,13 @@ CA it signs with (batchplane.issuerCaSecretName): tls.mode issued the CA Helm ma
 the intermediate CA cert-manager issues and renews, existingSecret yours (tls.existingSecret.ca).
 */}}
 {{- define "batchplane.tlsIssued" -}}{{ has .Values.tls.mode (list "issued" "certManager" "existingSecret") }}{{- end }}
+
+{{/*
+"true" when this release runs operator pods: to reconcile its DataPlane (operator.enabled), or,
+with batchplane.tlsIssued and operator.enabled false (another release's operator reconciles it),
+as its certificate issuer alone (--no-reconcile: no Prometheus, no Lease, no Deployments).
+*/}}
+{{- define "batchplane.operatorDeployed" -}}{{ or .Values.operator.enabled (eq (include "batchplane.tlsIssued" .) "true") }}{{- end }}
 
 {{/*
 The Secret of the CA the operator signs with (batchplane.tlsIssued; only the operator mounts it,
@@ -889,40 +890,17 @@ alone, never a key), files mode 0440.
               path: ca.crt
 {{- end }}
 
-{{/* The Secret holding a part's certificate (tls.mode generated): (dict "root" . "component" "planner"). */}}
-{{- define "batchplane.tlsSecretName" -}}
-{{- include "batchplane.componentName" (dict "root" .root "suffix" (printf "%s-tls" .component)) }}
-{{- end }}
-
-{{/*
-The DNS names of a part's certificate: (dict "root" . "component" "planner"). Every part's
-`<role>.batchplane`, the name its peers verify it by; the planner's also its Service's names.
-*/}}
-{{- define "batchplane.tlsDnsNames" -}}
-- {{ .component }}.batchplane
-{{- if eq .component "planner" }}
-{{- $svc := include "batchplane.componentName" (dict "root" .root "suffix" "planner") }}
-{{- $ns := .root.Release.Namespace }}
-- {{ $svc }}
-- {{ $svc }}.{{ $ns }}
-- {{ $svc }}.{{ $ns }}.svc
-- {{ $svc }}.{{ $ns }}.svc.{{ .root.Values.tls.clusterDomain }}
-{{- end }}
-{{- end }}
-
 {{/* The Secret of the per-role bearer tokens (auth.tokens). */}}
 {{- define "batchplane.authTokensSecretName" -}}
 {{- default (include "batchplane.componentName" (dict "root" . "suffix" "auth-tokens")) .Values.auth.tokens.existingSecret }}
 {{- end }}
 
 {{/*
-"true" when the parts carry bearer tokens: auth.tokens.enabled, or tls.mode generated. Helm's
-genSignedCert cannot write the URI SAN batchplane://<role> that names a part's role, so with
-generated certificates the role comes from the part's token (the servers take a token's role when
-the certificate names none), and the certificate proves it belongs to the job's CA.
+"true" when the parts carry bearer tokens: auth.tokens.enabled, which only tls.mode disabled
+takes (with certificates, each names its pod's own identity, which a token per role would undo).
 */}}
 {{- define "batchplane.tokensEnabled" -}}
-{{- and (ne (include "batchplane.tlsIssued" .) "true") (or .Values.auth.tokens.enabled (eq .Values.tls.mode "generated")) }}
+{{- and (ne (include "batchplane.tlsIssued" .) "true") .Values.auth.tokens.enabled }}
 {{- end }}
 
 {{/* The roles that have a token: one key each in the tokens Secret. */}}
@@ -971,11 +949,6 @@ batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's
 {{- define "batchplane.securityVolumes" -}}
 {{- if eq (include "batchplane.tlsIssued" .root) "true" }}
 {{- include "batchplane.issuedVolumes" .root }}
-{{- else if eq (include "batchplane.tlsEnabled" .root) "true" }}
-- name: batchplane-tls
-  secret:
-    secretName: {{ include "batchplane.tlsSecretName" (dict "root" .root "component" .role) }}
-    defaultMode: 288
 {{- end }}
 {{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
 {{- if .server }}
@@ -1012,10 +985,6 @@ batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's
 - name: batchplane-issuer
   mountPath: {{ include "batchplane.issuerDir" .root }}
   readOnly: true
-{{- else if eq (include "batchplane.tlsEnabled" .root) "true" }}
-- name: batchplane-tls
-  mountPath: {{ include "batchplane.tlsDir" .root }}
-  readOnly: true
 {{- end }}
 {{- if eq (include "batchplane.tokensEnabled" .root) "true" }}
 {{- if .server }}
@@ -1026,52 +995,6 @@ batchplane.tlsIssued: batchplane.issuedVolumes, no Secret but the trust anchor's
 - name: batchplane-token
   mountPath: {{ include "batchplane.tokenDir" .root }}
   readOnly: true
-{{- end }}
-{{- end }}
-{{- end }}
-
-{{/*
-The Secrets of tls.mode generated: (dict "root" . "found" (dict <Secret name> <Secret object>)),
-where `found` holds what `lookup` found of them (templates/tls/generated-secrets.yaml; a test
-passes its own). The CA (ECDSA P-256, Secret <name>-ca with its key) is kept when found; each
-part's certificate is kept when found and issued by that CA, else issued anew: so an upgrade
-keeps the CA and the certificates, and a deleted CA Secret re-issues everything. Helm's
-genSignedCert can write DNS names only, no URI SAN: these certificates carry `<role>.batchplane`
-(also their common name), not `batchplane://<role>`, so generated mode turns the bearer tokens on
-(batchplane.tokensEnabled): the servers take a caller's role from its token.
-*/}}
-{{- define "batchplane.tls.generatedSecrets" -}}
-{{- $root := .root }}
-{{- $g := $root.Values.tls.generated }}
-{{- $caName := include "batchplane.tlsCaName" $root }}
-{{- $out := dict }}
-{{- include "batchplane.tls.ca" (dict "root" $root "found" (get .found $caName) "days" $g.caValidityDays "out" $out) }}
-{{- $ca := $out.ca }}
-{{- $caKept := $out.kept }}
-{{- $caCrt := $ca.Cert | b64enc }}
-{{- include "batchplane.tls.caSecret" (dict "root" $root "ca" $ca) }}
-{{- range $component := include "batchplane.tlsComponents" $root | splitList " " }}
-{{- $name := include "batchplane.tlsSecretName" (dict "root" $root "component" $component) }}
-{{- $data := get (get $.found $name | default dict) "data" | default dict }}
----
-apiVersion: v1
-kind: Secret
-metadata:
-  name: {{ $name }}
-  namespace: {{ $root.Release.Namespace }}
-  labels:
-    {{- include "batchplane.componentLabels" (dict "root" $root "component" $component) | nindent 4 }}
-type: kubernetes.io/tls
-data:
-  ca.crt: {{ $caCrt }}
-{{- if and $caKept (get $data "tls.crt") (get $data "tls.key") (eq (get $data "ca.crt") $caCrt) }}
-  tls.crt: {{ get $data "tls.crt" }}
-  tls.key: {{ get $data "tls.key" }}
-{{- else }}
-{{- $dns := include "batchplane.tlsDnsNames" (dict "root" $root "component" $component) | fromYamlArray }}
-{{- $cert := genSignedCertWithKey (printf "%s.batchplane" $component) (list) $dns (int $g.validityDays) $ca (genPrivateKey "ecdsa") }}
-  tls.crt: {{ $cert.Cert | b64enc }}
-  tls.key: {{ $cert.Key | b64enc }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -1111,8 +1034,7 @@ data:
 
 {{/*
 tls.mode issued: (dict "root" . "found" <the CA Secret as `lookup` found it, or nothing>). The CA
-Secret `<name>-ca` (kept when found, so an upgrade, or a switch from tls.mode generated, keeps
-the CA; only the operator mounts it) and the ConfigMap `<name>-ca` with its certificate alone
+Secret `<name>-ca` (kept when found, so an upgrade keeps the CA; only the operator mounts it) and the ConfigMap `<name>-ca` with its certificate alone
 (ca.crt), which the parts verify the issuer and each other by.
 */}}
 {{- define "batchplane.tls.issuedCa" -}}
