@@ -318,14 +318,7 @@ def run_service(
         running.stop(grace_s=0)  # taken since the check above
         return EXIT_METRICS_PORT_UNAVAILABLE
     metrics_port = metrics_server.server_port
-    stop_event = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        set_from_signal(stop_event)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_event = stop_on_signals()
     leave = getattr(running, "leave", None)
     if leave is not None:  # SIGUSR1: leave gracefully (a scaled-down loader replica), then stop
 
@@ -381,6 +374,19 @@ def _can_bind(host: str, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set on SIGTERM or SIGINT (logged; `set_from_signal`)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        set_from_signal(stop)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
 
 
 def set_from_signal(event: threading.Event) -> None:

@@ -31,19 +31,18 @@ import dataclasses
 import logging
 import os
 import pathlib
-import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from batchplane.core import logformat
 from batchplane.core.errors import ConfigError
 from batchplane.core.metrics import build_info, process_registry
-from batchplane.core.process import configure_logging, set_from_signal
+from batchplane.core.process import configure_logging, stop_on_signals
 from batchplane.operator.election import ElectionSettings
 from batchplane.operator.issuer import IssuerSettings, add_issuer_flags, issuer_settings, start_issuer
 from batchplane.operator.kubernetes import KubeConfig, KubernetesClient, KubernetesError, in_cluster_config, in_cluster_namespace
@@ -230,8 +229,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start the operator: %s", exc)
         return EXIT_BAD_INPUT
     registry = process_registry("operator", build_info(os.environ))
+    issuer = None
+    if settings.issuer is not None and not settings.once:
+        try:
+            issuer, _ = start_issuer(settings.issuer, review=api.review_token, get_pod=api.get_pod, registry=registry)
+        except (ConfigError, OSError) as exc:
+            log.error("cannot start the operator's issuer: %s", exc)
+            return EXIT_BAD_INPUT
     if observations is None:
-        return _issue_only(settings, api, registry)
+        assert issuer is not None  # parse_args requires one with --no-reconcile
+        return _issue_only(settings, api, registry, stop_issuer=lambda: issuer.stop(1).wait())
     metrics = OperatorMetrics(registry)
     leader = None
     if settings.leader_elect:
@@ -258,15 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if settings.once:
         return _once(operator, leader)
-    issuer = None
-    if settings.issuer is not None:
-        try:
-            issuer, _ = start_issuer(settings.issuer, review=api.review_token, get_pod=api.get_pod, registry=registry)
-        except (ConfigError, OSError) as exc:
-            log.error("cannot start the operator's issuer: %s", exc)
-            return EXIT_BAD_INPUT
     server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     log.info(
         "operator %s for namespace %s: API %s, Prometheus %s, metrics on http://%s:%d/metrics, %s",
         settings.identity,
@@ -291,16 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _issue_only(settings: OperatorSettings, api: KubernetesClient, registry: CollectorRegistry) -> int:
-    """--no-reconcile: serves the certificate issuer and the metrics until SIGTERM/SIGINT."""
-    assert settings.issuer is not None  # parse_args requires it
-    try:
-        issuer, _ = start_issuer(settings.issuer, review=api.review_token, get_pod=api.get_pod, registry=registry)
-    except (ConfigError, OSError) as exc:
-        log.error("cannot start the operator's issuer: %s", exc)
-        return EXIT_BAD_INPUT
+def _issue_only(
+    settings: OperatorSettings, api: KubernetesClient, registry: CollectorRegistry, *, stop_issuer: Callable[[], object]
+) -> int:
+    """--no-reconcile: serves the metrics beside the started certificate issuer until SIGTERM or
+    SIGINT, then stops both."""
     server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     log.info(
         "operator %s for namespace %s: the certificate issuer alone (--no-reconcile), API %s, metrics on http://%s:%d/metrics",
         settings.identity,
@@ -311,22 +308,9 @@ def _issue_only(settings: OperatorSettings, api: KubernetesClient, registry: Col
     )
     stop.wait()
     server.shutdown()
-    issuer.stop(1).wait()
+    stop_issuer()
     log.info("operator stopped")
     return 0
-
-
-def _stop_on_signals() -> threading.Event:
-    """An event set on SIGTERM or SIGINT."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        set_from_signal(stop)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop
 
 
 def _once(operator: Operator, leader: LeaderElection | None) -> int:
