@@ -206,10 +206,16 @@ def wait_trainer(proc: subprocess.Popen, log: pathlib.Path, *, timeout_s: float 
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *descendants(proc.pid)]:
+        pids = [proc.pid, *descendants(proc.pid)]
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
-        time.sleep(3)  # the stacks are written
+        with contextlib.suppress(AssertionError):  # each aborts once its stacks are written
+            wait_until(
+                lambda: not any(running(pid) for pid in pids[1:]) and proc.poll() is not None,
+                timeout_s=10,
+                what="the aborted processes to end",
+            )
         raise AssertionError(
             f"{' '.join(map(str, proc.args))} ran past {timeout_s:.0f} s; its output ends:\n{log.read_text(errors='replace')[-20000:]}"
         ) from None
